@@ -1,0 +1,237 @@
+"""Hugging Face checkpoint directories: config, safetensors tensor tables and byte spans.
+
+Nothing here loads a whole checkpoint. Opening a directory parses ``config.json`` and the
+JSON header of every safetensors shard, and keeps, for every tensor, its file, absolute
+byte offset, length, dtype and shape. Tensors are then read by byte range on demand.
+Everything read from disk is treated as untrusted: every offset, length and dtype is
+checked, and errors name the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+from .storage import LocalFile, ReadStats
+
+# safetensors dtype name -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+    "F8_E8M0": (torch.float8_e8m0fnu, 1),
+}
+
+DTYPE_NAMES = {v[0]: k for k, v in DTYPES.items()}
+
+_MAX_HEADER = 256 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are: ``file`` at absolute ``offset``, ``nbytes`` long."""
+
+    name: str
+    file: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_safetensors_header(path: str | Path, reader: LocalFile | None = None) -> tuple[dict[str, TensorInfo], dict]:
+    """Parse one safetensors file's header; returns (tensors, metadata).
+
+    Checks the header length, the JSON, every dtype, and that every tensor's byte range
+    lies inside the file and matches its shape.
+    """
+    path = str(path)
+    f = reader or LocalFile(path, direct=False)
+    try:
+        size = f.size
+        if size < 8:
+            raise CheckpointError(f"{path}: file is {size} bytes, too short to be safetensors (truncated or empty?)")
+        (hlen,) = struct.unpack("<Q", f.pread(8, 0))
+        if hlen == 0 or hlen > _MAX_HEADER or 8 + hlen > size:
+            raise CheckpointError(
+                f"{path}: safetensors header length {hlen} is impossible for a file of {size} bytes "
+                "(corrupt header or truncated file; re-download or re-save the checkpoint)"
+            )
+        raw = f.pread(hlen, 8)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: safetensors header is not a JSON object; the file is corrupt")
+        data_start = 8 + hlen
+        data_size = size - data_start
+        metadata = header.pop("__metadata__", None) or {}
+        tensors: dict[str, TensorInfo] = {}
+        for name, entry in header.items():
+            tensors[name] = _tensor_info(path, name, entry, data_start, data_size)
+        return tensors, metadata
+    finally:
+        if reader is None:
+            f.close()
+
+
+def _tensor_info(path: str, name: str, entry, data_start: int, data_size: int) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry")
+    dtype = entry.get("dtype")
+    shape = entry.get("shape")
+    offsets = entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} has unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})"
+        )
+    if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+        raise CheckpointError(f"{path}: tensor {name!r} has a malformed shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise CheckpointError(f"{path}: tensor {name!r} has malformed data_offsets {offsets!r}")
+    begin, end = offsets
+    nbytes = math.prod(shape) * DTYPES[dtype][1]
+    if not (0 <= begin <= end):
+        raise CheckpointError(f"{path}: tensor {name!r} has data_offsets {offsets} out of order")
+    if end - begin != nbytes:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} spans {end - begin} bytes but dtype {dtype} shape {shape} needs {nbytes}"
+        )
+    if end > data_size:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has only "
+            f"{data_start + data_size} bytes: the file is truncated (re-download or re-save it)"
+        )
+    return TensorInfo(name, path, data_start + begin, nbytes, dtype, tuple(shape))
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object")
+    return data
+
+
+class Checkpoint:
+    """A Hugging Face model directory, opened lazily.
+
+    ``tensors`` maps every tensor name to its ``TensorInfo``; ``read`` loads one tensor by
+    byte range. ``direct`` is passed to every ``LocalFile`` (None: probe O_DIRECT).
+    """
+
+    def __init__(self, path: str | Path, *, direct: bool | None = None, stats: ReadStats | None = None):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a directory (expected a Hugging Face model directory)")
+        self.config = read_json(self.path / "config.json", "config.json")
+        gen_path = self.path / "generation_config.json"
+        self.generation_config = read_json(gen_path, "generation_config.json") if gen_path.exists() else {}
+        self.stats = stats if stats is not None else ReadStats()
+        self.direct = direct
+        self._files: dict[str, LocalFile] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.exists():
+            idx = read_json(index, "model.safetensors.index.json")
+            weight_map = idx.get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+            shards = sorted(set(weight_map.values()))
+            by_shard: dict[str, dict[str, TensorInfo]] = {}
+            for shard in shards:
+                if not isinstance(shard, str) or "/" in shard or shard.startswith("."):
+                    raise CheckpointError(f"{index}: invalid shard file name {shard!r}")
+                spath = self.path / shard
+                if not spath.exists():
+                    raise CheckpointError(f"{spath}: shard listed in {index.name} is missing")
+                by_shard[shard] = self._parse(spath)
+            for name, shard in weight_map.items():
+                if name not in by_shard[shard]:
+                    raise CheckpointError(f"{self.path / shard}: tensor {name!r} listed in {index.name} is not in this shard")
+                self.tensors[name] = by_shard[shard][name]
+        elif single.exists():
+            self.tensors = self._parse(single)
+        else:
+            raise CheckpointError(
+                f"{self.path}: no model.safetensors or model.safetensors.index.json "
+                "(Sluice reads safetensors checkpoints only)"
+            )
+
+    def _parse(self, path: Path) -> dict[str, TensorInfo]:
+        return read_safetensors_header(path, self.file(str(path)))[0]
+
+    def file(self, path: str) -> LocalFile:
+        f = self._files.get(path)
+        if f is None:
+            try:
+                f = self._files[path] = LocalFile(path, direct=self.direct, stats=self.stats)
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot open ({e.strerror})") from None
+        return f
+
+    @property
+    def direct_io(self) -> bool:
+        return bool(self._files) and all(f.direct_io for f in self._files.values())
+
+    def info(self, name: str) -> TensorInfo:
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
+        return t
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read tensor ``name`` into a new tensor (or ``out``, same dtype and numel)."""
+        info = self.info(name)
+        if out is None:
+            out = torch.empty(info.shape, dtype=info.torch_dtype)
+        if info.nbytes:
+            dest = out.reshape(-1).view(torch.uint8).numpy()
+            try:
+                self.file(info.file).read_into(memoryview(dest), info.offset)
+            except OSError as e:
+                raise CheckpointError(f"{info.file}: reading tensor {name!r} failed: {e}") from None
+        return out
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return (p / "config.json").exists() and (
+        (p / "model.safetensors").exists() or (p / "model.safetensors.index.json").exists()
+    )

@@ -1,0 +1,31 @@
+"""Errors a user can act on.
+
+Every error Sluice raises on bad input is a ``SluiceError`` subclass whose message
+says what is wrong, where (file, tensor, layer, expert) and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class SluiceError(Exception):
+    """Base class of all errors Sluice raises on purpose."""
+
+
+class CheckpointError(SluiceError, ValueError):
+    """A model directory or container is missing, malformed or inconsistent."""
+
+
+class UnsupportedModelError(SluiceError, ValueError):
+    """The model family or one of its config options is not supported."""
+
+
+class BudgetError(SluiceError, ValueError):
+    """The memory budget is below the floor the model needs."""
+
+
+class ExpertReadError(SluiceError, OSError):
+    """Reading an expert's bytes from storage failed (I/O error, short read, bad CRC)."""
+
+
+class GenerationCancelled(SluiceError):
+    """A generation was cancelled by its caller."""

@@ -1,0 +1,103 @@
+"""A bounded expert cache: fixed-size slots in one aligned arena, a key map and a policy.
+
+All bookkeeping happens on the engine thread; reader threads only fill slot memory.
+Slots are allocated once, so steady-state decoding allocates nothing per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from concurrent.futures import Future
+
+import torch
+
+from ..storage import AlignedBuffer
+from .layout import ExpertLayout
+from .policy import Policy
+
+EMPTY, LOADING, READY = 0, 1, 2
+
+
+class Slot:
+    __slots__ = ("index", "key", "state", "future", "weights", "pins", "speculative", "layout")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.key: Hashable | None = None
+        self.state = EMPTY
+        self.future: Future | None = None
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.pins = 0
+        self.speculative = False
+        self.layout: ExpertLayout | None = None
+
+
+class ExpertCache:
+    def __init__(self, capacity: int, slot_bytes: int, policy: Policy, huge_pages: bool = False):
+        if capacity < 1:
+            raise ValueError("the expert cache needs at least one slot")
+        self.capacity = capacity
+        self.slot_bytes = slot_bytes
+        self.policy = policy
+        self.arena = AlignedBuffer(capacity * slot_bytes, huge=huge_pages)
+        self.slots = [Slot(i) for i in range(capacity)]
+        self._free = list(range(capacity - 1, -1, -1))
+        self._map: dict[Hashable, Slot] = {}
+        self.evictions = 0
+        self.evicted_unused = 0  # speculative loads evicted before any use
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._map
+
+    def keys(self):
+        return self._map.keys()
+
+    def lookup(self, key: Hashable) -> Slot | None:
+        return self._map.get(key)
+
+    def _evictable(self, key: Hashable) -> bool:
+        s = self._map[key]
+        return s.state == READY and s.pins == 0
+
+    def allocate(self, key: Hashable, layout: ExpertLayout) -> Slot | None:
+        """A slot for ``key`` (state LOADING), evicting by policy; None if every slot is busy."""
+        if self._free:
+            slot = self.slots[self._free.pop()]
+        else:
+            victim = self.policy.victim(self._evictable)
+            if victim is None:
+                return None
+            slot = self._map.pop(victim)
+            self.policy.remove(victim)
+            self.evictions += 1
+            if slot.speculative:
+                self.evicted_unused += 1
+        slot.key, slot.state, slot.layout = key, LOADING, layout
+        slot.weights, slot.future, slot.speculative, slot.pins = None, None, False, 0
+        self._map[key] = slot
+        self.policy.insert(key)
+        return slot
+
+    def base(self, slot: Slot) -> int:
+        return slot.index * self.slot_bytes
+
+    def ready(self, slot: Slot) -> None:
+        """Mark a loaded slot READY and build its tensor views."""
+        base = self.base(slot)
+        slot.weights = {v.name: self.arena.tensor(base + v.slot_offset, v.dtype, v.shape) for v in slot.layout.views}
+        slot.state = READY
+        slot.future = None
+
+    def discard(self, slot: Slot) -> None:
+        """Forget a slot whose read failed: nothing from it stays cached."""
+        if slot.key is not None and self._map.get(slot.key) is slot:
+            del self._map[slot.key]
+            self.policy.remove(slot.key)
+        slot.key, slot.state, slot.weights, slot.future, slot.pins, slot.layout = None, EMPTY, None, None, 0, None
+        self._free.append(slot.index)
+
+    def loading(self) -> list[Slot]:
+        return [s for s in self._map.values() if s.state == LOADING]

@@ -1,0 +1,87 @@
+"""Where one expert's bytes are, and how they land in a cache slot.
+
+An ``ExpertLayout`` is a short list of aligned reads (file, offset, length -> slot offset)
+and the tensor views over the slot once the reads are done. A container record is one
+read; a Hugging Face expert is its gate/up/down tensors, merged into one read whenever
+they are adjacent in the shard (which is how ``save_pretrained`` writes them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..storage import ALIGN, align_down, align_up
+
+
+@dataclass(frozen=True)
+class Read:
+    file: str
+    offset: int  # aligned file offset
+    length: int  # aligned length
+    slot_offset: int  # aligned offset inside the slot
+    need: int  # bytes of this read that hold tensor data (a shorter read is an error)
+
+
+@dataclass(frozen=True)
+class View:
+    name: str
+    slot_offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Span:
+    """``nbytes`` of tensor data at absolute ``offset`` of ``file``."""
+
+    name: str
+    file: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    reads: tuple[Read, ...]
+    views: tuple[View, ...]
+    slot_bytes: int
+    crc: tuple[int, int, int] | None = None  # (slot offset, length, expected CRC32) when known
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(r.length for r in self.reads)
+
+
+def layout_from_spans(spans: list[Span], merge_gap: int = 64 << 10) -> ExpertLayout:
+    """Aligned reads covering ``spans``; spans of one file closer than ``merge_gap`` share a read."""
+    by_file: dict[str, list[Span]] = {}
+    for s in spans:
+        by_file.setdefault(s.file, []).append(s)
+    reads: list[Read] = []
+    views: list[View] = []
+    slot = 0
+    for file in sorted(by_file):
+        group = sorted(by_file[file], key=lambda s: s.offset)
+        runs: list[list[Span]] = [[group[0]]]
+        for s in group[1:]:
+            last = runs[-1][-1]
+            if s.offset - (last.offset + last.nbytes) <= merge_gap:
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        for run in runs:
+            a0 = align_down(run[0].offset)
+            a1 = align_up(max(s.offset + s.nbytes for s in run))
+            end = max(s.offset + s.nbytes for s in run)
+            reads.append(Read(file, a0, a1 - a0, slot, end - a0))
+            for s in run:
+                views.append(View(s.name, slot + s.offset - a0, s.dtype, s.shape))
+            slot += a1 - a0
+    return ExpertLayout(tuple(reads), tuple(views), slot)
+
+
+__all__ = ["ALIGN", "ExpertLayout", "Read", "Span", "View", "layout_from_spans"]

@@ -1,0 +1,257 @@
+"""The expert interface: "give me these experts of layer L for these tokens".
+
+``ExpertProvider.moe(layer, x, ids, weights)`` looks every routed expert up in the cache,
+starts reads for the missing ones on the reader pool, computes the experts already in
+memory while the reads run, and sums the weighted outputs in ascending expert order, so
+results are bit-identical whatever was cached, prefetched or read in which order.
+
+Shape legend: T tokens, H hidden, K experts per token, n_e tokens routed to expert e.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ExpertReadError
+from .cache import LOADING, READY, ExpertCache, Slot
+from .compute import expert_forward
+from .layout import ExpertLayout
+from .source import ExpertSource
+from .spec import ExpertSpec
+
+# Decode-sized batches may compute experts out of order and fold them in order later;
+# larger (prefill) batches compute strictly in ascending order to bound held outputs.
+_OUT_OF_ORDER_BYTES = 8 << 20
+
+
+@dataclass
+class ExpertCounters:
+    lookups: int = 0  # decode-time expert lookups
+    hits: int = 0  # decode-time lookups that did not wait on a read
+    misses: int = 0
+    prefill_lookups: int = 0
+    demand_reads: int = 0
+    prefetch_reads: int = 0
+    prefetch_used: int = 0  # speculative reads later used by the layer they were for
+    read_wait_s: float = 0.0
+    compute_s: float = 0.0
+
+
+class ExpertProvider:
+    def __init__(self, source: ExpertSource, cache: ExpertCache, spec: ExpertSpec, reader_threads: int = 4,
+                 verify_reads: bool = False):
+        self.source, self.cache, self.spec = source, cache, spec
+        self.pool = ThreadPoolExecutor(max_workers=max(1, reader_threads), thread_name_prefix="sluice-read")
+        self.verify_reads = verify_reads
+        self.counters = ExpertCounters()
+        self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def _read(self, layout: ExpertLayout, base: int, layer: int, expert: int) -> None:
+        """Runs on a reader thread: fill the slot at ``base`` with the expert's bytes."""
+        arena = self.cache.arena
+        for r in layout.reads:
+            try:
+                got = self.source.file(r.file).read_aligned(arena.view(base + r.slot_offset, r.length), r.offset)
+            except OSError as e:
+                raise ExpertReadError(f"{r.file}: reading layer {layer} expert {expert} failed: {e.strerror or e}") from e
+            if got < r.need:
+                raise ExpertReadError(
+                    f"{r.file}: short read for layer {layer} expert {expert}: got {got} of {r.need} bytes at offset "
+                    f"{r.offset} (file truncated or storage error)"
+                )
+        if layout.crc is not None and self.verify_reads:
+            off, length, expected = layout.crc
+            crc = zlib.crc32(arena.view(base + off, length))
+            if crc != expected:
+                raise ExpertReadError(
+                    f"{layout.reads[0].file}: CRC mismatch for layer {layer} expert {expert} "
+                    f"(stored {expected:08x}, read {crc:08x}): the record is corrupt"
+                )
+
+    def _start_read(self, key: tuple[int, int], speculative: bool) -> Slot | None:
+        layout = self.source.layout(*key)
+        slot = self.cache.allocate(key, layout)
+        if slot is None:
+            self._settle_finished()
+            slot = self.cache.allocate(key, layout)
+        if slot is None:
+            return None
+        slot.speculative = speculative
+        slot.future = self.pool.submit(self._read, layout, self.cache.base(slot), key[0], key[1])
+        if speculative:
+            self.counters.prefetch_reads += 1
+        else:
+            self.counters.demand_reads += 1
+        return slot
+
+    def _settle(self, slot: Slot) -> None:
+        """Turn a finished read into a READY slot, or discard it and raise its error."""
+        try:
+            slot.future.result()
+        except BaseException:
+            self.cache.discard(slot)
+            raise
+        self.cache.ready(slot)
+
+    def _settle_finished(self) -> None:
+        """Settle unpinned reads that have finished, so their slots become evictable."""
+        for slot in self.cache.loading():
+            if slot.pins == 0 and slot.future is not None and slot.future.done():
+                try:
+                    self._settle(slot)
+                except Exception:
+                    pass  # a failed speculative read: nothing cached, nobody waiting
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        """Start speculative reads for experts predicted for ``layer`` (never evicts pinned)."""
+        for e in experts:
+            key = (layer, e)
+            if self.cache.lookup(key) is None and self._start_read(key, speculative=True) is None:
+                break
+
+    def drain(self) -> None:
+        """Wait for every read in flight and settle it (errors of speculative reads are dropped)."""
+        for slot in self.cache.loading():
+            if slot.future is not None:
+                try:
+                    self._settle(slot)
+                except Exception:
+                    pass
+
+    # -- compute -------------------------------------------------------------------------
+
+    def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of routed experts. x [T, H] fp32, ids/weights [T, K] -> [T, H]."""
+        t = x.shape[0]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        sorted_ids = flat[order].tolist()
+        rows = (order // ids.shape[1]).tolist()
+        cols = (order % ids.shape[1]).tolist()
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for e, r, c in zip(sorted_ids, rows, cols):
+            g = groups.setdefault(e, ([], []))
+            g[0].append(r)
+            g[1].append(c)
+        experts = sorted(groups)
+        out_of_order = t * x.shape[1] * 4 * len(experts) <= _OUT_OF_ORDER_BYTES
+        c = self.counters
+
+        slots: dict[int, Slot] = {}
+        missing: list[int] = []
+        for e in experts:
+            key = (layer, e)
+            slot = self.cache.lookup(key)
+            if self.decoding:
+                c.lookups += 1
+                if slot is not None and (slot.state == READY or (slot.future is not None and slot.future.done())):
+                    c.hits += 1
+                else:
+                    c.misses += 1
+            else:
+                c.prefill_lookups += 1
+            if slot is None:
+                missing.append(e)
+            else:
+                if slot.speculative:
+                    slot.speculative = False
+                    c.prefetch_used += 1
+                slot.pins += 1
+                slots[e] = slot
+                self.cache.policy.access(key)
+
+        acc = torch.zeros_like(x)
+        results: dict[int, torch.Tensor] = {}
+        done: set[int] = set()
+        next_fold = 0
+        error: BaseException | None = None
+        try:
+            while next_fold < len(experts):
+                while missing:  # issue reads while slots allow
+                    slot = self._start_read((layer, missing[0]), speculative=False)
+                    if slot is None:
+                        break
+                    slot.pins += 1
+                    slots[missing.pop(0)] = slot
+                pick = self._pick(experts, next_fold, slots, done, out_of_order)
+                if pick is None:
+                    self._wait(experts, next_fold, slots, done, out_of_order, missing)
+                    continue
+                slot = slots[pick]
+                if slot.state == LOADING:
+                    self._settle(slot)
+                t0 = time.perf_counter()
+                rows_e, cols_e = groups[pick]
+                idx = torch.tensor(rows_e)
+                y = expert_forward(self.spec, slot.weights, x[idx] if t > 1 else x)
+                y = y * weights[idx, torch.tensor(cols_e)].to(y.dtype)[:, None]
+                c.compute_s += time.perf_counter() - t0
+                slot.pins -= 1
+                done.add(pick)
+                results[pick] = (idx, y)
+                while next_fold < len(experts) and experts[next_fold] in results:
+                    i_, y_ = results.pop(experts[next_fold])
+                    acc.index_add_(0, i_, y_)
+                    next_fold += 1
+        except BaseException as e:  # leave the cache consistent, then report
+            error = e
+        finally:
+            for e, slot in slots.items():
+                if e not in done and slot.key == (layer, e):
+                    slot.pins = max(0, slot.pins - 1)
+        if error is not None:
+            self._quiesce(slots)
+            raise error
+        return acc
+
+    def _pick(self, experts, next_fold, slots, done, out_of_order) -> int | None:
+        if not out_of_order:
+            e = experts[next_fold]
+            s = slots.get(e)
+            return e if s is not None and (s.state == READY or s.future.done()) else None
+        for e in experts[next_fold:]:
+            if e in done:
+                continue
+            s = slots.get(e)
+            if s is not None and (s.state == READY or s.future.done()):
+                return e
+        return None
+
+    def _wait(self, experts, next_fold, slots, done, out_of_order, missing) -> None:
+        t0 = time.perf_counter()
+        mine = [s.future for e, s in slots.items() if e not in done and s.state == LOADING]
+        if not out_of_order:
+            s = slots.get(experts[next_fold])
+            mine = [s.future] if s is not None else []
+        if not mine and missing:
+            # every slot is pinned or loading: wait for any read in flight (e.g. a prefetch)
+            mine = [s.future for s in self.cache.loading() if s.future is not None]
+            if not mine:
+                raise RuntimeError(
+                    f"expert cache of {self.cache.capacity} slots cannot hold the experts one layer needs; "
+                    "raise --cache-experts or --memory"
+                )
+            wait(mine, return_when=FIRST_COMPLETED)
+            self._settle_finished()
+        elif mine:
+            wait(mine, return_when=FIRST_COMPLETED)
+        self.counters.read_wait_s += time.perf_counter() - t0
+
+    def _quiesce(self, slots: dict[int, Slot]) -> None:
+        """After an error: let every read in flight finish, keep good ones, drop failed ones."""
+        for slot in list(slots.values()) + self.cache.loading():
+            if slot.state == LOADING and slot.future is not None:
+                try:
+                    self._settle(slot)
+                except BaseException:
+                    pass

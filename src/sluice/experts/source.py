@@ -1,0 +1,112 @@
+"""Expert sources: where each (layer, expert) record is and how to read it.
+
+``CheckpointExperts`` indexes routed experts inside the original Hugging Face safetensors
+shards (no copy); a packed container provides the same interface with one record per
+expert. The expert path sees only ``layout(layer, expert)`` and ``file(path)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ..checkpoint import DTYPES, Checkpoint
+from ..errors import CheckpointError
+from ..storage import LocalFile
+from .layout import ExpertLayout, Span, layout_from_spans
+from .spec import ExpertTensors
+
+
+class ExpertSource:
+    """Interface: ``layout``, ``file``, ``slot_bytes``, ``format``, ``record_bytes``."""
+
+    format: str
+    slot_bytes: int
+
+    def layout(self, layer: int, expert: int) -> ExpertLayout:
+        raise NotImplementedError
+
+    def file(self, path: str) -> LocalFile:
+        raise NotImplementedError
+
+    @property
+    def direct_io(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of weights one expert holds (without alignment slack)."""
+        raise NotImplementedError
+
+
+_FORMAT_OF_DTYPE = {"F32": "f32", "BF16": "bf16", "F16": "f16"}
+
+
+class CheckpointExperts(ExpertSource):
+    def __init__(self, ckpt: Checkpoint, layers: list[int], n_experts: int,
+                 tensors: Callable[[int, int], ExpertTensors]):
+        self.ckpt = ckpt
+        self._layouts: dict[tuple[int, int], ExpertLayout] = {}
+        dtypes: set[str] = set()
+        payload = 0
+        for layer in layers:
+            for e in range(n_experts):
+                spans = []
+                for role, ref in tensors(layer, e).items():
+                    info = ckpt.info(ref.name)
+                    spans.append(self._span(role, ref, info))
+                    dtypes.add(info.dtype)
+                self._layouts[(layer, e)] = layout_from_spans(spans)
+                if not payload:
+                    payload = sum(s.nbytes for s in spans)
+        if len(dtypes) > 1:
+            raise CheckpointError(f"{ckpt.path}: routed experts mix dtypes {sorted(dtypes)}; expected one dtype")
+        dtype = dtypes.pop() if dtypes else "F32"
+        if dtype not in _FORMAT_OF_DTYPE:
+            raise CheckpointError(
+                f"{ckpt.path}: routed experts have dtype {dtype}; Sluice streams f32/bf16/f16 experts "
+                "from Hugging Face checkpoints (convert other formats with `sluice convert`)"
+            )
+        self.format = _FORMAT_OF_DTYPE[dtype]
+        self.slot_bytes = max((lay.slot_bytes for lay in self._layouts.values()), default=4096)
+        self._payload = payload
+
+    @staticmethod
+    def _span(role: str, ref, info) -> Span:
+        itemsize = DTYPES[info.dtype][1]
+        shape = tuple(info.shape)
+        offset = info.offset
+        if ref.index is not None:
+            if not shape or ref.index >= shape[0]:
+                raise CheckpointError(f"{info.file}: tensor {ref.name!r} {list(shape)} has no expert {ref.index}")
+            shape = shape[1:]
+            offset += ref.index * math.prod(shape) * itemsize
+        row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
+        want = tuple(ref.shape)
+        if ref.row0 or (ref.index is not None and want != shape):
+            if len(want) != len(shape) or want[1:] != shape[1:] or ref.row0 + want[0] > shape[0]:
+                raise CheckpointError(
+                    f"{info.file}: tensor {ref.name!r} slice {list(shape)} cannot hold rows "
+                    f"{ref.row0}..{ref.row0 + want[0]} of shape {list(want)} implied by config.json"
+                )
+            offset += ref.row0 * row_bytes
+        elif shape != want:
+            raise CheckpointError(
+                f"{info.file}: tensor {ref.name!r} has shape {list(shape)} but config.json implies {list(want)}"
+            )
+        nbytes = math.prod(want) * itemsize
+        return Span(role, info.file, offset, nbytes, info.torch_dtype, want)
+
+    def layout(self, layer: int, expert: int) -> ExpertLayout:
+        return self._layouts[(layer, expert)]
+
+    def file(self, path: str) -> LocalFile:
+        return self.ckpt.file(path)
+
+    @property
+    def direct_io(self) -> bool:
+        return self.ckpt.direct_io
+
+    @property
+    def record_bytes(self) -> int:
+        return self._payload

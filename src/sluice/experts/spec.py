@@ -1,0 +1,45 @@
+"""What one routed expert is, independent of any model family."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """A routed expert's shape and computation.
+
+    ``variant``:
+      - ``"swiglu"``: ``down(act(gate(x)) * up(x))`` with gate/up [I, H] and down [H, I]
+        (Mixtral, Qwen3-MoE, OLMoE, DeepSeek, ...), optional biases.
+      - ``"clamped_swiglu"``: GPT-OSS: gate clamped above at ``limit``, up clamped to
+        [-limit, limit], ``(up + 1) * gate * sigmoid(alpha * gate)``, with biases.
+    """
+
+    hidden: int
+    intermediate: int
+    act: str = "silu"
+    variant: str = "swiglu"
+    bias: bool = False
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def matrix_shapes(self) -> dict[str, tuple[int, int]]:
+        """Canonical [out, in] shape of each matrix."""
+        h, i = self.hidden, self.intermediate
+        return {"gate": (i, h), "up": (i, h), "down": (h, i)}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one expert matrix lives in a checkpoint: tensor ``name``, optionally the
+    ``index``-th slice along dim 0 of a fused [E, ...] tensor, starting ``row0`` rows into
+    that slice (gate and up halves of a fused gate_up tensor), of ``shape``."""
+
+    name: str
+    shape: tuple[int, ...]
+    index: int | None = None
+    row0: int = 0
+
+
+ExpertTensors = dict[str, TensorRef]  # role ("gate", "up", "down", "gate_bias", ...) -> ref

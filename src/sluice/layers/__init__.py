@@ -1,0 +1,1 @@
+"""Shared building blocks. A family file composes these; it does not copy them."""

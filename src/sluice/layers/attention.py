@@ -1,0 +1,148 @@
+"""Grouped-query attention with a preallocated KV cache.
+
+Shape legend: T query tokens, L key positions, Hq query heads, Hkv key/value heads,
+R = Hq / Hkv, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import linear
+from .norm import RMSNorm
+from .rotary import apply_rotary
+
+# Bound on the fp32 score block [Hq, Tq, L] materialised at once during prefill.
+SCORE_BLOCK_BYTES = 64 << 20
+
+
+class KVCache:
+    """Keys and values of one attention layer for up to ``max_ctx`` positions (fp32).
+
+    Allocated once with ``torch.empty``: pages become resident as positions are written.
+    The sequence length lives in the model state, not here; truncating is free.
+    """
+
+    def __init__(self, n_kv: int, max_ctx: int, k_dim: int, v_dim: int | None = None):
+        self.k = torch.empty(n_kv, max_ctx, k_dim)
+        self.v = torch.empty(n_kv, max_ctx, v_dim or k_dim)
+
+    @staticmethod
+    def nbytes(n_kv: int, max_ctx: int, k_dim: int, v_dim: int | None = None) -> int:
+        return 4 * n_kv * max_ctx * (k_dim + (v_dim or k_dim))
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, Hkv, D] for positions start .. start+T-1."""
+        t = k.shape[0]
+        self.k[:, start : start + t] = k.transpose(0, 1)
+        self.v[:, start : start + t] = v.transpose(0, 1)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of queries at positions q_start.. over keys 0..L-1.
+
+    q: [T, Hq, D]; k: [Hkv, L, D]; v: [Hkv, L, Dv]; sinks: [Hq] extra softmax logits.
+    Returns [T, Hq, Dv]. Queries are processed in blocks so scores stay bounded.
+    """
+    t, hq, d = q.shape
+    hkv, n_keys, _ = k.shape
+    r = hq // hkv
+    out = torch.empty(t, hq, v.shape[-1])
+    block = max(1, SCORE_BLOCK_BYTES // (4 * hq * max(n_keys, 1)))
+    for b0 in range(0, t, block):
+        b1 = min(t, b0 + block)
+        end = q_start + b1  # keys this block may see
+        qb = q[b0:b1].reshape(b1 - b0, hkv, r, d).permute(1, 2, 0, 3)  # [Hkv, R, Tb, D]
+        scores = torch.matmul(qb, k[:, :end].transpose(1, 2).unsqueeze(1)) * scale  # [Hkv, R, Tb, Lb]
+        qpos = torch.arange(q_start + b0, q_start + b1)[:, None]
+        kpos = torch.arange(end)[None, :]
+        masked = kpos > qpos
+        if window is not None:
+            masked = masked | (kpos <= qpos - window)
+        scores.masked_fill_(masked, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().reshape(hkv, r, 1, 1).expand(hkv, r, b1 - b0, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        ob = torch.matmul(probs, v[:, :end].unsqueeze(1))  # [Hkv, R, Tb, Dv]
+        out[b0:b1] = ob.permute(2, 0, 1, 3).reshape(b1 - b0, hq, -1)
+    return out
+
+
+class Attention:
+    """Standard GQA self-attention: projections, optional q/k norms, RoPE, KV cache.
+
+    ``qk_norm``: None; ``"head"`` (RMSNorm over each head, Qwen3); ``"full"`` (RMSNorm over
+    the whole projection before splitting heads, OLMoE).
+    """
+
+    def __init__(
+        self,
+        *,
+        wq: torch.Tensor,
+        wk: torch.Tensor,
+        wv: torch.Tensor,
+        wo: torch.Tensor,
+        n_heads: int,
+        n_kv: int,
+        head_dim: int,
+        bq: torch.Tensor | None = None,
+        bk: torch.Tensor | None = None,
+        bv: torch.Tensor | None = None,
+        bo: torch.Tensor | None = None,
+        qk_norm: str | None = None,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        norm_eps: float = 1e-6,
+        clip_qkv: float | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        scale: float | None = None,
+    ):
+        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.bq, self.bk, self.bv, self.bo = bq, bk, bv, bo
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        self.qk_norm = qk_norm
+        self.q_norm = RMSNorm(q_norm, norm_eps) if q_norm is not None else None
+        self.k_norm = RMSNorm(k_norm, norm_eps) if k_norm is not None else None
+        self.clip_qkv = clip_qkv
+        self.window = window
+        self.sinks = sinks.float() if sinks is not None else None
+        self.scale = scale if scale is not None else head_dim**-0.5
+
+    def new_cache(self, max_ctx: int) -> KVCache:
+        return KVCache(self.n_kv, max_ctx, self.head_dim)
+
+    def cache_bytes(self, max_ctx: int) -> int:
+        return KVCache.nbytes(self.n_kv, max_ctx, self.head_dim)
+
+    def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q = linear(x, self.wq, self.bq)
+        k = linear(x, self.wk, self.bk)
+        v = linear(x, self.wv, self.bv)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv, self.head_dim)
+        v = v.view(t, self.n_kv, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        cache.write(start, k, v)
+        end = start + t
+        o = attend(q, cache.k[:, :end], cache.v[:, :end], start, self.scale, self.window, self.sinks)
+        return linear(o.reshape(t, -1), self.wo, self.bo)

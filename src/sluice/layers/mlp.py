@@ -1,0 +1,38 @@
+"""Dense gated MLP (dense layers, shared experts) on spine weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UnsupportedModelError
+from ..quant import linear
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+        ) from None
+
+
+class GatedMLP:
+    """``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str):
+        self.gate, self.up, self.down = gate, up, down
+        self.act = activation(act)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return linear(self.act(linear(x, self.gate)) * linear(x, self.up), self.down)

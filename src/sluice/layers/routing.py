@@ -1,0 +1,23 @@
+"""Routers: router logits -> (expert ids [T, K], mixing weights [T, K]).
+
+Shape legend: T tokens, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over E in fp32, top-k, optional renormalisation (Mixtral/Qwen3-MoE/OLMoE)."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, k, dim=-1)  # [T, K]
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def margin(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Gap between the k-th and (k+1)-th router score per token (tie detection in tests)."""
+    top = torch.topk(logits.float(), min(k + 1, logits.shape[-1]), dim=-1).values
+    return top[:, k - 1] - top[:, k]

@@ -1,0 +1,24 @@
+"""Model families, one module per Hugging Face ``model_type``, looked up in a registry."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ..errors import UnsupportedModelError
+
+FAMILIES = {
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
+    "olmoe": "olmoe",
+}
+
+
+def get_family(model_type: str | None) -> ModuleType:
+    """The family module for ``model_type``; a clear error listing what is supported."""
+    mod = FAMILIES.get(model_type or "")
+    if mod is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
+        )
+    return importlib.import_module(f"{__name__}.{mod}")

@@ -1,0 +1,131 @@
+"""The decoder skeleton shared by every family, and what a family must describe.
+
+A family module (``models/<model_type>.py``) provides:
+
+- ``parse_config(raw: dict) -> cfg``: typed config, unknown keys ignored, unsupported
+  options refused with ``UnsupportedModelError``;
+- ``describe(cfg) -> ModelDescription``: every spine tensor with its shape, the MoE layers,
+  routing width and the checkpoint names of each expert's matrices;
+- ``build(cfg, weights, experts) -> CausalLM``: wires shared layers from ``layers/`` and
+  routes MoE layers through the expert interface (it never reads files).
+
+Shape legend: T tokens, H hidden, V vocabulary, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import CheckpointError
+from ..experts.spec import ExpertSpec, ExpertTensors, TensorRef
+from ..layers.norm import RMSNorm
+from ..layers.rotary import Rotary
+from ..quant import linear
+
+
+
+@dataclass
+class ModelDescription:
+    model_type: str
+    n_layers: int
+    hidden: int
+    vocab: int
+    spine: dict[str, tuple[int, ...]]
+    moe_layers: list[int]
+    n_experts: int
+    top_k: int
+    expert: ExpertSpec
+    expert_tensors: Callable[[int, int], ExpertTensors]
+    state_bytes_per_token: int  # KV cache bytes per position, all layers (fp32)
+    state_bytes_fixed: int = 0  # recurrent state bytes, independent of length
+    max_position_embeddings: int = 4096
+    eos_token_ids: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def working_set(self) -> int:
+        """Experts one token touches: K per MoE layer."""
+        return self.top_k * len(self.moe_layers)
+
+    @property
+    def total_experts(self) -> int:
+        return self.n_experts * len(self.moe_layers)
+
+
+def check_tensor(name: str, info, expected: tuple[int, ...]) -> None:
+    if tuple(info.shape) != tuple(expected):
+        raise CheckpointError(
+            f"{info.file}: tensor {name!r} has shape {list(info.shape)} but config.json implies "
+            f"{list(expected)} (config and weights disagree)"
+        )
+
+
+class State:
+    """Per-sequence state: one entry per layer (KV cache or recurrent state) and the tokens."""
+
+    def __init__(self, layers: list, max_ctx: int):
+        self.layers = layers
+        self.max_ctx = max_ctx
+        self.length = 0
+        self.tokens: list[int] = []
+
+
+class DecoderLayer:
+    """Pre-norm residual block: ``h += attn(norm1(h)); h += mlp(norm2(h))`` (see CausalLM)."""
+
+    def __init__(self, input_norm: RMSNorm, attn, post_norm: RMSNorm, mlp):
+        self.input_norm, self.attn, self.post_norm, self.mlp = input_norm, attn, post_norm, mlp
+
+
+class MoEBlock:
+    """Routes tokens and hands them to the expert interface; adds shared experts if any.
+
+    ``router(x) -> (ids [T, K], weights [T, K])`` is the family's routing rule.
+    """
+
+    def __init__(self, layer: int, router: Callable, experts, shared=None, shared_gate: torch.Tensor | None = None):
+        self.layer, self.router, self.experts = layer, router, experts
+        self.shared, self.shared_gate = shared, shared_gate
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.router(x)
+        y = self.experts.moe(self.layer, x, ids, weights)
+        if self.shared is not None:
+            s = self.shared(x)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(linear(x, self.shared_gate)) * s
+            y = y + s
+        return y
+
+
+class CausalLM:
+    """Embedding -> decoder layers -> final norm -> head."""
+
+    def __init__(self, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: torch.Tensor,
+                 rotary: Rotary | None):
+        self.embed, self.layers, self.norm, self.lm_head, self.rotary = embed, layers, norm, lm_head, rotary
+        self.lookahead = None  # optional hook(layer_index, h) called after each layer's attention
+
+    def new_state(self, max_ctx: int) -> State:
+        return State([layer.attn.new_cache(max_ctx) for layer in self.layers], max_ctx)
+
+    def forward(self, ids: torch.Tensor, state: State, start: int) -> torch.Tensor:
+        """Run tokens ``ids`` [T] at positions start..start+T-1; returns final hidden [T, H].
+
+        Writes the per-layer state for those positions; the caller advances ``state.length``.
+        """
+        h = self.embed[ids].float()
+        positions = torch.arange(start, start + ids.shape[0])
+        cos, sin = self.rotary.cos_sin(positions) if self.rotary is not None else (None, None)
+        for i, layer in enumerate(self.layers):
+            a = h + layer.attn(layer.input_norm(h), start, state.layers[i], cos, sin)
+            if self.lookahead is not None:
+                self.lookahead(i, a)
+            h = a + layer.mlp(layer.post_norm(a))
+        return self.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(h, self.lm_head)

@@ -1,0 +1,118 @@
+"""Mixtral (``model_type: mixtral``): GQA, optional sliding window, softmax top-k routing
+always renormalised over the chosen experts; experts ``w1`` (gate), ``w3`` (up), ``w2`` (down)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..experts.spec import ExpertSpec
+from ..layers.attention import Attention, KVCache
+from ..layers.norm import RMSNorm
+from ..layers.rotary import Rotary, rope_parameters
+from ..layers.routing import softmax_topk
+from ..quant import linear
+from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
+from .config import RawConfig
+
+MODEL_TYPE = "mixtral"
+_ROLE_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+@dataclass
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_act: str
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    sliding_window: int | None
+    num_experts: int
+    num_experts_per_tok: int
+    rope: dict
+
+
+def parse_config(raw: dict) -> Config:
+    c = RawConfig(raw)
+    heads = c.int("num_attention_heads")
+    hidden = c.int("hidden_size")
+    return Config(
+        vocab_size=c.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=c.int("intermediate_size"),
+        num_hidden_layers=c.int("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=c.int("num_key_value_heads", heads),
+        head_dim=c.int("head_dim", hidden // heads),
+        hidden_act=c.get("hidden_act", "silu"),
+        rms_norm_eps=c.float("rms_norm_eps", 1e-5),
+        max_position_embeddings=c.int("max_position_embeddings", 4096 * 32),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        sliding_window=c.get("sliding_window", None),
+        num_experts=c.int("num_local_experts", None, "num_experts"),
+        num_experts_per_tok=c.int("num_experts_per_tok"),
+        rope=rope_parameters({"rope_theta": 1e6, **raw}),
+    )
+
+
+def _prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def describe(cfg: Config) -> ModelDescription:
+    h, d = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    spine: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        spine["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_hidden_layers):
+        p = _prefix(i)
+        spine.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nq, h),
+            p + "self_attn.k_proj.weight": (nkv, h),
+            p + "self_attn.v_proj.weight": (nkv, h),
+            p + "self_attn.o_proj.weight": (h, nq),
+            p + "block_sparse_moe.gate.weight": (cfg.num_experts, h),
+        })
+    spec = ExpertSpec(hidden=h, intermediate=cfg.intermediate_size, act=cfg.hidden_act)
+    shapes = spec.matrix_shapes()
+
+    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
+        p = f"{_prefix(layer)}block_sparse_moe.experts.{e}."
+        return {r: TensorRef(f"{p}{n}.weight", shapes[r]) for r, n in _ROLE_NAMES.items()}
+
+    return ModelDescription(
+        model_type=MODEL_TYPE, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
+        moe_layers=list(range(cfg.num_hidden_layers)), n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        expert=spec, expert_tensors=expert_tensors,
+        state_bytes_per_token=KVCache.nbytes(cfg.num_key_value_heads, 1, d) * cfg.num_hidden_layers,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
+
+
+def build(cfg: Config, w, experts) -> CausalLM:
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = _prefix(i)
+        attn = Attention(
+            wq=w(p + "self_attn.q_proj.weight"), wk=w(p + "self_attn.k_proj.weight"),
+            wv=w(p + "self_attn.v_proj.weight"), wo=w(p + "self_attn.o_proj.weight"),
+            n_heads=cfg.num_attention_heads, n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+            window=cfg.sliding_window,
+        )
+        router_w = w(p + "block_sparse_moe.gate.weight")
+        k = cfg.num_experts_per_tok
+        mlp = MoEBlock(i, lambda x, rw=router_w: softmax_topk(linear(x, rw), k, True), experts)
+        layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), cfg.rms_norm_eps), attn,
+                                   RMSNorm(w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps), mlp))
+    embed = w("model.embed_tokens.weight")
+    head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
+    rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+    return CausalLM(embed, layers, RMSNorm(w("model.norm.weight"), cfg.rms_norm_eps), head, rotary)

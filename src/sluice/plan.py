@@ -1,0 +1,102 @@
+"""The memory planner: a budget becomes spine residency, KV cache, buffers and expert cache.
+
+Peak RSS = baseline (Python + torch, measured at load) + spine + per-sequence state (KV
+cache for ``max_context`` positions) + activations and I/O buffers + expert cache slots.
+The floor holds one token's working set of experts (K per MoE layer): below it every
+lookup misses. A budget below the floor is refused with the breakdown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import BudgetError
+from .layers.attention import SCORE_BLOCK_BYTES
+from .units import format_size
+
+_MARGIN_BYTES = 48 << 20  # allocator slack, Python objects, thread stacks
+_MARGIN_SHARE = 0.03
+
+
+@dataclass
+class Plan:
+    budget: int
+    baseline: int
+    spine_bytes: int
+    state_bytes: int
+    activation_bytes: int
+    margin_bytes: int
+    slot_bytes: int
+    working_set: int
+    total_experts: int
+    cache_slots: int
+    max_context: int
+    prefill_chunk: int
+    floor: int
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_slots * self.slot_bytes
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.baseline + self.spine_bytes + self.state_bytes + self.activation_bytes + self.margin_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["cache_bytes"] = self.cache_bytes
+        return d
+
+    def slots_for(self, budget: int) -> int:
+        """Cache slots a given budget would give (for ``inspect``)."""
+        margin = _MARGIN_BYTES + int(_MARGIN_SHARE * budget)
+        free = budget - (self.fixed_bytes - self.margin_bytes + margin)
+        return max(0, min(self.total_experts, free // self.slot_bytes))
+
+
+def activation_bytes(hidden: int, intermediate: int, vocab: int, chunk: int) -> int:
+    """Bound on transient tensors during a forward of ``chunk`` tokens."""
+    per_token = 4 * (24 * hidden + 4 * intermediate)
+    scores = 3 * SCORE_BLOCK_BYTES
+    logits = 4 * 4 * vocab
+    upcast = 2 * (16 << 20)  # bounded half->fp32 weight chunks
+    staging = 8 << 20  # aligned staging buffer for spine reads
+    return chunk * per_token + scores + logits + upcast + staging
+
+
+def make_plan(*, budget: int, baseline: int, spine_bytes: int, state_bytes: int, activations: int,
+              slot_bytes: int, working_set: int, total_experts: int, top_k: int, max_context: int,
+              prefill_chunk: int, cache_experts: int | None = None) -> Plan:
+    margin = _MARGIN_BYTES + int(_MARGIN_SHARE * budget)
+    fixed = baseline + spine_bytes + state_bytes + activations + margin
+    floor = fixed + working_set * slot_bytes
+    breakdown = (
+        f"baseline {format_size(baseline)} + spine {format_size(spine_bytes)} + one token's experts "
+        f"({working_set} x {format_size(slot_bytes)} = {format_size(working_set * slot_bytes)}) + KV/state for "
+        f"{max_context} tokens {format_size(state_bytes)} + buffers {format_size(activations + margin)}"
+    )
+    if cache_experts is not None:
+        if cache_experts < top_k:
+            raise BudgetError(
+                f"--cache-experts {cache_experts} is below the {top_k} experts one layer uses at once; "
+                f"use at least {top_k} (one token's working set is {working_set})"
+            )
+        slots = min(cache_experts, total_experts)
+        need = fixed + slots * slot_bytes
+        if need > budget:
+            raise BudgetError(
+                f"memory budget {format_size(budget)} cannot hold a cache of {slots} experts: that needs "
+                f"{format_size(need)} ({format_size(fixed)} for baseline, spine, KV and buffers + {slots} x "
+                f"{format_size(slot_bytes)} per expert). Raise --memory or lower --cache-experts"
+            )
+    else:
+        if budget < floor:
+            raise BudgetError(
+                f"memory budget {format_size(budget)} is below the floor {format_size(floor)} for this model: "
+                f"{breakdown}. Raise --memory to at least {format_size(floor)}, or lower --max-context"
+            )
+        slots = min(total_experts, (budget - fixed) // slot_bytes)
+    return Plan(budget=budget, baseline=baseline, spine_bytes=spine_bytes, state_bytes=state_bytes,
+                activation_bytes=activations, margin_bytes=margin, slot_bytes=slot_bytes, working_set=working_set,
+                total_experts=total_experts, cache_slots=int(slots), max_context=max_context,
+                prefill_chunk=prefill_chunk, floor=floor)

@@ -1,0 +1,138 @@
+"""Local files: O_DIRECT reads with a probe at open, buffered fallback without page cache."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+from .buffers import ALIGN, AlignedBuffer, align_down, align_up
+
+_STAGING_BYTES = 8 << 20
+
+
+@dataclass
+class ReadStats:
+    """Bytes and reads issued to storage (thread-safe counters)."""
+
+    bytes_read: int = 0
+    reads: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.reads += 1
+
+
+class LocalFile:
+    """A read-only local file.
+
+    ``direct=None`` probes O_DIRECT with one aligned read and falls back to buffered reads
+    if the filesystem refuses it; ``direct=False`` forces the buffered path. Buffered reads
+    call ``posix_fadvise(DONTNEED)`` on what they read, so the page cache does not grow.
+    ``direct_io`` tells which path is in use.
+    """
+
+    def __init__(self, path: str, *, direct: bool | None = None, stats: ReadStats | None = None):
+        self.path = str(path)
+        self.stats = stats if stats is not None else ReadStats()
+        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.size = os.fstat(self.fd).st_size
+        self.dfd: int | None = None
+        self.direct_error: str | None = None
+        if direct is not False and hasattr(os, "O_DIRECT"):
+            self.dfd = self._probe_direct()
+        self._local = threading.local()
+
+    @property
+    def direct_io(self) -> bool:
+        return self.dfd is not None
+
+    def _probe_direct(self) -> int | None:
+        try:
+            dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            self.direct_error = f"open with O_DIRECT failed: {e.strerror}"
+            return None
+        probe = AlignedBuffer(ALIGN)
+        try:
+            os.preadv(dfd, [probe.view(0, ALIGN)], 0)
+        except OSError as e:
+            os.close(dfd)
+            self.direct_error = f"O_DIRECT probe read failed: {e.strerror}"
+            return None
+        return dfd
+
+    def close(self) -> None:
+        for fd in (self.fd, self.dfd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.dfd = None
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def read_aligned(self, buf: memoryview, offset: int) -> int:
+        """Fill ``buf`` from ``offset``; both must be ALIGN-aligned (buffer address too).
+
+        Returns the number of bytes read, which is less than ``len(buf)`` only at end of
+        file. Raises ``OSError`` (with the file name) on I/O errors.
+        """
+        want = len(buf)
+        done = 0
+        fd = self.dfd if self.dfd is not None else self.fd
+        try:
+            while done < want:
+                n = os.preadv(fd, [buf[done:]], offset + done)
+                if n <= 0:
+                    break
+                done += n
+                if self.dfd is not None and n % ALIGN:
+                    break  # a partial block only happens at EOF in direct mode
+        except OSError as e:
+            raise OSError(e.errno, f"{e.strerror} reading {want} bytes at offset {offset}", self.path) from e
+        if self.dfd is None and done:
+            os.posix_fadvise(self.fd, offset, done, os.POSIX_FADV_DONTNEED)
+        self.stats.add(done)
+        return done
+
+    def _staging(self) -> AlignedBuffer:
+        buf = getattr(self._local, "staging", None)
+        if buf is None:
+            buf = self._local.staging = AlignedBuffer(_STAGING_BYTES)
+        return buf
+
+    def read_into(self, dest: memoryview, offset: int) -> None:
+        """Read exactly ``len(dest)`` bytes at any ``offset`` into ``dest`` (any alignment).
+
+        Goes through an aligned staging buffer; used for spine tensors, which share
+        pages with other tensors in a Hugging Face shard.
+        """
+        n = len(dest)
+        if offset < 0 or offset + n > self.size:
+            raise OSError(f"read of {n} bytes at offset {offset} is outside the file ({self.size} bytes): {self.path}")
+        staging = self._staging()
+        pos = 0
+        while pos < n:
+            start = offset + pos
+            a0 = align_down(start)
+            a1 = min(align_up(offset + n), a0 + staging.nbytes)
+            got = self.read_aligned(staging.view(0, a1 - a0), a0)
+            take = min(n - pos, a0 + got - start)
+            if take <= 0:
+                raise OSError(f"short read: wanted {n - pos} more bytes at offset {start}: {self.path}")
+            dest[pos : pos + take] = staging.view(start - a0, take)
+            pos += take
+
+    def pread(self, nbytes: int, offset: int) -> bytes:
+        """A small buffered read (headers, manifests)."""
+        data = os.pread(self.fd, nbytes, offset)
+        self.stats.add(len(data))
+        return data

@@ -1,0 +1,84 @@
+"""Tokenizer and chat template of a model directory (``tokenizers`` + ``jinja2``, no transformers)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from .errors import CheckpointError
+
+
+def _token_text(v) -> str | None:
+    if isinstance(v, dict):
+        return v.get("content")
+    return v if isinstance(v, str) else None
+
+
+class Tokenizer:
+    def __init__(self, directory: str | Path):
+        d = Path(directory)
+        path = d / "tokenizer.json"
+        if not path.exists():
+            raise CheckpointError(f"{path}: tokenizer.json not found (pass token ids instead of text)")
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own exception types
+            raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+        cfg_path = d / "tokenizer_config.json"
+        self.config: dict = {}
+        if cfg_path.exists():
+            try:
+                self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        self.chat_template = self.config.get("chat_template")
+        tmpl_file = d / "chat_template.jinja"
+        if self.chat_template is None and tmpl_file.exists():
+            self.chat_template = tmpl_file.read_text(encoding="utf-8")
+        if isinstance(self.chat_template, list):  # named templates: use "default"
+            named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.add_bos_token = bool(self.config.get("add_bos_token", False))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's own chat template (as transformers does)."""
+        if not self.chat_template:
+            raise CheckpointError("this model has no chat template (tokenizer_config.json has no chat_template)")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg):
+            raise jinja2.exceptions.TemplateError(msg)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special
+        )
