@@ -30,7 +30,11 @@ CHECKPOINT_FILES = [
 def _load_script_module():
     spec = importlib.util.spec_from_file_location("train_demo_model", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
     return module
 
 

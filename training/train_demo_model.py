@@ -163,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--doc", default=None,
                    help="Markdown report (default: docs/demo-model.md; with --tiny: <out>/report.md)")
     g.add_argument("--no-docs", action="store_true", help="write neither the plot nor the report")
+    g.add_argument("--report-only", action="store_true",
+                   help="train nothing: rewrite the plot and report from <out>/training_metrics.json")
     g.add_argument("--seed", type=int, default=1234, help="seed for data order, init and sampling")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
@@ -748,7 +750,8 @@ def write_report(path: Path, m: dict, out_rel: str, plot_rel: str) -> None:
         "## Training",
         "",
         f"* Corpus: the `.py` files of the CPython {c['python_version']} standard library, without "
-        "`site-packages`, test directories, the generated `encodings` tables, `pydoc_data` and files "
+        "`site-packages`, test directories, the generated `encodings` tables, `pydoc_data`, "
+        "`ensurepip` and files "
         f"over {c['max_file_bytes'] // 1000} kB. {c['train_files']} files "
         f"({c['train_bytes'] / 1e6:.2f} MB, {c['train_tokens']:,} tokens) for training, "
         f"{c['heldout_files']} files ({c['heldout_bytes'] / 1e6:.2f} MB, {c['heldout_tokens']:,} "
@@ -762,8 +765,8 @@ def write_report(path: Path, m: dict, out_rel: str, plot_rel: str) -> None:
         f"cosine decay to {m['hyperparameters']['min_lr_ratio']:g} × peak, gradient clip "
         f"{m['hyperparameters']['grad_clip']}; {m['hyperparameters']['steps']} steps of "
         f"{m['hyperparameters']['batch_size']} × {m['hyperparameters']['seq_len']} tokens.",
-        f"* Tokens trained: {m['tokens_trained'] / 1e6:.2f} M ({m['epochs_started']} passes started "
-        "over the training split).",
+        f"* Tokens trained: {m['tokens_trained'] / 1e6:.2f} M "
+        f"({m['tokens_trained'] / c['train_tokens']:.2f} passes over the training split).",
         f"* Wall time: {fmt_time(m['train_wall_seconds'])} of training "
         f"({fmt_time(m['total_wall_seconds'])} in all) on {m['threads']} CPU threads "
         f"({m['platform']}), torch {m['versions']['torch']}, "
@@ -835,12 +838,28 @@ def rel_display(path: Path) -> str:
         return path.name
 
 
+def write_docs(args, metrics: dict) -> None:
+    out, plot_path, doc_path = Path(args.out), Path(args.plot), Path(args.doc)
+    write_plot(plot_path, metrics["history"], metrics["heldout_loss"], metrics["tokens_trained"])
+    plot_rel = os.path.relpath(plot_path.resolve(), doc_path.resolve().parent)
+    write_report(doc_path, metrics, rel_display(out), Path(plot_rel).as_posix())
+
+
+def report_only(args) -> int:
+    metrics = json.loads((Path(args.out) / "training_metrics.json").read_text())
+    write_docs(args, metrics)
+    log(f"wrote {args.plot} and {args.doc}")
+    return 0
+
+
 # --------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.report_only:
+        return report_only(args)
     t_start = time.time()
     tune_malloc()
 
@@ -991,13 +1010,9 @@ def main(argv: list[str] | None = None) -> int:
         "files_bytes": files_bytes,
     }
 
-    plot_path, doc_path = Path(args.plot), Path(args.doc)
-    if not args.no_docs:
-        write_plot(plot_path, result["history"], held_loss, result["tokens_trained"])
     metrics["total_wall_seconds"] = round(time.time() - t_start, 1)
     if not args.no_docs:
-        plot_rel = os.path.relpath(plot_path.resolve(), doc_path.resolve().parent)
-        write_report(doc_path, metrics, rel_display(out), Path(plot_rel).as_posix())
+        write_docs(args, metrics)
     (out / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     log(f"done in {fmt_time(metrics['total_wall_seconds'])}: {out} ({total / 1e6:.2f} MB), "

@@ -7,6 +7,7 @@ core step generator; ``generate()``, the CLI and the server are built on it.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -84,6 +85,61 @@ def load(path: str | os.PathLike, memory: int | str | None = None, **options) ->
     return Engine(path, memory, Options(**options))
 
 
+class ModelInfo:
+    """An opened, validated model directory: config, family, tensor tables. Nothing loaded yet."""
+
+    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None):
+        self.path = Path(path)
+        self.checkpoint = Checkpoint(self.path, direct=direct_io)
+        self.raw_config = self.checkpoint.config
+        self.family = get_family(self.raw_config.get("model_type"))
+        self.config = self.family.parse_config(self.raw_config)
+        self.desc = self.family.describe(self.config)
+        for name, shape in self.desc.spine.items():
+            check_tensor(name, self.checkpoint.info(name), shape)
+        self.experts = CheckpointExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
+                                         self.desc.expert_tensors)
+        self.tokenizer: Tokenizer | None = None
+        if (self.path / "tokenizer.json").exists():
+            self.tokenizer = Tokenizer(self.path)
+        self.eos_token_ids = eos_ids(self.raw_config, self.checkpoint.generation_config)
+        if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.append(self.tokenizer.eos_token_id)
+
+    def spine_bytes(self) -> int:
+        """Bytes the resident spine takes: stored tensors plus fp32 copies of 1-D ones (norms)."""
+        total = 0
+        for name in self.desc.spine:
+            info = self.checkpoint.info(name)
+            total += info.nbytes + (info.numel * 4 if len(info.shape) == 1 else 0)
+        return total
+
+    def param_counts(self) -> tuple[int, int]:
+        """(total parameters, parameters active per token)."""
+        spine = sum(self.checkpoint.info(n).numel for n in self.desc.spine)
+        per_expert = sum(math.prod(r.shape) for r in self.desc.expert_tensors(self.desc.moe_layers[0], 0).values()) \
+            if self.desc.moe_layers else 0
+        return spine + per_expert * self.desc.total_experts, spine + per_expert * self.desc.working_set
+
+    def plan(self, memory: int | str | None, options: Options, baseline: int | None = None) -> Plan:
+        limit = self.desc.max_position_embeddings
+        max_ctx = options.max_context or min(limit, DEFAULT_MAX_CONTEXT)
+        if max_ctx > limit:
+            raise ValueError(f"--max-context {max_ctx} exceeds the model's limit of {limit} positions")
+        budget = parse_size(memory) if memory is not None else default_budget()
+        chunk = max(1, min(options.prefill_chunk, max_ctx))
+        ffn = max(self.desc.expert.intermediate, getattr(self.config, "intermediate_size", 0) or 0)
+        return make_plan(
+            budget=budget, baseline=current_rss() if baseline is None else baseline,
+            spine_bytes=self.spine_bytes(),
+            state_bytes=self.desc.state_bytes_per_token * max_ctx + self.desc.state_bytes_fixed,
+            activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx),
+            slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set,
+            total_experts=self.desc.total_experts, top_k=self.desc.top_k, max_context=max_ctx,
+            prefill_chunk=chunk, cache_experts=options.cache_experts,
+        )
+
+
 class Engine:
     def __init__(self, path: str | os.PathLike, memory: int | str | None, options: Options):
         t_load = time.perf_counter()
@@ -92,40 +148,11 @@ class Engine:
         baseline = current_rss()
         if options.threads:
             torch.set_num_threads(options.threads)
-        self.checkpoint = Checkpoint(self.path, direct=options.direct_io)
-        self.raw_config = self.checkpoint.config
-        self.family = get_family(self.raw_config.get("model_type"))
-        self.config = self.family.parse_config(self.raw_config)
-        self.desc = self.family.describe(self.config)
-        self._check_spine()
-        self.experts_source = CheckpointExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
-                                                self.desc.expert_tensors)
-        try:
-            self.tokenizer: Tokenizer | None = Tokenizer(self.path)
-        except CheckpointError:
-            if (self.path / "tokenizer.json").exists():
-                raise
-            self.tokenizer = None
-        self.eos_token_ids = eos_ids(self.raw_config, self.checkpoint.generation_config)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            if self.tokenizer.eos_token_id not in self.eos_token_ids and not self.eos_token_ids:
-                self.eos_token_ids.append(self.tokenizer.eos_token_id)
-
-        limit = self.desc.max_position_embeddings
-        max_ctx = options.max_context or min(limit, DEFAULT_MAX_CONTEXT)
-        if max_ctx > limit:
-            raise ValueError(f"--max-context {max_ctx} exceeds the model's limit of {limit} positions")
-        budget = parse_size(memory) if memory is not None else default_budget()
-        chunk = max(1, min(options.prefill_chunk, max_ctx))
-        ffn = max(self.desc.expert.intermediate, getattr(self.config, "intermediate_size", 0) or 0)
-        self.plan: Plan = make_plan(
-            budget=budget, baseline=baseline, spine_bytes=self._spine_bytes(),
-            state_bytes=self.desc.state_bytes_per_token * max_ctx + self.desc.state_bytes_fixed,
-            activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk),
-            slot_bytes=self.experts_source.slot_bytes, working_set=self.desc.working_set,
-            total_experts=self.desc.total_experts, top_k=self.desc.top_k, max_context=max_ctx,
-            prefill_chunk=chunk, cache_experts=options.cache_experts,
-        )
+        self.info = info = ModelInfo(self.path, options.direct_io)
+        self.checkpoint, self.raw_config, self.family = info.checkpoint, info.raw_config, info.family
+        self.config, self.desc, self.experts_source = info.config, info.desc, info.experts
+        self.tokenizer, self.eos_token_ids = info.tokenizer, info.eos_token_ids
+        self.plan: Plan = info.plan(memory, options, baseline)
         spine = self._load_spine()
         self.cache = ExpertCache(self.plan.cache_slots, self.experts_source.slot_bytes,
                                  make_policy(options.cache_policy))
@@ -133,25 +160,12 @@ class Engine:
                                       reader_threads=options.reader_threads, verify_reads=options.verify_reads)
         self.model = self.family.build(self.config, spine.__getitem__, self.experts)
         del spine
-        self.state = self.model.new_state(max_ctx)
+        self.state = self.model.new_state(self.plan.max_context)
         self._lock = threading.Lock()
         self.load_s = time.perf_counter() - t_load
         self.last_stats: dict = {}
 
     # -- loading -----------------------------------------------------------------------------
-
-    def _check_spine(self) -> None:
-        for name, shape in self.desc.spine.items():
-            check_tensor(name, self.checkpoint.info(name), shape)
-
-    def _spine_bytes(self) -> int:
-        total = 0
-        for name in self.desc.spine:
-            info = self.checkpoint.info(name)
-            total += info.nbytes
-            if len(info.shape) == 1:  # norms and biases are kept as fp32 copies too
-                total += info.numel * 4
-        return total
 
     def _load_spine(self) -> dict[str, torch.Tensor]:
         names = list(self.desc.spine)

@@ -54,10 +54,10 @@ class Plan:
         return max(0, min(self.total_experts, free // self.slot_bytes))
 
 
-def activation_bytes(hidden: int, intermediate: int, vocab: int, chunk: int) -> int:
+def activation_bytes(hidden: int, intermediate: int, vocab: int, chunk: int, heads: int, max_ctx: int) -> int:
     """Bound on transient tensors during a forward of ``chunk`` tokens."""
     per_token = 4 * (24 * hidden + 4 * intermediate)
-    scores = 3 * SCORE_BLOCK_BYTES
+    scores = 3 * min(SCORE_BLOCK_BYTES, 4 * max(heads, 1) * chunk * max_ctx)
     logits = 4 * 4 * vocab
     upcast = 2 * (16 << 20)  # bounded half->fp32 weight chunks
     staging = 8 << 20  # aligned staging buffer for spine reads

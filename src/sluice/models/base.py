@@ -42,6 +42,7 @@ class ModelDescription:
     state_bytes_per_token: int  # KV cache bytes per position, all layers (fp32)
     state_bytes_fixed: int = 0  # recurrent state bytes, independent of length
     max_position_embeddings: int = 4096
+    attn_heads: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 

@@ -102,7 +102,7 @@ def describe(cfg: Config) -> ModelDescription:
         moe_layers=list(range(cfg.num_hidden_layers)), n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
         expert=spec, expert_tensors=expert_tensors,
         state_bytes_per_token=KVCache.nbytes(cfg.num_key_value_heads, 1, d) * cfg.num_hidden_layers,
-        max_position_embeddings=cfg.max_position_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
     )
 
 

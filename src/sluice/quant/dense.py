@@ -5,17 +5,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
+
 _CHUNK_ELEMS = 4 << 20  # bound on the fp32 temporary when upcasting a weight (16 MiB)
+SMALL_BATCH = 8  # up to this many rows, the fused C kernel beats upcast + sgemm
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` in fp32. x: [T, K] fp32, weight: [N, K] any float dtype.
+    """``x @ weight.T (+ bias)`` in fp32. x: [T, K] fp32, weight: [N, K] f32/bf16/f16.
 
-    Half-precision weights are upcast in bounded row chunks, so the temporary never
-    exceeds 16 MiB however large the matrix (an lm_head of 150k rows included).
+    Small batches of half-precision weights go through the fused C kernel (no fp32 copy of
+    the weight); larger batches upcast bounded row chunks (16 MiB at most) and use sgemm.
     """
     if weight.dtype == torch.float32:
         return F.linear(x, weight, bias)
+    if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.available() and weight.is_contiguous():
+        b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
+        return kernels.dense(x.contiguous(), weight, b)
     n, k = weight.shape
     rows = max(1, _CHUNK_ELEMS // max(k, 1))
     if rows >= n:

@@ -1,0 +1,18 @@
+"""Build the optional C kernels (plain C + AVX2, loaded with ctypes; no torch linkage).
+
+If no C compiler is available the extension is skipped and Sluice falls back to torch ops.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "sluice._kernels",
+            sources=["src/sluice/kernels/kernels.c"],
+            extra_compile_args=["-O3", "-std=c11", "-fvisibility=hidden", "-pthread", "-fno-strict-aliasing"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,193 @@
+"""The ``sluice`` command line. Thin: parse, call the public API, print."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+from .errors import SluiceError
+from .units import format_size, parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("memory and I/O")
+    g.add_argument("--memory", type=_size, default=None, metavar="SIZE",
+                   help="peak memory budget, e.g. 8GiB (binary) or 8GB (decimal). Covers the Python/torch "
+                        "baseline, spine, KV cache, buffers and expert cache. Default: 85%% of available memory "
+                        "(cgroup limits respected). Below the model's floor Sluice refuses to start and says why.")
+    g.add_argument("--cache-experts", type=int, default=None, metavar="N",
+                   help="expert cache size in experts (overrides the size derived from --memory)")
+    g.add_argument("--cache-policy", choices=["lfru", "lru"], default="lfru",
+                   help="expert cache eviction: lfru (decayed hotness, default) or lru")
+    g.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="longest sequence (prompt + output); the KV cache is reserved for it "
+                        "(default: min(model limit, 4096))")
+    g.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (default: all cores)")
+    g.add_argument("--reader-threads", type=int, default=4, metavar="N", help="parallel expert reads (default 4)")
+    g.add_argument("--buffered-io", action="store_true",
+                   help="never use O_DIRECT (buffered reads that drop their pages from the page cache)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _engine_options(args) -> dict:
+    return dict(cache_experts=args.cache_experts, cache_policy=args.cache_policy, max_context=args.max_context,
+                threads=args.threads, reader_threads=args.reader_threads,
+                direct_io=False if args.buffered_io else None, progress=not args.no_progress)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, exact (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when this text is generated (repeatable); it is not included in the output")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+
+
+def stats_line(stats: dict) -> str:
+    """The one-line summary printed after a run."""
+    return (
+        f"[sluice] prefill {stats['prefill_tok_s']:.1f} tok/s | decode {stats['decode_tok_s']:.2f} tok/s | "
+        f"hit rate {100 * stats['hit_rate']:.1f}% | read {stats['bytes_read'] / 1e9:.2f} GB | "
+        f"peak RSS {format_size(stats['peak_rss_bytes'])} (budget {format_size(stats['budget_bytes'])}) | "
+        f"cache {stats['cache_slots']}/{stats['total_experts']} experts | "
+        f"{'O_DIRECT' if stats['direct_io'] else 'buffered I/O'}"
+    )
+
+
+def generate_and_print(engine, prompt, args) -> int:
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos)
+    if args.json:
+        r = engine.generate(prompt, **kwargs)
+        print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
+                          "stats": r.stats}))
+        return 0
+    stats = {}
+    for step in engine.stream(prompt, **kwargs):
+        sys.stdout.write(step.text_delta)
+        sys.stdout.flush()
+        if step.finish_reason:
+            stats = step.stats
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(stats_line(stats), file=sys.stderr)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from . import load
+
+    if args.prompt is None and args.prompt_file is None:
+        if sys.stdin.isatty():
+            raise SluiceError("give a prompt with --prompt TEXT, --prompt-file FILE, or on stdin")
+        prompt = sys.stdin.read()
+    elif args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompt = f.read()
+    else:
+        prompt = args.prompt
+    engine = load(args.model, memory=args.memory, **_engine_options(args))
+    if args.chat:
+        if engine.tokenizer is None:
+            raise SluiceError(f"{args.model}: no tokenizer, so no chat template")
+        text = engine.tokenizer.render_chat([{"role": "user", "content": prompt}])
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    return generate_and_print(engine, prompt, args)
+
+
+def cmd_inspect(args) -> int:
+    from .inspect import inspect_model, render_inspect
+
+    report = inspect_model(args.model, memory=args.memory, max_context=args.max_context)
+    print(json.dumps(report, indent=2) if args.json else render_inspect(report))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sluice",
+        description="Run Mixture-of-Experts language models larger than memory: the spine stays in memory, "
+                    "routed experts stream from disk through a bounded cache. Greedy output matches Hugging Face "
+                    "transformers token for token.",
+    )
+    p.add_argument("--version", action="version", version=f"sluice {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    r = sub.add_parser("run", help="generate text from a model directory",
+                       description="Generate text, streaming it as it is produced, then print a stats line "
+                                   "(prefill and steady-state decode tok/s, expert cache hit rate, bytes read, "
+                                   "peak RSS) on stderr. --json prints one JSON object instead.")
+    r.add_argument("model", help="Hugging Face model directory (config.json + safetensors + tokenizer.json)")
+    r.add_argument("--prompt", "-p", default=None, help="prompt text (or --prompt-file, or stdin)")
+    r.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    r.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    r.add_argument("--json", action="store_true",
+                   help='print {"token_ids", "text", "finish_reason", "stats"} as one JSON object')
+    _add_sampling_args(r)
+    _add_engine_args(r)
+    r.set_defaults(func=cmd_run)
+
+    d = sub.add_parser("demo", help="build the demo model once and run it under a budget smaller than the model",
+                       description="Writes a synthetic Qwen3-MoE checkpoint in real Hugging Face format (random "
+                                   "weights: the text is meaningless, the streaming numbers are the point) into "
+                                   "a cache directory once, then runs it with a memory budget well under its size.")
+    d.add_argument("--synthetic", type=_size, default=parse_size("2GB"), metavar="SIZE",
+                   help="size of the synthetic model (default 2GB)")
+    d.add_argument("--cache-dir", default=None, help="where demo models are kept (default ~/.cache/sluice)")
+    d.add_argument("--prompt", "-p", default="The streaming engine reads only the experts each token needs, so",
+                   help="prompt text")
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of text and a stats line")
+    _add_sampling_args(d)
+    d.set_defaults(max_new_tokens=32)
+    _add_engine_args(d)
+    d.set_defaults(func=cmd_demo)
+
+    i = sub.add_parser("inspect", help="describe a model: family, sizes, memory floor, cache per budget")
+    i.add_argument("model", help="Hugging Face model directory")
+    i.add_argument("--memory", type=_size, default=None, metavar="SIZE", help="also show the plan for this budget")
+    i.add_argument("--max-context", type=int, default=None, metavar="N", help="context the KV cache is sized for")
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
+    i.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except SluiceError as e:
+        print(f"sluice: error: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:
+        print(f"sluice: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nsluice: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

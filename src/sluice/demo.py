@@ -1,0 +1,60 @@
+"""``sluice demo``: build the demo model once, then run it under a budget smaller than the model."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from .engine import ModelInfo, Options, load
+from .synthetic import model_bytes, scaled_config, write_model
+from .units import format_size
+
+DEMO_VERSION = 1
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    if cache_dir:
+        return Path(cache_dir)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sluice"
+
+
+def ensure_synthetic(size: int, cache_dir: str | None = None, progress: bool = True) -> Path:
+    """The synthetic demo checkpoint of about ``size`` bytes, written once into the cache dir."""
+    cfg = scaled_config(size)
+    path = cache_root(cache_dir) / f"synthetic-qwen3_moe-{size / 1e9:.1f}GB-v{DEMO_VERSION}"
+    if not (path / "config.json").exists():
+        print(f"[sluice demo] writing a {model_bytes(cfg) / 1e9:.2f} GB synthetic Qwen3-MoE checkpoint "
+              f"(random weights) to {path} (once)", file=sys.stderr)
+        write_model(path, cfg, progress=progress)
+    return path
+
+
+def demo_budget(path: Path, share: float = 0.25) -> int:
+    """A budget that holds the fixed parts plus ``share`` of all experts: well under the model size."""
+    info = ModelInfo(path)
+    plan = info.plan(10**15, Options(cache_experts=info.desc.top_k))
+    slots = max(info.desc.working_set, int(share * info.desc.total_experts))
+    budget = plan.fixed_bytes + slots * plan.slot_bytes
+    info.checkpoint.close()
+    return int(budget * 1.02)
+
+
+def run_demo(args) -> int:
+    from .cli import _engine_options, generate_and_print
+
+    path = ensure_synthetic(args.synthetic, args.cache_dir, progress=not args.no_progress)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    budget = args.memory or demo_budget(path)
+    print(f"[sluice demo] model {format_size(size)} on disk, memory budget {format_size(budget)} "
+          f"({100 * budget / size:.0f}% of the model). Random weights: the text is meaningless; "
+          "the streaming numbers are the point.", file=sys.stderr)
+    engine = load(path, memory=budget, **_engine_options(args))
+    rc = generate_and_print(engine, args.prompt, args)
+    if args.json:
+        return rc
+    print(f"[sluice demo] plan: {json.dumps({k: engine.plan.to_dict()[k] for k in ('cache_slots', 'total_experts', 'floor', 'budget')})}",
+          file=sys.stderr)
+    return rc

@@ -1,0 +1,79 @@
+"""ctypes bindings to Sluice's C kernels, with torch fallbacks when they are not built.
+
+``dense(x, w, bias)`` multiplies fp32 activations [T, K] by an f32/bf16/f16 weight [N, K]
+without materialising an fp32 copy of the weight, using a persistent C thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_WTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _find_library() -> str | None:
+    pkg = os.path.dirname(_HERE)
+    for pattern in ("_kernels*.so", "_kernels*.pyd"):
+        found = sorted(glob.glob(os.path.join(pkg, pattern)))
+        if found:
+            return found[0]
+    return None
+
+
+class _Lib:
+    def __init__(self):
+        self.lib = None
+        self.threads = 1
+        self.error: str | None = None
+        path = _find_library()
+        if path is None:
+            self.error = "C kernels not built (no compiler at install time?): using torch fallbacks"
+            return
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            self.error = f"cannot load C kernels ({e}): using torch fallbacks"
+            return
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.sk_dense.argtypes = [p, p, p, p, i, i, i, i, i]
+        lib.sk_dense.restype = None
+        lib.sk_set_threads.argtypes = [i]
+        lib.sk_set_threads.restype = i
+        lib.sk_has_avx2.restype = i
+        self.lib = lib
+        self.set_threads(torch.get_num_threads())
+
+    def set_threads(self, n: int) -> None:
+        if self.lib is not None:
+            self.threads = max(1, min(n, self.lib.sk_set_threads(n)))
+
+
+_lib = _Lib()
+
+
+def available() -> bool:
+    return _lib.lib is not None
+
+
+def set_threads(n: int) -> None:
+    _lib.set_threads(n)
+
+
+def info() -> dict:
+    return {"available": available(), "avx2": bool(_lib.lib.sk_has_avx2()) if available() else False,
+            "threads": _lib.threads, "error": _lib.error}
+
+
+def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] fp32 (contiguous) @ w [N, K]^T (+ bias fp32 [N]) -> [T, N] fp32."""
+    t, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(t, n, dtype=torch.float32)
+    _lib.lib.sk_dense(x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                      t, n, k, _WTYPE[w.dtype], _lib.threads)
+    return y

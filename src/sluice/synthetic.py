@@ -1,0 +1,222 @@
+"""Synthetic checkpoints in real Hugging Face format, written tensor by tensor.
+
+One writer serves ``sluice demo``, the tests and the benchmarks. It asks the family module
+which tensors a config implies (names and shapes), so every supported family can be
+written; data is generated per tensor from a seed derived from (seed, tensor name), in
+bounded chunks, so memory stays small whatever the model size. The directory is written
+under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import sysconfig
+import zlib
+from pathlib import Path
+
+import torch
+
+from .checkpoint import DTYPE_NAMES
+from .models import get_family
+from .progress import Progress
+
+_CHUNK_ELEMS = 8 << 20
+
+DEMO_CONFIG = {
+    # ~2 GB in bf16: a Qwen3-MoE shape scaled down (16 layers x 32 experts x 3.1 MB, top-4)
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 32000,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "moe_intermediate_size": 512,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def model_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor a config implies, layer by layer (spine then that layer's experts)."""
+    fam = get_family(config.get("model_type"))
+    desc = fam.describe(fam.parse_config(config))
+    by_layer: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, shape in desc.spine.items():
+        layer = _layer_of(name)
+        by_layer.setdefault(layer, []).append((name, shape))
+    for layer in desc.moe_layers:
+        for e in range(desc.n_experts):
+            for ref in desc.expert_tensors(layer, e).values():
+                if ref.index is not None or ref.row0:
+                    raise ValueError("the synthetic writer handles per-expert tensors only")
+                by_layer.setdefault(layer, []).append((ref.name, tuple(ref.shape)))
+    out = []
+    for layer in sorted(by_layer):
+        out.extend(by_layer[layer])
+    return out
+
+
+def _layer_of(name: str) -> int:
+    parts = name.split(".")
+    if "layers" in parts:
+        i = parts.index("layers")
+        if i + 1 < len(parts) and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return -1 if "embed" in name else 1 << 30
+
+
+def model_bytes(config: dict, dtype: torch.dtype = torch.bfloat16) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(s) * size for _, s in model_tensors(config))
+
+
+def scaled_config(target_bytes: float, base: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """``base`` (default: the demo config) with the expert count chosen to reach ``target_bytes``."""
+    cfg = json.loads(json.dumps(base or DEMO_CONFIG))
+    key = "num_local_experts" if cfg.get("model_type") == "mixtral" else "num_experts"
+    cfg[key] = 4
+    small = model_bytes(cfg, dtype)
+    cfg[key] = 5
+    per_expert_all_layers = model_bytes(cfg, dtype) - small
+    cfg[key] = max(cfg.get("num_experts_per_tok", 2) * 2, 4 + int((target_bytes - small) // per_expert_all_layers))
+    return cfg
+
+
+def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, std: float, out: torch.Tensor) -> None:
+    """Fill ``out`` (flat fp32 chunk) for tensor ``name``: ones for norms, N(0, std) otherwise."""
+    if len(shape) == 1 and ("norm" in name or "layernorm" in name):
+        out.fill_(1.0)
+    elif name.endswith(".bias"):
+        out.zero_()
+    else:
+        out.normal_(0.0, std, generator=gen)
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, seed: int,
+                      std: float, bar: Progress | None = None) -> None:
+    size = torch.empty((), dtype=dtype).element_size()
+    header, off = {}, 0
+    for name, shape in tensors:
+        n = math.prod(shape) * size
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        buf = torch.empty(_CHUNK_ELEMS, dtype=torch.float32)
+        for name, shape in tensors:
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & ((1 << 63) - 1))
+            total = math.prod(shape)
+            for c0 in range(0, total, _CHUNK_ELEMS):
+                n = min(_CHUNK_ELEMS, total - c0)
+                chunk = buf[:n]
+                _init(name, shape, gen, std, chunk)
+                f.write(chunk.to(dtype).view(torch.uint8).numpy().tobytes())
+                if bar is not None:
+                    bar.update(n * size)
+
+
+def write_model(path: str | os.PathLike, config: dict, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                std: float = 0.02, shard_bytes: int = 2 << 30, tokenizer: bool = True, progress: bool = True) -> Path:
+    """Write a complete Hugging Face model directory for ``config`` at ``path`` (atomically)."""
+    path = Path(path)
+    tensors = model_tensors(config)
+    size = torch.empty((), dtype=dtype).element_size()
+    total = sum(math.prod(s) * size for _, s in tensors)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path.parent).free
+    if free < total * 1.05 + (64 << 20):
+        raise OSError(f"not enough free disk at {path.parent}: the model needs {total / 1e9:.2f} GB, "
+                      f"{free / 1e9:.2f} GB free")
+    tmp = path.with_name(path.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    cur = 0
+    for name, shape in tensors:
+        n = math.prod(shape) * size
+        if shards[-1] and cur + n > shard_bytes:
+            shards.append([])
+            cur = 0
+        shards[-1].append((name, shape))
+        cur += n
+    bar = Progress(total, f"writing {path.name}", enabled=progress)
+    if len(shards) == 1:
+        write_safetensors(tmp / "model.safetensors", shards[0], dtype, seed, std, bar)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(tmp / fname, shard, dtype, seed, std, bar)
+            weight_map.update({name: fname for name, _ in shard})
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    bar.close()
+    cfg = dict(config)
+    cfg["dtype"] = str(dtype).replace("torch.", "")
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    gen_cfg = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+    if tokenizer:
+        write_tokenizer(tmp, cfg["vocab_size"])
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def _corpus(max_bytes: int) -> list[str]:
+    """Deterministic training text available on every machine: Python's own stdlib sources."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for p in sorted(root.glob("*.py")):
+        try:
+            t = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(t)
+        total += len(t)
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer trained offline on stdlib sources, ``vocab_size`` entries."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<pad>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(2_000_000 if vocab_size > 4096 else 400_000), trainer=trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "pad_token": "<pad>", "add_bos_token": False, "model_max_length": 4096,
+    }, indent=2))
