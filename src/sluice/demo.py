@@ -33,13 +33,12 @@ def ensure_synthetic(size: int, cache_dir: str | None = None, progress: bool = T
 
 
 def demo_budget(path: Path, share: float = 0.25) -> int:
-    """A budget that holds the fixed parts plus ``share`` of all experts: well under the model size."""
+    """The smallest budget whose cache holds ``share`` of all experts: well under the model size."""
     info = ModelInfo(path)
-    plan = info.plan(10**15, Options(cache_experts=info.desc.top_k))
     slots = max(info.desc.working_set, int(share * info.desc.total_experts))
-    budget = plan.fixed_bytes + slots * plan.slot_bytes
+    plan = info.plan(1 << 40, Options(cache_experts=info.desc.top_k))
     info.checkpoint.close()
-    return int(budget * 1.02)
+    return plan.budget_for_slots(slots)
 
 
 def run_demo(args) -> int:

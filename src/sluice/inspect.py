@@ -18,9 +18,8 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
     base = info.plan(10**15, opts, baseline=current_rss())  # fixed parts; budget irrelevant here
     floor = base.floor
     expert_bytes = info.experts.record_bytes
-    all_experts = d.total_experts * base.slot_bytes
-    budgets = sorted({floor, floor + all_experts // 4, floor + all_experts // 2,
-                      base.fixed_bytes + all_experts + (64 << 20)} | ({memory} if memory else set()))
+    budgets = sorted({floor, base.budget_for_slots(d.total_experts // 4), base.budget_for_slots(d.total_experts // 2),
+                      base.budget_for_slots(d.total_experts)} | ({memory} if memory else set()))
     table = []
     for b in budgets:
         slots = base.slots_for(b)

@@ -18,6 +18,15 @@ _MARGIN_BYTES = 48 << 20  # allocator slack, Python objects, thread stacks
 _MARGIN_SHARE = 0.03
 
 
+def margin_for(budget: int) -> int:
+    return _MARGIN_BYTES + int(_MARGIN_SHARE * budget)
+
+
+def budget_for(fixed: int, nbytes: int) -> int:
+    """The smallest budget B with B - margin(B) >= fixed + nbytes."""
+    return int((fixed + nbytes + _MARGIN_BYTES) / (1 - _MARGIN_SHARE)) + 1
+
+
 @dataclass
 class Plan:
     budget: int
@@ -40,7 +49,8 @@ class Plan:
 
     @property
     def fixed_bytes(self) -> int:
-        return self.baseline + self.spine_bytes + self.state_bytes + self.activation_bytes + self.margin_bytes
+        """Everything but the expert cache and the safety margin."""
+        return self.baseline + self.spine_bytes + self.state_bytes + self.activation_bytes
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -48,10 +58,15 @@ class Plan:
         return d
 
     def slots_for(self, budget: int) -> int:
-        """Cache slots a given budget would give (for ``inspect``)."""
-        margin = _MARGIN_BYTES + int(_MARGIN_SHARE * budget)
-        free = budget - (self.fixed_bytes - self.margin_bytes + margin)
+        """Cache slots a given budget gives (0 below the floor)."""
+        if budget < self.floor:
+            return 0
+        free = budget - margin_for(budget) - self.fixed_bytes
         return max(0, min(self.total_experts, free // self.slot_bytes))
+
+    def budget_for_slots(self, slots: int) -> int:
+        """The smallest budget whose cache holds ``slots`` experts."""
+        return budget_for(self.fixed_bytes, slots * self.slot_bytes)
 
 
 def activation_bytes(hidden: int, intermediate: int, vocab: int, chunk: int, heads: int, max_ctx: int) -> int:
@@ -67,9 +82,9 @@ def activation_bytes(hidden: int, intermediate: int, vocab: int, chunk: int, hea
 def make_plan(*, budget: int, baseline: int, spine_bytes: int, state_bytes: int, activations: int,
               slot_bytes: int, working_set: int, total_experts: int, top_k: int, max_context: int,
               prefill_chunk: int, cache_experts: int | None = None) -> Plan:
-    margin = _MARGIN_BYTES + int(_MARGIN_SHARE * budget)
-    fixed = baseline + spine_bytes + state_bytes + activations + margin
-    floor = fixed + working_set * slot_bytes
+    margin = margin_for(budget)
+    fixed = baseline + spine_bytes + state_bytes + activations
+    floor = budget_for(fixed, working_set * slot_bytes)
     breakdown = (
         f"baseline {format_size(baseline)} + spine {format_size(spine_bytes)} + one token's experts "
         f"({working_set} x {format_size(slot_bytes)} = {format_size(working_set * slot_bytes)}) + KV/state for "
@@ -82,7 +97,7 @@ def make_plan(*, budget: int, baseline: int, spine_bytes: int, state_bytes: int,
                 f"use at least {top_k} (one token's working set is {working_set})"
             )
         slots = min(cache_experts, total_experts)
-        need = fixed + slots * slot_bytes
+        need = budget_for(fixed, slots * slot_bytes)
         if need > budget:
             raise BudgetError(
                 f"memory budget {format_size(budget)} cannot hold a cache of {slots} experts: that needs "
@@ -95,7 +110,7 @@ def make_plan(*, budget: int, baseline: int, spine_bytes: int, state_bytes: int,
                 f"memory budget {format_size(budget)} is below the floor {format_size(floor)} for this model: "
                 f"{breakdown}. Raise --memory to at least {format_size(floor)}, or lower --max-context"
             )
-        slots = min(total_experts, (budget - fixed) // slot_bytes)
+        slots = min(total_experts, (budget - margin - fixed) // slot_bytes)
     return Plan(budget=budget, baseline=baseline, spine_bytes=spine_bytes, state_bytes=state_bytes,
                 activation_bytes=activations, margin_bytes=margin, slot_bytes=slot_bytes, working_set=working_set,
                 total_experts=total_experts, cache_slots=int(slots), max_context=max_context,

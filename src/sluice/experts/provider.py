@@ -192,16 +192,23 @@ class ExpertProvider:
                     self._settle(slot)
                 t0 = time.perf_counter()
                 rows_e, cols_e = groups[pick]
-                idx = torch.tensor(rows_e)
-                y = expert_forward(self.spec, slot.weights, x[idx] if t > 1 else x)
-                y = y * weights[idx, torch.tensor(cols_e)].to(y.dtype)[:, None]
+                if t == 1:
+                    y = expert_forward(self.spec, slot.weights, x) * weights[0, cols_e[0]].to(x.dtype)
+                    idx = None
+                else:
+                    idx = torch.tensor(rows_e)
+                    y = expert_forward(self.spec, slot.weights, x[idx])
+                    y = y * weights[idx, torch.tensor(cols_e)].to(y.dtype)[:, None]
                 c.compute_s += time.perf_counter() - t0
                 slot.pins -= 1
                 done.add(pick)
                 results[pick] = (idx, y)
                 while next_fold < len(experts) and experts[next_fold] in results:
                     i_, y_ = results.pop(experts[next_fold])
-                    acc.index_add_(0, i_, y_)
+                    if i_ is None:
+                        acc += y_
+                    else:
+                        acc.index_add_(0, i_, y_)
                     next_fold += 1
         except BaseException as e:  # leave the cache consistent, then report
             error = e

@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints (transformers is the oracle).
+
+Random tiny models have near-tied logits and router scores; the fixtures scale weights
+(initializer_range 0.2) and fixed seeds so that every compared position is decisive, and
+``assert_decisive`` proves it at every position, so no test passes or fails by a tie.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+# family -> extra config: each exercises what its family has (dense layers, sliding window, clip_qkv)
+FAMILY_CONFIGS = {
+    "qwen3_moe": dict(mlp_only_layers=[1], norm_topk_prob=True),
+    "mixtral": dict(sliding_window=8),
+    "olmoe": dict(clip_qkv=2.0),
+}
+FAMILIES = list(FAMILY_CONFIGS)
+
+LOGIT_MARGIN = 1e-3  # top-1 minus top-2 logit, far above fp32 error (~1e-6)
+ROUTER_MARGIN = 1e-5  # k-th minus (k+1)-th router probability
+
+
+def tiny_config(model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                num_local_experts=8, num_experts_per_tok=2, initializer_range=0.2, max_position_embeddings=512,
+                bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    base.update(FAMILY_CONFIGS.get(model_type, {}))
+    base.update(overrides)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def save_tiny(path: Path, model_type: str, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()
+    model.to(dtype).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """``model_dir(family, dtype="float32", **overrides)`` -> a saved tiny checkpoint (cached per session)."""
+    root = tmp_path_factory.mktemp("models")
+    made: dict = {}
+
+    def make(model_type: str, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
+        key = (model_type, dtype, seed, tuple(sorted(overrides.items())))
+        if key not in made:
+            name = f"{model_type}-{dtype}-{seed}-{len(made)}"
+            made[key] = save_tiny(root / name, model_type, seed, getattr(torch, dtype), **overrides)
+        return made[key]
+
+    yield make
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def reference(path: Path):
+    """transformers model on the checkpoint's weights upcast to fp32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def prompt_ids(n: int = 16, seed: int = 1, vocab: int = 256) -> torch.Tensor:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_decisive(ref, ids: torch.Tensor, first: int, top_k: int) -> None:
+    """Every position from ``first`` has a clear top-1 logit and clear router choices."""
+    with torch.no_grad():
+        out = ref(ids[None], output_router_logits=True)
+    top = out.logits[0, first:].topk(2, dim=-1).values
+    margin = (top[:, 0] - top[:, 1]).min().item()
+    assert margin > LOGIT_MARGIN, f"top-1/top-2 logit margin {margin:.2e} is a near-tie: pick another seed"
+    for layer, rl in enumerate(out.router_logits or ()):
+        p = torch.softmax(rl.float().reshape(-1, rl.shape[-1]), -1).topk(top_k + 1, dim=-1).values
+        rm = (p[:, top_k - 1] - p[:, top_k]).min().item()
+        assert rm > ROUTER_MARGIN, f"router margin {rm:.2e} in layer {layer} is a near-tie: pick another seed"
