@@ -85,3 +85,13 @@ def assert_decisive(ref, ids: torch.Tensor, first: int, top_k: int) -> None:
         p = torch.softmax(rl.float().reshape(-1, rl.shape[-1]), -1).topk(top_k + 1, dim=-1).values
         rm = (p[:, top_k - 1] - p[:, top_k]).min().item()
         assert rm > ROUTER_MARGIN, f"router margin {rm:.2e} in layer {layer} is a near-tie: pick another seed"
+
+
+@pytest.fixture(scope="session")
+def text_model(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint with a real byte-level BPE tokenizer (vocab 512)."""
+    from sluice.synthetic import write_tokenizer
+
+    path = save_tiny(tmp_path_factory.mktemp("text") / "qwen3-text", "qwen3_moe", vocab_size=512, eos_token_id=2)
+    write_tokenizer(path, 512)
+    return path
