@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .engine import ModelInfo, Options, load
-from .synthetic import model_bytes, scaled_config, write_model
+from .synthetic import DEMO_CONFIG, model_bytes, scaled_config, write_model
 from .units import format_size
 
 DEMO_VERSION = 1
@@ -21,9 +21,20 @@ def cache_root(cache_dir: str | None = None) -> Path:
     return Path(base) / "sluice"
 
 
+SMALL_DEMO = {
+    **DEMO_CONFIG, "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1408, "moe_intermediate_size": 256,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+}
+
+
+def demo_config(size: int) -> dict:
+    """The demo's Qwen3-MoE shape for a target size: a narrower one below 1 GB."""
+    return scaled_config(size, DEMO_CONFIG if size >= 1e9 else SMALL_DEMO)
+
+
 def ensure_synthetic(size: int, cache_dir: str | None = None, progress: bool = True) -> Path:
     """The synthetic demo checkpoint of about ``size`` bytes, written once into the cache dir."""
-    cfg = scaled_config(size)
+    cfg = demo_config(size)
     path = cache_root(cache_dir) / f"synthetic-qwen3_moe-{size / 1e9:.1f}GB-v{DEMO_VERSION}"
     if not (path / "config.json").exists():
         print(f"[sluice demo] writing a {model_bytes(cfg) / 1e9:.2f} GB synthetic Qwen3-MoE checkpoint "

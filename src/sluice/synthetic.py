@@ -102,13 +102,15 @@ def scaled_config(target_bytes: float, base: dict | None = None, dtype: torch.dt
 
 
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, std: float, out: torch.Tensor) -> None:
-    """Fill ``out`` (flat fp32 chunk) for tensor ``name``: ones for norms, N(0, std) otherwise."""
+    """Fill ``out`` (flat fp32 chunk) for tensor ``name``: ones for norms, zero biases, and
+    otherwise uniform noise with standard deviation ``std`` (uniform is ~2x faster to draw)."""
     if len(shape) == 1 and ("norm" in name or "layernorm" in name):
         out.fill_(1.0)
     elif name.endswith(".bias"):
         out.zero_()
     else:
-        out.normal_(0.0, std, generator=gen)
+        a = std * math.sqrt(3.0)
+        out.uniform_(-a, a, generator=gen)
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, seed: int,
@@ -133,7 +135,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dt
                 n = min(_CHUNK_ELEMS, total - c0)
                 chunk = buf[:n]
                 _init(name, shape, gen, std, chunk)
-                f.write(chunk.to(dtype).view(torch.uint8).numpy().tobytes())
+                f.write(memoryview(chunk.to(dtype).view(torch.uint8).numpy()))
                 if bar is not None:
                     bar.update(n * size)
 
