@@ -95,3 +95,34 @@ def text_model(tmp_path_factory):
     path = save_tiny(tmp_path_factory.mktemp("text") / "qwen3-text", "qwen3_moe", vocab_size=512, eos_token_id=2)
     write_tokenizer(path, 512)
     return path
+
+
+# A synthetic model at least 3x larger than a budget, shared by the memory and I/O tests.
+BUDGET = 500 << 20
+MODEL_BYTES = 3 * BUDGET + (100 << 20)  # at least 3x the budget
+
+MEMTEST_BASE = {
+    "model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1024,
+    "moe_intermediate_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+
+
+@pytest.fixture(scope="session")
+def big_model(tmp_path_factory):
+    from sluice.synthetic import model_bytes, scaled_config, write_model
+
+    cfg = scaled_config(MODEL_BYTES, MEMTEST_BASE, torch.bfloat16)
+    need = model_bytes(cfg)
+    root = tmp_path_factory.mktemp("memtest")
+    free = shutil.disk_usage(root).free
+    if free < need * 1.2:
+        pytest.skip(f"needs {need / 1e9:.1f} GB free disk for the memory test model, only {free / 1e9:.1f} GB free")
+    path = write_model(root / "model", cfg, progress=False, tokenizer=False)
+    yield path, need
+    shutil.rmtree(root, ignore_errors=True)
+
+

@@ -5,29 +5,15 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 import sluice
-from sluice.synthetic import model_bytes, scaled_config, write_model
-
-BUDGET = 500 << 20
-MODEL_BYTES = 3 * BUDGET + (100 << 20)  # at least 3x the budget
-
-MEMTEST_BASE = {
-    "model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1024,
-    "moe_intermediate_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
-    "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "hidden_act": "silu",
-    "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-}
+from conftest import BUDGET
 
 RUNNER = r"""
 import json, resource, sys, sluice
@@ -36,19 +22,6 @@ r = engine.generate(list(range(3, 260)), max_new_tokens=12, ignore_eos=True)
 print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "stats": r.stats,
                   "plan": engine.plan.to_dict()}))
 """
-
-
-@pytest.fixture(scope="session")
-def big_model(tmp_path_factory):
-    cfg = scaled_config(MODEL_BYTES, MEMTEST_BASE, torch.bfloat16)
-    need = model_bytes(cfg)
-    root = tmp_path_factory.mktemp("memtest")
-    free = shutil.disk_usage(root).free
-    if free < need * 1.2:
-        pytest.skip(f"needs {need / 1e9:.1f} GB free disk for the memory test model, only {free / 1e9:.1f} GB free")
-    path = write_model(root / "model", cfg, progress=False, tokenizer=False)
-    yield path, need
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _run(cmd: list[str]) -> dict:

@@ -33,6 +33,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: min(model limit, 4096))")
     g.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (default: all cores)")
     g.add_argument("--reader-threads", type=int, default=4, metavar="N", help="parallel expert reads (default 4)")
+    g.add_argument("--no-prefetch", action="store_true",
+                   help="disable router lookahead (reading the next layer's predicted experts early)")
+    g.add_argument("--verify-reads", action="store_true",
+                   help="check the CRC32 of every expert record read from a container (costs CPU)")
     g.add_argument("--buffered-io", action="store_true",
                    help="never use O_DIRECT (buffered reads that drop their pages from the page cache)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -40,7 +44,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_options(args) -> dict:
     return dict(cache_experts=args.cache_experts, cache_policy=args.cache_policy, max_context=args.max_context,
-                threads=args.threads, reader_threads=args.reader_threads,
+                threads=args.threads, reader_threads=args.reader_threads, prefetch=not args.no_prefetch,
+                verify_reads=args.verify_reads,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress)
 
 
@@ -116,6 +121,28 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from .convert import convert
+
+    out = convert(args.model, args.output, experts=args.experts, progress=not args.no_progress)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .container import check_container
+
+    report = check_container(args.model, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for e in report["errors"]:
+            print(f"BAD  {e}")
+        status = "OK" if report["ok"] else f"{len(report['errors'])} error(s)"
+        print(f"{report['path']}: {report['spine_groups']} spine groups, {report['records']} expert records: {status}")
+    return 0 if report["ok"] else 1
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -136,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate text, streaming it as it is produced, then print a stats line "
                                    "(prefill and steady-state decode tok/s, expert cache hit rate, bytes read, "
                                    "peak RSS) on stderr. --json prints one JSON object instead.")
-    r.add_argument("model", help="Hugging Face model directory (config.json + safetensors + tokenizer.json)")
+    r.add_argument("model", help="Hugging Face model directory (config.json + safetensors + tokenizer.json) "
+                                 "or a Sluice container")
     r.add_argument("--prompt", "-p", default=None, help="prompt text (or --prompt-file, or stdin)")
     r.add_argument("--prompt-file", default=None, help="read the prompt from this file")
     r.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
@@ -160,6 +188,27 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(max_new_tokens=32)
     _add_engine_args(d)
     d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("convert", help="pack a Hugging Face directory into a Sluice container",
+                       description="Writes a container directory: manifest.json, spine.bin (each layer's spine "
+                                   "tensors contiguous and 4096-aligned) and one expert bank per MoE layer with one "
+                                   "4096-aligned, CRC-protected record per expert, so one expert is one read. "
+                                   "Reads the source tensor by tensor (small memory); writes to OUTPUT.partial "
+                                   "and renames when complete.")
+    c.add_argument("model", help="Hugging Face model directory")
+    c.add_argument("output", help="container directory to write (replaced if it exists)")
+    c.add_argument("--experts", default=None, metavar="FORMAT",
+                   help="expert format: f32, bf16, f16 (exact passthrough/cast; default: the checkpoint's dtype)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_convert)
+
+    k = sub.add_parser("check", help="verify every CRC of a container",
+                       description="Reads every spine group and expert record of a container and checks their "
+                                   "CRC32 and headers. Exit status 1 if anything is corrupt.")
+    k.add_argument("model", help="container directory")
+    k.add_argument("--json", action="store_true", help="print the report as JSON")
+    k.add_argument("--no-progress", action="store_true", help="no progress bar")
+    k.set_defaults(func=cmd_check)
 
     i = sub.add_parser("inspect", help="describe a model: family, sizes, memory floor, cache per budget")
     i.add_argument("model", help="Hugging Face model directory")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import Checkpoint
+from .container import Container, ContainerExperts, is_container
 from .errors import CheckpointError, GenerationCancelled, SluiceError
 from .experts.cache import ExpertCache
 from .experts.policy import make_policy
@@ -70,7 +71,7 @@ class Options:
     threads: int | None = None
     reader_threads: int = 4
     cache_policy: str = "lfru"
-    prefetch: bool = False
+    prefetch: bool = True
     direct_io: bool | None = None  # None: probe O_DIRECT, fall back to buffered
     verify_reads: bool = False
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
@@ -90,15 +91,23 @@ class ModelInfo:
 
     def __init__(self, path: str | os.PathLike, direct_io: bool | None = None):
         self.path = Path(path)
-        self.checkpoint = Checkpoint(self.path, direct=direct_io)
+        self.is_container = is_container(self.path)
+        if self.is_container:
+            self.checkpoint = Container(self.path, direct=direct_io)
+        else:
+            self.checkpoint = Checkpoint(self.path, direct=direct_io)
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
         self.config = self.family.parse_config(self.raw_config)
         self.desc = self.family.describe(self.config)
         for name, shape in self.desc.spine.items():
             check_tensor(name, self.checkpoint.info(name), shape)
-        self.experts = CheckpointExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
-                                         self.desc.expert_tensors)
+        if self.is_container:
+            self.experts = ContainerExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
+                                            self.desc.expert.matrix_shapes())
+        else:
+            self.experts = CheckpointExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
+                                             self.desc.expert_tensors)
         self.tokenizer: Tokenizer | None = None
         if (self.path / "tokenizer.json").exists():
             self.tokenizer = Tokenizer(self.path)
@@ -160,6 +169,8 @@ class Engine:
                                       reader_threads=options.reader_threads, verify_reads=options.verify_reads)
         self.model = self.family.build(self.config, spine.__getitem__, self.experts)
         del spine
+        if options.prefetch:
+            self.model.lookahead = self._lookahead
         self.state = self.model.new_state(self.plan.max_context)
         self._lock = threading.Lock()
         self.load_s = time.perf_counter() - t_load
@@ -187,6 +198,14 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _lookahead(self, layer: int, h: torch.Tensor) -> None:
+        """After layer ``layer``'s attention, start reads for the next layer's predicted experts."""
+        if h.shape[0] != 1:
+            return  # prefill reads each expert once per layer anyway
+        ids = self.model.predict(layer + 1, h)
+        if ids is not None:
+            self.experts.prefetch(layer + 1, ids[0].tolist())
 
     # -- model access ------------------------------------------------------------------------
 
@@ -383,6 +402,8 @@ class Engine:
             "demand_reads": d["demand_reads"],
             "prefetch_reads": d["prefetch_reads"],
             "prefetch_used": d["prefetch_used"],
+            "prefetch_cancelled": d["prefetch_cancelled"],
+            "lookahead_recall": d["predicted_hits"] / d["predicted"] if d["predicted"] else 0.0,
             "evictions": self.cache.evictions - evict0,
             "bytes_read": self.checkpoint.stats.bytes_read - bytes0,
             "read_wait_s": d["read_wait_s"],

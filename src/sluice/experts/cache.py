@@ -14,6 +14,7 @@ import torch
 from ..storage import AlignedBuffer
 from .layout import ExpertLayout
 from .policy import Policy
+from .source import views
 
 EMPTY, LOADING, READY = 0, 1, 2
 
@@ -86,8 +87,7 @@ class ExpertCache:
 
     def ready(self, slot: Slot) -> None:
         """Mark a loaded slot READY and build its tensor views."""
-        base = self.base(slot)
-        slot.weights = {v.name: self.arena.tensor(base + v.slot_offset, v.dtype, v.shape) for v in slot.layout.views}
+        slot.weights = views(self.arena, self.base(slot), slot.layout)
         slot.state = READY
         slot.future = None
 

@@ -49,7 +49,6 @@ class ExpertLayout:
     reads: tuple[Read, ...]
     views: tuple[View, ...]
     slot_bytes: int
-    crc: tuple[int, int, int] | None = None  # (slot offset, length, expected CRC32) when known
 
     @property
     def read_bytes(self) -> int:

@@ -11,16 +11,13 @@ Shape legend: T tokens, H hidden, K experts per token, n_e tokens routed to expe
 from __future__ import annotations
 
 import time
-import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import ExpertReadError
 from .cache import LOADING, READY, ExpertCache, Slot
 from .compute import expert_forward
-from .layout import ExpertLayout
 from .source import ExpertSource
 from .spec import ExpertSpec
 
@@ -38,6 +35,9 @@ class ExpertCounters:
     demand_reads: int = 0
     prefetch_reads: int = 0
     prefetch_used: int = 0  # speculative reads later used by the layer they were for
+    prefetch_cancelled: int = 0  # wrong guesses cancelled before their read started
+    predicted: int = 0  # lookahead predictions checked against the real routing (decode)
+    predicted_hits: int = 0  # ... that the layer really used
     read_wait_s: float = 0.0
     compute_s: float = 0.0
 
@@ -50,33 +50,16 @@ class ExpertProvider:
         self.verify_reads = verify_reads
         self.counters = ExpertCounters()
         self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
+        self._predictions: dict[int, list[int]] = {}  # layer -> experts prefetched for it
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     # -- reads ---------------------------------------------------------------------------
 
-    def _read(self, layout: ExpertLayout, base: int, layer: int, expert: int) -> None:
+    def _read(self, base: int, layer: int, expert: int) -> None:
         """Runs on a reader thread: fill the slot at ``base`` with the expert's bytes."""
-        arena = self.cache.arena
-        for r in layout.reads:
-            try:
-                got = self.source.file(r.file).read_aligned(arena.view(base + r.slot_offset, r.length), r.offset)
-            except OSError as e:
-                raise ExpertReadError(f"{r.file}: reading layer {layer} expert {expert} failed: {e.strerror or e}") from e
-            if got < r.need:
-                raise ExpertReadError(
-                    f"{r.file}: short read for layer {layer} expert {expert}: got {got} of {r.need} bytes at offset "
-                    f"{r.offset} (file truncated or storage error)"
-                )
-        if layout.crc is not None and self.verify_reads:
-            off, length, expected = layout.crc
-            crc = zlib.crc32(arena.view(base + off, length))
-            if crc != expected:
-                raise ExpertReadError(
-                    f"{layout.reads[0].file}: CRC mismatch for layer {layer} expert {expert} "
-                    f"(stored {expected:08x}, read {crc:08x}): the record is corrupt"
-                )
+        self.source.read(layer, expert, self.cache.arena, base, self.verify_reads)
 
     def _start_read(self, key: tuple[int, int], speculative: bool) -> Slot | None:
         layout = self.source.layout(*key)
@@ -87,7 +70,7 @@ class ExpertProvider:
         if slot is None:
             return None
         slot.speculative = speculative
-        slot.future = self.pool.submit(self._read, layout, self.cache.base(slot), key[0], key[1])
+        slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1])
         if speculative:
             self.counters.prefetch_reads += 1
         else:
@@ -113,11 +96,31 @@ class ExpertProvider:
                     pass  # a failed speculative read: nothing cached, nobody waiting
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
-        """Start speculative reads for experts predicted for ``layer`` (never evicts pinned)."""
+        """Start speculative reads for experts predicted for ``layer`` (never evicts pinned ones).
+
+        Wrong guesses are cancelled when the layer runs if their read has not started, and
+        otherwise stay cached like any other expert. Results never depend on prefetching.
+        """
+        self._predictions[layer] = list(experts)
         for e in experts:
             key = (layer, e)
             if self.cache.lookup(key) is None and self._start_read(key, speculative=True) is None:
                 break
+
+    def _check_predictions(self, layer: int, used: set[int]) -> None:
+        predicted = self._predictions.pop(layer, None)
+        if predicted is None:
+            return
+        if self.decoding:
+            self.counters.predicted += len(used)
+            self.counters.predicted_hits += len(used.intersection(predicted))
+        for e in predicted:
+            if e in used:
+                continue
+            slot = self.cache.lookup((layer, e))
+            if slot is not None and slot.speculative and slot.state == LOADING and slot.future.cancel():
+                self.cache.discard(slot)
+                self.counters.prefetch_cancelled += 1
 
     def drain(self) -> None:
         """Wait for every read in flight and settle it (errors of speculative reads are dropped)."""
@@ -144,6 +147,7 @@ class ExpertProvider:
             g[0].append(r)
             g[1].append(c)
         experts = sorted(groups)
+        self._check_predictions(layer, set(experts))
         out_of_order = t * x.shape[1] * 4 * len(experts) <= _OUT_OF_ORDER_BYTES
         c = self.counters
 

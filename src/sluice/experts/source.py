@@ -11,20 +11,45 @@ import math
 from collections.abc import Callable
 
 from ..checkpoint import DTYPES, Checkpoint
-from ..errors import CheckpointError
-from ..storage import LocalFile
+from ..errors import CheckpointError, ExpertReadError
+from ..storage import AlignedBuffer, LocalFile
 from .layout import ExpertLayout, Span, layout_from_spans
+
+
+def views(buf: AlignedBuffer, base: int, layout: ExpertLayout) -> dict:
+    """Tensor views of a record read into ``buf`` at ``base``."""
+    return {v.name: buf.tensor(base + v.slot_offset, v.dtype, v.shape) for v in layout.views}
 from .spec import ExpertTensors
 
 
 class ExpertSource:
-    """Interface: ``layout``, ``file``, ``slot_bytes``, ``format``, ``record_bytes``."""
+    """Interface: ``layout``, ``file``, ``validate``, ``slot_bytes``, ``format``, ``record_bytes``."""
 
     format: str
     slot_bytes: int
 
     def layout(self, layer: int, expert: int) -> ExpertLayout:
         raise NotImplementedError
+
+    def validate(self, layer: int, expert: int, record: memoryview, verify_crc: bool) -> None:
+        """Check a record just read (container headers, CRC); raise ``ExpertReadError``."""
+
+    def read(self, layer: int, expert: int, buf: AlignedBuffer, base: int = 0, verify_crc: bool = False) -> ExpertLayout:
+        """Read one expert into ``buf`` at ``base`` (aligned); raises ``ExpertReadError`` naming it."""
+        layout = self.layout(layer, expert)
+        for r in layout.reads:
+            try:
+                got = self.file(r.file).read_aligned(buf.view(base + r.slot_offset, r.length), r.offset)
+            except OSError as e:
+                raise ExpertReadError(
+                    f"{r.file}: reading layer {layer} expert {expert} failed: {e.strerror or e}") from e
+            if got < r.need:
+                raise ExpertReadError(
+                    f"{r.file}: short read for layer {layer} expert {expert}: got {got} of {r.need} bytes at "
+                    f"offset {r.offset} (file truncated or storage error)"
+                )
+        self.validate(layer, expert, buf.view(base, layout.slot_bytes), verify_crc)
+        return layout
 
     def file(self, path: str) -> LocalFile:
         raise NotImplementedError

@@ -110,6 +110,18 @@ class CausalLM:
         self.embed, self.layers, self.norm, self.lm_head, self.rotary = embed, layers, norm, lm_head, rotary
         self.lookahead = None  # optional hook(layer_index, h) called after each layer's attention
 
+    def predict(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
+        """Router lookahead: the experts layer ``layer`` would pick for residual stream ``h``.
+
+        Applies that layer's own post-attention norm and router to a stream that has not yet
+        been through it (it is an early guess, used only to start reads). None for dense layers.
+        """
+        if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, MoEBlock):
+            return None
+        target = self.layers[layer]
+        ids, _ = target.mlp.router(target.post_norm(h))
+        return ids
+
     def new_state(self, max_ctx: int) -> State:
         return State([layer.attn.new_cache(max_ctx) for layer in self.layers], max_ctx)
 

@@ -14,14 +14,16 @@ SMALL_BATCH = 8  # up to this many rows, the fused C kernel beats upcast + sgemm
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` in fp32. x: [T, K] fp32, weight: [N, K] f32/bf16/f16.
 
-    Small batches of half-precision weights go through the fused C kernel (no fp32 copy of
-    the weight); larger batches upcast bounded row chunks (16 MiB at most) and use sgemm.
+    Small batches go through the C kernel for every dtype: no fp32 copy of a half-precision
+    weight, and a summation order that depends neither on the weight's address alignment nor
+    on the thread count (BLAS GEMV does depend on both). Larger batches use sgemm, upcasting
+    half-precision weights in bounded row chunks (16 MiB at most).
     """
-    if weight.dtype == torch.float32:
-        return F.linear(x, weight, bias)
     if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.available() and weight.is_contiguous():
         b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
         return kernels.dense(x.contiguous(), weight, b)
+    if weight.dtype == torch.float32:
+        return F.linear(x, weight, bias)
     n, k = weight.shape
     rows = max(1, _CHUNK_ELEMS // max(k, 1))
     if rows >= n:
