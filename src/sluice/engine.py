@@ -238,8 +238,7 @@ class Engine:
             raise ValueError(f"{len(ids)} tokens exceed max_context {self.max_context}")
         self._check_ids(ids)
         with self._lock, torch.inference_mode():
-            self.state.length = 0
-            self.state.tokens = []
+            self.state.rewind(0)
             self.experts.decoding = False
             return self._run(ids, 0, all_logits=True)
 
@@ -315,16 +314,16 @@ class Engine:
         detok = Detokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
         stopper = StopStrings(stops)
 
-        reused = 0
+        common = 0
         if reuse_prefix:
             old = self.state.tokens[: self.state.length]
-            while reused < min(len(old), len(ids) - 1) and old[reused] == ids[reused]:
-                reused += 1
+            while common < min(len(old), len(ids) - 1) and old[common] == ids[common]:
+                common += 1
         with torch.inference_mode():
             self.experts.decoding = False
-            self.state.tokens = self.state.tokens[:reused]
-            self.state.length = reused
+            reused = self.state.rewind(common)
             logits = self._run(ids[reused:], reused, all_logits=False)[-1]
+            self.state.mark()
         t_prefill = time.perf_counter() - t0
         budget_tokens = min(max_new_tokens, self.max_context - len(ids))
         generated: list[int] = []

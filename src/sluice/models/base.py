@@ -65,13 +65,42 @@ def check_tensor(name: str, info, expected: tuple[int, ...]) -> None:
 
 
 class State:
-    """Per-sequence state: one entry per layer (KV cache or recurrent state) and the tokens."""
+    """Per-sequence state: one entry per layer (KV cache or recurrent state) and the tokens.
+
+    A KV cache can be cut back to any length for free. A recurrent layer state (linear
+    attention) can only return to positions it kept a snapshot of; such states implement
+    ``restorable(n) -> int`` (the largest restorable position <= n), ``rewind(n)`` and
+    ``mark(n)`` (keep a snapshot of the current state, which is position n). Snapshots are
+    references to immutable tensors (a forward builds new state tensors, never updates them
+    in place), so marking costs nothing.
+    """
 
     def __init__(self, layers: list, max_ctx: int):
         self.layers = layers
         self.max_ctx = max_ctx
         self.length = 0
         self.tokens: list[int] = []
+
+    def rewind(self, n: int) -> int:
+        """Roll back to the first ``n`` positions, or fewer if a layer cannot; returns the length."""
+        n = max(0, min(n, self.length))
+        recurrent = [s for s in self.layers if hasattr(s, "rewind")]
+        while True:
+            m = min([n] + [s.restorable(n) for s in recurrent])
+            if m == n:
+                break
+            n = m
+        for s in recurrent:
+            s.rewind(n)
+        self.length = n
+        del self.tokens[n:]
+        return n
+
+    def mark(self) -> None:
+        """Let every recurrent layer keep a snapshot at the current length."""
+        for s in self.layers:
+            if hasattr(s, "mark"):
+                s.mark(self.length)
 
 
 class DecoderLayer:
