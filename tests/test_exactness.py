@@ -22,12 +22,18 @@ def _compare(path, cache_experts=None, tol_scale=False):
     diff = (logits - ref_logits).abs().max().item()
     assert diff <= tol, f"max |logit diff| {diff:.3e} > {tol:.1e}"
 
+    # a repetitive prompt, so that n-gram speculation drafts (and sometimes rolls back)
+    rep = torch.cat([ids[:8], ids[:8]])
     with torch.no_grad():
-        ref_out = ref.generate(ids[None], max_new_tokens=N_NEW, do_sample=False)[0]
-    assert_decisive(ref, ref_out, len(ids) - 1, eng.desc.top_k)
-    result = eng.generate(ids.tolist(), max_new_tokens=N_NEW)
-    assert result.token_ids == ref_out[len(ids):].tolist()
-    assert result.finish_reason == "length"
+        ref_out = ref.generate(rep[None], max_new_tokens=N_NEW, do_sample=False)[0]
+    assert_decisive(ref, ref_out, len(rep) - 1, eng.desc.top_k)
+    expected = ref_out[len(rep):].tolist()
+    plain = eng.generate(rep.tolist(), max_new_tokens=N_NEW, speculate=False)
+    assert plain.token_ids == expected
+    assert plain.finish_reason == "length" and plain.stats["drafted"] == 0
+    result = eng.generate(rep.tolist(), max_new_tokens=N_NEW)  # speculation is on by default for greedy
+    assert result.token_ids == expected
+    assert result.stats["drafted"] > 0
     return eng, result
 
 

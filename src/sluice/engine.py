@@ -12,54 +12,32 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import generation
 from .checkpoint import Checkpoint
 from .container import Container, ContainerExperts, is_container
-from .errors import CheckpointError, GenerationCancelled, SluiceError
+from .errors import CheckpointError, SluiceError
 from .experts.cache import ExpertCache
 from .experts.policy import make_policy
 from .experts.provider import ExpertProvider
 from .experts.source import CheckpointExperts
-from .layers.sampling import Sampler, SamplingParams, logprobs
+from .generation import Request, Result, Step
+from .layers.sampling import SamplingParams
 from .models import get_family
 from .models.base import check_tensor
 from .models.config import eos_ids
 from .plan import Plan, activation_bytes, make_plan
 from .progress import Progress
-from .sysmem import current_rss, default_budget, peak_rss
-from .text import Detokenizer, StopStrings
+from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
 from .units import parse_size
 
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 512
-
-
-@dataclass
-class Step:
-    """One generated token, as the step generator yields it."""
-
-    token_id: int
-    text_delta: str
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" on the last step
-    stats: dict = field(default_factory=dict)
-
-
-@dataclass
-class Result:
-    """A finished generation: the generated tokens only (not the prompt)."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stats: dict
-    logprobs: list[float] | None = None
 
 
 @dataclass
@@ -213,20 +191,21 @@ class Engine:
     def max_context(self) -> int:
         return self.state.max_ctx
 
-    def _run(self, ids: list[int], start: int, all_logits: bool) -> torch.Tensor:
-        """Forward ``ids`` at positions start.., in prefill chunks; logits of the last (or every) position."""
+    def _run(self, ids: list[int], start: int, last_n: int = 1) -> torch.Tensor | None:
+        """Forward ``ids`` at positions start.. in prefill chunks; logits [last_n, V] of the last positions."""
         outs = []
         chunk = self.plan.prefill_chunk
+        first_logit = len(ids) - last_n
         for c0 in range(0, len(ids), chunk):
             part = ids[c0 : c0 + chunk]
             self.cache.policy.tick()
             h = self.model.forward(torch.tensor(part, dtype=torch.long), self.state, start + c0)
             self.state.length = start + c0 + len(part)
             self.state.tokens[start + c0 :] = part
-            if all_logits:
-                outs.append(self.model.logits(h))
-            elif c0 + chunk >= len(ids):
-                outs.append(self.model.logits(h[-1:]))
+            if c0 + len(part) > first_logit and last_n:
+                outs.append(self.model.logits(h[max(0, first_logit - c0) :]))
+        if not outs:
+            return None
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def forward(self, input_ids) -> torch.Tensor:
@@ -240,7 +219,7 @@ class Engine:
         with self._lock, torch.inference_mode():
             self.state.rewind(0)
             self.experts.decoding = False
-            return self._run(ids, 0, all_logits=True)
+            return self._run(ids, 0, last_n=len(ids))
 
     def _check_ids(self, ids: list[int]) -> None:
         v = self.desc.vocab
@@ -273,8 +252,13 @@ class Engine:
         logprobs: int | None = None,
         reuse_prefix: bool = False,
         cancel: threading.Event | None = None,
+        speculate: bool = True,
     ) -> Iterator[Step]:
-        """Generate token by token. Closing the generator (or setting ``cancel``) stops it cleanly."""
+        """Generate token by token. Closing the generator (or setting ``cancel``) stops it cleanly.
+
+        ``speculate`` (greedy only) verifies n-gram drafts several tokens per forward; the
+        tokens are the same as without it. Sampling never speculates.
+        """
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         if not ids:
@@ -287,82 +271,21 @@ class Engine:
             )
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise ValueError("logprobs must be between 0 and 20")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return self._generate(ids, params, max_new_tokens, stops, set(stop_token_ids or []), ignore_eos,
-                              logprobs, reuse_prefix, cancel)
+        req = Request(ids, params, max_new_tokens, stops, set(stop_token_ids or []), ignore_eos, logprobs,
+                      reuse_prefix, cancel, speculate)
+        return self._locked(req)
 
-    def _generate(self, ids, params, max_new_tokens, stops, stop_ids, ignore_eos, n_logprobs, reuse_prefix,
-                  cancel) -> Iterator[Step]:
+    def _locked(self, req: Request) -> Iterator[Step]:
         if not self._lock.acquire(blocking=False):
             raise SluiceError("the engine is already generating; one generation runs at a time")
         try:
-            yield from self._steps(ids, params, max_new_tokens, stops, stop_ids, ignore_eos, n_logprobs,
-                                   reuse_prefix, cancel)
+            yield from generation.run(self, req)
         finally:
             self.experts.decoding = False
             self._lock.release()
-
-    def _steps(self, ids, params, max_new_tokens, stops, stop_ids, ignore_eos, n_logprobs, reuse_prefix,
-               cancel) -> Iterator[Step]:
-        t0 = time.perf_counter()
-        c = self.experts.counters
-        c0 = _snapshot(c)
-        bytes0 = self.checkpoint.stats.bytes_read
-        evict0 = self.cache.evictions
-        sampler = Sampler(params)
-        stop_on = set(stop_ids) | (set() if ignore_eos else set(self.eos_token_ids))
-        detok = Detokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
-        stopper = StopStrings(stops)
-
-        common = 0
-        if reuse_prefix:
-            old = self.state.tokens[: self.state.length]
-            while common < min(len(old), len(ids) - 1) and old[common] == ids[common]:
-                common += 1
-        with torch.inference_mode():
-            self.experts.decoding = False
-            reused = self.state.rewind(common)
-            logits = self._run(ids[reused:], reused, all_logits=False)[-1]
-            self.state.mark()
-        t_prefill = time.perf_counter() - t0
-        budget_tokens = min(max_new_tokens, self.max_context - len(ids))
-        generated: list[int] = []
-        decode_times: list[float] = []
-        stats: dict = {}
-        finish = None
-        while True:
-            if cancel is not None and cancel.is_set():
-                raise GenerationCancelled("generation cancelled")
-            token = sampler(logits)
-            lp, top = (logprobs(logits, token, n_logprobs) if n_logprobs is not None else (None, None))
-            generated.append(token)
-            delta = ""
-            if token in stop_on:
-                finish = "stop"
-                delta = stopper.flush()
-            else:
-                if detok is not None:
-                    delta = detok.push(token)
-                delta, hit = stopper.feed(delta)
-                if hit:
-                    finish = "stop"
-                elif len(generated) >= budget_tokens:
-                    finish = "length"
-                    tail = detok.flush() if detok is not None else ""
-                    more, hit = stopper.feed(tail)
-                    delta += more + ("" if hit else stopper.flush())
-                    finish = "stop" if hit else "length"
-            if finish is not None:
-                stats = self._stats(ids, generated, reused, t0, t_prefill, decode_times, c0, bytes0, evict0)
-                self.last_stats = stats
-            yield Step(token, delta, lp, top, finish, stats)
-            if finish is not None:
-                return
-            t1 = time.perf_counter()
-            with torch.inference_mode():
-                self.experts.decoding = True
-                logits = self._run([token], len(ids) + len(generated) - 1, all_logits=False)[-1]
-            decode_times.append(time.perf_counter() - t1)
 
     def generate(self, prompt: str | list[int], **kwargs) -> Result:
         """Run ``stream`` to the end; returns the generated tokens, text and stats."""
@@ -378,46 +301,5 @@ class Engine:
                 finish, stats = step.finish_reason, step.stats
         return Result(tokens, "".join(text), finish, stats, lps if want_lp else None)
 
-    # -- stats -------------------------------------------------------------------------------
 
-    def _stats(self, ids, generated, reused, t0, t_prefill, decode_times, c0, bytes0, evict0) -> dict:
-        c = self.experts.counters
-        d = {k: getattr(c, k) - v for k, v in c0.items()}
-        steady = decode_times[1:]
-        lookups = d["lookups"]
-        prefilled = len(ids) - reused
-        return {
-            "prompt_tokens": len(ids),
-            "generated_tokens": len(generated),
-            "reused_prefix_tokens": reused,
-            "prefill_tok_s": prefilled / t_prefill if t_prefill > 0 else 0.0,
-            "decode_tok_s": len(steady) / sum(steady) if steady and sum(steady) > 0 else 0.0,
-            "ttft_s": t_prefill,
-            "total_s": time.perf_counter() - t0,
-            "hit_rate": d["hits"] / lookups if lookups else 0.0,
-            "expert_lookups": lookups,
-            "expert_hits": d["hits"],
-            "expert_misses": d["misses"],
-            "demand_reads": d["demand_reads"],
-            "prefetch_reads": d["prefetch_reads"],
-            "prefetch_used": d["prefetch_used"],
-            "prefetch_cancelled": d["prefetch_cancelled"],
-            "lookahead_recall": d["predicted_hits"] / d["predicted"] if d["predicted"] else 0.0,
-            "evictions": self.cache.evictions - evict0,
-            "bytes_read": self.checkpoint.stats.bytes_read - bytes0,
-            "read_wait_s": d["read_wait_s"],
-            "expert_compute_s": d["compute_s"],
-            "peak_rss_bytes": peak_rss(),
-            "budget_bytes": self.plan.budget,
-            "cache_slots": self.plan.cache_slots,
-            "total_experts": self.plan.total_experts,
-            "direct_io": self.experts_source.direct_io,
-            "load_s": self.load_s,
-        }
-
-
-def _snapshot(counters) -> dict:
-    return dict(vars(counters))
-
-
-__all__ = ["Engine", "Options", "Result", "Step", "load"]
+__all__ = ["Engine", "ModelInfo", "Options", "Result", "Step", "load"]
