@@ -40,12 +40,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buffered-io", action="store_true",
                    help="never use O_DIRECT (buffered reads that drop their pages from the page cache)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    lossy = p.add_argument_group("lossy speed switches (outputs differ from the model's; off by default)")
+    lossy.add_argument("--moe-top-k", type=int, default=None, metavar="N",
+                       help="LOSSY: route each token to only N experts (fewer than the model was trained with)")
+    lossy.add_argument("--prefer-cached", type=float, default=0.0, metavar="BIAS",
+                       help="LOSSY: add BIAS to the router scores of experts already in memory when choosing "
+                            "experts (mixing weights stay the model's own), trading fidelity for fewer reads")
 
 
 def _engine_options(args) -> dict:
     return dict(cache_experts=args.cache_experts, cache_policy=args.cache_policy, max_context=args.max_context,
                 threads=args.threads, reader_threads=args.reader_threads, prefetch=not args.no_prefetch,
-                verify_reads=args.verify_reads,
+                verify_reads=args.verify_reads, moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress)
 
 
@@ -59,6 +65,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text is generated (repeatable); it is not included in the output")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    g.add_argument("--no-speculate", action="store_true",
+                   help="turn off lossless n-gram speculative decoding (on by default for greedy decoding; "
+                        "it never changes the tokens, sampling never speculates)")
 
 
 def stats_line(stats: dict) -> str:
@@ -74,7 +83,8 @@ def stats_line(stats: dict) -> str:
 
 def generate_and_print(engine, prompt, args) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos)
+                  top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+                  speculate=not args.no_speculate)
     if args.json:
         r = engine.generate(prompt, **kwargs)
         print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
@@ -220,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    warnings.formatwarning = lambda msg, *a, **k: f"sluice: warning: {msg}\n"
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

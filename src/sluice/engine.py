@@ -11,13 +11,14 @@ import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import generation
+from . import generation, kernels
 from .checkpoint import Checkpoint
 from .container import Container, ContainerExperts, is_container
 from .errors import CheckpointError, SluiceError
@@ -28,10 +29,11 @@ from .experts.source import CheckpointExperts
 from .generation import Request, Result, Step
 from .layers.sampling import SamplingParams
 from .models import get_family
-from .models.base import check_tensor
+from .models.base import MoEBlock, check_tensor
 from .models.config import eos_ids
 from .plan import Plan, activation_bytes, make_plan
 from .progress import Progress
+from .quant.dense import SMALL_BATCH
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
 from .units import parse_size
@@ -54,6 +56,8 @@ class Options:
     verify_reads: bool = False
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     progress: bool = True
+    moe_top_k: int | None = None  # lossy
+    prefer_cached: float = 0.0  # lossy
 
 
 def load(path: str | os.PathLike, memory: int | str | None = None, **options) -> "Engine":
@@ -133,8 +137,8 @@ class Engine:
         self.options = options
         self.path = Path(path)
         baseline = current_rss()
-        if options.threads:
-            torch.set_num_threads(options.threads)
+        self.threads = options.threads or os.cpu_count() or 1
+        kernels.set_threads(self.threads)
         self.info = info = ModelInfo(self.path, options.direct_io)
         self.checkpoint, self.raw_config, self.family = info.checkpoint, info.raw_config, info.family
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts
@@ -143,12 +147,13 @@ class Engine:
         spine = self._load_spine()
         self.cache = ExpertCache(self.plan.cache_slots, self.experts_source.slot_bytes,
                                  make_policy(options.cache_policy))
-        self.experts = ExpertProvider(self.experts_source, self.cache, self.desc.expert,
+        self.experts = ExpertProvider(self.experts_source, self.cache, self.desc.expert, self.desc.n_experts,
                                       reader_threads=options.reader_threads, verify_reads=options.verify_reads)
         self.model = self.family.build(self.config, spine.__getitem__, self.experts)
         del spine
         if options.prefetch:
             self.model.lookahead = self._lookahead
+        self.set_lossy(moe_top_k=options.moe_top_k, prefer_cached=options.prefer_cached)
         self.state = self.model.new_state(self.plan.max_context)
         self._lock = threading.Lock()
         self.load_s = time.perf_counter() - t_load
@@ -177,6 +182,24 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
+    def set_lossy(self, moe_top_k: int | None = None, prefer_cached: float = 0.0, warn: bool = True) -> None:
+        """Opt-in lossy routing switches (outputs then differ from the model's; a warning says so).
+
+        ``moe_top_k``: route each token to only this many experts. ``prefer_cached``: add this
+        bias to the router scores of experts already in memory when selecting.
+        """
+        if moe_top_k is not None and not 1 <= moe_top_k <= self.desc.top_k:
+            raise ValueError(f"--moe-top-k must be between 1 and the model's {self.desc.top_k}")
+        if prefer_cached < 0:
+            raise ValueError("--prefer-cached must be >= 0")
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.top_k = moe_top_k if moe_top_k != self.desc.top_k else None
+                layer.mlp.prefer_cached = prefer_cached
+        self.lossy = {k: v for k, v in (("moe_top_k", moe_top_k), ("prefer_cached", prefer_cached)) if v}
+        if self.lossy and warn:
+            warnings.warn(f"lossy routing enabled ({self.lossy}): outputs differ from the model's", stacklevel=2)
+
     def _lookahead(self, layer: int, h: torch.Tensor) -> None:
         """After layer ``layer``'s attention, start reads for the next layer's predicted experts."""
         if h.shape[0] != 1:
@@ -198,6 +221,10 @@ class Engine:
         first_logit = len(ids) - last_n
         for c0 in range(0, len(ids), chunk):
             part = ids[c0 : c0 + chunk]
+            # decode-sized steps run torch single-threaded: their ops are too small to share, and an
+            # OpenMP barrier stalls a whole step when another process holds the other core; the C
+            # kernels split the large matrix-vector products with their own pool.
+            torch.set_num_threads(1 if len(part) <= SMALL_BATCH else self.threads)
             self.cache.policy.tick()
             h = self.model.forward(torch.tensor(part, dtype=torch.long), self.state, start + c0)
             self.state.length = start + c0 + len(part)

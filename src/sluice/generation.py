@@ -217,4 +217,5 @@ def _stats(engine, req, generated, reused, t0, t_prefill, forwards, c0, bytes0, 
         "total_experts": engine.plan.total_experts,
         "direct_io": engine.experts_source.direct_io,
         "load_s": engine.load_s,
+        "lossy": dict(engine.lossy),
     }

@@ -43,14 +43,22 @@ class ExpertCounters:
 
 
 class ExpertProvider:
-    def __init__(self, source: ExpertSource, cache: ExpertCache, spec: ExpertSpec, reader_threads: int = 4,
-                 verify_reads: bool = False):
-        self.source, self.cache, self.spec = source, cache, spec
+    def __init__(self, source: ExpertSource, cache: ExpertCache, spec: ExpertSpec, n_experts: int,
+                 reader_threads: int = 4, verify_reads: bool = False):
+        self.source, self.cache, self.spec, self.n_experts = source, cache, spec, n_experts
         self.pool = ThreadPoolExecutor(max_workers=max(1, reader_threads), thread_name_prefix="sluice-read")
         self.verify_reads = verify_reads
         self.counters = ExpertCounters()
         self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
         self._predictions: dict[int, list[int]] = {}  # layer -> experts prefetched for it
+
+    def resident_mask(self, layer: int) -> torch.Tensor:
+        """[E] float: 1 for experts of ``layer`` that are in memory (ready or being read), else 0."""
+        mask = torch.zeros(self.n_experts)
+        for key in self.cache.keys():
+            if key[0] == layer:
+                mask[key[1]] = 1.0
+        return mask
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

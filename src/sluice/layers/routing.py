@@ -8,10 +8,19 @@ from __future__ import annotations
 import torch
 
 
-def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over E in fp32, top-k, optional renormalisation (Mixtral/Qwen3-MoE/OLMoE)."""
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool,
+                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over E in fp32, top-k, optional renormalisation (Mixtral/Qwen3-MoE/OLMoE).
+
+    ``bias`` [E] is added to the probabilities for choosing experts only; the mixing
+    weights stay the model's own probabilities.
+    """
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
-    weights, ids = torch.topk(probs, k, dim=-1)  # [T, K]
+    if bias is None:
+        weights, ids = torch.topk(probs, k, dim=-1)  # [T, K]
+    else:
+        ids = torch.topk(probs + bias, k, dim=-1).indices
+        weights = probs.gather(-1, ids)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights

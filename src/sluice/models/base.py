@@ -118,15 +118,32 @@ class DecoderLayer:
 class MoEBlock:
     """Routes tokens and hands them to the expert interface; adds shared experts if any.
 
-    ``router(x) -> (ids [T, K], weights [T, K])`` is the family's routing rule.
+    ``router(x, bias=None) -> (ids [T, K], weights [T, K])`` is the family's routing rule; it
+    returns experts in descending score order and adds ``bias`` [E] (if given) to the scores
+    used for *selection* only. Two opt-in lossy switches act here: ``top_k`` keeps only the
+    first experts (weights rescaled to the original total) and ``prefer_cached`` biases
+    selection toward experts already in memory.
     """
 
     def __init__(self, layer: int, router: Callable, experts, shared=None, shared_gate: torch.Tensor | None = None):
         self.layer, self.router, self.experts = layer, router, experts
         self.shared, self.shared_gate = shared, shared_gate
+        self.top_k: int | None = None  # lossy: fewer experts than trained
+        self.prefer_cached = 0.0  # lossy: selection bias toward resident experts
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.prefer_cached:
+            ids, weights = self.router(x, self.experts.resident_mask(self.layer) * self.prefer_cached)
+        else:
+            ids, weights = self.router(x)
+        if self.top_k is not None and self.top_k < ids.shape[1]:
+            total = weights.sum(-1, keepdim=True)
+            ids, kept = ids[:, : self.top_k], weights[:, : self.top_k]
+            weights = kept * (total / kept.sum(-1, keepdim=True))
+        return ids, weights
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.router(x)
+        ids, weights = self.route(x)
         y = self.experts.moe(self.layer, x, ids, weights)
         if self.shared is not None:
             s = self.shared(x)
@@ -153,7 +170,7 @@ class CausalLM:
         if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, MoEBlock):
             return None
         target = self.layers[layer]
-        ids, _ = target.mlp.router(target.post_norm(h))
+        ids, _ = target.mlp.route(target.post_norm(h))
         return ids
 
     def new_state(self, max_ctx: int) -> State:

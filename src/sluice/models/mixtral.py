@@ -109,7 +109,7 @@ def build(cfg: Config, w, experts) -> CausalLM:
         )
         router_w = w(p + "block_sparse_moe.gate.weight")
         k = cfg.num_experts_per_tok
-        mlp = MoEBlock(i, lambda x, rw=router_w: softmax_topk(linear(x, rw), k, True), experts)
+        mlp = MoEBlock(i, lambda x, bias=None, rw=router_w: softmax_topk(linear(x, rw), k, True, bias), experts)
         layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), cfg.rms_norm_eps), attn,
                                    RMSNorm(w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps), mlp))
     embed = w("model.embed_tokens.weight")

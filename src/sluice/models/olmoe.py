@@ -121,7 +121,7 @@ def build(cfg: Config, w, experts) -> CausalLM:
         )
         router_w = w(p + "mlp.gate.weight")
         k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        mlp = MoEBlock(i, lambda x, rw=router_w: softmax_topk(linear(x, rw), k, norm), experts)
+        mlp = MoEBlock(i, lambda x, bias=None, rw=router_w: softmax_topk(linear(x, rw), k, norm, bias), experts)
         layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), cfg.rms_norm_eps), attn,
                                    RMSNorm(w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps), mlp))
     embed = w("model.embed_tokens.weight")

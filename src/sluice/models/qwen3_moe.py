@@ -138,7 +138,7 @@ def build(cfg: Config, w, experts) -> CausalLM:
         if i in cfg.moe_layers:
             router_w = w(p + "mlp.gate.weight")
             k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
-            mlp = MoEBlock(i, lambda x, rw=router_w: softmax_topk(linear(x, rw), k, norm), experts)
+            mlp = MoEBlock(i, lambda x, bias=None, rw=router_w: softmax_topk(linear(x, rw), k, norm, bias), experts)
         else:
             mlp = GatedMLP(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"), w(p + "mlp.down_proj.weight"),
                            cfg.hidden_act)
