@@ -385,6 +385,25 @@ def test_cancel_while_queued_frees_the_place(srv, client, gate):
         after[req_key("completions", 429)] == before.get(req_key("completions", 429), 0)
 
 
+def test_disconnect_cancels_running_non_streaming_request(srv, gate):
+    before = srv.metrics()
+    gate.hold(0)
+    body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 100, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    wait_for(lambda: gate.blocked == 1, what="the request on the engine")
+    sock.close()
+    wait_for(lambda: srv.metrics().get(req_key("chat_completions", 499), 0)
+             > before.get(req_key("chat_completions", 499), 0), what="the disconnect")
+    gate.release()
+    cancelled = 'sluice_generations_total{outcome="cancelled"}'
+    wait_for(lambda: srv.metrics()[cancelled] > before[cancelled], what="the cancelled generation")
+    after = srv.metrics()
+    assert after["sluice_requests_running"] == 0
+    assert after["sluice_generated_tokens_total"] - before["sluice_generated_tokens_total"] <= 1
+
+
 def test_failure_in_generation_gives_500_and_server_goes_on(srv, client, gate, ref):
     gate.fail(ExpertReadError("simulated I/O error reading layer 1 expert 3"))
     with pytest.raises(openai.InternalServerError) as exc:
@@ -437,6 +456,22 @@ def test_prefix_reuse_growing_chat(srv, client, ref):
     after = srv.metrics()
     assert after["sluice_reused_prefix_tokens_total"] - before["sluice_reused_prefix_tokens_total"] == cached
     assert after["sluice_prefilled_tokens_total"] - before["sluice_prefilled_tokens_total"] == len(ids2) - cached
+
+
+def test_metrics_format(srv):
+    text = httpx.get(srv.url + "/metrics").text
+    assert httpx.get(srv.url + "/metrics").headers["content-type"].startswith("text/plain; version=0.0.4")
+    m = parse_metrics(text)
+    for name in ("sluice_queue_depth", "sluice_queue_capacity", "sluice_requests_running",
+                 "sluice_prompt_tokens_total", "sluice_prefilled_tokens_total", "sluice_reused_prefix_tokens_total",
+                 "sluice_generated_tokens_total", "sluice_prefill_tokens_per_second",
+                 "sluice_decode_tokens_per_second", "sluice_expert_cache_hit_rate", "sluice_bytes_read_total",
+                 "sluice_expert_cache_lookups_total", "sluice_expert_cache_hits_total"):
+        assert name in m and f"# TYPE {name} " in text, name
+    assert m[req_key("chat_completions", 200)] > 0 and m[req_key("completions", 200)] > 0
+    assert m["sluice_generated_tokens_total"] > 0 and m["sluice_bytes_read_total"] > 0
+    assert 0 < m["sluice_expert_cache_hit_rate"] <= 1 and m["sluice_decode_tokens_per_second"] > 0
+    assert m["sluice_queue_capacity"] == 1
 
 
 # -- auth, limits, bad input -------------------------------------------------------------------

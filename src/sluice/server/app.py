@@ -44,6 +44,14 @@ class Service:
         self.token_text = P.TokenText(engine.tokenizer)
         self.created = P.now()
 
+    def record(self, endpoint: str, status: int, job: Job | None = None) -> None:
+        """Count one answered request (once per job, however its end was noticed)."""
+        if job is not None:
+            if job.recorded:
+                return
+            job.recorded = True
+        self.metrics.request(endpoint, status)
+
     # -- request preparation --
 
     def check_model(self, name: str) -> None:
@@ -246,6 +254,7 @@ async def _watch_disconnect(request: Request, job: Job, service: Service) -> Non
         if message["type"] == "http.disconnect":
             job.disconnected = True
             service.scheduler.cancel(job)
+            service.record(job.endpoint, CLIENT_CLOSED, job)
             return
 
 
@@ -316,8 +325,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
 
     async def run(request: Request, endpoint: str, params: GenParams, fmt: _Format, stream: bool) -> Response:
         """Queue the generation; answer it whole, or as server-sent events."""
-        m = service.metrics
         job = Job(params, asyncio.get_running_loop(), endpoint)
+        request.state.job = job
         try:
             service.scheduler.submit(job)
         except QueueFull:
@@ -333,7 +342,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
             ev = await job.events.get()
             if isinstance(ev, Cancelled):
                 if job.disconnected:
-                    m.request(endpoint, CLIENT_CLOSED)
+                    service.record(endpoint, CLIENT_CLOSED, job)
                     return Response(status_code=CLIENT_CLOSED)
                 raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
             if isinstance(ev, Failed):
@@ -348,10 +357,10 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
                         raise error_for_exception(ev.error)
                     if isinstance(ev, Cancelled):
                         if job.disconnected:
-                            m.request(endpoint, CLIENT_CLOSED)
+                            service.record(endpoint, CLIENT_CLOSED, job)
                             return Response(status_code=CLIENT_CLOSED)
                         raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-                m.request(endpoint, 200)
+                service.record(endpoint, 200, job)
                 return JSONResponse(fmt.response())
         except BaseException:
             watcher.cancel()
@@ -395,7 +404,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
                 job.disconnected = True
                 service.scheduler.cancel(job)
                 status = CLIENT_CLOSED
-            service.metrics.request(endpoint, status)
+            service.record(endpoint, status, job)
 
         return _EventStream(events(), on_close)
 
@@ -404,10 +413,10 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
         try:
             return await handler()
         except APIError as e:
-            service.metrics.request(endpoint, e.status)
+            service.record(endpoint, e.status, getattr(request.state, "job", None))
             raise
         except Exception:
-            service.metrics.request(endpoint, 500)
+            service.record(endpoint, 500, getattr(request.state, "job", None))
             raise
 
     # -- routes --

@@ -101,6 +101,7 @@ class Job:
         self.submitted = time.monotonic()
         self.tokens = 0
         self.disconnected = False  # set when the client went away
+        self.recorded = False  # its answer (or the client's departure) is counted in the metrics
 
     def post(self, event) -> None:
         """Hand an event to the request's event loop (from any thread)."""
