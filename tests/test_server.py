@@ -9,6 +9,7 @@ model, run without prefix reuse.
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import re
@@ -30,7 +31,8 @@ pytest.importorskip("uvicorn")
 
 MODEL = "tiny-chat"
 CTX = 256
-ENGINE_KW = dict(memory="2GiB", threads=1, max_context=CTX, progress=False)
+# a cache of 6 of the 16 experts: requests really stream experts from disk
+ENGINE_KW = dict(memory="2GiB", threads=1, max_context=CTX, cache_experts=6, progress=False)
 
 
 # -- harness -----------------------------------------------------------------------------------
@@ -402,6 +404,54 @@ def test_disconnect_cancels_running_non_streaming_request(srv, gate):
     after = srv.metrics()
     assert after["sluice_requests_running"] == 0
     assert after["sluice_generated_tokens_total"] - before["sluice_generated_tokens_total"] <= 1
+
+
+class FailingReads:
+    """Makes the engine's expert reads fail with EIO (a real I/O error, in the real read path) while armed."""
+
+    def __init__(self, engine):
+        self.source = engine.experts.source
+        self.orig = self.source.file
+        self.armed = False
+        self.failed = 0
+        outer = self
+
+        class File:
+            def __init__(self, f):
+                self.f = f
+
+            def read_aligned(self, buf, offset):
+                if outer.armed:
+                    outer.failed += 1
+                    raise OSError(errno.EIO, "Input/output error")
+                return self.f.read_aligned(buf, offset)
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+        self.source.file = lambda path: File(self.orig(path))
+
+    def remove(self):
+        self.source.file = self.orig
+
+
+def test_io_error_gives_500_and_server_goes_on(srv, client, ref):
+    faults = FailingReads(srv.engine)
+    prompt = "import os, sys, json\nfrom pathlib import Path\n\nclass Config:\n    def __init__(self, path):"
+    try:
+        faults.armed = True
+        with pytest.raises(openai.InternalServerError) as exc:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+        assert faults.failed > 0
+        err = exc.value.body
+        assert err["type"] == "server_error" and err["code"] == "generation_failed"
+        assert "Input/output error" in err["message"] and "expert" in err["message"]
+    finally:
+        faults.remove()
+    assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref.generate(prompt, max_new_tokens=6, ignore_eos=True).text
 
 
 def test_failure_in_generation_gives_500_and_server_goes_on(srv, client, gate, ref):

@@ -338,36 +338,39 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
         except ShuttingDown:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
         watcher = asyncio.create_task(_watch_disconnect(request, job, service))
-        try:
-            ev = await job.events.get()
-            if isinstance(ev, Cancelled):
-                if job.disconnected:
-                    service.record(endpoint, CLIENT_CLOSED, job)
-                    return Response(status_code=CLIENT_CLOSED)
-                raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+
+        def settle(ev) -> Step | None:
+            """The step an event brings, or raise the error it stands for; None if the client went away."""
+            if isinstance(ev, Step):
+                return ev
             if isinstance(ev, Failed):
                 raise error_for_exception(ev.error)
-            if not stream:
+            if job.disconnected:
+                return None
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+
+        try:
+            step = settle(await job.events.get())  # for a stream too: errors before the first token get a status
+            if step is not None and not stream:
                 while True:
-                    fmt.add(ev)
-                    if ev.finish_reason:
+                    fmt.add(step)
+                    if step.finish_reason:
                         break
-                    ev = await job.events.get()
-                    if isinstance(ev, Failed):
-                        raise error_for_exception(ev.error)
-                    if isinstance(ev, Cancelled):
-                        if job.disconnected:
-                            service.record(endpoint, CLIENT_CLOSED, job)
-                            return Response(status_code=CLIENT_CLOSED)
-                        raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-                service.record(endpoint, 200, job)
-                return JSONResponse(fmt.response())
+                    step = settle(await job.events.get())
+                    if step is None:
+                        break
         except BaseException:
-            watcher.cancel()
             service.scheduler.cancel(job)
             raise
-        watcher.cancel()
-        return _stream(endpoint, job, fmt, ev)
+        finally:
+            watcher.cancel()
+        if step is None:
+            service.record(endpoint, CLIENT_CLOSED, job)
+            return Response(status_code=CLIENT_CLOSED)  # nobody is listening
+        if not stream:
+            service.record(endpoint, 200, job)
+            return JSONResponse(fmt.response())
+        return _stream(endpoint, job, fmt, step)
 
     def _stream(endpoint: str, job: Job, fmt: _Format, first: Step) -> Response:
         obj = fmt.chunk_object
