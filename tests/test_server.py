@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import random
 import re
 import socket
@@ -719,7 +720,8 @@ def test_serve_command(chat_model):
     proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", chat_model, "--port", str(port),
                              "--memory", "2GiB", "--threads", "1", "--max-context", "128", "--no-progress",
                              "--model-name", "m", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "SLUICE_API_KEY"})
     try:
         def up():
             assert proc.poll() is None, proc.communicate()[1]

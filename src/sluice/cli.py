@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import __version__
@@ -16,6 +17,16 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return n
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -193,9 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", help="Hugging Face model directory")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    s.add_argument("--max-queue", type=int, default=8, metavar="N",
+    s.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $SLUICE_API_KEY, which keeps the key out of the process list)")
+    s.add_argument("--max-queue", type=_count, default=8, metavar="N",
                    help="requests that may wait while one generates; more get 429 (default 8)")
     s.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: the directory name)")
