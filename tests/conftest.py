@@ -126,3 +126,22 @@ def big_model(tmp_path_factory):
     shutil.rmtree(root, ignore_errors=True)
 
 
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ bos_token }}{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token }}assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_model(text_model, tmp_path_factory):
+    """``text_model`` plus a ChatML-like chat template using its special tokens <s> and </s>."""
+    import json
+
+    path = tmp_path_factory.mktemp("chat") / "qwen3-chat"
+    shutil.copytree(text_model, path)
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import __version__
@@ -16,6 +17,16 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return n
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -159,6 +170,23 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def _sampling_kwargs(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos)
+
+
+def cmd_serve(args) -> int:
+    from .server import serve_command
+
+    return serve_command(args, _engine_options(args))
+
+
+def cmd_chat(args) -> int:
+    from .chat import chat_command
+
+    return chat_command(args, _engine_options(args), _sampling_kwargs(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sluice",
@@ -226,6 +254,40 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--max-context", type=int, default=None, metavar="N", help="context the KV cache is sized for")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming or not), "
+                                   "/health and /metrics. One generation runs at a time; requests wait in a "
+                                   "bounded queue (429 beyond it); a growing conversation reuses the KV cache of "
+                                   "its previous turn. Needs the server extra: pip install 'sluice[server]'.")
+    s.add_argument("model", help="Hugging Face model directory")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $SLUICE_API_KEY, which keeps the key out of the process list)")
+    s.add_argument("--max-queue", type=_count, default=8, metavar="N",
+                   help="requests that may wait while one generates; more get 429 (default 8)")
+    s.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: the directory name)")
+    s.add_argument("--max-body", type=_size, default=parse_size("4MiB"), metavar="SIZE",
+                   help="largest request body (default 4MiB)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level (default info)")
+    _add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("chat", help="chat with a model in the terminal",
+                       description="An interactive chat using the model's own chat template. Replies stream as "
+                                   "they are generated; each turn prefills only its new tokens (the previous "
+                                   "turn's KV cache is reused). Commands: /reset, /exit, /help.")
+    c.add_argument("model", help="Hugging Face model directory with a chat template")
+    c.add_argument("--system", default=None, metavar="TEXT", help="system message")
+    c.add_argument("--no-stats", action="store_true", help="no stats line after each reply")
+    _add_sampling_args(c)
+    c.set_defaults(max_new_tokens=512)
+    _add_engine_args(c)
+    c.set_defaults(func=cmd_chat)
     return p
 
 
