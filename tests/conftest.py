@@ -145,3 +145,29 @@ def chat_model(text_model, tmp_path_factory):
     cfg["chat_template"] = CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return path
+
+
+# A model whose spine alone is larger than its test budget (spine streaming).
+SPINE_BUDGET = 600 << 20
+SPINE_HEAVY = {
+    "model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 1536, "intermediate_size": 3072,
+    "moe_intermediate_size": 256, "num_hidden_layers": 24, "num_attention_heads": 12, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 2, "norm_topk_prob": True,
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 1024,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+
+
+@pytest.fixture(scope="session")
+def spine_model(tmp_path_factory):
+    from sluice.synthetic import model_bytes, write_model
+
+    need = model_bytes(SPINE_HEAVY)
+    root = tmp_path_factory.mktemp("spine")
+    free = shutil.disk_usage(root).free
+    if free < need * 1.2:
+        pytest.skip(f"needs {need / 1e9:.1f} GB free disk for the spine-streaming model, only {free / 1e9:.1f} GB free")
+    path = write_model(root / "model", SPINE_HEAVY, progress=False, tokenizer=False)
+    yield path
+    shutil.rmtree(root, ignore_errors=True)

@@ -33,6 +33,8 @@ from .models.base import MoEBlock, check_tensor
 from .models.config import eos_ids
 from .plan import Plan, activation_bytes, make_plan
 from .progress import Progress
+from .spine import LayerReads, SpineStreamer, layer_reads, streamable
+from .spine import buffer_bytes as spine_buffer_bytes
 from .quant.dense import SMALL_BATCH
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
@@ -56,6 +58,7 @@ class Options:
     verify_reads: bool = False
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     progress: bool = True
+    max_resident_layers: int | None = None  # stream the spine of the other layers (None: the planner decides)
     moe_top_k: int | None = None  # lossy
     prefer_cached: float = 0.0  # lossy
 
@@ -98,12 +101,24 @@ class ModelInfo:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
 
     def spine_bytes(self) -> int:
-        """Bytes the resident spine takes: stored tensors plus fp32 copies of 1-D ones (norms)."""
-        total = 0
+        """Bytes the whole spine takes resident: stored tensors plus fp32 copies of 1-D ones (norms)."""
+        glob, layers = self.spine_split()
+        return glob + sum(layers.values())
+
+    def spine_split(self) -> tuple[int, dict[int, int]]:
+        """(bytes always resident, {layer: bytes of its streamable matrices})."""
+        movable = streamable(self.desc)
+        names = {n for v in movable.values() for n in v}
+        glob = 0
         for name in self.desc.spine:
-            info = self.checkpoint.info(name)
-            total += info.nbytes + (info.numel * 4 if len(info.shape) == 1 else 0)
-        return total
+            if name not in names:
+                info = self.checkpoint.info(name)
+                glob += info.nbytes + (info.numel * 4 if len(info.shape) == 1 else 0)
+        layers = {i: sum(self.checkpoint.info(n).nbytes for n in v) for i, v in movable.items()}
+        return glob, layers
+
+    def layer_reads(self) -> dict[int, LayerReads]:
+        return {i: layer_reads(self.checkpoint, i, names) for i, names in streamable(self.desc).items()}
 
     def param_counts(self) -> tuple[int, int]:
         """(total parameters, parameters active per token)."""
@@ -120,14 +135,18 @@ class ModelInfo:
         budget = parse_size(memory) if memory is not None else default_budget()
         chunk = max(1, min(options.prefill_chunk, max_ctx))
         ffn = max(self.desc.expert.intermediate, getattr(self.config, "intermediate_size", 0) or 0)
+        glob, layers = self.spine_split()
+        reads = self.layer_reads()
         return make_plan(
             budget=budget, baseline=current_rss() if baseline is None else baseline,
-            spine_bytes=self.spine_bytes(),
+            spine_global=glob, spine_layers=layers,
+            stream_buffer=max((spine_buffer_bytes(r) for r in reads.values()), default=0),
             state_bytes=self.desc.state_bytes_per_token * max_ctx + self.desc.state_bytes_fixed,
             activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx),
             slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set,
             total_experts=self.desc.total_experts, top_k=self.desc.top_k, max_context=max_ctx,
             prefill_chunk=chunk, cache_experts=options.cache_experts,
+            max_resident_layers=options.max_resident_layers,
         )
 
 
@@ -144,12 +163,14 @@ class Engine:
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts
         self.tokenizer, self.eos_token_ids = info.tokenizer, info.eos_token_ids
         self.plan: Plan = info.plan(memory, options, baseline)
+        self.spine: SpineStreamer | None = None
         spine = self._load_spine()
         self.cache = ExpertCache(self.plan.cache_slots, self.experts_source.slot_bytes,
                                  make_policy(options.cache_policy))
         self.experts = ExpertProvider(self.experts_source, self.cache, self.desc.expert, self.desc.n_experts,
                                       reader_threads=options.reader_threads, verify_reads=options.verify_reads)
         self.model = self.family.build(self.config, spine.__getitem__, self.experts)
+        self.model.spine = self.spine
         del spine
         if options.prefetch:
             self.model.lookahead = self._lookahead
@@ -162,10 +183,17 @@ class Engine:
     # -- loading -----------------------------------------------------------------------------
 
     def _load_spine(self) -> dict[str, torch.Tensor]:
-        names = list(self.desc.spine)
+        """Resident spine tensors, plus views into the stream buffers for streamed layers."""
+        out: dict[str, torch.Tensor] = {}
+        streamed = set(self.plan.streamed_layers)
+        if streamed:
+            reads = self.info.layer_reads()
+            self.spine = SpineStreamer(self.checkpoint, [reads[i] for i in sorted(streamed)])
+            for i in sorted(streamed):
+                out.update(self.spine.views(i))
+        names = [n for n in self.desc.spine if n not in out]
         total = sum(self.checkpoint.info(n).nbytes for n in names)
         bar = Progress(total, "loading spine", enabled=self.options.progress and total > (64 << 20))
-        out = {}
         for n in names:
             out[n] = self.checkpoint.read(n)
             bar.update(self.checkpoint.info(n).nbytes)
@@ -173,6 +201,8 @@ class Engine:
         return out
 
     def close(self) -> None:
+        if self.spine is not None:
+            self.spine.close()
         self.experts.close()
         self.checkpoint.close()
 
@@ -204,6 +234,8 @@ class Engine:
         """After layer ``layer``'s attention, start reads for the next layer's predicted experts."""
         if h.shape[0] != 1:
             return  # prefill reads each expert once per layer anyway
+        if self.spine is not None and not self.spine.ready(layer + 1):
+            return  # its router is still being read
         ids = self.model.predict(layer + 1, h)
         if ids is not None:
             self.experts.prefetch(layer + 1, ids[0].tolist())

@@ -111,6 +111,7 @@ def run(engine, req: Request) -> Iterator[Step]:
     """
     t0 = time.perf_counter()
     counters0 = dict(vars(engine.experts.counters))
+    spine0 = dict(vars(engine.spine.stats)) if engine.spine is not None else None
     bytes0 = engine.checkpoint.stats.bytes_read
     evict0 = engine.cache.evictions
     state = engine.state
@@ -133,7 +134,7 @@ def run(engine, req: Request) -> Iterator[Step]:
 
     def finish(step: Step) -> Step:
         step.stats = engine.last_stats = _stats(engine, req, out.generated, reused, t0, t_prefill, forwards,
-                                                counters0, bytes0, evict0, drafted, accepted)
+                                                counters0, bytes0, evict0, drafted, accepted, spine0)
         return step
 
     while True:
@@ -180,7 +181,8 @@ def run(engine, req: Request) -> Iterator[Step]:
         pending = [token]
 
 
-def _stats(engine, req, generated, reused, t0, t_prefill, forwards, c0, bytes0, evict0, drafted, accepted) -> dict:
+def _stats(engine, req, generated, reused, t0, t_prefill, forwards, c0, bytes0, evict0, drafted, accepted,
+           spine0) -> dict:
     c = engine.experts.counters
     d = {k: getattr(c, k) - v for k, v in c0.items()}
     steady = forwards[1:]  # the first decode step is excluded (it pays for warm-up)
@@ -218,4 +220,8 @@ def _stats(engine, req, generated, reused, t0, t_prefill, forwards, c0, bytes0, 
         "direct_io": engine.experts_source.direct_io,
         "load_s": engine.load_s,
         "lossy": dict(engine.lossy),
+        "spine_resident_bytes": engine.plan.spine_bytes - engine.plan.stream_buffer_bytes,
+        "spine_streamed_layers": len(engine.plan.streamed_layers),
+        "spine_bytes_read": (engine.spine.stats.bytes_read - spine0["bytes_read"]) if spine0 else 0,
+        "spine_read_wait_s": (engine.spine.stats.wait_s - spine0["wait_s"]) if spine0 else 0.0,
     }

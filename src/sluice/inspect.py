@@ -14,17 +14,24 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
     info = ModelInfo(path)
     d = info.desc
     total, active = info.param_counts()
-    opts = Options(max_context=max_context, cache_experts=d.top_k)
-    base = info.plan(10**15, opts, baseline=current_rss())  # fixed parts; budget irrelevant here
-    floor = base.floor
+    opts = Options(max_context=max_context)
+    baseline = current_rss()
+    base = info.plan(1 << 50, opts, baseline=baseline)  # everything resident: the fixed parts
     expert_bytes = info.experts.record_bytes
-    budgets = sorted({floor, base.budget_for_slots(d.total_experts // 4), base.budget_for_slots(d.total_experts // 2),
-                      base.budget_for_slots(d.total_experts)} | ({memory} if memory else set()))
+    glob, layers = info.spine_split()
+    budgets = sorted({base.floor, base.floor_resident, base.budget_for_slots(d.total_experts // 4),
+                      base.budget_for_slots(d.total_experts // 2), base.budget_for_slots(d.total_experts)}
+                     | ({memory} if memory else set()))
     table = []
     for b in budgets:
-        slots = base.slots_for(b)
-        table.append({"budget_bytes": b, "cache_experts": slots, "cache_share": slots / max(d.total_experts, 1),
-                      "ok": b >= floor})
+        try:
+            p = info.plan(b, opts, baseline=baseline)
+            table.append({"budget_bytes": b, "cache_experts": p.cache_slots, "ok": True,
+                          "cache_share": p.cache_slots / max(d.total_experts, 1),
+                          "streamed_layers": len(p.streamed_layers), "spine_read_per_token": p.spine_streamed_bytes})
+        except BudgetError:
+            table.append({"budget_bytes": b, "cache_experts": 0, "ok": False, "cache_share": 0.0,
+                          "streamed_layers": 0, "spine_read_per_token": 0})
     report = {
         "path": str(path),
         "model_type": d.model_type,
@@ -37,7 +44,10 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
         "params_total": total,
         "params_active_per_token": active,
         "expert_format": info.experts.format,
+        "container": info.is_container,
         "spine_bytes": info.spine_bytes(),
+        "spine_always_resident_bytes": glob,
+        "spine_layer_bytes_max": max(layers.values(), default=0),
         "bytes_per_expert": expert_bytes,
         "slot_bytes": base.slot_bytes,
         "experts_total": d.total_experts,
@@ -46,14 +56,15 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
         "working_set_bytes": d.working_set * expert_bytes,
         "max_context": base.max_context,
         "kv_state_bytes": base.state_bytes,
-        "baseline_bytes": base.baseline,
-        "floor_bytes": floor,
+        "baseline_bytes": baseline,
+        "floor_bytes": base.floor,
+        "floor_resident_bytes": base.floor_resident,
         "budgets": table,
         "notes": list(d.notes),
     }
     if memory:
         try:
-            report["plan"] = info.plan(memory, Options(max_context=max_context)).to_dict()
+            report["plan"] = info.plan(memory, opts, baseline=baseline).to_dict()
         except BudgetError as e:
             report["plan_error"] = str(e)
     info.checkpoint.close()
@@ -68,19 +79,29 @@ def render_inspect(r: dict) -> str:
         f"  parameters        {r['params_total'] / 1e9:.3f} B total, {r['params_active_per_token'] / 1e9:.3f} B "
         "active per token",
         f"  expert format     {r['expert_format']}",
-        f"  spine (resident)  {format_size(r['spine_bytes'])}",
+        f"  spine             {format_size(r['spine_bytes'])} ({format_size(r['spine_always_resident_bytes'])} always "
+        f"resident, largest layer {format_size(r['spine_layer_bytes_max'])})",
         f"  one expert        {format_size(r['bytes_per_expert'])} ({format_size(r['slot_bytes'])} per cache slot)",
         f"  all experts       {r['experts_total']} = {format_size(r['expert_bytes_total'])}",
         f"  one token reads   {r['working_set_experts']} experts = {format_size(r['working_set_bytes'])} (cold)",
         f"  KV/state          {format_size(r['kv_state_bytes'])} for {r['max_context']} tokens",
-        f"  memory floor      {format_size(r['floor_bytes'])} (baseline {format_size(r['baseline_bytes'])} "
-        "+ spine + one token's experts + KV + buffers)",
-        "  budget -> expert cache:",
+        f"  memory floor      {format_size(r['floor_resident_bytes'])} with the whole spine resident "
+        f"(baseline {format_size(r['baseline_bytes'])} + spine + one token's experts + KV + buffers)",
+        f"                    {format_size(r['floor_bytes'])} streaming the spine layer by layer "
+        "(slower: layers are read every token)",
+        "  budget -> expert cache, spine streaming:",
     ]
     for b in r["budgets"]:
-        mark = "" if b["ok"] else "  (below floor: refused)"
+        if not b["ok"]:
+            lines.append(f"    {format_size(b['budget_bytes']):>12}  below the floor: refused")
+            continue
+        stream = (f", {b['streamed_layers']} layers streamed ({format_size(b['spine_read_per_token'])}/token)"
+                  if b["streamed_layers"] else "")
         lines.append(f"    {format_size(b['budget_bytes']):>12}  {b['cache_experts']:6d} experts "
-                     f"({100 * b['cache_share']:5.1f}% of all){mark}")
+                     f"({100 * b['cache_share']:5.1f}% of all){stream}")
+    if "plan" in r:
+        p = r["plan"]
+        lines.append(f"  --memory plan: cache {p['cache_slots']} experts, {len(p['streamed_layers'])} layers streamed")
     if "plan_error" in r:
         lines.append(f"  --memory: {r['plan_error']}")
     for n in r["notes"]:

@@ -8,10 +8,11 @@ lookup misses. A budget below the floor is refused with the breakdown.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .errors import BudgetError
 from .layers.attention import SCORE_BLOCK_BYTES
+from .spine import spread
 from .units import format_size
 
 _MARGIN_BYTES = 48 << 20  # allocator slack, Python objects, thread stacks
@@ -41,7 +42,11 @@ class Plan:
     cache_slots: int
     max_context: int
     prefill_chunk: int
-    floor: int
+    floor: int  # the smallest budget that runs (streaming the spine if needed)
+    floor_resident: int = 0  # the smallest budget with the whole spine resident
+    streamed_layers: list[int] = field(default_factory=list)
+    spine_streamed_bytes: int = 0  # read per forward when layers are streamed
+    stream_buffer_bytes: int = 0
 
     @property
     def cache_bytes(self) -> int:
@@ -79,24 +84,64 @@ def activation_bytes(hidden: int, intermediate: int, vocab: int, chunk: int, hea
     return chunk * per_token + scores + logits + upcast + staging
 
 
-def make_plan(*, budget: int, baseline: int, spine_bytes: int, state_bytes: int, activations: int,
-              slot_bytes: int, working_set: int, total_experts: int, top_k: int, max_context: int,
-              prefill_chunk: int, cache_experts: int | None = None) -> Plan:
+def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: dict[int, int],
+              stream_buffer: int, state_bytes: int, activations: int, slot_bytes: int, working_set: int,
+              total_experts: int, top_k: int, max_context: int, prefill_chunk: int,
+              cache_experts: int | None = None, stream_buffers: int = 2,
+              max_resident_layers: int | None = None) -> Plan:
+    """Split ``budget`` between spine, per-sequence state, buffers and the expert cache.
+
+    Rule when the spine does not fit: keep the expert cache at one token's working set and
+    make as many layers resident as possible, streaming the rest. A resident spine byte
+    saves one byte read per token for certain; a cached expert byte beyond the working set
+    saves less than that on average (each expert serves only a fraction of tokens).
+    """
     margin = margin_for(budget)
-    fixed = baseline + spine_bytes + state_bytes + activations
-    floor = budget_for(fixed, working_set * slot_bytes)
-    breakdown = (
-        f"baseline {format_size(baseline)} + spine {format_size(spine_bytes)} + one token's experts "
-        f"({working_set} x {format_size(slot_bytes)} = {format_size(working_set * slot_bytes)}) + KV/state for "
-        f"{max_context} tokens {format_size(state_bytes)} + buffers {format_size(activations + margin)}"
-    )
-    if cache_experts is not None:
-        if cache_experts < top_k:
+    all_layers = sorted(spine_layers)
+    spine_all = spine_global + sum(spine_layers.values())
+    base = baseline + state_bytes + activations
+    want_slots = working_set if cache_experts is None else min(cache_experts, total_experts)
+    if cache_experts is not None and cache_experts < top_k:
+        raise BudgetError(
+            f"--cache-experts {cache_experts} is below the {top_k} experts one layer uses at once; "
+            f"use at least {top_k} (one token's working set is {working_set})"
+        )
+    floor_resident = budget_for(base + spine_all, working_set * slot_bytes)
+    buffers = stream_buffers * stream_buffer if all_layers else 0
+    floor_streaming = budget_for(base + spine_global + buffers, working_set * slot_bytes)
+    floor = min(floor_resident, floor_streaming)
+    streamed: list[int] = []
+    forced = max_resident_layers is not None and max_resident_layers < len(all_layers)
+    if not forced and budget >= budget_for(base + spine_all, want_slots * slot_bytes):
+        spine_bytes = spine_all
+    else:
+        if budget < floor:
             raise BudgetError(
-                f"--cache-experts {cache_experts} is below the {top_k} experts one layer uses at once; "
-                f"use at least {top_k} (one token's working set is {working_set})"
+                f"memory budget {format_size(budget)} is below the floor {format_size(floor)} for this model: "
+                f"baseline {format_size(baseline)} + spine {format_size(spine_global)} resident (embeddings, head, "
+                f"norms) + {stream_buffers} layers' spine buffers {format_size(buffers)} + one token's experts "
+                f"({working_set} x {format_size(slot_bytes)} = {format_size(working_set * slot_bytes)}) + KV/state "
+                f"for {max_context} tokens {format_size(state_bytes)} + buffers {format_size(activations + margin)}. "
+                f"Raise --memory to at least {format_size(floor)}, or lower --max-context"
             )
-        slots = min(cache_experts, total_experts)
+        free = budget - margin - base - spine_global - buffers - want_slots * slot_bytes
+        if free < 0:
+            raise BudgetError(
+                f"memory budget {format_size(budget)} cannot hold a cache of {want_slots} experts: that needs "
+                f"{format_size(budget_for(base + spine_global + buffers, want_slots * slot_bytes))}. "
+                "Raise --memory or lower --cache-experts"
+            )
+        resident = 0
+        for layer in sorted(all_layers, key=lambda i: spine_layers[i]):
+            if spine_layers[layer] > free or (forced and resident >= max_resident_layers):
+                break
+            free -= spine_layers[layer]
+            resident += 1
+        streamed = spread(all_layers, len(all_layers) - resident)
+        spine_bytes = spine_global + sum(spine_layers[i] for i in all_layers if i not in streamed) + buffers
+    fixed = base + spine_bytes
+    if cache_experts is not None:
+        slots = want_slots
         need = budget_for(fixed, slots * slot_bytes)
         if need > budget:
             raise BudgetError(
@@ -105,13 +150,11 @@ def make_plan(*, budget: int, baseline: int, spine_bytes: int, state_bytes: int,
                 f"{format_size(slot_bytes)} per expert). Raise --memory or lower --cache-experts"
             )
     else:
-        if budget < floor:
-            raise BudgetError(
-                f"memory budget {format_size(budget)} is below the floor {format_size(floor)} for this model: "
-                f"{breakdown}. Raise --memory to at least {format_size(floor)}, or lower --max-context"
-            )
         slots = min(total_experts, (budget - margin - fixed) // slot_bytes)
     return Plan(budget=budget, baseline=baseline, spine_bytes=spine_bytes, state_bytes=state_bytes,
                 activation_bytes=activations, margin_bytes=margin, slot_bytes=slot_bytes, working_set=working_set,
                 total_experts=total_experts, cache_slots=int(slots), max_context=max_context,
-                prefill_chunk=prefill_chunk, floor=floor)
+                prefill_chunk=prefill_chunk, floor=floor, floor_resident=floor_resident,
+                streamed_layers=streamed,
+                spine_streamed_bytes=sum(spine_layers[i] for i in streamed),
+                stream_buffer_bytes=buffers if streamed else 0)

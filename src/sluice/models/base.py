@@ -160,6 +160,7 @@ class CausalLM:
                  rotary: Rotary | None):
         self.embed, self.layers, self.norm, self.lm_head, self.rotary = embed, layers, norm, lm_head, rotary
         self.lookahead = None  # optional hook(layer_index, h) called after each layer's attention
+        self.spine = None  # optional SpineStreamer for layers whose matrices are streamed
 
     def predict(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
         """Router lookahead: the experts layer ``layer`` would pick for residual stream ``h``.
@@ -184,11 +185,18 @@ class CausalLM:
         h = self.embed[ids].float()
         positions = torch.arange(start, start + ids.shape[0])
         cos, sin = self.rotary.cos_sin(positions) if self.rotary is not None else (None, None)
+        spine = self.spine
+        if spine is not None:
+            spine.start()
         for i, layer in enumerate(self.layers):
+            if spine is not None:
+                spine.acquire(i)
             a = h + layer.attn(layer.input_norm(h), start, state.layers[i], cos, sin)
             if self.lookahead is not None:
                 self.lookahead(i, a)
             h = a + layer.mlp(layer.post_norm(a))
+            if spine is not None:
+                spine.release(i)
         return self.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

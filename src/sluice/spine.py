@@ -1,0 +1,202 @@
+"""The spine in memory, or streamed layer by layer when it does not fit.
+
+Global tensors (embeddings, head, final norm) and every 1-D tensor (norms, biases) are
+always resident. A layer's matrices are either resident or *streamed*: before the layer
+runs they are read into one of a small ring of reusable buffers by a background reader,
+which meanwhile fills the next buffer, so reading layer L+1 overlaps computing layer L.
+
+The layer objects of a streamed layer are built once, over views into "its" buffer
+(streamed layer of rank r uses buffer r % n), so no tensor is allocated per layer or per
+token: refilling a buffer changes what the views see. Families must therefore not derive
+new tensors from 2-D weights at build time.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .storage import ALIGN, AlignedBuffer, align_up
+
+TENSOR_ALIGN = 64
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a spine tensor belongs to, or None for global tensors."""
+    parts = name.split(".")
+    if "layers" in parts:
+        i = parts.index("layers")
+        if i + 1 < len(parts) and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def streamable(desc) -> dict[int, list[str]]:
+    """Per layer, the spine matrices that may be streamed (2-D and larger)."""
+    out: dict[int, list[str]] = {}
+    for name, shape in desc.spine.items():
+        layer = layer_of(name)
+        if layer is not None and len(shape) >= 2:
+            out.setdefault(layer, []).append(name)
+    return out
+
+
+@dataclass
+class LayerReads:
+    """How to fill a buffer with one layer's matrices: (file, file offset, length, buffer offset)."""
+
+    layer: int
+    reads: list[tuple[str, int, int, int]]
+    views: dict[str, tuple[int, torch.dtype, tuple[int, ...]]]  # name -> (buffer offset, dtype, shape)
+    nbytes: int  # bytes actually read per fill
+
+
+@dataclass
+class SpineStats:
+    bytes_read: int = 0
+    fills: int = 0
+    wait_s: float = 0.0
+    read_s: float = 0.0
+
+
+def layer_reads(store, layer: int, names: list[str]) -> LayerReads:
+    """A container stores a layer's spine as one aligned group: one read. Otherwise one read per tensor."""
+    infos = [store.info(n) for n in names]
+    groups = getattr(store, "spine_groups", {})
+    group = groups.get(f"layer.{layer}")
+    if group is not None:
+        start, length, _ = group
+        if all(i.file == store.spine_file and start <= i.offset and i.offset + i.nbytes <= start + length
+               for i in infos):
+            views = {i.name: (i.offset - start, i.torch_dtype, tuple(i.shape)) for i in infos}
+            return LayerReads(layer, [(store.spine_file, start, align_up(length), 0)], views, align_up(length))
+    reads, views, off = [], {}, 0
+    for i in infos:
+        off = align_up(off, TENSOR_ALIGN)
+        reads.append((i.file, i.offset, i.nbytes, off))
+        views[i.name] = (off, i.torch_dtype, tuple(i.shape))
+        off += i.nbytes
+    return LayerReads(layer, reads, views, sum(r[2] for r in reads))
+
+
+def buffer_bytes(lr: LayerReads) -> int:
+    return align_up(max((r[3] + r[2] for r in lr.reads), default=0), ALIGN)
+
+
+class SpineStreamer:
+    """Double (or n-) buffered background reads of streamed layers' matrices."""
+
+    def __init__(self, store, plans: list[LayerReads], n_buffers: int = 2):
+        self.store = store
+        self.plans = plans
+        self.rank = {p.layer: r for r, p in enumerate(plans)}
+        self.n = max(1, min(n_buffers, len(plans)))
+        size = max((buffer_bytes(p) for p in plans), default=ALIGN)
+        self.buffers = [AlignedBuffer(size) for _ in range(self.n)]
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-spine")
+        self.pending: list[Future | None] = [None] * self.n
+        self.loaded: list[int | None] = [None] * self.n  # rank held by each buffer
+        self.stats = SpineStats()
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def views(self, layer: int) -> dict[str, torch.Tensor]:
+        """Tensors of a streamed layer: views into its buffer (valid while the layer runs)."""
+        buf = self.buffers[self.rank[layer] % self.n]
+        return {name: buf.tensor(off, dtype, shape) for name, (off, dtype, shape) in self.plans[self.rank[layer]].views.items()}
+
+    def _fill(self, rank: int) -> None:
+        t0 = time.perf_counter()
+        plan, buf = self.plans[rank], self.buffers[rank % self.n]
+        for file, offset, length, boff in plan.reads:
+            f = self.store.file(file)
+            if offset % ALIGN == 0 and boff % ALIGN == 0 and length % ALIGN == 0:
+                got = f.read_aligned(buf.view(boff, length), offset)
+                if got < min(length, f.size - offset):
+                    raise OSError(f"short read of layer {plan.layer}'s spine from {file}")
+            else:
+                f.read_into(buf.view(boff, length), offset)
+        self.stats.read_s += time.perf_counter() - t0
+        self.stats.bytes_read += plan.nbytes
+        self.stats.fills += 1
+
+    def _issue(self, rank: int) -> None:
+        slot = rank % self.n
+        if self.loaded[slot] == rank and self.pending[slot] is not None:
+            return
+        self.loaded[slot] = rank
+        self.pending[slot] = self.pool.submit(self._fill, rank)
+
+    def start(self) -> None:
+        """Begin reading the first streamed layers (called at the start of every forward)."""
+        for r in range(self.n):
+            self._issue(r)
+
+    def acquire(self, layer: int) -> None:
+        """Block until ``layer``'s matrices are in its buffer."""
+        r = self.rank.get(layer)
+        if r is None:
+            return
+        slot = r % self.n
+        if self.loaded[slot] != r:
+            self._issue(r)
+        fut = self.pending[slot]
+        t0 = time.perf_counter()
+        try:
+            fut.result()
+        except BaseException:
+            self.loaded[slot] = self.pending[slot] = None
+            raise
+        self.stats.wait_s += time.perf_counter() - t0
+
+    def ready(self, layer: int) -> bool:
+        """True if ``layer`` is resident or its buffer already holds it (no waiting)."""
+        r = self.rank.get(layer)
+        if r is None:
+            return True
+        slot = r % self.n
+        return self.loaded[slot] == r and self.pending[slot] is not None and self.pending[slot].done()
+
+    def release(self, layer: int) -> None:
+        """``layer`` is done: refill its buffer with the streamed layer n ranks later (wrapping
+        around to the next forward's first layers)."""
+        r = self.rank.get(layer)
+        if r is None:
+            return
+        self._issue((r + self.n) % len(self.plans))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class SpineLayout:
+    """What the planner decided: resident bytes, streamed layers and their per-fill bytes."""
+
+    global_bytes: int
+    layer_bytes: dict[int, int]
+    streamed: list[int] = field(default_factory=list)
+    buffer_bytes: int = 0
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.global_bytes + sum(b for layer, b in self.layer_bytes.items() if layer not in self.streamed)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(self.layer_bytes[layer] for layer in self.streamed)
+
+
+def spread(layers: list[int], count: int) -> list[int]:
+    """``count`` of ``layers`` spread evenly (streamed layers alternate with resident ones)."""
+    if count <= 0:
+        return []
+    if count >= len(layers):
+        return list(layers)
+    step = len(layers) / count
+    return sorted({layers[int(i * step)] for i in range(count)})
