@@ -55,6 +55,34 @@ DEMO_CONFIG = {
 }
 
 
+MIXTRAL_CONFIG = {
+    # ~1.5 GB in bf16 at 4 experts: a Mixtral shape scaled down (16 layers, 22 MB experts, top-2);
+    # scaled_config() sets the expert count for a target size
+    "model_type": "mixtral",
+    "architectures": ["MixtralForCausalLM"],
+    "vocab_size": 32000,
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+BASE_CONFIGS = {"qwen3_moe": DEMO_CONFIG, "mixtral": MIXTRAL_CONFIG}
+
+
 def model_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor a config implies, layer by layer (spine then that layer's experts)."""
     fam = get_family(config.get("model_type"))
