@@ -72,6 +72,16 @@ def machine_info() -> dict:
     }
 
 
+def mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 # -- page cache and cgroups ------------------------------------------------------------------
 
 

@@ -19,7 +19,8 @@ def main() -> None:
     from airllm import AutoModel
 
     ids = common.ids(args)
-    model = AutoModel.from_pretrained(args.model, device="cpu", layer_shards_saving_path=args.scratch,
+    dtype = getattr(torch, opts["dtype"]) if opts.get("dtype") else None  # None: the checkpoint's
+    model = AutoModel.from_pretrained(args.model, device="cpu", dtype=dtype, layer_shards_saving_path=args.scratch,
                                       max_seq_len=max(128, len(ids) + args.new_tokens + 8),
                                       prefetching=bool(opts.get("prefetching", True)))
     gen = model.model.generation_config

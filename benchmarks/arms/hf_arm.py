@@ -63,6 +63,13 @@ def main() -> None:
     s = Stream()
     common.profiled(args.profile, lambda: generate(s))
     out = s.clock.summary(len(ids))
+    if opts.get("margins"):
+        # top-1 minus top-2 logit at every generated position: how decisive the reference is
+        seq = torch.tensor([ids + out["token_ids"]])
+        with torch.inference_mode():
+            logits = model(seq).logits[0, len(ids) - 1 : -1].float()
+        top = logits.topk(2, dim=-1).values
+        out["logit_margins"] = (top[:, 0] - top[:, 1]).tolist()
     out.update(placement=placement, dtype=str(next(model.parameters()).dtype))
     common.finish(out)
 

@@ -9,6 +9,7 @@ def main() -> None:
     args = common.parser(__doc__).parse_args()
     opts = common.options(args)
     speculate = bool(opts.pop("speculate", False))
+    warmup_ids = opts.pop("warmup_ids", None)
     import sluice
 
     ids = common.ids(args)
@@ -17,7 +18,7 @@ def main() -> None:
                          **opts)
     warm = None
     if args.warmup:
-        warm = engine.generate(ids, max_new_tokens=args.new_tokens, ignore_eos=True, speculate=speculate).stats
+        warm = engine.generate(warmup_ids or ids, max_new_tokens=args.new_tokens, ignore_eos=True, speculate=speculate).stats
     common.mark("loaded")
 
     def run():
