@@ -156,6 +156,8 @@ class Bench:
                    page_cache_note=drop_why, command=shlex.join(H.arm_command(spec)))
         if engine == "hf" and spec.scratch:
             shutil.rmtree(spec.scratch, ignore_errors=True)
+        if spec.profile and Path(spec.profile).exists():
+            rec["profile"] = profile_summary(spec.profile, self.results / f"profile-{name}.txt")
         if rec["ok"]:
             print(f"  {engine}: decode {num(rec['decode_tok_s'])} tok/s, prefill {num(rec['prefill_tok_s'])} tok/s, "
                   f"ttft {num(rec['ttft_s'])} s, read/token {fmt_gb(rec['read_bytes_per_decode_token'])}, "
@@ -198,6 +200,19 @@ class Bench:
         path.write_text(json.dumps(data, indent=1))
         print(f"wrote {path}", flush=True)
         return path
+
+
+def profile_summary(prof: str, out: Path, top: int = 30) -> str:
+    """The cProfile of an arm's measured generation as text: by own time, then cumulative."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.strip_dirs().sort_stats("tottime").print_stats(top)
+    st.sort_stats("cumulative").print_stats(top)
+    out.write_text(buf.getvalue())
+    return str(out)
 
 
 def command_line() -> str:
