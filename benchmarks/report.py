@@ -64,6 +64,16 @@ def match_cell(r: dict, n: int | None) -> str:
     return "yes" if r["match"] else f"no ({r.get('agree_prefix')}/{n} agree)"
 
 
+def ref_note(data: dict) -> str:
+    ref = data.get("reference")
+    if not ref:
+        return "none (run without a reference)"
+    if not ref.get("ok"):
+        return f"the fp32 reference run failed ({status(ref)})"
+    return ("transformers' modules in fp32, run layer by layer by AirLLM with dtype=float32, no cap "
+            "(an fp32 copy of this model does not fit in RAM for transformers itself)")
+
+
 def header(data: dict) -> list[str]:
     m = data["machine"]
     la = m.get("loadavg") or []
@@ -98,11 +108,13 @@ def cold_section(data: dict, charts: Path, rel: str) -> list[str]:
         f"Disk, measured in the same run (before/after): O_DIRECT random {parts['record_bytes'] / 1e6:.1f} MB reads, 4 threads: "
         + " / ".join(f"{x / 1e9:.2f}" for x in parts["direct"]) + " GB/s; buffered sequential: "
         + " / ".join(f"{x / 1e9:.2f}" for x in parts["buffered"]) + f" GB/s. Rooflines use {bw / 1e9:.2f} GB/s. "
-        f"**I/O roofline with no cache: {roof:.2f} tok/s** ({gb(need)} per token / disk bandwidth).",
+        f"**I/O roofline with no cache: {roof:.2f} tok/s** ({gb(need)} per token / disk bandwidth). "
+        f"Reference tokens: {ref_note(data)}.",
         "",
         "| engine | decode tok/s | prefill tok/s | TTFT s | load s | disk read per token | disk read total | "
-        "peak RSS | cgroup peak | x no-cache roofline | x own I/O roofline | greedy = transformers | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "peak RSS | cgroup peak | x no-cache roofline | x own I/O roofline | greedy = fp32 reference | "
+        "greedy = transformers bf16 | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         per = r.get("read_bytes_per_decode_token")
@@ -112,16 +124,17 @@ def cold_section(data: dict, charts: Path, rel: str) -> list[str]:
         out.append(
             f"| {LABEL.get(r['engine'], r['engine'])} | {f(dec)} | {f(r.get('prefill_tok_s'))} | {f(r.get('ttft_s'), 1)} | "
             f"{f(r.get('load_s'), 1)} | {gb(per, 3)} | {gb(r.get('read_bytes_total'))} | {gib(r.get('peak_rss_bytes'))} | "
-            f"{gib(cg)} | {f(dec / roof) if dec else '-'} | {f(own)} | {match_cell(r, n)} | {status(r)} |")
+            f"{gib(cg)} | {f(dec / roof) if dec else '-'} | {f(own)} | {match_cell(r, n)} | "
+            f"{match_cell({'match': r.get('match_bf16'), 'agree_prefix': r.get('agree_prefix_bf16')}, n)} | {status(r)} |")
     s = next((r for r in runs if r["engine"] == "sluice" and r.get("ok")), None)
     if s:
         st = s["result"]["engine_stats"]
         out += ["", f"Sluice's own counters (decode and prefill of the measured run): {st['expert_lookups']} expert lookups, "
                 f"{st['expert_hits']} hits, {st['expert_misses']} misses (hit rate {pct(st['hit_rate'])}), "
-                f"{st['demand_reads']} demand reads + {st['prefetch_reads']} prefetch reads ({st['prefetch_used']} used), "
+                f"{st['demand_reads']} demand reads + {st['prefetch_reads']} lookahead prefetch reads ({st['prefetch_used']} used), "
                 f"{gb(st['bytes_read'])} read by the engine; cache {st['cache_slots']}/{st['total_experts']} experts; "
-                f"read wait {f(st['read_wait_s'])} s, expert compute {f(st['expert_compute_s'])} s of "
-                f"{f(st['total_s'] - st['ttft_s'])} s decoding; peak RSS {gib(st['peak_rss_bytes'])} vs budget "
+                f"prefill and decode together: read wait {f(st['read_wait_s'])} s, expert compute "
+                f"{f(st['expert_compute_s'])} s of {f(st['total_s'])} s; peak RSS {gib(st['peak_rss_bytes'])} vs budget "
                 f"{gib(st['budget_bytes'])} ({'under' if st['peak_rss_bytes'] <= st['budget_bytes'] else 'OVER'})."]
         peers = [r for r in runs if r["engine"] != "sluice" and r.get("ok") and r.get("decode_tok_s")]
         if peers:

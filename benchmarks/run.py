@@ -269,13 +269,23 @@ def scenario_cold(b: Bench) -> dict:
     for e in engines(a):
         runs.append(b.run(e, model, ids, new_tokens=a.new_tokens, cap=cap, engine_memory=cap, tag="cold",
                           profile=(e == "sluice" and a.profile)))
-    ref = next((r["result"]["token_ids"] for r in runs if r.get("engine") == "hf" and r.get("ok")), None)
+    # an fp32 reference of a model this size does not fit in RAM for transformers itself; AirLLM
+    # runs transformers' own modules layer by layer, so with dtype=float32 it gives transformers'
+    # fp32 tokens (it matches transformers fp32 exactly in the exact scenario). Not timed, no cap.
+    ref_rec = None
+    if not a.skip_reference:
+        ref_rec = b.run("airllm", model, ids, new_tokens=a.new_tokens, cap=None, engine_memory=None, cold=False,
+                        options={"dtype": "float32"}, tag="cold-reference")
+    ref = ((ref_rec or {}).get("result") or {}).get("token_ids")
+    bf16 = next((r["result"]["token_ids"] for r in runs if r.get("engine") == "hf" and r.get("ok")), None)
     for r in runs:
         r.update(match(r, ref))
-        r["reference"] = "transformers (checkpoint dtype, the hf arm of this scenario)"
+        m = match(r, bf16)
+        r["match_bf16"], r["agree_prefix_bf16"] = m["match"], m["agree_prefix"]
+        r["reference"] = "transformers' modules in fp32 (run layer by layer by AirLLM, dtype=float32)"
     limits_after = H.measure_limits(sys.executable, str(model), a.threads)
     return {"model": str(model), "model_facts": facts, "cap_bytes": cap, "prompt_ids": ids, "limits": limits,
-            "limits_after": limits_after, "runs": runs, "cgroup": b.cgroup, "cgroup_note": b.cgroup_why}
+            "limits_after": limits_after, "reference": ref_rec, "runs": runs, "cgroup": b.cgroup, "cgroup_note": b.cgroup_why}
 
 
 def scenario_warm(b: Bench) -> dict:
@@ -377,7 +387,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=2400, help="seconds per engine run")
     p.add_argument("--profile", action="store_true", help="cProfile the Sluice arm (written beside the logs)")
-    p.add_argument("--skip-reference", action="store_true", help="warm: no fp32 transformers reference run")
+    p.add_argument("--skip-reference", action="store_true", help="cold, warm: no fp32 reference run")
     p.add_argument("--tiny", action="store_true", help="tiny models (the smoke test)")
     p.add_argument("--no-cgroup", action="store_true", help="do not enforce the cap with a cgroup")
     p.add_argument("--python", action="append", metavar="ENGINE=PATH",
