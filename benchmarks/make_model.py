@@ -205,9 +205,12 @@ def to_gguf(src: str | Path, out: str | Path, python: str, converter: str | Path
         "import runpy, sys\n"
         f"sys.argv = [{str(converter)!r}] + sys.argv[1:]\n"
         f"sys.path.insert(0, {str(converter.parent)!r})\n"
-        "import convert_hf_to_gguf as c\n"
-        "c.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'\n"
-        "c.main()\n"
+        "try:\n"
+        "    import conversion as base  # newer converters: model classes in a package\n"
+        "except ImportError:\n"
+        "    import convert_hf_to_gguf as base\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'\n"
+        f"runpy.run_path({str(converter)!r}, run_name='__main__')\n"
     )
     tmp = out.with_name(out.name + ".partial")
     subprocess.run([python, "-c", shim, str(src), "--outfile", str(tmp), "--outtype", outtype],

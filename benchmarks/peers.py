@@ -76,12 +76,15 @@ def _unpack_converter(cache: Path, py: Path, log) -> None:
     with tarfile.open(archive) as tf:
         members = [m for m in tf.getmembers()
                    if "/vendor/llama.cpp/" in m.name and (m.name.endswith("convert_hf_to_gguf.py")
-                                                           or "/vendor/llama.cpp/gguf-py/" in m.name)]
+                                                           or "/vendor/llama.cpp/gguf-py/" in m.name
+                                                           or "/vendor/llama.cpp/conversion/" in m.name)]
         tf.extractall(tmp / "x", members=members, filter="data")
     root = next((tmp / "x").glob("*/vendor/llama.cpp"))
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(root / "convert_hf_to_gguf.py", dest / "convert_hf_to_gguf.py")
     shutil.copytree(root / "gguf-py", dest / "gguf-py", dirs_exist_ok=True)
+    if (root / "conversion").is_dir():  # newer converters keep the model classes in a package
+        shutil.copytree(root / "conversion", dest / "conversion", dirs_exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
