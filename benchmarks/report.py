@@ -141,6 +141,9 @@ def cold_section(data: dict, charts: Path, rel: str) -> list[str]:
             best = max(peers, key=lambda r: r["decode_tok_s"])
             out.append(f"Sluice decodes {s['decode_tok_s'] / best['decode_tok_s']:.1f}x faster than the best peer "
                        f"({LABEL[best['engine']]}).")
+    prof = (data.get("profiled") or {}).get("profile")
+    if prof:
+        out.append(f"A separate Sluice run under cProfile (not in the table): `benchmarks/results/{Path(prof).name}`.")
     out += ["", f"![cold decode]({rel}/cold.png)", ""]
     chart_cold(runs, roof, charts / "cold.png")
     return out
