@@ -141,6 +141,7 @@ class Bench:
         except Exception as e:  # a failed conversion is a result, not a crash
             print(f"  {engine}: conversion FAILED ({e})", flush=True)
             return {**base, "ok": False, "error": f"conversion failed: {e}"}
+        waited = self.wait_quiet()
         dropped, drop_why = H.drop_caches() if cold else (None, "warm run: page cache kept")
         name = f"{tag or 'run'}-{engine}"
         spec = H.ArmSpec(
@@ -152,7 +153,7 @@ class Bench:
         print(f"  {engine}: running ({'cap ' + fmt_gib(cap) if cap else 'no cap'}, {new_tokens} tokens)...",
               flush=True)
         rec = H.run_arm(spec, self.cgroup if cap else None)
-        rec.update(tag=tag, artifact=path, conversion=conv, page_cache_dropped=dropped,
+        rec.update(tag=tag, artifact=path, conversion=conv, page_cache_dropped=dropped, waited_for_quiet_s=waited,
                    page_cache_note=drop_why, command=shlex.join(H.arm_command(spec)))
         if engine == "hf" and spec.scratch:
             shutil.rmtree(spec.scratch, ignore_errors=True)
@@ -165,6 +166,19 @@ class Bench:
         else:
             print(f"  {engine}: FAILED: {rec.get('error', '')[:400]}", flush=True)
         return rec
+
+    def wait_quiet(self) -> float:
+        """With --quiet-load: wait (up to --quiet-wait s) until the 1-minute load average is below it."""
+        limit = self.args.quiet_load
+        t0 = time.time()
+        if not limit:
+            return 0.0
+        while time.time() - t0 < self.args.quiet_wait:
+            la = H.loadavg()
+            if not la or la[0] < limit:
+                break
+            time.sleep(10)
+        return time.time() - t0
 
     # -- models ---------------------------------------------------------------------------
 
@@ -398,6 +412,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="cold, warm: one more Sluice run under cProfile (summary in --results, not in the tables)")
     p.add_argument("--skip-reference", action="store_true", help="cold, warm: no fp32 reference run")
+    p.add_argument("--quiet-load", type=float, default=None, metavar="LOAD",
+                   help="before each engine run, wait until the 1-minute load average is below LOAD")
+    p.add_argument("--quiet-wait", type=float, default=600, help="the longest such wait, seconds (default 600)")
     p.add_argument("--tiny", action="store_true", help="tiny models (the smoke test)")
     p.add_argument("--no-cgroup", action="store_true", help="do not enforce the cap with a cgroup")
     p.add_argument("--python", action="append", metavar="ENGINE=PATH",
