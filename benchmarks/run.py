@@ -275,6 +275,7 @@ def scenario_cold(b: Bench) -> dict:
         cap = 1536 << 20  # a tiny model is far below any process's baseline: a cap that still runs
     ids = b.prompt_ids(model, a.prompt_tokens)
     print(f"cold: {model.name} {facts['checkpoint_bytes'] / 1e9:.2f} GB, cap {fmt_gib(cap)}", flush=True)
+    b.wait_quiet()
     limits = H.measure_limits(sys.executable, str(model), a.threads)
     print(f"  disk: O_DIRECT {limits['direct_read']['bytes_per_s'] / 1e9:.2f} GB/s at "
           f"{limits['direct_read']['record_bytes'] / 1e6:.1f} MB reads, buffered sequential "
@@ -300,6 +301,7 @@ def scenario_cold(b: Bench) -> dict:
         m = match(r, bf16)
         r["match_bf16"], r["agree_prefix_bf16"] = m["match"], m["agree_prefix"]
         r["reference"] = "transformers' modules in fp32 (run layer by layer by AirLLM, dtype=float32)"
+    b.wait_quiet()
     limits_after = H.measure_limits(sys.executable, str(model), a.threads)
     return {"model": str(model), "model_facts": facts, "cap_bytes": cap, "prompt_ids": ids, "limits": limits,
             "limits_after": limits_after, "reference": ref_rec, "profiled": profiled, "runs": runs, "cgroup": b.cgroup, "cgroup_note": b.cgroup_why}
@@ -312,6 +314,7 @@ def scenario_warm(b: Bench) -> dict:
     cap = a.cap or int(facts["checkpoint_bytes"] * 2 + (2 << 30))
     ids = b.prompt_ids(model, a.prompt_tokens)
     print(f"warm: {model.name} {facts['checkpoint_bytes'] / 1e9:.2f} GB, cap {fmt_gib(cap)}", flush=True)
+    b.wait_quiet()
     limits = H.measure_limits(sys.executable, str(model), a.threads)
     print(f"  memory read bandwidth {limits['memory_read']['bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
     runs = []
@@ -358,6 +361,7 @@ def scenario_sweep(b: Bench) -> dict:
     ids = b.prompt_ids(model, a.prompt_tokens)
     warm_ids = b.prompt_ids(model, a.prompt_tokens, WARMUP_PROMPT)
     print(f"sweep: {model.name}, floor {fmt_gib(floor)}, caps {[fmt_gib(c) for c in caps]}", flush=True)
+    b.wait_quiet()
     limits = H.measure_limits(sys.executable, str(model), a.threads)
     runs = []
     for cap in caps:
