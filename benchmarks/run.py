@@ -384,14 +384,15 @@ def scenario_exact(b: Bench) -> dict:
                     options={"dtype": "float32", "margins": True}, tag="exact-reference")
     ref = (ref_rec.get("result") or {}).get("token_ids")
     runs = []
-    per_engine = {"hf": {"dtype": "bfloat16"}, "airllm": {"dtype": "float32"}, "sluice": {}, "llamacpp": {}}
+    per_engine = {"hf": {"dtype": "bfloat16"}, "airllm": {"dtype": "float32"}, "sluice": {},
+                  "llamacpp": {"kv_type": "f32"}}
     for e in engines(a):
         dtype = "f32" if e == "llamacpp" else "bf16"
         r = b.run(e, model, ids, new_tokens=a.new_tokens, cap=None, engine_memory=None, cold=False,
                   options=per_engine.get(e, {}), dtype=dtype, tag="exact")
         r.update(match(r, ref))
         r["arithmetic"] = {"hf": "bf16 (transformers in the checkpoint's dtype)", "sluice": "fp32 on bf16 weights",
-                           "llamacpp": "f32 GGUF (exact upcast of the bf16 weights)",
+                           "llamacpp": "f32 GGUF (exact upcast of the bf16 weights), f32 KV cache",
                            "airllm": "fp32 (dtype=float32)"}.get(e)
         runs.append(r)
     return {"model": str(model), "model_facts": facts, "prompt_ids": ids, "reference": ref_rec, "runs": runs}

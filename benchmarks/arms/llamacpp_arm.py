@@ -14,9 +14,14 @@ def main() -> None:
     from llama_cpp import Llama
 
     ids = common.ids(args)
+    kw = {}
+    if opts.get("kv_type") == "f32":  # llama.cpp's KV cache is f16 by default; f32 for exactness checks
+        import llama_cpp
+
+        kw.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
     llm = Llama(model_path=args.model, n_ctx=int(opts.get("n_ctx", max(256, len(ids) + args.new_tokens + 16))),
                 n_threads=args.threads, n_threads_batch=args.threads, n_batch=512,
-                use_mmap=bool(opts.get("use_mmap", True)), use_mlock=False, verbose=False)
+                use_mmap=bool(opts.get("use_mmap", True)), use_mlock=False, verbose=False, **kw)
 
     def generate(clock=None):
         n = 0
