@@ -211,7 +211,7 @@ class Bench:
         path = self.results / f"{name}.json"
         data = {"scenario": name, "command": command_line(), "machine": H.machine_info(),
                 "finished": time.strftime("%Y-%m-%d %H:%M:%S"), **data}
-        path.write_text(json.dumps(data, indent=1))
+        path.write_text(json.dumps(anonymize(data), indent=1))
         print(f"wrote {path}", flush=True)
         return path
 
@@ -227,6 +227,21 @@ def profile_summary(prof: str, out: Path, top: int = 30) -> str:
     st.sort_stats("cumulative").print_stats(top)
     out.write_text(buf.getvalue())
     return str(out)
+
+
+def anonymize(obj, subs=None):
+    """Machine-specific paths out of results that get committed: home -> ~, repo -> ., venv -> <venv>."""
+    if subs is None:
+        subs = [(str(H.REPO), "."), (sys.prefix, "<sluice-venv>"), (str(Path.home()), "~")]
+    if isinstance(obj, str):
+        for a, b in subs:
+            obj = obj.replace(a, b)
+        return obj
+    if isinstance(obj, dict):
+        return {k: anonymize(v, subs) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [anonymize(v, subs) for v in obj]
+    return obj
 
 
 def command_line() -> str:
