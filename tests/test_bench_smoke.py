@@ -81,7 +81,9 @@ def test_cold_under_a_cgroup_cap(work):
         assert r["cgroup"]["max_usage_bytes"] <= data["cap_bytes"]
     sluice = next(r for r in data["runs"] if r["engine"] == "sluice")
     assert sluice["peak_rss_bytes"] <= sluice["result"]["engine_stats"]["budget_bytes"]
-    assert sluice["match"] is not None  # compared with the transformers arm
+    assert sluice["match_bf16"] is not None  # compared with the transformers arm
+    if (data.get("reference") or {}).get("ok"):  # the fp32 reference needs AirLLM
+        assert sluice["match"] is True
 
 
 def test_sweep_and_report(work, tmp_path):
