@@ -181,6 +181,9 @@ def warm_section(data: dict, charts: Path, rel: str) -> list[str]:
     l = next((r for r in runs if r["engine"] == "llamacpp" and r.get("ok")), None)
     if s and l and l.get("decode_tok_s"):
         out += ["", f"Sluice / llama.cpp decode at the same dtype (bf16): **{s['decode_tok_s'] / l['decode_tok_s']:.2f}x**."]
+    prof = (data.get("profiled") or {}).get("profile")
+    if prof:
+        out.append(f"A separate Sluice run under cProfile (not in the table): `benchmarks/results/{Path(prof).name}`.")
     out += ["", f"![warm decode]({rel}/warm.png)", ""]
     chart_warm(runs, roof, charts / "warm.png")
     return out
