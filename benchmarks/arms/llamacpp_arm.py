@@ -24,6 +24,9 @@ def main() -> None:
                 use_mmap=bool(opts.get("use_mmap", True)), use_mlock=False, verbose=False, **kw)
 
     def generate(clock=None):
+        # llama-cpp-python reuses the KV cache of a previous call whose tokens share a prefix
+        # with this prompt; reset() makes every run prefill its whole prompt like the others
+        llm.reset()
         n = 0
         for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
             if clock is not None:
