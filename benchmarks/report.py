@@ -198,8 +198,8 @@ def sweep_section(data: dict, charts: Path, rel: str) -> list[str]:
         f"1-minute load average during the runs: {loads(runs)}.",
         "",
         "| cap | cap / model | cache experts | cold decode tok/s | cold hit rate | warm decode tok/s | warm hit rate | "
-        "read per token (warm) | peak RSS | RSS <= cap | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "warm hits / misses | disk read per decode token (warm) | peak RSS | RSS <= cap | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     pts = []
     for r in runs:
@@ -207,11 +207,11 @@ def sweep_section(data: dict, charts: Path, rel: str) -> list[str]:
         st, w = res.get("engine_stats") or {}, res.get("warmup_stats") or {}
         cap = r["cap_bytes"]
         rss = r.get("peak_rss_bytes")
-        gen = st.get("generated_tokens") or 0
         out.append(
             f"| {gib(cap)} | {pct(cap / facts['checkpoint_bytes'])} | {st.get('cache_slots', '-')} | "
             f"{f(w.get('decode_tok_s'))} | {pct(w.get('hit_rate'))} | {f(st.get('decode_tok_s'))} | "
-            f"{pct(st.get('hit_rate'))} | {gb(st['bytes_read'] / gen, 3) if gen else '-'} | {gib(rss)} | "
+            f"{pct(st.get('hit_rate'))} | {st.get('expert_hits', '-')} / {st.get('expert_misses', '-')} | "
+            f"{gb(r.get('read_bytes_per_decode_token'), 3)} | {gib(rss)} | "
             f"{'-' if rss is None else ('yes' if rss <= cap else 'NO')} | {status(r)} |")
         if r.get("ok"):
             pts.append((cap, w.get("decode_tok_s"), w.get("hit_rate"), st.get("decode_tok_s"), st.get("hit_rate")))
@@ -257,9 +257,12 @@ def chart_cold(runs, roof, path: Path) -> None:
     ok = [r for r in runs if r.get("ok") and r.get("decode_tok_s")]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     names = [LABEL[r["engine"]] for r in ok]
-    a1.bar(names, [r["decode_tok_s"] for r in ok], color="#3b7dd8")
+    vals = [r["decode_tok_s"] for r in ok]
+    bars = a1.bar(names, vals, color="#3b7dd8")
+    a1.bar_label(bars, labels=[f"{v:.2f}" for v in vals], fontsize=8)
     a1.axhline(roof, color="#d83b3b", ls="--", label=f"I/O roofline, no cache ({roof:.2f} tok/s)")
     a1.set_yscale("log")
+    a1.set_ylim(min(vals) / 2, max(roof, max(vals)) * 2)
     a1.set_ylabel("decode tok/s (log)")
     a1.legend(fontsize=8)
     a1.tick_params(axis="x", labelsize=8, rotation=15)
@@ -276,7 +279,8 @@ def chart_warm(runs, roof, path: Path) -> None:
     plt = _plt()
     ok = [r for r in runs if r.get("ok") and r.get("decode_tok_s")]
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    ax.bar([LABEL[r["engine"]] for r in ok], [r["decode_tok_s"] for r in ok], color="#3b7dd8")
+    bars = ax.bar([LABEL[r["engine"]] for r in ok], [r["decode_tok_s"] for r in ok], color="#3b7dd8")
+    ax.bar_label(bars, labels=[f"{r['decode_tok_s']:.2f}" for r in ok], fontsize=8)
     ax.axhline(roof, color="#d83b3b", ls="--", label=f"memory roofline ({roof:.1f} tok/s)")
     ax.set_ylabel("decode tok/s")
     ax.legend(fontsize=8)
@@ -299,7 +303,7 @@ def chart_sweep(pts, model_bytes, path: Path) -> None:
     ax2.plot(x, [100 * (p[4] or 0) for p in pts], "s-", color="#d8893b", label="hit rate % (warm)")
     ax2.set_ylabel("expert cache hit rate %")
     ax2.set_ylim(0, 100)
-    ax.axvline(model_bytes / 2**30, color="#888", ls=":", lw=1)
+    ax.axvline(model_bytes / 2**30, color="#888", ls=":", lw=1, label="model size")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
