@@ -220,6 +220,39 @@ def sweep_section(data: dict, charts: Path, rel: str) -> list[str]:
     return out
 
 
+def repeats_section(data: dict) -> list[str]:
+    """Warm decode, engines run in turn several times: the spread a shared machine gives."""
+    facts, runs = data["model_facts"], data["runs"]
+    roof = data["limits"]["memory_read"]["bytes_per_s"] / facts["bytes_touched_per_token"]
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["engine"], []).append(r)
+    out = ["#### Warm decode, repeated: engines in turn, same model and settings", ""] + header(data) + [
+        f"Each engine ran {max(len(v) for v in by.values())} times, interleaved (1-minute load average "
+        f"{loads(runs)}); memory roofline {roof:.1f} tok/s.",
+        "",
+        "| engine | decode tok/s, each run | best | median | best x memory roofline | prefill tok/s (best run) |",
+        "|---|---|---|---|---|---|",
+    ]
+    best = {}
+    for e, rs in by.items():
+        vals = [r["decode_tok_s"] for r in rs if r.get("ok") and r.get("decode_tok_s")]
+        if not vals:
+            out.append(f"| {LABEL.get(e, e)} | - | - | - | - | - |")
+            continue
+        top = max((r for r in rs if r.get("ok")), key=lambda r: r["decode_tok_s"])
+        best[e] = max(vals)
+        med = sorted(vals)[len(vals) // 2]
+        out.append(f"| {LABEL.get(e, e)} | {', '.join(f(v) for v in vals)} | {f(max(vals))} | {f(med)} | "
+                   f"{f(max(vals) / roof)} | {f(top.get('prefill_tok_s'))} |")
+    if "sluice" in best and "llamacpp" in best:
+        sv = sorted(r["decode_tok_s"] for r in by["sluice"] if r.get("ok"))
+        lv = sorted(r["decode_tok_s"] for r in by["llamacpp"] if r.get("ok"))
+        out += ["", f"Sluice / llama.cpp (bf16): best {best['sluice'] / best['llamacpp']:.2f}x, "
+                f"median {sv[len(sv) // 2] / lv[len(lv) // 2]:.2f}x."]
+    return out + [""]
+
+
 def exact_section(data: dict) -> list[str]:
     facts, runs = data["model_facts"], data["runs"]
     ref = (data.get("reference") or {}).get("result") or {}
@@ -320,6 +353,9 @@ def render(results: Path, charts: Path, rel: str) -> str:
         p = results / f"{name}.json"
         if p.exists():
             parts += fn(json.loads(p.read_text()), charts, rel)
+    p = results / "warm-repeats.json"
+    if p.exists():
+        parts += repeats_section(json.loads(p.read_text()))
     p = results / "exact.json"
     if p.exists():
         parts += exact_section(json.loads(p.read_text()))

@@ -338,10 +338,12 @@ def scenario_warm(b: Bench) -> dict:
         ref_rec = b.run("hf", model, ids, new_tokens=a.new_tokens, cap=None, engine_memory=None, warmup=False,
                         cold=False, options={"dtype": "float32", "margins": True}, tag="warm-reference")
     ref = (ref_rec or {}).get("result", {}) or {}
-    for e in engines(a):
-        # transformers gets no device_map here: the whole model in RAM is the point of this scenario
-        runs.append(b.run(e, model, ids, new_tokens=a.new_tokens, cap=cap, engine_memory=None if e == "hf" else cap,
-                          warmup=True, cold=False, tag="warm"))
+    for rep in range(a.repeat):  # engines interleaved, so that a busy spell of the machine hits all of them
+        for e in engines(a):
+            # transformers gets no device_map here: the whole model in RAM is the point of this scenario
+            runs.append(b.run(e, model, ids, new_tokens=a.new_tokens, cap=cap,
+                              engine_memory=None if e == "hf" else cap, warmup=True, cold=False,
+                              tag="warm" if a.repeat == 1 else f"warm-r{rep}"))
     profiled = None
     if a.profile and "sluice" in engines(a):
         profiled = b.run("sluice", model, ids, new_tokens=a.new_tokens, cap=cap, engine_memory=cap, warmup=True,
@@ -428,6 +430,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=1, help="warm: run every engine this many times, interleaved")
     p.add_argument("--timeout", type=float, default=2400, help="seconds per engine run")
     p.add_argument("--profile", action="store_true",
                    help="cold, warm: one more Sluice run under cProfile (summary in --results, not in the tables)")
