@@ -68,6 +68,7 @@ def machine_info() -> dict:
     return {
         "cpu": cpu, "cores": os.cpu_count(), "mem_total_bytes": mem, "kernel": platform.release(),
         "python": platform.python_version(), "avx2": " avx2" in flags, "avx512f": " avx512f" in flags,
+        "avx512_bf16": " avx512_bf16" in flags,
         "loadavg": loadavg(),
     }
 

@@ -80,7 +80,8 @@ def header(data: dict) -> list[str]:
     return [
         f"Command: `{data['command']}`  ",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_total_bytes'] / 2**30:.1f} GiB RAM, kernel {m['kernel']}, "
-        f"AVX2 {'yes' if m.get('avx2') else 'no'}, AVX-512 {'yes' if m.get('avx512f') else 'no'}; finished "
+        f"AVX2 {'yes' if m.get('avx2') else 'no'}, AVX-512 {'yes' if m.get('avx512f') else 'no'}"
+        f"{', AVX512-BF16 ' + ('yes' if m['avx512_bf16'] else 'no') if 'avx512_bf16' in m else ''}; finished "
         f"{data['finished']}; 1-minute load average at the end {la[0] if la else '?'}.  ",
     ]
 
@@ -349,13 +350,11 @@ def chart_sweep(pts, model_bytes, path: Path) -> None:
 def render(results: Path, charts: Path, rel: str) -> str:
     charts.mkdir(parents=True, exist_ok=True)
     parts = []
-    for name, fn in (("cold", cold_section), ("warm", warm_section), ("sweep", sweep_section)):
+    for name, fn in (("cold", cold_section), ("warm", warm_section), ("warm-repeats", None), ("sweep", sweep_section)):
         p = results / f"{name}.json"
         if p.exists():
-            parts += fn(json.loads(p.read_text()), charts, rel)
-    p = results / "warm-repeats.json"
-    if p.exists():
-        parts += repeats_section(json.loads(p.read_text()))
+            data = json.loads(p.read_text())
+            parts += repeats_section(data) if fn is None else fn(data, charts, rel)
     p = results / "exact.json"
     if p.exists():
         parts += exact_section(json.loads(p.read_text()))

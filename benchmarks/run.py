@@ -225,7 +225,7 @@ def profile_summary(prof: str, out: Path, top: int = 30) -> str:
     st = pstats.Stats(prof, stream=buf)
     st.strip_dirs().sort_stats("tottime").print_stats(top)
     st.sort_stats("cumulative").print_stats(top)
-    out.write_text(buf.getvalue())
+    out.write_text(anonymize(buf.getvalue()))
     return str(out)
 
 
