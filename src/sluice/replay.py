@@ -259,13 +259,16 @@ class ProbationLFRU(Policy):
 
 
 class LFU(Policy):
-    """Plain LFU over resident keys (ties: least recently used); ``history`` keeps counts
-    of evicted keys. Equivalent to LFRU with an infinite half-life, without the decay."""
+    """Plain LFU over resident keys (ties: least recently used), not layer-aware; ``history``
+    keeps counts of evicted keys. LFRU with a half-life too long to matter."""
 
     name = "lfu"
 
     def __init__(self, history: bool = False):
-        self.inner = LFRU(half_life=1e12, history=history)
+        self.inner = LFRU(half_life=1e12, history=history, protect=False)
+
+    def tick(self):
+        self.inner.tick()
 
     def insert(self, key):
         self.inner.insert(key)
