@@ -422,6 +422,7 @@ def test_cli_text_pins_and_errors(tmp_path, capsys):
         ((bad,), "bad.jsonl:2: layer 0: expert id 'x' is not an integer"),
         ((trace, "--policy", "mru"), "unknown cache policy 'mru'"),
         ((trace, "--write-pins", pins), "--pin-count"),
+        ((trace, "--pin-count", "3"), "--pin-count goes with --write-pins"),
         ((), "give a trace file or --synthetic"),
         ((trace, "--capacity", "4,x"), "'x' is not a whole number"),
         ((trace, "--tokens", "100:"), "selects no tokens"),

@@ -643,6 +643,8 @@ def run_cli(args) -> int:
         trace.source += f" [tokens {args.tokens}]"
         if not trace.steps:
             raise ValueError(f"--tokens {args.tokens} selects no tokens")
+    if args.pin_count is not None and not args.write_pins:
+        raise ValueError("--pin-count goes with --write-pins FILE")
     if args.write_pins:
         if not args.pin_count or args.pin_count < 1:
             raise ValueError("--write-pins needs --pin-count N (N >= 1)")

@@ -200,7 +200,7 @@ def hottest(trace: Trace, n: int) -> list[tuple[int, int]]:
 def write_pins(path: str | os.PathLike, pins: Iterable[tuple[int, int]], **info) -> None:
     """Write a pin list; ``info`` (e.g. source, counts) is stored beside it for people, never read back."""
     obj = {"format": PINS_FORMAT, "pins": [[int(layer), int(e)] for layer, e in pins]}
-    obj.update(info)
+    obj.update((k, v) for k, v in info.items() if k not in obj)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f)
         f.write("\n")

@@ -3,6 +3,11 @@
 Keys are hashable, e.g. ``(layer, expert)``. The cache calls ``insert``/``access``/``remove``
 and asks ``victim(evictable)`` for the key to evict among those it may evict (not in use
 by the current layer, not being read). ``tick()`` advances time by one forward step.
+
+``make_policy("lfru:half_life=16,history=true")`` builds one from a spec string;
+``Pinned(policy, pins)`` keeps a fixed set of keys from ever being evicted once resident.
+How the default was chosen, with hit rates against Belady's optimum: docs/cache-policy.md
+(``sluice trace-replay``).
 """
 
 from __future__ import annotations
