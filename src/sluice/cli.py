@@ -186,6 +186,11 @@ def cmd_chat(args) -> int:
 
     return chat_command(args, _engine_options(args), _sampling_kwargs(args))
 
+def cmd_trace_replay(args) -> int:
+    from .replay import run_cli
+
+    return run_cli(args)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -288,6 +293,35 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(max_new_tokens=512)
     _add_engine_args(c)
     c.set_defaults(func=cmd_chat)
+
+    t = sub.add_parser("trace-replay", help="replay a routing trace through the cache policies and Belady's optimum",
+                       description="Replay an expert-routing trace (JSONL, one {\"tok\", \"layers\"} object per "
+                                   "decode token) through the engine's cache policies and Belady's optimal policy, "
+                                   "and print hit rates per capacity, with one cache per layer and with one global "
+                                   "cache of the same total size. See docs/cache-policy.md.")
+    t.add_argument("trace", nargs="?", default=None, help="routing trace file (JSONL)")
+    t.add_argument("--synthetic", default=None, metavar="SPEC",
+                   help="replay a seeded synthetic trace instead, e.g. 'tokens=1000,zipf=1.1,seed=0' "
+                        "(fields: layers experts top_k tokens zipf reuse drift segment seed)")
+    t.add_argument("--capacity", default=None, metavar="C[,C...]",
+                   help="cache sizes in experts per layer (the global cache gets layers x C slots); "
+                        "default: 1, 1.5, 2, 3, 4 and 6 times top-k")
+    t.add_argument("--policy", action="append", default=None, metavar="SPEC",
+                   help="policy to replay, repeatable: lru, lfru, or NAME:KEY=VALUE,... e.g. "
+                        "lfru:half_life=32,history=false (default: lru and lfru; Belady is always added)")
+    t.add_argument("--scope", choices=["both", "layer", "global"], default="both",
+                   help="one cache per layer, one global cache, or both (default)")
+    t.add_argument("--semantics", choices=["engine", "sequential"], default="engine",
+                   help="engine: a layer's experts are looked up, then pinned while its misses are fetched "
+                        "(default); sequential: each access fetched on its own, nothing pinned")
+    t.add_argument("--tokens", default=None, metavar="START:STOP", help="replay only these tokens (0-based slice)")
+    t.add_argument("--pins", default=None, metavar="FILE",
+                   help="also replay each policy with these experts pinned (a sluice-pins-v1 file)")
+    t.add_argument("--write-pins", default=None, metavar="FILE",
+                   help="write the trace's --pin-count most used experts as a pin list")
+    t.add_argument("--pin-count", type=int, default=None, metavar="N", help="how many experts --write-pins keeps")
+    t.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    t.set_defaults(func=cmd_trace_replay)
     return p
 
 
