@@ -51,6 +51,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buffered-io", action="store_true",
                    help="never use O_DIRECT (buffered reads that drop their pages from the page cache)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--trace-routing", default=None, metavar="FILE",
+                   help="write every decode token's expert routing to FILE (JSONL, the format sluice trace-replay "
+                        "reads)")
     lossy = p.add_argument_group("lossy speed switches (outputs differ from the model's; off by default)")
     lossy.add_argument("--moe-top-k", type=int, default=None, metavar="N",
                        help="LOSSY: route each token to only N experts (fewer than the model was trained with)")
@@ -63,6 +66,7 @@ def _engine_options(args) -> dict:
     return dict(cache_experts=args.cache_experts, cache_policy=args.cache_policy, max_context=args.max_context,
                 threads=args.threads, reader_threads=args.reader_threads, prefetch=not args.no_prefetch,
                 verify_reads=args.verify_reads, moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached,
+                trace_routing=args.trace_routing,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress)
 
 

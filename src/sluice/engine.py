@@ -38,6 +38,7 @@ from .spine import buffer_bytes as spine_buffer_bytes
 from .quant.dense import SMALL_BATCH
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
+from .trace import TraceWriter
 from .units import parse_size
 
 DEFAULT_MAX_CONTEXT = 4096
@@ -58,6 +59,7 @@ class Options:
     verify_reads: bool = False
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     progress: bool = True
+    trace_routing: str | None = None  # write each decode token's routing to this JSONL file
     max_resident_layers: int | None = None  # stream the spine of the other layers (None: the planner decides)
     moe_top_k: int | None = None  # lossy
     prefer_cached: float = 0.0  # lossy
@@ -176,6 +178,7 @@ class Engine:
             self.model.lookahead = self._lookahead
         self.set_lossy(moe_top_k=options.moe_top_k, prefer_cached=options.prefer_cached)
         self.state = self.model.new_state(self.plan.max_context)
+        self.trace = TraceWriter(options.trace_routing) if options.trace_routing else None
         self._lock = threading.Lock()
         self.load_s = time.perf_counter() - t_load
         self.last_stats: dict = {}
@@ -201,6 +204,8 @@ class Engine:
         return out
 
     def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
         if self.spine is not None:
             self.spine.close()
         self.experts.close()

@@ -145,8 +145,12 @@ def run(engine, req: Request) -> Iterator[Step]:
             room = min(out.budget - len(out.generated) - 1, state.max_ctx - pos - len(pending))
             draft = drafter.propose()[: max(0, room)]
         t1 = time.perf_counter()
+        tracing = engine.trace is not None and not prefill
+        if tracing:
+            engine.experts.routing = {}
         with torch.inference_mode():
             rows = _verify(engine, pending, draft, pos)  # [1 + d, V]
+            routed, engine.experts.routing = engine.experts.routing, None
             a = 0
             if draft:
                 preds = rows.argmax(dim=-1).tolist()
@@ -165,6 +169,10 @@ def run(engine, req: Request) -> Iterator[Step]:
             state.mark()
         else:
             forwards.append((1 + a, time.perf_counter() - t1))
+        if tracing:
+            for i in range(len(pending) + a):  # the tokens this forward processed and kept
+                engine.trace.write(pos + i, [routed[layer][i].tolist() for layer in engine.desc.moe_layers])
+            engine.trace.flush()
         engine.experts.decoding = True
         for i in range(a + 1):
             token = draft[i] if i < a else sampler(rows[a])

@@ -51,6 +51,7 @@ class ExpertProvider:
         self.counters = ExpertCounters()
         self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
         self._predictions: dict[int, list[int]] = {}  # layer -> experts prefetched for it
+        self.routing: dict[int, torch.Tensor] | None = None  # when set: layer -> ids [T, K] of the last forward
 
     def resident_mask(self, layer: int) -> torch.Tensor:
         """[E] float: 1 for experts of ``layer`` that are in memory (ready or being read), else 0."""
@@ -144,6 +145,8 @@ class ExpertProvider:
     def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of routed experts. x [T, H] fp32, ids/weights [T, K] -> [T, H]."""
         t = x.shape[0]
+        if self.routing is not None:
+            self.routing[layer] = ids
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         sorted_ids = flat[order].tolist()
