@@ -213,8 +213,9 @@ class Engine:
     def max_context(self) -> int:
         return self.state.max_ctx
 
-    def _run(self, ids: list[int], start: int, all_logits: bool) -> torch.Tensor:
-        """Forward ``ids`` at positions start.., in prefill chunks; logits of the last (or every) position."""
+    def _run(self, ids: list[int], start: int, all_logits: bool, logits: bool = True) -> torch.Tensor | None:
+        """Forward ``ids`` at positions start.., in prefill chunks; logits of the last (or every) position,
+        or none with ``logits=False``."""
         outs = []
         chunk = self.plan.prefill_chunk
         for c0 in range(0, len(ids), chunk):
@@ -223,10 +224,14 @@ class Engine:
             h = self.model.forward(torch.tensor(part, dtype=torch.long), self.state, start + c0)
             self.state.length = start + c0 + len(part)
             self.state.tokens[start + c0 :] = part
+            if not logits:
+                continue
             if all_logits:
                 outs.append(self.model.logits(h))
             elif c0 + chunk >= len(ids):
                 outs.append(self.model.logits(h[-1:]))
+        if not outs:
+            return None
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def forward(self, input_ids) -> torch.Tensor:
@@ -322,8 +327,16 @@ class Engine:
         with torch.inference_mode():
             self.experts.decoding = False
             reused = self.state.rewind(common)
-            logits = self._run(ids[reused:], reused, all_logits=False)[-1]
-            self.state.mark()
+            if self.state.recurrent:
+                # Recurrent layers return only to snapshots: keep one before the prompt's last
+                # token, so a later prompt that shares all of this one but its last token (a
+                # regeneration) or extends it (a continued conversation) resumes from there.
+                if reused < len(ids) - 1:
+                    self._run(ids[reused:-1], reused, all_logits=False, logits=False)
+                self.state.mark()
+                logits = self._run(ids[-1:], len(ids) - 1, all_logits=False)[-1]
+            else:
+                logits = self._run(ids[reused:], reused, all_logits=False)[-1]
         t_prefill = time.perf_counter() - t0
         budget_tokens = min(max_new_tokens, self.max_context - len(ids))
         generated: list[int] = []

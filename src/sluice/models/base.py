@@ -81,6 +81,11 @@ class State:
         self.length = 0
         self.tokens: list[int] = []
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (restorable only at snapshots)."""
+        return any(hasattr(s, "rewind") for s in self.layers)
+
     def rewind(self, n: int) -> int:
         """Roll back to the first ``n`` positions, or fewer if a layer cannot; returns the length."""
         n = max(0, min(n, self.length))
