@@ -11,6 +11,8 @@ FAMILIES = {
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
     "olmoe": "olmoe",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",  # Kimi K2 ships the DeepSeek-V3 architecture under its own model_type
 }
 
 
