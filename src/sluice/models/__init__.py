@@ -12,6 +12,8 @@ FAMILIES = {
     "qwen3_moe": "qwen3_moe",
     "olmoe": "olmoe",
     "qwen3_next": "qwen3_next",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",  # Kimi K2 ships the DeepSeek-V3 architecture under its own model_type
 }
 
 
