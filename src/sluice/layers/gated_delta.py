@@ -146,7 +146,7 @@ def delta_rule_chunked(q, k, v, g, beta, S, chunk: int | None = None):
     c_len = chunk or _chunk_len(h, dk, per_channel)
     if S is None:
         S = k.new_zeros(h, dk, dv)
-    out = torch.empty(h, t, dv)
+    out = torch.empty(h, t, dv, dtype=v.dtype)
     for c0 in range(0, t, c_len):
         c1 = min(t, c0 + c_len)
         n = c1 - c0
