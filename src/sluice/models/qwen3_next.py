@@ -72,6 +72,11 @@ class Config:
 
 def parse_config(raw: dict) -> Config:
     c = RawConfig(raw)
+    if raw.get("quantization_config") is not None:
+        method = (raw["quantization_config"] or {}).get("quant_method") if isinstance(raw["quantization_config"], dict) \
+            else None
+        raise UnsupportedModelError(f"config.json: quantized checkpoints (quantization_config, quant_method="
+                                    f"{method!r}) are not supported for {MODEL_TYPE}; use the bf16/fp16/fp32 weights")
     n_layers = c.int("num_hidden_layers")
     heads = c.int("num_attention_heads")
     hidden = c.int("hidden_size")
@@ -91,8 +96,12 @@ def parse_config(raw: dict) -> Config:
     if n_experts <= 0:
         raise UnsupportedModelError("config.json: num_experts=0 (a dense model) is not supported by the MoE engine")
     step = c.int("decoder_sparse_step", 1)
+    if step < 1:
+        raise UnsupportedModelError(f"config.json: decoder_sparse_step={step} must be at least 1")
     mlp_only = c.get("mlp_only_layers", []) or []
     moe = [i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0]
+    if not moe:
+        raise UnsupportedModelError("config.json: no MoE layer (a dense model) is not supported by the MoE engine")
     nk, nv = c.int("linear_num_key_heads", 16), c.int("linear_num_value_heads", 32)
     if nk <= 0 or nv % nk:
         raise UnsupportedModelError(
