@@ -24,6 +24,7 @@ from ..layers.mlp import GatedMLP, activation
 from ..layers.norm import RMSNorm
 from ..layers.routing import grouped_topk
 from ..quant import linear
+from ..units import format_size
 from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
 from .config import RawConfig
 
@@ -297,9 +298,9 @@ def describe(cfg: Config) -> ModelDescription:
         state_bytes_per_token=LatentCache.nbytes(1, r, dr) * n_full,
         state_bytes_fixed=linear_state_bytes(cfg),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=heads,
-        notes=[f"hybrid attention: {n_lin} Kimi Delta Attention layers (fixed-size recurrent state, {SNAPSHOTS} "
-               f"snapshots kept for prefix reuse) and {n_full} MLA layers without positional encoding "
-               "(latent cache)"],
+        notes=[f"hybrid attention: {n_lin} Kimi Delta Attention layer(s) with a fixed-size recurrent state "
+               f"({format_size(linear_state_bytes(cfg))} with {SNAPSHOTS} snapshots kept for prefix reuse) and "
+               f"{n_full} MLA layer(s) without positional encoding, with a latent cache"],
     )
 
 

@@ -20,6 +20,7 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, rope_parameters
 from ..layers.routing import softmax_topk
 from ..quant import linear
+from ..units import format_size
 from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
 from .config import RawConfig
 
@@ -226,8 +227,9 @@ def describe(cfg: Config) -> ModelDescription:
         state_bytes_per_token=KVCache.nbytes(cfg.num_key_value_heads, 1, d) * n_full,
         state_bytes_fixed=linear_state_bytes(cfg),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
-        notes=[f"hybrid attention: {n_lin} Gated DeltaNet layers (fixed-size recurrent state, {SNAPSHOTS} "
-               f"snapshots kept for prefix reuse) and {n_full} full-attention layers (KV cache)"],
+        notes=[f"hybrid attention: {n_lin} Gated DeltaNet layer(s) with a fixed-size recurrent state "
+               f"({format_size(linear_state_bytes(cfg))} with {SNAPSHOTS} snapshots kept for prefix reuse) and "
+               f"{n_full} full-attention layer(s) with a KV cache"],
     )
 
 
