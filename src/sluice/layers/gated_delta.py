@@ -154,11 +154,12 @@ def delta_rule_chunked(q, k, v, g, beta, S, chunk: int | None = None):
         G = g[:, c0:c1].cumsum(1)  # log of the decay from the chunk start: [H, n] or [H, n, Dk]
         upper = torch.ones(n, n, dtype=torch.bool).triu(1)
         if per_channel:
-            diff = (G[:, :, None, :] - G[:, None, :, :]).masked_fill(upper[None, :, :, None], float("-inf"))
-            decay = diff.exp_()  # [H, n(t), n(j), Dk]: exp(G_t - G_j), zero above the diagonal
-            kk = torch.matmul(decay * kc[:, None, :, :], kc[:, :, :, None])[..., 0]  # sum_d k_t k_j decay
-            qk = torch.matmul(decay * kc[:, None, :, :], qc[:, :, :, None])[..., 0]
-            del decay, diff
+            # [H, n(t), n(j), Dk]: exp(G_t - G_j) (zero above the diagonal) times k_j, one block in place
+            kd = (G[:, :, None, :] - G[:, None, :, :]).masked_fill_(upper[None, :, :, None], float("-inf"))
+            kd = kd.exp_().mul_(kc[:, None, :, :])
+            kk = torch.matmul(kd, kc[:, :, :, None])[..., 0]  # sum_d k_t,d k_j,d exp(G_t,d - G_j,d)
+            qk = torch.matmul(kd, qc[:, :, :, None])[..., 0]
+            del kd
             eG = G.exp()  # [H, n, Dk]
             g_end = G[:, -1]  # [H, Dk]
             k_end = kc * (g_end[:, None, :] - G).exp()
