@@ -171,3 +171,38 @@ def spine_model(tmp_path_factory):
     path = write_model(root / "model", SPINE_HEAVY, progress=False, tokenizer=False)
     yield path
     shutil.rmtree(root, ignore_errors=True)
+
+# -- helpers for the hybrid (linear + full attention) families ---------------------------------
+
+
+def expected_outputs(ref, ids: torch.Tensor, n_new: int, decisive=None):
+    """transformers' logits at every position of ``ids`` and its greedy continuation, proven
+    decisive (``decisive(ref, out, first)``; default: ``assert_decisive`` with top-2 routing)."""
+    with torch.no_grad():
+        ref_logits = ref(ids[None]).logits[0]
+        ref_out = ref.generate(ids[None], max_new_tokens=n_new, do_sample=False)[0]
+    (decisive or (lambda r, o, f: assert_decisive(r, o, f, 2)))(ref, ref_out, len(ids) - 1)
+    return ref_logits, ref_out[len(ids):].tolist()
+
+
+def check_exact(expected, eng, ids: torch.Tensor, n_new: int, tol: float = 1e-4):
+    """Engine logits within ``tol`` of ``expected`` at every position, greedy tokens identical."""
+    ref_logits, ref_tokens = expected
+    logits = eng.forward(ids)
+    diff = (logits - ref_logits).abs().max().item()
+    assert diff <= tol, f"max |logit diff| {diff:.3e} > {tol:.1e}"
+    result = eng.generate(ids.tolist(), max_new_tokens=n_new, ignore_eos=True)
+    assert result.token_ids == ref_tokens
+    return logits, result
+
+
+def fp32_noise(path: Path, ids: torch.Tensor) -> float:
+    """How far transformers' fp32 logits are from its fp64 ones on ``ids``: the size of fp32
+    rounding for this model and prompt (random tiny models amplify it)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        f32 = reference(path)(ids[None]).logits[0].double()
+        m64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+        f64 = m64.eval()(ids[None]).logits[0]
+    return (f32 - f64).abs().max().item()

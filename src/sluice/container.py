@@ -45,7 +45,7 @@ PART_ALIGN = 64
 assert HEADER.size == HEADER_BYTES
 
 # expert format name <-> id stored in record headers
-FORMAT_IDS = {"f32": 1, "bf16": 2, "f16": 3, "int8": 4, "q4": 5, "mxfp4": 6, "rvq3": 7}
+FORMAT_IDS = {"f32": 1, "bf16": 2, "f16": 3, "int8": 4, "q4": 5, "mxfp4": 6, "rvq3": 7, "fp8": 8}
 
 
 def is_container(path: str | Path) -> bool:

@@ -32,6 +32,7 @@ from .engine import ModelInfo
 from .errors import CheckpointError
 from .experts.source import views
 from .progress import Progress
+from .quant.fp8 import FORMAT as FP8_FORMAT
 from .storage import ALIGN, AlignedBuffer, align_up
 
 MATRIX_ROLES = ("gate", "up", "down")
@@ -48,6 +49,8 @@ def part_specs(fmt: str, layout) -> list[tuple[str, str, tuple[int, ...]]]:
         v = by_name[role]
         if fmt in DENSE_FORMATS:
             specs.append((role, _DENSE_DTYPE[fmt], tuple(v.shape)))
+        elif fmt == FP8_FORMAT:  # stored as is; "<role>_scale_inv" follows among the other parts
+            specs.append((role, DTYPE_NAMES[v.dtype], tuple(v.shape)))
         else:
             from .quant.formats import FORMATS
 
@@ -71,6 +74,8 @@ def encode_parts(fmt: str, weights: dict[str, torch.Tensor], parts, record: Alig
         w = weights[role]
         if fmt in DENSE_FORMATS:
             encoded[role] = w if w.dtype == _TORCH_DENSE[fmt] else w.to(_TORCH_DENSE[fmt])
+        elif fmt == FP8_FORMAT:
+            encoded[role] = w
         else:
             from .quant.formats import FORMATS
 
@@ -111,6 +116,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     fmt = experts or source.format
     if fmt not in FORMAT_IDS:
         raise ValueError(f"unknown expert format {fmt!r} (choose from: {', '.join(FORMAT_IDS)})")
+    if (fmt == FP8_FORMAT) != (source.format == FP8_FORMAT):
+        raise ValueError(f"expert format {fmt!r} from {source.format!r} experts is not supported: block-scaled FP8 "
+                         "experts are stored as they are (fp8), and other experts are not quantized to fp8")
     # sizes first: check free disk
     layer0 = desc.moe_layers[0] if desc.moe_layers else None
     specs = part_specs(fmt, source.layout(layer0, 0)) if layer0 is not None else []

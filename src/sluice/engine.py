@@ -87,6 +87,12 @@ class ModelInfo:
         self.family = get_family(self.raw_config.get("model_type"))
         self.config = self.family.parse_config(self.raw_config)
         self.desc = self.family.describe(self.config)
+        aliases = getattr(self.family, "tensor_aliases", None)
+        if aliases is not None:  # a tensor some checkpoints store under another name
+            tensors = self.checkpoint.tensors
+            for name, alt in aliases(self.config).items():
+                if name not in tensors and alt in tensors:
+                    tensors[name] = tensors[alt]
         for name, shape in self.desc.spine.items():
             check_tensor(name, self.checkpoint.info(name), shape)
         if self.is_container:

@@ -128,6 +128,15 @@ def run(engine, req: Request) -> Iterator[Step]:
     engine.experts.decoding = False
     reused = state.rewind(common)
     pending, pos = req.ids[reused:], reused
+    t_start = time.perf_counter()
+    if state.recurrent and len(pending) > 1:
+        # Recurrent layers return only to snapshots: keep one before the prompt's last token, so
+        # a later prompt that shares all of this one but its last token (a regeneration) or
+        # extends it (a continued conversation) resumes from there.
+        with torch.inference_mode():
+            engine._run(pending[:-1], pos, last_n=0)
+        state.mark()
+        pos, pending = pos + len(pending) - 1, pending[-1:]
     forwards: list[tuple[int, float]] = []  # decode forwards: (tokens produced, seconds)
     t_prefill, prefill = 0.0, True
     drafted = accepted = 0
@@ -165,7 +174,7 @@ def run(engine, req: Request) -> Iterator[Step]:
                 drafted += len(draft)
                 accepted += a
         if prefill:
-            t_prefill, prefill = time.perf_counter() - t1, False
+            t_prefill, prefill = time.perf_counter() - t_start, False
             state.mark()
         else:
             forwards.append((1 + a, time.perf_counter() - t1))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quant.fp8 import assemble
 from .cache import LOADING, READY, ExpertCache, Slot
 from .compute import expert_forward
 from .source import ExpertSource
@@ -94,6 +95,7 @@ class ExpertProvider:
             self.cache.discard(slot)
             raise
         self.cache.ready(slot)
+        slot.weights = assemble(slot.weights, self.spec.block)  # "<role>" + "<role>_scale_inv" -> one matrix
 
     def _settle_finished(self) -> None:
         """Settle unpinned reads that have finished, so their slots become evictable."""

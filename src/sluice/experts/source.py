@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 from ..checkpoint import DTYPES, Checkpoint
 from ..errors import CheckpointError, ExpertReadError
+from ..quant.fp8 import FORMAT as FP8_FORMAT
+from ..quant.fp8 import SCALE_SUFFIX
 from ..storage import AlignedBuffer, LocalFile
 from .layout import ExpertLayout, Span, layout_from_spans
 
@@ -64,7 +66,9 @@ class ExpertSource:
         raise NotImplementedError
 
 
-_FORMAT_OF_DTYPE = {"F32": "f32", "BF16": "bf16", "F16": "f16"}
+_FORMAT_OF_DTYPE = {"F32": "f32", "BF16": "bf16", "F16": "f16", "F8_E4M3": FP8_FORMAT}
+_BLOCK_SCALED = ("F8_E4M3",)
+MATRIX_ROLES = ("gate", "up", "down")
 
 
 class CheckpointExperts(ExpertSource):
@@ -77,10 +81,16 @@ class CheckpointExperts(ExpertSource):
         for layer in layers:
             for e in range(n_experts):
                 spans = []
-                for role, ref in tensors(layer, e).items():
+                refs = tensors(layer, e)
+                for role, ref in refs.items():
                     info = ckpt.info(ref.name)
                     spans.append(self._span(role, ref, info))
-                    dtypes.add(info.dtype)
+                    if role in MATRIX_ROLES:
+                        dtypes.add(info.dtype)
+                        if info.dtype in _BLOCK_SCALED and role + SCALE_SUFFIX not in refs:
+                            raise CheckpointError(
+                                f"{info.file}: expert tensor {ref.name!r} is {info.dtype} but config.json declares "
+                                "no block-scaled quantization (quantization_config) to read its scales with")
                 self._layouts[(layer, e)] = layout_from_spans(spans)
                 if not payload:
                     payload = sum(s.nbytes for s in spans)
@@ -89,8 +99,8 @@ class CheckpointExperts(ExpertSource):
         dtype = dtypes.pop() if dtypes else "F32"
         if dtype not in _FORMAT_OF_DTYPE:
             raise CheckpointError(
-                f"{ckpt.path}: routed experts have dtype {dtype}; Sluice streams f32/bf16/f16 experts "
-                "from Hugging Face checkpoints (convert other formats with `sluice convert`)"
+                f"{ckpt.path}: routed experts have dtype {dtype}; Sluice streams f32/bf16/f16 and block-scaled "
+                "FP8 (e4m3) experts from Hugging Face checkpoints (convert other formats with `sluice convert`)"
             )
         self.format = _FORMAT_OF_DTYPE[dtype]
         self.slot_bytes = max((lay.slot_bytes for lay in self._layouts.values()), default=4096)

@@ -14,6 +14,9 @@ class ExpertSpec:
         (Mixtral, Qwen3-MoE, OLMoE, DeepSeek, ...), optional biases.
       - ``"clamped_swiglu"``: GPT-OSS: gate clamped above at ``limit``, up clamped to
         [-limit, limit], ``(up + 1) * gate * sigmoid(alpha * gate)``, with biases.
+
+    ``block``: the (rows, cols) weight block of block-scaled matrices (FP8 checkpoints: a
+    role's record holds ``<role>`` and ``<role>_scale_inv``), None for plain dtypes.
     """
 
     hidden: int
@@ -23,6 +26,7 @@ class ExpertSpec:
     bias: bool = False
     limit: float = 7.0
     alpha: float = 1.702
+    block: tuple[int, int] | None = None
 
     def matrix_shapes(self) -> dict[str, tuple[int, int]]:
         """Canonical [out, in] shape of each matrix."""

@@ -1,7 +1,8 @@
 """ctypes bindings to Sluice's C kernels, with torch fallbacks when they are not built.
 
 ``dense(x, w, bias)`` multiplies fp32 activations [T, K] by an f32/bf16/f16 weight [N, K]
-without materialising an fp32 copy of the weight, using a persistent C thread pool.
+without materialising an fp32 copy of the weight, using a persistent C thread pool;
+``fp8_dense`` does the same for a block-scaled FP8 weight (``quant.fp8``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class _Lib:
         self.lib = None
         self.threads = 1
         self.error: str | None = None
+        self.fp8 = False
         path = _find_library()
         if path is None:
             self.error = "C kernels not built (no compiler at install time?): using torch fallbacks"
@@ -45,6 +47,10 @@ class _Lib:
         lib.sk_set_threads.argtypes = [i]
         lib.sk_set_threads.restype = i
         lib.sk_has_avx2.restype = i
+        self.fp8 = hasattr(lib, "sk_fp8_dense")
+        if self.fp8:
+            lib.sk_fp8_dense.argtypes = [p, p, p, p, p, i, i, i, i, i, i, i]
+            lib.sk_fp8_dense.restype = None
         self.lib = lib
         self.set_threads(torch.get_num_threads())
 
@@ -76,4 +82,20 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
     y = torch.empty(t, n, dtype=torch.float32)
     _lib.lib.sk_dense(x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
                       t, n, k, _WTYPE[w.dtype], _lib.threads)
+    return y
+
+
+def fp8_available() -> bool:
+    return _lib.lib is not None and _lib.fp8
+
+
+def fp8_dense(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+              block: tuple[int, int], r0: int = 0, r1: int | None = None) -> torch.Tensor:
+    """x [T, K] fp32 @ W[r0:r1]^T (+ bias fp32 [r1 - r0]) for a block-FP8 W: w float8_e4m3fn [N, K]
+    (contiguous), scale fp32 [ceil(N / bn), ceil(K / bk)] (contiguous) -> [T, r1 - r0] fp32."""
+    t, k = x.shape
+    r1 = w.shape[0] if r1 is None else r1
+    y = torch.empty(t, r1 - r0, dtype=torch.float32)
+    _lib.lib.sk_fp8_dense(x.data_ptr(), w.data_ptr(), scale.data_ptr(), bias.data_ptr() if bias is not None else None,
+                          y.data_ptr(), t, r1 - r0, k, r0, block[0], block[1], _lib.threads)
     return y

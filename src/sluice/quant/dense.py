@@ -17,8 +17,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Small batches go through the C kernel for every dtype: no fp32 copy of a half-precision
     weight, and a summation order that depends neither on the weight's address alignment nor
     on the thread count (BLAS GEMV does depend on both). Larger batches use sgemm, upcasting
-    half-precision weights in bounded row chunks (16 MiB at most).
+    half-precision weights in bounded row chunks (16 MiB at most). A weight that is not a
+    tensor is a format wrapper (e.g. ``quant.fp8.BlockFP8``) and multiplies itself.
     """
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x, bias)
     if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.available() and weight.is_contiguous():
         b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
         return kernels.dense(x.contiguous(), weight, b)
