@@ -206,3 +206,26 @@ def fp32_noise(path: Path, ids: torch.Tensor) -> float:
         m64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
         f64 = m64.eval()(ids[None]).logits[0]
     return (f32 - f64).abs().max().item()
+
+
+def check_prefix_reuse(eng, fresh, p1: list[int], gen: dict) -> None:
+    """Prefix reuse on a recurrent model gives the tokens of a fresh run in four situations.
+
+    At least the expected number of tokens come back from a snapshot (speculative decoding
+    may have left a later one), never more than the prompt shares with what the state holds.
+    """
+    g1 = eng.generate(p1, reuse_prefix=True, **gen).token_ids
+
+    def check(prompt, expect_reused):
+        held = eng.state.tokens[: eng.state.length]
+        common = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), min(len(held), len(prompt)))
+        r = eng.generate(prompt, reuse_prefix=True, **gen)
+        assert r.token_ids == fresh.generate(prompt, **gen).token_ids
+        assert expect_reused <= r.stats["reused_prefix_tokens"] <= min(common, len(prompt) - 1)
+        return r.token_ids
+
+    g2 = check(p1 + g1 + [5, 6, 7], len(p1) + len(g1) - 1)  # continued conversation: the whole state
+    p3 = p1 + g1 + [5, 6, 7] + g2[:4] + [g2[4] ^ 1, 9]
+    check(p3, len(p1) + len(g1) + 3 - 1)  # diverges inside the last generation: the snapshot before its prompt's end
+    check(p3, len(p3) - 1)  # a regeneration starts from the snapshot before the prompt's last token
+    check([p1[0] ^ 1] + p1[1:], 0)  # diverges before any snapshot: nothing to reuse

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sluice
-from conftest import LOGIT_MARGIN, ROUTER_MARGIN, check_exact, expected_outputs, fp32_noise, prompt_ids, reference, \
+from conftest import check_prefix_reuse, LOGIT_MARGIN, ROUTER_MARGIN, check_exact, expected_outputs, fp32_noise, prompt_ids, reference, \
     tiny_config
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
@@ -184,21 +184,7 @@ def test_chunked_vs_stepwise(models):
 def test_prefix_reuse_matches_fresh_runs(models):
     eng = _load(models["f32"], cache_experts=6)
     fresh = _load(models["f32"], cache_experts=6)
-    p1 = prompt_ids(20, seed=21).tolist()
-    gen = dict(max_new_tokens=10, ignore_eos=True)
-    g1 = eng.generate(p1, reuse_prefix=True, **gen).token_ids
-
-    def check(prompt, expect_reused):
-        r = eng.generate(prompt, reuse_prefix=True, **gen)
-        assert r.token_ids == fresh.generate(prompt, **gen).token_ids
-        assert r.stats["reused_prefix_tokens"] == expect_reused
-        return r.token_ids
-
-    g2 = check(p1 + g1 + [5, 6, 7], len(p1) + len(g1) - 1)  # the whole state
-    p3 = p1 + g1 + [5, 6, 7] + g2[:4] + [g2[4] ^ 1, 9]
-    check(p3, len(p1) + len(g1) + 3 - 1)  # back to the snapshot before the previous prompt's last token
-    check(p3, len(p3) - 1)  # regeneration
-    check([p1[0] ^ 1] + p1[1:], 0)
+    check_prefix_reuse(eng, fresh, prompt_ids(20, seed=21).tolist(), dict(max_new_tokens=10, ignore_eos=True))
 
 
 def test_rewind_to_mark_gives_identical_logits(models):
@@ -207,15 +193,15 @@ def test_rewind_to_mark_gives_identical_logits(models):
     cont = prompt_ids(6, seed=32).tolist()
     with torch.inference_mode():
         eng.state.rewind(0)
-        eng._run(ids, 0, all_logits=False, logits=False)
+        eng._run(ids, 0, last_n=0)
         eng.state.mark()
-        first = eng._run(cont, len(ids), all_logits=True)
+        first = eng._run(cont, len(ids), last_n=len(cont))
         assert eng.state.rewind(len(ids)) == len(ids)
-        eng._run(prompt_ids(9, seed=33).tolist(), len(ids), all_logits=True)
+        eng._run(prompt_ids(9, seed=33).tolist(), len(ids), last_n=1)
         assert eng.state.rewind(len(ids) + 3) == len(ids)
-        again = eng._run(cont, len(ids), all_logits=True)
+        again = eng._run(cont, len(ids), last_n=len(cont))
         eng.state.rewind(len(ids))
-        steps = torch.cat([eng._run([t], len(ids) + i, all_logits=True) for i, t in enumerate(cont)])
+        steps = torch.cat([eng._run([t], len(ids) + i, last_n=1) for i, t in enumerate(cont)])
     assert torch.equal(first, again)
     assert (steps - first).abs().max().item() < 2e-5
 

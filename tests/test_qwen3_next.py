@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sluice
-from conftest import check_exact, expected_outputs, fp32_noise, prompt_ids, reference, save_tiny
+from conftest import check_prefix_reuse, check_exact, expected_outputs, fp32_noise, prompt_ids, reference, save_tiny
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
 from sluice.inspect import inspect_model, render_inspect
@@ -108,24 +108,7 @@ def test_chunked_vs_stepwise(models):
 def test_prefix_reuse_matches_fresh_runs(models):
     eng = _load(models["f32"], cache_experts=6)
     fresh = _load(models["f32"], cache_experts=6)
-    p1 = prompt_ids(20, seed=21).tolist()
-    g1 = eng.generate(p1, max_new_tokens=10, reuse_prefix=True).token_ids
-
-    def check(prompt, expect_reused):
-        r = eng.generate(prompt, max_new_tokens=10, reuse_prefix=True)
-        assert r.token_ids == fresh.generate(prompt, max_new_tokens=10).token_ids
-        assert r.stats["reused_prefix_tokens"] == expect_reused
-        return r.token_ids
-
-    # continued conversation: everything the state holds is reused
-    g2 = check(p1 + g1 + [5, 6, 7], len(p1) + len(g1) - 1)
-    # diverges inside the last generation: back to the snapshot before that prompt's last token
-    p3 = p1 + g1 + [5, 6, 7] + g2[:4] + [g2[4] ^ 1, 9]
-    check(p3, len(p1) + len(g1) + 3 - 1)
-    # a regeneration of the same prompt starts from the snapshot before its last token
-    check(p3, len(p3) - 1)
-    # diverges before any snapshot: nothing to reuse
-    check([p1[0] ^ 1] + p1[1:], 0)
+    check_prefix_reuse(eng, fresh, prompt_ids(20, seed=21).tolist(), dict(max_new_tokens=10))
 
 
 def test_rewind_to_mark_gives_identical_logits(models):
@@ -135,16 +118,16 @@ def test_rewind_to_mark_gives_identical_logits(models):
     other = prompt_ids(9, seed=33).tolist()
     with torch.inference_mode():
         eng.state.rewind(0)
-        eng._run(ids, 0, all_logits=False, logits=False)
+        eng._run(ids, 0, last_n=0)
         eng.state.mark()
-        first = eng._run(cont, len(ids), all_logits=True)
+        first = eng._run(cont, len(ids), last_n=len(cont))
         assert eng.state.rewind(len(ids)) == len(ids)
-        eng._run(other, len(ids), all_logits=True)  # a different continuation in between
+        eng._run(other, len(ids), last_n=1)  # a different continuation in between
         assert eng.state.rewind(len(ids) + 3) == len(ids)  # no snapshot there: back to the mark
-        again = eng._run(cont, len(ids), all_logits=True)
+        again = eng._run(cont, len(ids), last_n=len(cont))
         # a token-by-token replay from the mark agrees with the chunk to fp32 rounding
         eng.state.rewind(len(ids))
-        steps = torch.cat([eng._run([t], len(ids) + i, all_logits=True) for i, t in enumerate(cont)])
+        steps = torch.cat([eng._run([t], len(ids) + i, last_n=1) for i, t in enumerate(cont)])
     assert torch.equal(first, again)
     assert (steps - first).abs().max().item() < 2e-5
 
