@@ -448,3 +448,28 @@ def test_linear_accepts_quant_matrix():
     x, b = torch.randn(2, 96), torch.randn(37)
     assert torch.equal(linear(x, qm, b), qm.matmul(x, b))
     assert linear(x[0], qm).shape == (37,)
+
+
+def test_cache_slot_assembles_quantized_records():
+    """A quantized record in a cache slot comes out of ``ready()`` as QuantMatrix weights."""
+    from sluice.experts.cache import ExpertCache
+    from sluice.experts.layout import ExpertLayout, View
+    from sluice.experts.policy import LRU
+
+    spec = ExpertSpec(hidden=64, intermediate=96)
+    shapes, views, _ = _expert_views("mxfp4", spec, seed=2)
+    entries, total = record_layout("mxfp4", shapes)
+    layout = ExpertLayout(reads=(), views=tuple(View(name, off, dtype, shape) for name, off, dtype, shape in entries),
+                          slot_bytes=-(-total // 4096) * 4096, format="mxfp4",
+                          shapes=tuple((role, n, k) for role, (n, k) in shapes.items()))
+    cache = ExpertCache(2, layout.slot_bytes, LRU())
+    slot = cache.allocate((0, 1), layout)
+    for name, off, dtype, shape in entries:  # what a reader thread would have written
+        cache.arena.tensor(cache.base(slot) + off, dtype, shape).copy_(views[name])
+    cache.ready(slot)
+    assert {"gate", "up", "down"} <= set(slot.weights)
+    x = torch.randn(2, 64)
+    for role in ("gate", "up", "down"):
+        assert isinstance(slot.weights[role], QuantMatrix)
+    ref = assemble("mxfp4", views, shapes)
+    assert torch.equal(expert_forward(spec, slot.weights, x), expert_forward(spec, ref, x))

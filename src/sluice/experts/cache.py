@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import torch
 
+from ..quant import assemble
 from ..storage import AlignedBuffer
 from .layout import ExpertLayout
 from .policy import Policy
@@ -26,7 +27,7 @@ class Slot:
         self.key: Hashable | None = None
         self.state = EMPTY
         self.future: Future | None = None
-        self.weights: dict[str, torch.Tensor] | None = None
+        self.weights: dict | None = None  # role -> tensor, or QuantMatrix for quantized formats
         self.pins = 0
         self.speculative = False
         self.layout: ExpertLayout | None = None
@@ -85,9 +86,13 @@ class ExpertCache:
         return slot.index * self.slot_bytes
 
     def ready(self, slot: Slot) -> None:
-        """Mark a loaded slot READY and build its tensor views."""
+        """Mark a loaded slot READY and build its tensor views (assembled per format when quantized)."""
         base = self.base(slot)
-        slot.weights = {v.name: self.arena.tensor(base + v.slot_offset, v.dtype, v.shape) for v in slot.layout.views}
+        lay = slot.layout
+        views = {v.name: self.arena.tensor(base + v.slot_offset, v.dtype, v.shape) for v in lay.views}
+        if lay.format is not None:
+            views = assemble(lay.format, views, {role: (n, k) for role, n, k in lay.shapes})
+        slot.weights = views
         slot.state = READY
         slot.future = None
 

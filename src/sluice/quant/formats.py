@@ -33,12 +33,16 @@ _DEFAULT_ACT = {"int8": "f32", "q4": "q8", "mxfp4": "q8"}
 _act_override: str | None = os.environ.get("SLUICE_QUANT_ACTIVATIONS") or None
 
 
+_act_code: dict[str, int] = {}  # format name -> C activation mode, refreshed by set_activations
+
+
 def set_activations(mode: str | None) -> None:
     """Force the fused kernels' activation handling: "f32", "q8", or None for each format's default."""
     global _act_override
     if mode not in (None, "auto") + ACTIVATIONS:
         raise ValueError(f"activation mode must be one of {ACTIVATIONS} or None, not {mode!r}")
     _act_override = None if mode in (None, "auto") else mode
+    _act_code.clear()
 
 
 def activations(fmt: str) -> str:
@@ -46,6 +50,13 @@ def activations(fmt: str) -> str:
     if _act_override in ACTIVATIONS and fmt in _DEFAULT_ACT:
         return _act_override
     return _DEFAULT_ACT.get(fmt, "f32")
+
+
+def _activation_code(fmt: str) -> int:
+    code = _act_code.get(fmt)
+    if code is None:
+        code = _act_code[fmt] = ACTIVATIONS.index(activations(fmt))
+    return code
 
 
 _CHUNK_ELEMS = 4 << 20  # fp32 elements of one dequantized row block in the batched path (16 MiB)
@@ -109,7 +120,7 @@ class Format:
         if t <= self.small_batch:
             if kernels.available() and self.code is not None:
                 w, s = self._kernel_parts(parts)
-                return kernels.qmatmul(self.code, ACTIVATIONS.index(activations(self.name)), x, w, s, n, b)
+                return kernels.qmatmul(self.code, _activation_code(self.name), x, w, s, n, b)
             y = self._fused_fallback(x, parts, n, k)
             if y is not None:
                 return y if b is None else y + b
@@ -165,12 +176,17 @@ class DenseFormat(Format):
 class QuantMatrix:
     """One [n, k] matrix stored in ``format``: ``parts`` as ``format.parts(n, k)`` describes."""
 
-    __slots__ = ("format", "parts", "n", "k")
+    __slots__ = ("format", "parts", "n", "k", "_fast")
 
     def __init__(self, format: Format | str, parts: dict[str, torch.Tensor], n: int, k: int):
         self.format = FORMATS[format] if isinstance(format, str) else format
         self.parts = parts
         self.n, self.k = n, k
+        fmt = self.format
+        # decode fast path: C kernel arguments resolved once (None: go through Format.matmul)
+        self._fast = None
+        if fmt.code is not None and fmt.padded_k(k) == k and kernels.available():
+            self._fast = (fmt.code, fmt.name, *fmt._kernel_parts(parts), fmt.small_batch)
 
     @classmethod
     def quantize(cls, format: Format | str, w: torch.Tensor, seed: int = 0) -> QuantMatrix:
@@ -188,6 +204,11 @@ class QuantMatrix:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` in fp32; x: [..., k]."""
+        fast = self._fast
+        if (fast is not None and x.dim() == 2 and x.shape[0] <= fast[4] and x.dtype == torch.float32
+                and x.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+            code, name, w, s, _ = fast
+            return kernels.qmatmul(code, _activation_code(name), x, w, s, self.n, bias)
         lead = x.shape[:-1]
         y = self.format.matmul(x.reshape(-1, self.k), self.parts, self.n, self.k, bias)
         return y.reshape(*lead, self.n)
