@@ -3,8 +3,10 @@
 Every measurement cycles through enough distinct matrices (>= --pool MiB, far beyond the
 last-level cache) that weights come from DRAM, as an expert just read from disk does.
 Throughput is bytes of the *stored* format per second; the ratio is to the memory
-bandwidth measured in the same run. Numbers are medians over --reps passes; kernels of one
-row of the table are measured interleaved so that background load hits them alike.
+bandwidth (a 256 MiB sum with the same thread count) measured interleaved with the kernel
+passes, so that background load hits both alike. Numbers are medians over --reps passes;
+the variants of one format (activation modes, pool schedules, an older build) are
+interleaved too.
 
     PYTHONPATH=src python benchmarks/kernels.py [--threads 1 2] [--reps 7] [--json out.json]
 """
@@ -44,18 +46,23 @@ def random_parts(fmt, n: int, k: int, gen: torch.Generator) -> dict[str, torch.T
 
 def bandwidth(threads: int, reps: int) -> dict:
     torch.set_num_threads(threads)
+    kernels.set_threads(threads)
     a = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB
     b = torch.empty_like(a)
-    sums, copies = [], []
+    sums, copies, pool_sums = [], [], []
     for _ in range(reps):
         t = time.perf_counter()
         a.sum()
         sums.append(a.numel() * 4 / (time.perf_counter() - t) / 1e9)
         t = time.perf_counter()
+        kernels.bench_sum(a)
+        pool_sums.append(a.numel() * 4 / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
         b.copy_(a)
         copies.append(2 * a.numel() * 4 / (time.perf_counter() - t) / 1e9)
     del a, b
-    return {"sum_GBps": statistics.median(sums), "copy_GBps": statistics.median(copies)}
+    return {"sum_GBps": statistics.median(sums), "pool_sum_GBps": statistics.median(pool_sums),
+            "copy_GBps": statistics.median(copies)}
 
 
 def make_pool(fmt_name: str, n: int, k: int, pool_bytes: int, seed: int = 0) -> list:
@@ -73,19 +80,36 @@ def time_pool(pool: list, x: torch.Tensor) -> float:
     return (time.perf_counter() - t) / len(pool)
 
 
-def measure(variants: dict, x: torch.Tensor, reps: int) -> dict[str, float]:
-    """variants: label -> (pool, setup callable). Interleaved passes, median seconds per matrix."""
+_BW_ARRAY: torch.Tensor | None = None
+
+
+def _bandwidth_pass() -> float:
+    """One large sum (256 MiB) between kernel passes, on the kernels' own thread pool (torch's
+    OpenMP sum collapses when the machine is oversubscribed): GB/s under the same load."""
+    global _BW_ARRAY
+    if _BW_ARRAY is None:
+        _BW_ARRAY = torch.ones(64 << 20, dtype=torch.float32)
+    t = time.perf_counter()
+    kernels.bench_sum(_BW_ARRAY)
+    return _BW_ARRAY.numel() * 4 / (time.perf_counter() - t) / 1e9
+
+
+def measure(variants: dict, x: torch.Tensor, reps: int) -> tuple[dict[str, float], float]:
+    """variants: label -> (pool, setup callable). Interleaved passes (with a bandwidth pass in
+    each round); median seconds per matrix of each variant, and median bandwidth GB/s."""
     times: dict[str, list[float]] = {label: [] for label in variants}
+    bw = []
     for label, (pool, setup) in variants.items():  # warm-up
         setup()
         time_pool(pool[:2], x)
     for _ in range(reps):
+        bw.append(_bandwidth_pass())
         for label, (pool, setup) in variants.items():
             setup()
             times[label].append(time_pool(pool, x))
     quant.set_activations(None)
     kernels.set_schedule(True)
-    return {label: statistics.median(v) for label, v in times.items()}
+    return {label: statistics.median(v) for label, v in times.items()}, statistics.median(bw)
 
 
 def main() -> None:
@@ -109,12 +133,12 @@ def main() -> None:
 
     for th in args.threads:
         results["bandwidth"][th] = bw = bandwidth(th, args.reps)
-        print(f"threads={th} memory bandwidth: sum {bw['sum_GBps']:.1f} GB/s, copy (read+write) {bw['copy_GBps']:.1f} GB/s")
+        print(f"threads={th} memory bandwidth: torch sum {bw['sum_GBps']:.1f} GB/s, kernel-pool sum "
+              f"{bw['pool_sum_GBps']:.1f} GB/s, torch copy (read+write) {bw['copy_GBps']:.1f} GB/s")
 
     for th in args.threads:
         kernels.set_threads(th)
         torch.set_num_threads(th)
-        bw = results["bandwidth"][th]["sum_GBps"]
         for n, k in shapes:
             x = torch.randn(1, k)
             for name in args.formats:
@@ -129,14 +153,14 @@ def main() -> None:
                                 "static": (pool, lambda: kernels.set_schedule(False))}
                 if name == "bf16" and baseline is not None:
                     variants["baseline"] = ([_BaselineMatrix(baseline, m, th) for m in pool], lambda: None)
-                secs = measure(variants, x, args.reps)
+                secs, bw_now = measure(variants, x, args.reps)
                 for label, s in secs.items():
                     gbps = nb / s / 1e9
                     row = {"threads": th, "shape": f"{n}x{k}", "format": name, "variant": label or "default",
-                           "us": s * 1e6, "GBps": gbps, "ratio": gbps / bw}
+                           "us": s * 1e6, "GBps": gbps, "bandwidth_GBps": bw_now, "ratio": gbps / bw_now}
                     results["gemv"].append(row)
                     print(f"gemv  threads={th} {n:5d}x{k:<5d} {name:6s} {label or '':8s} {s * 1e6:9.1f} us"
-                          f" {gbps:6.2f} GB/s  {gbps / bw:5.2f} x bandwidth")
+                          f" {gbps:6.2f} GB/s  bandwidth {bw_now:5.1f} GB/s  ratio {gbps / bw_now:5.2f}")
                 del pool
             if args.no_prefill:
                 continue
@@ -144,7 +168,7 @@ def main() -> None:
             for name in args.formats:
                 pool = make_pool(name, n, k, args.pool << 20)
                 nb = FORMATS[name].nbytes(n, k)
-                s = measure({"": (pool, lambda: None)}, x, max(3, args.reps // 2))[""]
+                s = measure({"": (pool, lambda: None)}, x, max(3, args.reps // 2))[0][""]
                 row = {"threads": th, "shape": f"{n}x{k}", "format": name, "T": args.prefill_tokens, "us": s * 1e6,
                        "GBps": nb / s / 1e9, "GFLOPs": 2 * args.prefill_tokens * n * k / s / 1e9}
                 results["prefill"].append(row)

@@ -39,11 +39,10 @@ def torch_threads(n: int):
 def kernel_threads(n: int):
     before = kernels.info()["threads"]
     kernels.set_threads(n)
-    kernels._lib.threads = n
     try:
         yield
     finally:
-        kernels._lib.threads = before
+        kernels.set_threads(before)
 
 
 @contextmanager

@@ -57,6 +57,8 @@ class _Lib:
         lib.sk_q8_activations.restype = None
         lib.sk_set_schedule.argtypes = [i]
         lib.sk_set_schedule.restype = None
+        lib.sk_bench_sum.argtypes = [p, ctypes.c_size_t, i]
+        lib.sk_bench_sum.restype = ctypes.c_float
         self.lib = lib
         self.qmatmul = lib.sk_qmatmul
         self.set_threads(torch.get_num_threads())
@@ -133,3 +135,8 @@ def set_schedule(dynamic: bool) -> None:
     """Benchmarks only: dynamic chunk claiming (default) or one fixed part per thread (the old pool)."""
     if available():
         _lib.lib.sk_set_schedule(int(dynamic))
+
+
+def bench_sum(a: torch.Tensor) -> float:
+    """Benchmarks only: sum of a contiguous fp32 tensor on the kernels' thread pool (read bandwidth)."""
+    return _lib.lib.sk_bench_sum(a.data_ptr(), a.numel(), _lib.threads)

@@ -336,3 +336,52 @@ EXPORT void sk_dense(const float *x, const void *w, const float *bias, float *y,
 EXPORT int sk_has_avx2(void) { return sk_avx2(); }
 
 EXPORT int sk_version(void) { return 2; }
+
+/* ------------------------------------------------------------ benchmark helper ---- */
+
+/* Sum of n floats with the same pool and chunking as the kernels: the read bandwidth a
+ * streaming kernel can reach at this thread count (used by benchmarks/kernels.py). */
+typedef struct {
+    const float *a;
+    size_t n;
+    float *partial;
+} sum_args;
+
+#define SUM_CHUNK 16384
+
+AVX2 static float sum_avx2(const float *a, size_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(a + i));
+        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(a + i + 8));
+        s2 = _mm256_add_ps(s2, _mm256_loadu_ps(a + i + 16));
+        s3 = _mm256_add_ps(s3, _mm256_loadu_ps(a + i + 24));
+    }
+    float s = sk_hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    for (; i < n; i++) s += a[i];
+    return s;
+}
+
+static void sum_task(void *ctx, int c0, int c1) {
+    sum_args *s = (sum_args *)ctx;
+    for (int c = c0; c < c1; c++) {
+        size_t i0 = (size_t)c * SUM_CHUNK, len = s->n - i0 < SUM_CHUNK ? s->n - i0 : SUM_CHUNK;
+        float acc = 0.0f;
+        if (sk_avx2()) acc = sum_avx2(s->a + i0, len);
+        else
+            for (size_t i = 0; i < len; i++) acc += s->a[i0 + i];
+        s->partial[c] = acc;
+    }
+}
+
+EXPORT float sk_bench_sum(const float *a, size_t n, int nthreads) {
+    int chunks = (int)((n + SUM_CHUNK - 1) / SUM_CHUNK);
+    sum_args s = {a, n, (float *)malloc(sizeof(float) * (size_t)chunks)};
+    if (!s.partial) return 0.0f;
+    sk_parallel(sum_task, &s, chunks, 4, nthreads);
+    float total = 0.0f;
+    for (int c = 0; c < chunks; c++) total += s.partial[c];
+    free(s.partial);
+    return total;
+}
