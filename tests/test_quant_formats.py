@@ -171,18 +171,36 @@ def test_q8_is_close_to_fp32_reference(name):
     assert ((y - ref).norm() / ref.norm()).item() < 0.02
 
 
+def _layout_order(g: int, layout: int) -> torch.Tensor:
+    """Element index held at each position of a row of g blocks in the kernels' activation layouts."""
+    block = [2 * i for i in range(16)] + [2 * i + 1 for i in range(16)]
+    order = []
+    for b in range(g):
+        if layout == 0:
+            order += [b * 32 + i for i in range(32)]
+        elif layout == 1 or (b % 2 == 0 and b == g - 1):
+            order += [b * 32 + e for e in block]
+        elif b % 2 == 0:
+            ev = lambda c: [c * 32 + e for e in block[:16]]  # noqa: E731
+            od = lambda c: [c * 32 + e for e in block[16:]]  # noqa: E731
+            order += ev(b) + ev(b + 1) + od(b) + od(b + 1)
+    return torch.tensor(order)
+
+
 @needs_c
 def test_q8_activations_match_torch():
-    x = torch.randn(5, 256) * torch.logspace(-3, 3, 256)
-    x[1, :32] = 0.0  # an all-zero block
-    for permute in (False, True):
-        xq, xd, xs = kernels.q8_activations(x, permute)
-        got = (xq.float().reshape(5, 8, 32) * xd[..., None]).reshape(5, 256)
-        if permute:  # position i of a block holds element 2i (i < 16) or 2(i-16)+1
-            order = torch.tensor([2 * i for i in range(16)] + [2 * i + 1 for i in range(16)])
-            got = got.reshape(5, 8, 32)[..., torch.argsort(order)].reshape(5, 256)
-        assert torch.equal(got, fake_quantize_activations(x))
-        assert torch.allclose(xs, xq.float().reshape(5, 8, 32).sum(-1) * xd)
+    for g in (8, 7, 3):
+        x = torch.randn(5, 32 * g) * torch.logspace(-3, 3, 32 * g)
+        x[1, :32] = 0.0  # an all-zero block
+        want = fake_quantize_activations(x)
+        for layout in (0, 1, 2):
+            xq, xd, xs = kernels.q8_activations(x, layout)
+            order = _layout_order(g, layout)
+            natural = torch.empty_like(xq)
+            natural[:, order] = xq
+            got = (natural.float().reshape(5, g, 32) * xd[..., None]).reshape(5, 32 * g)
+            assert torch.equal(got, want), (g, layout)
+            assert torch.allclose(xs, natural.float().reshape(5, g, 32).sum(-1) * xd)
 
 
 @needs_c
@@ -225,7 +243,8 @@ def test_torch_fallback_without_c_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "available", lambda: False)
     for name in LOSSY:
         fmt = FORMATS[name]
-        _, qm = quantized(name, 37, 96)
+        _, cached = quantized(name, 37, 96)
+        qm = QuantMatrix(fmt, cached.parts, 37, 96)  # built without C kernels: no fast path
         for t in (1, 9):
             x = torch.randn(t, 96)
             y = qm.matmul(x)
@@ -414,7 +433,7 @@ def test_assemble_and_expert_forward(fmt_name):
     with activations("f32"):
         y = expert_forward(spec, w, x)
     ref = expert_forward(spec, ref_w, x)
-    assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(y, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())  # fp32 sums of O(100) terms
     if fmt_name != "bf16":
         err = ((ref - expert_forward(spec, dense, x)).norm() / ref.norm()).item()
         print(f"{fmt_name}: expert output relative error vs fp32 weights {err:.4f}")

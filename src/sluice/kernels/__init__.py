@@ -121,13 +121,15 @@ def qdequant(fmt: int, w: torch.Tensor, s: torch.Tensor, n0: int, n1: int, k: in
     return out
 
 
-def q8_activations(x: torch.Tensor, permute: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The int8 activations the ACT_Q8 kernels use: (xq int8 [T, K], xd fp32 [T, K/32], xs fp32 [T, K/32])."""
+def q8_activations(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 activations the ACT_Q8 kernels use: (xq int8 [T, K], xd fp32 [T, K/32], xs fp32 [T, K/32]).
+    layout 0: natural order; 1: each block of 32 as [even | odd] elements; 2: pairs of blocks
+    as [evens g | evens g+1 | odds g | odds g+1] (an odd last block as in 1)."""
     t, k = x.shape
     xq = torch.empty(t, k, dtype=torch.int8)
     xd = torch.empty(t, k // 32, dtype=torch.float32)
     xs = torch.empty(t, k // 32, dtype=torch.float32)
-    _lib.lib.sk_q8_activations(x.data_ptr(), t, k, int(permute), xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
+    _lib.lib.sk_q8_activations(x.data_ptr(), t, k, layout, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
     return xq, xd, xs
 
 

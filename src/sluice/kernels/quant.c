@@ -13,8 +13,8 @@
  * Activations: ACT_F32 multiplies the fp32 activations exactly as given; ACT_Q8 first
  * rounds each block of 32 activations to int8 with one fp32 scale (amax / 127), then uses
  * integer dot products (vpmaddubsw) per block. For nibble formats the activations are
- * permuted once per call to the order the unpacked nibbles come in ([even | odd] elements
- * of each block), so weights need no shuffling in the inner loop.
+ * permuted once per call to the order the unpacked nibbles come in (see LAYOUT_BLOCK and
+ * LAYOUT_PAIR), so weights need no shuffling in the inner loop.
  *
  * Every output row is computed by one thread with a fixed summation order: results do not
  * depend on the thread count. The portable C path keeps the same structure (but without
@@ -84,15 +84,29 @@ static inline float f16(const void *p, size_t i) { return sk_f16_to_f32(((const 
 /* position i of a permuted block holds element perm32(i) */
 static inline int perm32(int i) { return i < 16 ? 2 * i : 2 * (i - 16) + 1; }
 
+/* Activation layouts: LAYOUT_NATURAL; LAYOUT_BLOCK: each block of 32 as [even | odd]
+ * elements (the order 16 unpacked nibble bytes come in); LAYOUT_PAIR (ACT_Q8 nibble
+ * kernels): blocks g, g+1 (g even) as [evens g | evens g+1 | odds g | odds g+1], so that
+ * one 32-byte load of two blocks' nibbles unpacks into two vectors (low nibbles, high
+ * nibbles) without a lane crossing; an odd last block keeps LAYOUT_BLOCK. */
+enum { LAYOUT_NATURAL = 0, LAYOUT_BLOCK = 1, LAYOUT_PAIR = 2 };
+
+/* offset inside a row of K where position i (LAYOUT_BLOCK order) of block g lands */
+static inline int pos_of(int layout, int G, int g, int i) {
+    if (layout != LAYOUT_PAIR || ((g & 1) == 0 && g == G - 1)) return g * 32 + i;
+    int base = (g & ~1) * 32, half = (g & 1) * 16;
+    return i < 16 ? base + half + i : base + 32 + half + (i - 16);
+}
+
 /* ----------------------------------------------------------- activations ----------- */
 
-static void prep_c(const float *x, int T, int K, int perm, int q8, float *xp, int8_t *xq, float *xd, float *xs) {
+static void prep_c(const float *x, int T, int K, int layout, int q8, float *xp, int8_t *xq, float *xd, float *xs) {
     const int G = K / 32;
     for (int t = 0; t < T; t++) {
         for (int g = 0; g < G; g++) {
             const float *src = x + (size_t)t * K + g * 32;
             float v[32];
-            for (int i = 0; i < 32; i++) v[i] = src[perm ? perm32(i) : i];
+            for (int i = 0; i < 32; i++) v[i] = src[layout != LAYOUT_NATURAL ? perm32(i) : i];
             if (!q8) {
                 memcpy(xp + (size_t)t * K + g * 32, v, sizeof v);
                 continue;
@@ -104,7 +118,7 @@ static void prep_c(const float *x, int T, int K, int perm, int q8, float *xp, in
             for (int i = 0; i < 32; i++) {
                 int q = (int)rintf(v[i] * id);
                 q = q > 127 ? 127 : q < -127 ? -127 : q;
-                xq[(size_t)t * K + g * 32 + i] = (int8_t)q;
+                xq[(size_t)t * K + pos_of(layout, G, g, i)] = (int8_t)q;
                 sum += q;
             }
             xd[(size_t)t * G + g] = amax / 127.0f;
@@ -121,7 +135,7 @@ AVX2 static inline __m256 odds(__m256 a, __m256 b) {
     return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
 }
 
-AVX2 static void prep_avx2(const float *x, int T, int K, int perm, int q8, float *xp, int8_t *xq, float *xd,
+AVX2 static void prep_avx2(const float *x, int T, int K, int layout, int q8, float *xp, int8_t *xq, float *xd,
                            float *xs) {
     const int G = K / 32;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -130,7 +144,7 @@ AVX2 static void prep_avx2(const float *x, int T, int K, int perm, int q8, float
             const float *src = x + (size_t)t * K + g * 32;
             __m256 v0 = _mm256_loadu_ps(src), v1 = _mm256_loadu_ps(src + 8), v2 = _mm256_loadu_ps(src + 16),
                    v3 = _mm256_loadu_ps(src + 24);
-            if (perm) {
+            if (layout != LAYOUT_NATURAL) {
                 __m256 p0 = evens(v0, v1), p1 = evens(v2, v3), p2 = odds(v0, v1), p3 = odds(v2, v3);
                 v0 = p0, v1 = p1, v2 = p2, v3 = p3;
             }
@@ -157,7 +171,13 @@ AVX2 static void prep_avx2(const float *x, int T, int K, int perm, int q8, float
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
             __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
             p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(xq + (size_t)t * K + g * 32), p);
+            int8_t *dst = xq + (size_t)t * K;
+            if (layout == LAYOUT_PAIR) { /* the two 16-byte halves go to their places in the pair */
+                _mm_storeu_si128((__m128i *)(dst + pos_of(layout, G, g, 0)), _mm256_castsi256_si128(p));
+                _mm_storeu_si128((__m128i *)(dst + pos_of(layout, G, g, 16)), _mm256_extracti128_si256(p, 1));
+            } else {
+                _mm256_storeu_si256((__m256i *)(dst + g * 32), p);
+            }
             xd[(size_t)t * G + g] = amax / 127.0f;
             xs[(size_t)t * G + g] = (float)_mm_cvtsi128_si32(s4) * (amax / 127.0f);
         }
@@ -280,6 +300,23 @@ AVX2 INLINE __m256 nib_block(const uint8_t *b, const float *xp, const int8_t *xq
     return dot32_f32(MX ? _mm256_shuffle_epi8(lut, nb) : _mm256_sub_epi8(nb, _mm256_set1_epi8(8)), xp);
 }
 
+/* ACT_Q8: two blocks per step. One 32-byte load holds blocks g and g+1; its low nibbles are
+ * [evens g | evens g+1] and its high nibbles [odds g | odds g+1], matching LAYOUT_PAIR
+ * activations, so both multiply straight away; the int16 sums of the two halves add
+ * (at most 2 * 2 * 24 * 127, no overflow) and one vpmaddwd gives 4 int32 lanes per block,
+ * scaled by [s_g x4 | s_g+1 x4]. */
+AVX2 INLINE __m256 nib_pair_q8(const uint8_t *b, const int8_t *xq, const int MX) {
+    const __m256i lut_u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                           12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    const __m256i m = _mm256_set1_epi8(15);
+    __m256i raw = _mm256_loadu_si256((const __m256i *)b);
+    __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
+    if (MX) lo = _mm256_shuffle_epi8(lut_u, lo), hi = _mm256_shuffle_epi8(lut_u, hi);
+    __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)),
+                                   _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 32))));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+}
+
 AVX2 INLINE float nib_dot(const uint8_t *b, const void *scales, int G, const float *xp, const int8_t *xq,
                           const float *xd, const float *xs, const int MX, const int Q8) {
     const uint8_t *se = (const uint8_t *)scales;
@@ -288,12 +325,21 @@ AVX2 INLINE float nib_dot(const uint8_t *b, const void *scales, int G, const flo
     float corr_tail = 0.0f;
     int g0 = 0;
     for (; g0 + 8 <= G; g0 += 8) {
-        float sc[8];
         __m256 v = MX ? e8m0_half8(se + g0) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sh + g0)));
         if (Q8) {
             corr = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs + g0), corr);
             v = _mm256_mul_ps(v, _mm256_loadu_ps(xd + g0));
+            const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                          i45 = _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), i67 = _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7);
+            const uint8_t *bg = b + (size_t)g0 * 16;
+            const int8_t *qg = xq + g0 * 32;
+            a0 = _mm256_fmadd_ps(nib_pair_q8(bg, qg, MX), _mm256_permutevar8x32_ps(v, i01), a0);
+            a1 = _mm256_fmadd_ps(nib_pair_q8(bg + 32, qg + 64, MX), _mm256_permutevar8x32_ps(v, i23), a1);
+            a0 = _mm256_fmadd_ps(nib_pair_q8(bg + 64, qg + 128, MX), _mm256_permutevar8x32_ps(v, i45), a0);
+            a1 = _mm256_fmadd_ps(nib_pair_q8(bg + 96, qg + 192, MX), _mm256_permutevar8x32_ps(v, i67), a1);
+            continue;
         }
+        float sc[8];
         _mm256_storeu_ps(sc, v);
         for (int i = 0; i < 8; i += 2) {
             const int g = g0 + i;
@@ -308,6 +354,15 @@ AVX2 INLINE float nib_dot(const uint8_t *b, const void *scales, int G, const flo
         if (Q8) {
             corr_tail += v * xs[g];
             v *= xd[g];
+            if (g + 1 < G) { /* a pair */
+                float v1 = MX ? e8m0_half(se[g + 1]) : _cvtsh_ss(sh[g + 1]);
+                corr_tail += v1 * xs[g + 1];
+                v1 *= xd[g + 1];
+                __m256 sv = _mm256_set_m128(_mm_set1_ps(v1), _mm_set1_ps(v));
+                a0 = _mm256_fmadd_ps(nib_pair_q8(b + (size_t)g * 16, xq + g * 32, MX), sv, a0);
+                g++;
+                continue;
+            }
         }
         __m256 p = nib_block(b + (size_t)g * 16, xp + g * 32, xq + g * 32, MX, Q8);
         if ((g - g0) & 1) a1 = _mm256_fmadd_ps(p, _mm256_set1_ps(v), a1);
@@ -363,9 +418,9 @@ static void nib_rows_c(const qjob *j, int n0, int n1) {
                 }
                 float p[8] = {0};
                 if (j->act == ACT_Q8) {
-                    const int8_t *q = j->xq + (size_t)t * K + g * 32;
+                    const int8_t *q = j->xq + (size_t)t * K;
                     int32_t ip[8] = {0};
-                    for (int i = 0; i < 32; i++) ip[i >> 2] += (int32_t)(mx ? wv[i] : wv[i] + 8) * q[i];
+                    for (int i = 0; i < 32; i++) ip[i >> 2] += (int32_t)(mx ? wv[i] : wv[i] + 8) * q[pos_of(LAYOUT_PAIR, G, g, i)];
                     for (int l = 0; l < 8; l++) p[l] = (float)ip[l];
                     if (!mx) corr += sc * j->xs[(size_t)t * G + g];
                     sc *= j->xd[(size_t)t * G + g];
@@ -563,9 +618,9 @@ static int valid(int fmt, int K) {
 }
 
 /* Quantize activations the way ACT_Q8 does (exposed for tests and for the reference). */
-EXPORT void sk_q8_activations(const float *x, int T, int K, int perm, int8_t *xq, float *xd, float *xs) {
-    if (sk_avx2()) prep_avx2(x, T, K, perm, 1, NULL, xq, xd, xs);
-    else prep_c(x, T, K, perm, 1, NULL, xq, xd, xs);
+EXPORT void sk_q8_activations(const float *x, int T, int K, int layout, int8_t *xq, float *xd, float *xs) {
+    if (sk_avx2()) prep_avx2(x, T, K, layout, 1, NULL, xq, xd, xs);
+    else prep_c(x, T, K, layout, 1, NULL, xq, xd, xs);
 }
 
 /* y[T, N] = x[T, K] @ W^T (+ bias) for W in a quantized format; 0 on success, -1 when the
@@ -592,16 +647,17 @@ EXPORT int sk_qmatmul(int fmt, int act, const float *x, const void *w, const voi
     }
     int perm = fmt != FMT_INT8;
     if (j.act == ACT_Q8) {
+        int layout = perm ? LAYOUT_PAIR : LAYOUT_NATURAL;
         int8_t *xq = (int8_t *)sk_scratch(0, (size_t)T * K);
         float *xd = (float *)sk_scratch(1, (size_t)2 * T * j.G * sizeof(float) + 64);
         j.xq = xq, j.xd = xd, j.xs = xd + (size_t)T * j.G;
-        if (sk_avx2()) prep_avx2(x, T, K, perm, 1, NULL, xq, xd, (float *)j.xs);
-        else prep_c(x, T, K, perm, 1, NULL, xq, xd, (float *)j.xs);
+        if (sk_avx2()) prep_avx2(x, T, K, layout, 1, NULL, xq, xd, (float *)j.xs);
+        else prep_c(x, T, K, layout, 1, NULL, xq, xd, (float *)j.xs);
     } else if (perm) {
         float *xp = (float *)sk_scratch(0, (size_t)T * K * sizeof(float));
         j.xp = xp;
-        if (sk_avx2()) prep_avx2(x, T, K, 1, 0, xp, NULL, NULL, NULL);
-        else prep_c(x, T, K, 1, 0, xp, NULL, NULL, NULL);
+        if (sk_avx2()) prep_avx2(x, T, K, LAYOUT_BLOCK, 0, xp, NULL, NULL, NULL);
+        else prep_c(x, T, K, LAYOUT_BLOCK, 0, xp, NULL, NULL, NULL);
     }
     sk_parallel(rows_task, &j, N, chunk, nthreads);
     return 0;
