@@ -21,7 +21,7 @@ from sluice.quant.mxfp4 import FP4_VALUES, e2m1_codes
 
 LOSSY = ["int8", "q4", "mxfp4", "rvq3"]
 SHAPES = [(1, 32), (37, 96), (130, 200), (64, 1000), (257, 320)]  # odd rows; K not a block multiple
-TOKENS = [1, 3, 8, 9, 33]
+TOKENS = [1, 3, 8, 9, 33, 65]
 needs_c = pytest.mark.skipif(not kernels.available(), reason="C kernels not built on this machine")
 
 
@@ -77,7 +77,7 @@ def expected(fmt, x: torch.Tensor, qm: QuantMatrix, t: int) -> torch.Tensor:
     matrix times the activations the kernel uses (q8-rounded in "q8" mode, for few tokens)."""
     kp = fmt.padded_k(qm.k)
     xp = torch.nn.functional.pad(x, (0, kp - qm.k))
-    if kernels.available() and t <= fmt.small_batch and quant.activations(fmt.name) == "q8":
+    if kernels.available() and t <= fmt.batch_limit() and quant.activations(fmt.name) == "q8":
         xp = fake_quantize_activations(xp)
     w = fmt.dequantize_rows(qm.parts, qm.n, qm.k, 0, qm.n)
     return xp.double() @ w.double().T, bound(xp, w)

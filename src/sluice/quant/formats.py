@@ -71,7 +71,12 @@ class Format:
     bits_per_weight: float = 0.0  # nominal, for large matrices; ``nbytes`` is exact
     block: int = 1  # K is padded with zero weights up to a multiple of this
     code: int | None = None  # C kernel format code
-    small_batch: int = 8  # up to this many tokens: fused kernel; more: dequantized row blocks + sgemm
+    # Up to this many tokens the fused kernel (which reads each row once for all tokens) runs;
+    # more: dequantized row blocks + sgemm. Per activation mode ("f32", "q8"), by measurement.
+    small_batch: tuple[int, int] = (8, 8)
+
+    def batch_limit(self) -> int:
+        return self.small_batch[_activation_code(self.name)]
 
     # ----------------------------------------------------------------- layout -----
     def padded_k(self, k: int) -> int:
@@ -117,7 +122,7 @@ class Format:
         x = x.contiguous()
         t = x.shape[0]
         b = None if bias is None else bias.float().contiguous()
-        if t <= self.small_batch:
+        if t <= self.batch_limit():
             if kernels.available() and self.code is not None:
                 w, s = self._kernel_parts(parts)
                 return kernels.qmatmul(self.code, _activation_code(self.name), x, w, s, n, b)
@@ -205,10 +210,12 @@ class QuantMatrix:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` in fp32; x: [..., k]."""
         fast = self._fast
-        if (fast is not None and x.dim() == 2 and x.shape[0] <= fast[4] and x.dtype == torch.float32
-                and x.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
-            code, name, w, s, _ = fast
-            return kernels.qmatmul(code, _activation_code(name), x, w, s, self.n, bias)
+        if fast is not None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and (
+                bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())):
+            code, name, w, s, limits = fast
+            act = _activation_code(name)
+            if x.shape[0] <= limits[act]:
+                return kernels.qmatmul(code, act, x, w, s, self.n, bias)
         lead = x.shape[:-1]
         y = self.format.matmul(x.reshape(-1, self.k), self.parts, self.n, self.k, bias)
         return y.reshape(*lead, self.n)

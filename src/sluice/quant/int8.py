@@ -20,7 +20,7 @@ class Int8(Format):
     bits_per_weight = 8.0
     block = 32
     code = 3
-    small_batch = 6  # fused fp32-activation kernel beats dequantize + sgemm up to ~6 tokens
+    small_batch = (6, 32)  # f32 / q8 activations: measured crossovers with dequantize + sgemm
 
     def parts(self, n: int, k: int) -> PartSpec:
         return {"weight": (torch.int8, (n, self.padded_k(k))), "scales": (torch.float32, (n,))}

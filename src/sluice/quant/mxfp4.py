@@ -56,7 +56,7 @@ class MXFP4(Format):
     bits_per_weight = 4.25
     block = GROUP
     code = 5
-    small_batch = 16  # fused q8 kernel beats dequantize + sgemm up to ~20 tokens (docs/quantization.md)
+    small_batch = (6, 64)  # f32 / q8 activations: measured crossovers with dequantize + sgemm
 
     def parts(self, n: int, k: int) -> PartSpec:
         g = self.padded_k(k) // GROUP

@@ -41,7 +41,7 @@ class Q4(Format):
     bits_per_weight = 4.5
     block = GROUP
     code = 4
-    small_batch = 16  # fused q8 kernel beats dequantize + sgemm up to ~24 tokens (docs/quantization.md)
+    small_batch = (6, 64)  # f32 / q8 activations: measured crossovers with dequantize + sgemm
 
     def parts(self, n: int, k: int) -> PartSpec:
         g = self.padded_k(k) // GROUP

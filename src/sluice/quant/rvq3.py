@@ -79,7 +79,7 @@ class RVQ3(Format):
     bits_per_weight = 3.0
     block = DIM
     code = 6
-    small_batch = 1  # table lookups win only for a single token; 2+ tokens: dequantize + sgemm
+    small_batch = (1, 1)  # table lookups win only for a single token; 2+ tokens: dequantize + sgemm
 
     def __init__(self, sample: int = 1 << 16, iters: int = 25):
         self.sample = sample
