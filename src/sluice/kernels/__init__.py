@@ -51,6 +51,8 @@ class _Lib:
         if self.fp8:
             lib.sk_fp8_dense.argtypes = [p, p, p, p, p, i, i, i, i, i, i, i]
             lib.sk_fp8_dense.restype = None
+            lib.sk_fp8_dequant.argtypes = [p, p, p, i, i, i, i, i, i]
+            lib.sk_fp8_dequant.restype = None
         self.lib = lib
         self.set_threads(torch.get_num_threads())
 
@@ -99,3 +101,12 @@ def fp8_dense(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch
     _lib.lib.sk_fp8_dense(x.data_ptr(), w.data_ptr(), scale.data_ptr(), bias.data_ptr() if bias is not None else None,
                           y.data_ptr(), t, r1 - r0, k, r0, block[0], block[1], _lib.threads)
     return y
+
+
+def fp8_dequant(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], r0: int, r1: int) -> torch.Tensor:
+    """Rows r0..r1 of a block-FP8 W as fp32 [r1 - r0, K], bit-identical to ``w.float() * scale``."""
+    k = w.shape[1]
+    out = torch.empty(r1 - r0, k, dtype=torch.float32)
+    _lib.lib.sk_fp8_dequant(w.data_ptr(), scale.data_ptr(), out.data_ptr(), r1 - r0, k, r0, block[0], block[1],
+                            _lib.threads)
+    return out

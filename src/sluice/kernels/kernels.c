@@ -240,7 +240,7 @@ static void *worker_main(void *arg) {
 static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER;
 
 /* Run fn(ctx, part, nparts) for part in [0, nparts) on the caller plus pool workers. */
-static void sk_run(task_fn fn, void *ctx, int nparts) {
+void sk_run(task_fn fn, void *ctx, int nparts) { /* also used by fp8.c */
     if (nparts <= 1 || pool.nthreads == 0) {
         for (int p = 0; p < nparts; p++) fn(ctx, p, nparts);
         return;

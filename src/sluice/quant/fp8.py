@@ -112,11 +112,22 @@ class BlockFP8:
     def dequantize(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
         """Rows r0..r1 of W in fp32 (exactly ``float(w) * scale``, elementwise)."""
         r1 = self.weight.shape[0] if r1 is None else r1
+        if kernels.fp8_available():
+            return kernels.fp8_dequant(self.weight, self.scale_inv, self.block, r0, r1)
         bn, bk = self.block
         k = self.weight.shape[1]
-        rows = torch.arange(r0, r1) // bn
-        s = self.scale_inv.index_select(0, rows).repeat_interleave(bk, dim=1)[:, :k]
-        return self.weight[r0:r1].float() * s
+        n = r1 - r0
+        out = self.weight[r0:r1].float()
+        if r0 % bn == 0 and n % bn == 0:  # whole row blocks: one scale per (row block, column block)
+            s = self.scale_inv[r0 // bn : r1 // bn].repeat_interleave(bn, dim=0)
+        else:
+            s = self.scale_inv.index_select(0, torch.arange(r0, r1) // bn)
+        full = k // bk
+        if full:
+            out[:, : full * bk].unflatten(1, (full, bk)).mul_(s[:, :full, None])
+        if full * bk < k:
+            out[:, full * bk :].mul_(s[:, full:])
+        return out
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, r0: int = 0, r1: int | None = None) -> torch.Tensor:
         """``x @ W[r0:r1].T (+ bias)`` in fp32; x [T, K] fp32."""
