@@ -92,6 +92,9 @@ class BlockFP8:
             raise CheckpointError(
                 f"{name}: weight_scale_inv has shape {list(scale_inv.shape)} but a {list(weight.shape)} weight in "
                 f"{block[0]}x{block[1]} blocks needs {list(want)}")
+        if not scale_inv.dtype.is_floating_point:
+            raise CheckpointError(f"{name}: weight_scale_inv has dtype {scale_inv.dtype}; expected floating-point "
+                                  "block scales (f32, bf16, f16 or e8m0)")
         if scale_inv.dtype != torch.float32:
             scale_inv = scale_inv.float()
         self.weight = weight if weight.is_contiguous() else weight.contiguous()
