@@ -29,7 +29,7 @@ BASE = dict(
     max_position_embeddings=512, bos_token_id=1, eos_token_id=None, pad_token_id=0,
 )
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
         "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
 # name -> (config overrides, seed); each variant is checked against transformers
