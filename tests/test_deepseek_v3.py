@@ -198,7 +198,7 @@ def test_bf16_against_upcast_reference(ds_dir):
 
 def test_fp8_against_dequantized_reference(fp8_dirs, tmp_path):
     fp8, ref = fp8_dirs
-    eng, logits, result = _check(fp8, ref, tol_scale=True, cache_experts=4)
+    eng, logits, result = _check(fp8, ref, cache_experts=4)  # fp32 compute on both sides: the fp32 bound
     assert eng.experts_source.format == "fp8"
     assert result.stats["evictions"] > 0
     attn = eng.model.layers[1].attn
@@ -221,6 +221,7 @@ def test_transformers_fp8_loading_on_cpu(ds_dir, tmp_path):
 
     (It derives the block from the weight and scale-grid shapes, so it rejects matrices
     whose sides are not multiples of the block; hence 8x8 blocks here.)"""
+    pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
     fp8, _ = _to_fp8(ds_dir("lora-grouped-dense1"), tmp_path / "fp8", tmp_path / "deq", block=[8, 8])
     from transformers import AutoModelForCausalLM
 
@@ -229,7 +230,7 @@ def test_transformers_fp8_loading_on_cpu(ds_dir, tmp_path):
     with torch.no_grad():
         ref_logits = ref(ids[None]).logits[0].float()
     logits = sluice.load(fp8, memory="4GiB", progress=False).forward(ids)
-    assert (logits - ref_logits).abs().max().item() <= 1e-4 * max(1.0, ref_logits.abs().max().item())
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
 
 
 def test_absorbed_and_naive_attention_agree(ds_dir):
@@ -248,6 +249,12 @@ def test_absorbed_and_naive_attention_agree(ds_dir):
         runs[mode] = (eng.forward(ids), eng.generate(ids.tolist(), max_new_tokens=8).token_ids)
     assert (runs[True][0] - runs[False][0]).abs().max().item() < 2e-5
     assert runs[True][1] == runs[False][1]
+    # the latent cache truncates like a KV cache: reusing the prompt prefix gives the same tokens
+    eng = sluice.load(path, memory="4GiB", progress=False)
+    first = eng.generate(ids.tolist(), max_new_tokens=8)
+    again = eng.generate(ids.tolist(), max_new_tokens=8, reuse_prefix=True)
+    assert again.stats["reused_prefix_tokens"] == len(ids) - 1
+    assert again.token_ids == first.token_ids == runs[True][1]
 
 
 def test_grouped_router_matches_transformers():
