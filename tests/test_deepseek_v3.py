@@ -317,6 +317,21 @@ def test_block_fp8_matrix(shape):
         want = x @ deq.T + bias
         torch.testing.assert_close(m.linear(x, bias), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(m.linear(x, None, 7, n - 3), (x @ deq.T)[:, 7 : n - 3], rtol=1e-5, atol=1e-5)
+    # per-head products over row ranges (MLA absorption): heads of 7 rows, 9 apart, from row 2 on
+    heads, d, stride, r0 = 4, 7, 9, 2
+    if r0 + (heads - 1) * stride + d <= n:
+        xo = torch.randn(3, heads, k, generator=g)
+        xq = torch.randn(3, heads, d, generator=g)
+        want_o = torch.stack([xo[:, h] @ deq[r0 + h * stride : r0 + h * stride + d].T for h in range(heads)], 1)
+        want_q = torch.stack([xq[:, h] @ deq[r0 + h * stride : r0 + h * stride + d] for h in range(heads)], 1)
+        for fused in (True, False):  # C kernels, torch fallback
+            avail = kernels._lib.fp8
+            kernels._lib.fp8 = avail and fused
+            try:
+                torch.testing.assert_close(m.heads(xo, r0, stride, d), want_o, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(m.heads_t(xq, r0, stride), want_q, rtol=1e-5, atol=1e-5)
+            finally:
+                kernels._lib.fp8 = avail
     if kernels.fp8_available():
         x = torch.randn(2, k, generator=g)
         for threads in (1, 2):

@@ -34,6 +34,7 @@ typedef struct {
     const float *bias;  /* [N] or NULL */
     float *y;           /* [T, N] */
     int T, N, K, row0, bn, bk, sk;
+    int xs, ys;         /* elements between consecutive tokens of x and y (K and N when dense) */
 } fp8_args;
 
 /* e4m3fn value * 2^-8 for every byte (NaN encodings read as 480 * 2^-8; they never occur in weights) */
@@ -56,7 +57,7 @@ static void fp8_rows_c(const fp8_args *a, int n0, int n1) {
         const uint8_t *w = a->w + (size_t)(a->row0 + n) * K;
         const float *srow = a->s + (size_t)((a->row0 + n) / a->bn) * a->sk;
         for (int t = 0; t < a->T; t++) {
-            const float *x = a->x + (size_t)t * K;
+            const float *x = a->x + (size_t)t * a->xs;
             float acc = 0.0f;
             for (int j = 0; j < a->sk; j++) {
                 int k0 = j * a->bk, k1 = k0 + a->bk < K ? k0 + a->bk : K;
@@ -68,7 +69,7 @@ static void fp8_rows_c(const fp8_args *a, int n0, int n1) {
                 for (; k < k1; k++) part += x[k] * lut[w[k]];
                 acc += part * (srow[j] * 256.0f);
             }
-            a->y[(size_t)t * a->N + n] = acc + (a->bias ? a->bias[n] : 0.0f);
+            a->y[(size_t)t * a->ys + n] = acc + (a->bias ? a->bias[n] : 0.0f);
         }
     }
 }
@@ -130,7 +131,7 @@ static void fp8_rows_avx2(const fp8_args *a, int n0, int n1) {
                         }
                 }
                 for (int t = 0; t < tn; t++) {
-                    const float *x = a->x + (size_t)(t0 + t) * K;
+                    const float *x = a->x + (size_t)(t0 + t) * a->xs;
                     __m256 p[4][2];
                     for (int r = 0; r < 4; r++) p[r][0] = p[r][1] = _mm256_setzero_ps();
                     for (int k = k0; k < kv; k += 16) {
@@ -155,7 +156,7 @@ static void fp8_rows_avx2(const fp8_args *a, int n0, int n1) {
                 }
             }
             for (int t = 0; t < tn; t++) {
-                float *y = a->y + (size_t)(t0 + t) * a->N + n;
+                float *y = a->y + (size_t)(t0 + t) * a->ys + n;
                 for (int r = 0; r < nr; r++) y[r] = acc[t][r] + (a->bias ? a->bias[n + r] : 0.0f);
             }
         }
@@ -177,7 +178,7 @@ static void fp8_task(void *ctx, int part, int nparts) {
 EXPORT void sk_fp8_dense(const float *x, const uint8_t *w, const float *s, const float *bias, float *y, int T, int N,
                          int K, int row0, int bn, int bk, int nparts) {
     init_lut();
-    fp8_args a = {x, w, s, bias, y, T, N, K, row0, bn, bk, (K + bk - 1) / bk};
+    fp8_args a = {x, w, s, bias, y, T, N, K, row0, bn, bk, (K + bk - 1) / bk, K, N};
     if ((long)N * K < 32768) nparts = 1;
     sk_run(fp8_task, &a, nparts);
 }
@@ -242,4 +243,101 @@ EXPORT void sk_fp8_dequant(const uint8_t *w, const float *s, float *out, int N, 
     fp8_deq_args a = {w, s, out, N, K, row0, bn, bk, (K + bk - 1) / bk};
     if ((long)N * K < 65536) nparts = 1;
     sk_run(fp8_deq_task, &a, nparts);
+}
+
+/* ------------------------------------------------------- per-head products (MLA) ---- */
+
+/*
+ * Multi-head Latent Attention folds kv_b_proj into the query and the output, one head at a
+ * time, over row ranges of the same FP8 matrix W (head h owns rows row0 + h * stride ...):
+ *
+ *   sk_fp8_heads:   y[t, h, :N] = x[t, h, :K] @ W[row0 + h * stride : + N]^T   (output side)
+ *   sk_fp8_heads_t: y[t, h, :K] = x[t, h, :D] @ W[row0 + h * stride : + D]     (query side)
+ *
+ * Heads are split across threads; each output is computed by one thread in a fixed order.
+ */
+
+typedef struct {
+    const float *x;
+    const uint8_t *w;
+    const float *s;
+    float *y;
+    int T, H, N, D, K, row0, stride, bn, bk, sk;
+} heads_args;
+
+static void heads_task(void *ctx, int part, int nparts) {
+    const heads_args *a = (const heads_args *)ctx;
+    int per = (a->H + nparts - 1) / nparts;
+    int h0 = part * per, h1 = h0 + per < a->H ? h0 + per : a->H;
+    for (int h = h0; h < h1; h++) {
+        fp8_args f = {a->x + (size_t)h * a->K, a->w, a->s, NULL, a->y + (size_t)h * a->N, a->T, a->N, a->K,
+                      a->row0 + h * a->stride, a->bn, a->bk, a->sk, a->H * a->K, a->H * a->N};
+        if (sk_has_avx2()) fp8_rows_avx2(&f, 0, a->N);
+        else fp8_rows_c(&f, 0, a->N);
+    }
+}
+
+EXPORT void sk_fp8_heads(const float *x, const uint8_t *w, const float *s, float *y, int T, int H, int N, int K,
+                         int row0, int stride, int bn, int bk, int nparts) {
+    init_lut();
+    heads_args a = {x, w, s, y, T, H, N, 0, K, row0, stride, bn, bk, (K + bk - 1) / bk};
+    if ((long)H * N * K < 32768) nparts = 1;
+    sk_run(heads_task, &a, nparts);
+}
+
+/* y[K] += sum over rows d of x[d] * W[r_d, :], ascending d, for one (token, head). */
+__attribute__((target("avx2,fma,f16c")))
+static void heads_t_one_avx2(const heads_args *a, const float *x, float *y, int r0) {
+    const int K = a->K;
+    memset(y, 0, sizeof(float) * (size_t)K);
+    for (int d = 0; d < a->D; d++) {
+        const int r = r0 + d;
+        const uint8_t *wr = a->w + (size_t)r * K;
+        const float *srow = a->s + (size_t)(r / a->bn) * a->sk;
+        for (int j = 0; j < a->sk; j++) {
+            const int c0 = j * a->bk, c1 = c0 + a->bk < K ? c0 + a->bk : K;
+            const float f = x[d] * (srow[j] * 256.0f);
+            const __m256 vf = _mm256_set1_ps(f);
+            int c = c0;
+            for (; c + 16 <= c1; c += 16) {
+                __m256 lo, hi;
+                load16(wr + c, &lo, &hi);
+                _mm256_storeu_ps(y + c, _mm256_fmadd_ps(lo, vf, _mm256_loadu_ps(y + c)));
+                _mm256_storeu_ps(y + c + 8, _mm256_fmadd_ps(hi, vf, _mm256_loadu_ps(y + c + 8)));
+            }
+            for (; c < c1; c++) y[c] = fmaf(lut[wr[c]], f, y[c]);
+        }
+    }
+}
+
+static void heads_t_one_c(const heads_args *a, const float *x, float *y, int r0) {
+    const int K = a->K;
+    memset(y, 0, sizeof(float) * (size_t)K);
+    for (int d = 0; d < a->D; d++) {
+        const int r = r0 + d;
+        const uint8_t *wr = a->w + (size_t)r * K;
+        const float *srow = a->s + (size_t)(r / a->bn) * a->sk;
+        for (int c = 0; c < K; c++) y[c] = fmaf(lut[wr[c]], x[d] * (srow[c / a->bk] * 256.0f), y[c]);
+    }
+}
+
+static void heads_t_task(void *ctx, int part, int nparts) {
+    const heads_args *a = (const heads_args *)ctx;
+    int per = (a->H + nparts - 1) / nparts;
+    int h0 = part * per, h1 = h0 + per < a->H ? h0 + per : a->H;
+    for (int h = h0; h < h1; h++)
+        for (int t = 0; t < a->T; t++) {
+            const float *x = a->x + ((size_t)t * a->H + h) * a->D;
+            float *y = a->y + ((size_t)t * a->H + h) * a->K;
+            if (sk_has_avx2()) heads_t_one_avx2(a, x, y, a->row0 + h * a->stride);
+            else heads_t_one_c(a, x, y, a->row0 + h * a->stride);
+        }
+}
+
+EXPORT void sk_fp8_heads_t(const float *x, const uint8_t *w, const float *s, float *y, int T, int H, int D, int K,
+                           int row0, int stride, int bn, int bk, int nparts) {
+    init_lut();
+    heads_args a = {x, w, s, y, T, H, 0, D, K, row0, stride, bn, bk, (K + bk - 1) / bk};
+    if ((long)H * D * K < 32768) nparts = 1;
+    sk_run(heads_t_task, &a, nparts);
 }

@@ -154,6 +154,26 @@ class BlockFP8:
         return out
 
 
+    def heads(self, x: torch.Tensor, row0: int, stride: int, n: int) -> torch.Tensor:
+        """Per-head products over row ranges: ``y[t, h] = x[t, h] @ W[row0 + h*stride : + n]^T``.
+
+        x [T, H, K] fp32 -> [T, H, n] (MLA's absorbed output projection)."""
+        if kernels.fp8_available():
+            return kernels.fp8_heads(x.contiguous(), self.weight, self.scale_inv, self.block, row0, stride, n)
+        return torch.stack([x[:, h] @ self.dequantize(row0 + h * stride, row0 + h * stride + n).t()
+                            for h in range(x.shape[1])], dim=1)
+
+    def heads_t(self, x: torch.Tensor, row0: int, stride: int) -> torch.Tensor:
+        """Per-head products with row ranges as the inner dimension: ``y[t, h] = x[t, h] @ W[row0 + h*stride : + D]``.
+
+        x [T, H, D] fp32 -> [T, H, K] (MLA's absorbed query)."""
+        if kernels.fp8_available():
+            return kernels.fp8_heads_t(x.contiguous(), self.weight, self.scale_inv, self.block, row0, stride)
+        d = x.shape[2]
+        return torch.stack([x[:, h] @ self.dequantize(row0 + h * stride, row0 + h * stride + d)
+                            for h in range(x.shape[1])], dim=1)
+
+
 def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 [N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv [ceil(N/bn), ceil(K/bk)]), amax-scaled per block."""
     w = w.float()
