@@ -383,6 +383,8 @@ def test_moe_layer_freq():
                                "weight_block_size": [128, 128]}), "activation_scheme='static'"),
     (dict(quantization_config={"quant_method": "fp8", "weight_block_size": None}), "weight_block_size=None"),
     (dict(hidden_act="swiglu_oai"), "activation 'swiglu_oai'"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0}), "RoPE type 'yarn' without a 'factor'"),
 ])
 def test_unsupported_options_are_refused(ds_dir, tmp_path, edit, message):
     src = ds_dir("lora-grouped-dense1")
@@ -406,4 +408,11 @@ def test_fp8_checkpoint_without_scales_is_clear(fp8_dirs, tmp_path):
     del t["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"]
     save_file(t, dst / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(sluice.CheckpointError, match=r"kv_b_proj\.weight_scale_inv' is missing"):
+        sluice.load(dst, memory="4GiB", progress=False)
+    # FP8 tensors in a checkpoint whose config.json declares no quantization
+    shutil.copy(fp8 / "model.safetensors", dst / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(sluice.CheckpointError, match="declares no block-scaled quantization"):
         sluice.load(dst, memory="4GiB", progress=False)
