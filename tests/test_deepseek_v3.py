@@ -29,7 +29,7 @@ BASE = dict(
     max_position_embeddings=512, bos_token_id=1, eos_token_id=None, pad_token_id=0,
 )
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
         "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
 # name -> (config overrides, seed); each variant is checked against transformers
@@ -198,7 +198,7 @@ def test_bf16_against_upcast_reference(ds_dir):
 
 def test_fp8_against_dequantized_reference(fp8_dirs, tmp_path):
     fp8, ref = fp8_dirs
-    eng, logits, result = _check(fp8, ref, tol_scale=True, cache_experts=4)
+    eng, logits, result = _check(fp8, ref, cache_experts=4)  # fp32 compute on both sides: the fp32 bound
     assert eng.experts_source.format == "fp8"
     assert result.stats["evictions"] > 0
     attn = eng.model.layers[1].attn
@@ -221,6 +221,7 @@ def test_transformers_fp8_loading_on_cpu(ds_dir, tmp_path):
 
     (It derives the block from the weight and scale-grid shapes, so it rejects matrices
     whose sides are not multiples of the block; hence 8x8 blocks here.)"""
+    pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
     fp8, _ = _to_fp8(ds_dir("lora-grouped-dense1"), tmp_path / "fp8", tmp_path / "deq", block=[8, 8])
     from transformers import AutoModelForCausalLM
 
@@ -229,7 +230,7 @@ def test_transformers_fp8_loading_on_cpu(ds_dir, tmp_path):
     with torch.no_grad():
         ref_logits = ref(ids[None]).logits[0].float()
     logits = sluice.load(fp8, memory="4GiB", progress=False).forward(ids)
-    assert (logits - ref_logits).abs().max().item() <= 1e-4 * max(1.0, ref_logits.abs().max().item())
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
 
 
 def test_absorbed_and_naive_attention_agree(ds_dir):
@@ -248,6 +249,12 @@ def test_absorbed_and_naive_attention_agree(ds_dir):
         runs[mode] = (eng.forward(ids), eng.generate(ids.tolist(), max_new_tokens=8).token_ids)
     assert (runs[True][0] - runs[False][0]).abs().max().item() < 2e-5
     assert runs[True][1] == runs[False][1]
+    # the latent cache truncates like a KV cache: reusing the prompt prefix gives the same tokens
+    eng = sluice.load(path, memory="4GiB", progress=False)
+    first = eng.generate(ids.tolist(), max_new_tokens=8)
+    again = eng.generate(ids.tolist(), max_new_tokens=8, reuse_prefix=True)
+    assert again.stats["reused_prefix_tokens"] == len(ids) - 1
+    assert again.token_ids == first.token_ids == runs[True][1]
 
 
 def test_grouped_router_matches_transformers():
@@ -310,6 +317,21 @@ def test_block_fp8_matrix(shape):
         want = x @ deq.T + bias
         torch.testing.assert_close(m.linear(x, bias), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(m.linear(x, None, 7, n - 3), (x @ deq.T)[:, 7 : n - 3], rtol=1e-5, atol=1e-5)
+    # per-head products over row ranges (MLA absorption): heads of 7 rows, 9 apart, from row 2 on
+    heads, d, stride, r0 = 4, 7, 9, 2
+    if r0 + (heads - 1) * stride + d <= n:
+        xo = torch.randn(3, heads, k, generator=g)
+        xq = torch.randn(3, heads, d, generator=g)
+        want_o = torch.stack([xo[:, h] @ deq[r0 + h * stride : r0 + h * stride + d].T for h in range(heads)], 1)
+        want_q = torch.stack([xq[:, h] @ deq[r0 + h * stride : r0 + h * stride + d] for h in range(heads)], 1)
+        for fused in (True, False):  # C kernels, torch fallback
+            avail = kernels._lib.fp8
+            kernels._lib.fp8 = avail and fused
+            try:
+                torch.testing.assert_close(m.heads(xo, r0, stride, d), want_o, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(m.heads_t(xq, r0, stride), want_q, rtol=1e-5, atol=1e-5)
+            finally:
+                kernels._lib.fp8 = avail
     if kernels.fp8_available():
         x = torch.randn(2, k, generator=g)
         for threads in (1, 2):
@@ -361,6 +383,8 @@ def test_moe_layer_freq():
                                "weight_block_size": [128, 128]}), "activation_scheme='static'"),
     (dict(quantization_config={"quant_method": "fp8", "weight_block_size": None}), "weight_block_size=None"),
     (dict(hidden_act="swiglu_oai"), "activation 'swiglu_oai'"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0}), "RoPE type 'yarn' without a 'factor'"),
 ])
 def test_unsupported_options_are_refused(ds_dir, tmp_path, edit, message):
     src = ds_dir("lora-grouped-dense1")
@@ -384,4 +408,11 @@ def test_fp8_checkpoint_without_scales_is_clear(fp8_dirs, tmp_path):
     del t["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"]
     save_file(t, dst / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(sluice.CheckpointError, match=r"kv_b_proj\.weight_scale_inv' is missing"):
+        sluice.load(dst, memory="4GiB", progress=False)
+    # FP8 tensors in a checkpoint whose config.json declares no quantization
+    shutil.copy(fp8 / "model.safetensors", dst / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(sluice.CheckpointError, match="declares no block-scaled quantization"):
         sluice.load(dst, memory="4GiB", progress=False)

@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="Hugging Face model directory")
     c.add_argument("output", help="container directory to write (replaced if it exists)")
     c.add_argument("--experts", default=None, metavar="FORMAT",
-                   help="expert format: f32, bf16, f16 (exact passthrough/cast; default: the checkpoint's dtype)")
+                   help="expert format: f32, bf16, f16 (exact passthrough/cast), fp8 (block-scaled FP8 checkpoints, "
+                        "stored as they are); default: the checkpoint's format")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 

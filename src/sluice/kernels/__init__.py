@@ -56,6 +56,11 @@ class _Lib:
         if self.fp8:
             lib.sk_fp8_dense.argtypes = [p, p, p, p, p, i, i, i, i, i, i, i]
             lib.sk_fp8_dense.restype = None
+            lib.sk_fp8_dequant.argtypes = [p, p, p, i, i, i, i, i, i]
+            lib.sk_fp8_dequant.restype = None
+            for f in (lib.sk_fp8_heads, lib.sk_fp8_heads_t):
+                f.argtypes = [p, p, p, p, i, i, i, i, i, i, i, i, i]
+                f.restype = None
         lib.sk_qmatmul.argtypes = [i, i, p, p, p, p, p, i, i, i, i]
         lib.sk_qmatmul.restype = i
         lib.sk_qdequant.argtypes = [i, p, p, p, i, i, i, i]
@@ -115,6 +120,36 @@ def fp8_dense(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch
     _lib.lib.sk_fp8_dense(x.data_ptr(), w.data_ptr(), scale.data_ptr(), bias.data_ptr() if bias is not None else None,
                           y.data_ptr(), t, r1 - r0, k, r0, block[0], block[1], _lib.threads)
     return y
+def fp8_dequant(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], r0: int, r1: int) -> torch.Tensor:
+    """Rows r0..r1 of a block-FP8 W as fp32 [r1 - r0, K], bit-identical to ``w.float() * scale``."""
+    k = w.shape[1]
+    out = torch.empty(r1 - r0, k, dtype=torch.float32)
+    _lib.lib.sk_fp8_dequant(w.data_ptr(), scale.data_ptr(), out.data_ptr(), r1 - r0, k, r0, block[0], block[1],
+                            _lib.threads)
+    return out
+
+
+def fp8_heads(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], row0: int, stride: int,
+              n: int) -> torch.Tensor:
+    """Per-head ``x[t, h] @ W[row0 + h*stride : + n]^T`` for a block-FP8 W; x [T, H, K] contiguous -> [T, H, n]."""
+    t, h, k = x.shape
+    y = torch.empty(t, h, n, dtype=torch.float32)
+    _lib.lib.sk_fp8_heads(x.data_ptr(), w.data_ptr(), scale.data_ptr(), y.data_ptr(), t, h, n, k, row0, stride,
+                          block[0], block[1], _lib.threads)
+    return y
+
+
+def fp8_heads_t(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], row0: int,
+                stride: int) -> torch.Tensor:
+    """Per-head ``x[t, h] @ W[row0 + h*stride : + D]`` for a block-FP8 W [N, K]; x [T, H, D] contiguous -> [T, H, K]."""
+    t, h, d = x.shape
+    k = w.shape[1]
+    y = torch.empty(t, h, k, dtype=torch.float32)
+    _lib.lib.sk_fp8_heads_t(x.data_ptr(), w.data_ptr(), scale.data_ptr(), y.data_ptr(), t, h, d, k, row0, stride,
+                            block[0], block[1], _lib.threads)
+    return y
+
+
 def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import linear
-from ..quant.fp8 import matrix_rows
+from ..quant.fp8 import BlockFP8, matrix_rows
 from .attention import attend
 from .norm import RMSNorm
 from .rotary import apply_rotary
@@ -38,6 +38,7 @@ from .rotary import apply_rotary
 EXPAND_BYTES = 32 << 20
 WEIGHT_BLOCK_BYTES = 16 << 20
 LATENT_BLOCK_BYTES = 32 << 20
+FUSED_TOKENS = 8  # up to this many queries, an FP8 kv_b_proj is used in place (fused per-head kernels)
 
 
 class LatentCache:
@@ -187,20 +188,33 @@ class MLA:
             yield h0, h1, w.view(h1 - h0, per_head, self.rank)
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, start: int) -> torch.Tensor:
+        """Heads are independent given the shared latent: each block of heads (one fp32 block of
+        kv_b_proj rows when it is not stored in fp32) absorbs, attends and projects out in turn.
+        A few tokens over an FP8 kv_b_proj use fused per-head kernels instead (no fp32 copy)."""
         t = q_nope.shape[0]
-        h, r, dn = self.h, self.rank, self.dn
-        block = max(1, LATENT_BLOCK_BYTES // (4 * h * (2 * r + self.dr)))
-        out = torch.empty(t, h, self.dv)
-        for b0 in range(0, t, block):
-            b1 = min(t, b0 + block)
-            q = torch.empty(b1 - b0, h, r + self.dr)  # [Tb, H, R + Dr]: latent query then rope query
-            for h0, h1, w in self._head_blocks():
+        if isinstance(self.wkv_b, BlockFP8) and t <= FUSED_TOKENS:
+            return self._absorbed_fused(q_nope, q_pe, ckv, start)
+        r, dn = self.rank, self.dn
+        out = torch.empty(t, self.h, self.dv)
+        for h0, h1, w in self._head_blocks():
+            hb = h1 - h0
+            block = max(1, LATENT_BLOCK_BYTES // (4 * hb * (2 * r + self.dr)))
+            for b0 in range(0, t, block):
+                b1 = min(t, b0 + block)
+                q = torch.empty(b1 - b0, hb, r + self.dr)  # [Tb, Hb, R + Dr]: latent query then rope query
                 # q_lat[t, h] = q_nope[t, h] @ W_uk[h]  ([Dn] x [Dn, R])
-                q[:, h0:h1, :r] = torch.matmul(q_nope[b0:b1, h0:h1].transpose(0, 1), w[:, :dn]).transpose(0, 1)
-            q[..., r:] = q_pe[b0:b1]
-            o_lat = attend(q, ckv[None], ckv[None, :, :r], start + b0, self.scale)  # [Tb, H, R]
-            for h0, h1, w in self._head_blocks():
+                q[..., :r] = torch.matmul(q_nope[b0:b1, h0:h1].transpose(0, 1), w[:, :dn]).transpose(0, 1)
+                q[..., r:] = q_pe[b0:b1, h0:h1]
+                o_lat = attend(q, ckv[None], ckv[None, :, :r], start + b0, self.scale)  # [Tb, Hb, R]
                 # o[t, h] = o_lat[t, h] @ W_uv[h]^T  ([R] x [R, Dv])
-                o = torch.matmul(o_lat[:, h0:h1].transpose(0, 1), w[:, dn:].transpose(1, 2))
+                o = torch.matmul(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2))
                 out[b0:b1, h0:h1] = o.transpose(0, 1)
         return out
+
+    def _absorbed_fused(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, start: int) -> torch.Tensor:
+        t, r, stride = q_nope.shape[0], self.rank, self.dn + self.dv
+        q = torch.empty(t, self.h, r + self.dr)
+        q[..., :r] = self.wkv_b.heads_t(q_nope, 0, stride)  # q_nope[t, h] @ W_uk[h]
+        q[..., r:] = q_pe
+        o_lat = attend(q, ckv[None], ckv[None, :, :r], start, self.scale)  # [T, H, R]
+        return self.wkv_b.heads(o_lat, self.dn, stride, self.dv)  # o_lat[t, h] @ W_uv[h]^T

@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import UnsupportedModelError
+import torch
+
+from ..errors import CheckpointError, UnsupportedModelError
 from ..experts.spec import ExpertSpec
 from ..layers.mla import MLA, LatentCache
 from ..layers.mlp import GatedMLP, activation
@@ -136,6 +138,13 @@ def parse_config(raw: dict) -> Config:
     dv = _positive_int(c, "v_head_dim", _raw_or_default(raw, "v_head_dim"))
     max_pos = c.int("max_position_embeddings", 4096)
     rope = rope_parameters(raw)
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(
+            f"config.json: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported (DeepSeek-V3 "
+            "rotates the whole qk_rope_head_dim part)")
+    if rope.get("rope_type", "default") != "default" and rope.get("factor") is None:
+        raise UnsupportedModelError(f"config.json: RoPE type {rope.get('rope_type')!r} without a 'factor' is not "
+                                    "supported (transformers requires it too)")
     Rotary(dr, rope, max_pos)  # refuses unsupported RoPE types now, at load
     act = c.get("hidden_act", "silu")
     activation(act)
@@ -275,6 +284,10 @@ def build(cfg: Config, w, experts) -> CausalLM:
         weight = w(module + ".weight")
         if cfg.quantized(module):
             return BlockFP8(weight, w(module + ".weight" + SCALE_SUFFIX), cfg.block, module + ".weight")
+        if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise CheckpointError(
+                f"tensor {module + '.weight'!r} is {weight.dtype}, but config.json declares no block-scaled "
+                "quantization for it (quantization_config / modules_to_not_convert)")
         return weight
 
     def bias(module: str):

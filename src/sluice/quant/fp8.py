@@ -92,6 +92,9 @@ class BlockFP8:
             raise CheckpointError(
                 f"{name}: weight_scale_inv has shape {list(scale_inv.shape)} but a {list(weight.shape)} weight in "
                 f"{block[0]}x{block[1]} blocks needs {list(want)}")
+        if not scale_inv.dtype.is_floating_point:
+            raise CheckpointError(f"{name}: weight_scale_inv has dtype {scale_inv.dtype}; expected floating-point "
+                                  "block scales (f32, bf16, f16 or e8m0)")
         if scale_inv.dtype != torch.float32:
             scale_inv = scale_inv.float()
         self.weight = weight if weight.is_contiguous() else weight.contiguous()
@@ -112,11 +115,22 @@ class BlockFP8:
     def dequantize(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
         """Rows r0..r1 of W in fp32 (exactly ``float(w) * scale``, elementwise)."""
         r1 = self.weight.shape[0] if r1 is None else r1
+        if kernels.fp8_available():
+            return kernels.fp8_dequant(self.weight, self.scale_inv, self.block, r0, r1)
         bn, bk = self.block
         k = self.weight.shape[1]
-        rows = torch.arange(r0, r1) // bn
-        s = self.scale_inv.index_select(0, rows).repeat_interleave(bk, dim=1)[:, :k]
-        return self.weight[r0:r1].float() * s
+        n = r1 - r0
+        out = self.weight[r0:r1].float()
+        if r0 % bn == 0 and n % bn == 0:  # whole row blocks: one scale per (row block, column block)
+            s = self.scale_inv[r0 // bn : r1 // bn].repeat_interleave(bn, dim=0)
+        else:
+            s = self.scale_inv.index_select(0, torch.arange(r0, r1) // bn)
+        full = k // bk
+        if full:
+            out[:, : full * bk].unflatten(1, (full, bk)).mul_(s[:, :full, None])
+        if full * bk < k:
+            out[:, full * bk :].mul_(s[:, full:])
+        return out
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, r0: int = 0, r1: int | None = None) -> torch.Tensor:
         """``x @ W[r0:r1].T (+ bias)`` in fp32; x [T, K] fp32."""
@@ -138,6 +152,26 @@ class BlockFP8:
         if bias is not None:
             out += bias
         return out
+
+
+    def heads(self, x: torch.Tensor, row0: int, stride: int, n: int) -> torch.Tensor:
+        """Per-head products over row ranges: ``y[t, h] = x[t, h] @ W[row0 + h*stride : + n]^T``.
+
+        x [T, H, K] fp32 -> [T, H, n] (MLA's absorbed output projection)."""
+        if kernels.fp8_available():
+            return kernels.fp8_heads(x.contiguous(), self.weight, self.scale_inv, self.block, row0, stride, n)
+        return torch.stack([x[:, h] @ self.dequantize(row0 + h * stride, row0 + h * stride + n).t()
+                            for h in range(x.shape[1])], dim=1)
+
+    def heads_t(self, x: torch.Tensor, row0: int, stride: int) -> torch.Tensor:
+        """Per-head products with row ranges as the inner dimension: ``y[t, h] = x[t, h] @ W[row0 + h*stride : + D]``.
+
+        x [T, H, D] fp32 -> [T, H, K] (MLA's absorbed query)."""
+        if kernels.fp8_available():
+            return kernels.fp8_heads_t(x.contiguous(), self.weight, self.scale_inv, self.block, row0, stride)
+        d = x.shape[2]
+        return torch.stack([x[:, h] @ self.dequantize(row0 + h * stride, row0 + h * stride + d)
+                            for h in range(x.shape[1])], dim=1)
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
