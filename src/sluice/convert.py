@@ -30,6 +30,7 @@ from .container import (
 )
 from .engine import ModelInfo
 from .errors import CheckpointError
+from .experts.fused import canonical_layout, canonical_weights
 from .experts.source import views
 from .progress import Progress
 from .storage import ALIGN, AlignedBuffer, align_up
@@ -113,7 +114,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
         raise ValueError(f"unknown expert format {fmt!r} (choose from: {', '.join(FORMAT_IDS)})")
     # sizes first: check free disk
     layer0 = desc.moe_layers[0] if desc.moe_layers else None
-    specs = part_specs(fmt, source.layout(layer0, 0)) if layer0 is not None else []
+    # fused on-disk layouts (GPT-OSS) become canonical gate/up/down records here
+    specs = part_specs(fmt, canonical_layout(source.layout(layer0, 0))) if layer0 is not None else []
     parts, payload = plan_parts(specs)
     rec = record_bytes_for(payload)
     spine_total = sum(align_up(ckpt.info(n).nbytes, ALIGN) for n in desc.spine)
@@ -165,7 +167,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
             for e in range(desc.n_experts):
                 layout = source.read(layer, e, buf)
                 record.tensor(0, torch.uint8, (rec,)).zero_()
-                encode_parts(fmt, views(buf, 0, layout), parts, record, HEADER_BYTES)
+                encode_parts(fmt, canonical_weights(views(buf, 0, layout)), parts, record, HEADER_BYTES)
                 payload_bytes = record.view(HEADER_BYTES, payload)
                 record.view(0, HEADER_BYTES)[:] = pack_header(fmt, layer, e, len(parts), payload_bytes)
                 f.write(record.view(0, rec))

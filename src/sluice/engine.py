@@ -7,7 +7,6 @@ core step generator; ``generate()``, the CLI and the server are built on it.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -126,8 +125,7 @@ class ModelInfo:
     def param_counts(self) -> tuple[int, int]:
         """(total parameters, parameters active per token)."""
         spine = sum(self.checkpoint.info(n).numel for n in self.desc.spine)
-        per_expert = sum(math.prod(r.shape) for r in self.desc.expert_tensors(self.desc.moe_layers[0], 0).values()) \
-            if self.desc.moe_layers else 0
+        per_expert = self.desc.expert.param_count() if self.desc.moe_layers else 0
         return spine + per_expert * self.desc.total_experts, spine + per_expert * self.desc.working_set
 
     def plan(self, memory: int | str | None, options: Options, baseline: int | None = None) -> Plan:

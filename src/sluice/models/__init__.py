@@ -11,6 +11,7 @@ FAMILIES = {
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
     "olmoe": "olmoe",
+    "gpt_oss": "gpt_oss",
 }
 
 

@@ -6,6 +6,6 @@ it without materialising a full-precision copy. ``linear`` is the entry point fo
 dtypes (f32 / bf16 / f16 weights with fp32 activations and fp32 accumulation).
 """
 
-from .dense import linear
+from .dense import linear, linear_t
 
-__all__ = ["linear"]
+__all__ = ["linear", "linear_t"]
