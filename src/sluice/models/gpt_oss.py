@@ -124,7 +124,7 @@ def parse_config(raw: dict) -> Config:
     if bad:
         raise UnsupportedModelError(
             f"config.json: layer_types {bad} are not supported (supported: {', '.join(LAYER_TYPES)})")
-    window = c.get("sliding_window", 128)
+    window = raw["sliding_window"] if "sliding_window" in raw else 128  # an explicit null is not the default
     if "sliding_attention" in layer_types and not (isinstance(window, int) and window >= 1):
         raise UnsupportedModelError(
             f"config.json: sliding_window={window!r} with sliding_attention layers is not supported "
