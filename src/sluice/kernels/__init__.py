@@ -3,6 +3,9 @@
 ``dense(x, w, bias)`` multiplies fp32 activations [T, K] by an f32/bf16/f16 weight [N, K]
 without materialising an fp32 copy of the weight, using a persistent C thread pool;
 ``dense_t(x, w, bias)`` does the same for an input-major weight [K, N] (``x @ w``).
+``qmatmul`` / ``qdequant`` do the same for the quantized formats of ``sluice.quant``
+(fused dequantize-and-multiply, and bounded row dequantization for batched prefill).
+Callers check ``available()`` first; ``sluice.quant`` holds the torch fallbacks.
 """
 
 from __future__ import annotations
@@ -48,6 +51,14 @@ class _Lib:
         lib.sk_set_threads.argtypes = [i]
         lib.sk_set_threads.restype = i
         lib.sk_has_avx2.restype = i
+        lib.sk_qmatmul.argtypes = [i, i, p, p, p, p, p, i, i, i, i]
+        lib.sk_qmatmul.restype = i
+        lib.sk_qdequant.argtypes = [i, p, p, p, i, i, i, i]
+        lib.sk_qdequant.restype = i
+        lib.sk_q8_activations.argtypes = [p, i, i, i, p, p, p]
+        lib.sk_q8_activations.restype = None
+        lib.sk_set_schedule.argtypes = [i]
+        lib.sk_set_schedule.restype = None
         self.lib = lib
         self.set_threads(torch.get_num_threads())
 
@@ -90,3 +101,46 @@ def dense_t(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
     _lib.lib.sk_dense_t(x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
                         t, n, k, _WTYPE[w.dtype], _lib.threads)
     return y
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def qmatmul(fmt: int, act: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, n: int,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused quantized GEMV: x [T, K] fp32 contiguous (K already padded to the format's block),
+    weight parts ``w`` (codes) and ``s`` (scales / codebooks) -> [T, n] fp32."""
+    t, k = x.shape
+    y = torch.empty(t, n, dtype=torch.float32)
+    rc = _lib.lib.sk_qmatmul(fmt, act, x.data_ptr(), w.data_ptr(), s.data_ptr(), _ptr(bias), y.data_ptr(),
+                             t, n, k, _lib.threads)
+    if rc != 0:
+        raise ValueError(f"C kernels do not support format {fmt} with K={k} and activation mode {act}")
+    return y
+
+
+def qdequant(fmt: int, w: torch.Tensor, s: torch.Tensor, n0: int, n1: int, k: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [n0, n1) of a quantized matrix as fp32 [n1 - n0, k] (bit-identical to the reference)."""
+    if out is None:
+        out = torch.empty(n1 - n0, k, dtype=torch.float32)
+    if _lib.lib.sk_qdequant(fmt, w.data_ptr(), s.data_ptr(), out.data_ptr(), n0, n1, k, _lib.threads) != 0:
+        raise ValueError(f"C kernels do not support format {fmt} with K={k}")
+    return out
+
+
+def q8_activations(x: torch.Tensor, permute: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 activations the ACT_Q8 kernels use: (xq int8 [T, K], xd fp32 [T, K/32], xs fp32 [T, K/32])."""
+    t, k = x.shape
+    xq = torch.empty(t, k, dtype=torch.int8)
+    xd = torch.empty(t, k // 32, dtype=torch.float32)
+    xs = torch.empty(t, k // 32, dtype=torch.float32)
+    _lib.lib.sk_q8_activations(x.data_ptr(), t, k, int(permute), xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
+    return xq, xd, xs
+
+
+def set_schedule(dynamic: bool) -> None:
+    """Benchmarks only: dynamic chunk claiming (default) or one fixed part per thread (the old pool)."""
+    if available():
+        _lib.lib.sk_set_schedule(int(dynamic))
