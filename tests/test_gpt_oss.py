@@ -18,6 +18,7 @@ from sluice.models import gpt_oss
 
 N_NEW = 32
 SEED = 0
+MXFP4_SEED = 1  # its own seed: quantization moves the margins
 # 3 layers: sliding (window 4), full, sliding; the 16-token prompt is far longer than the
 # window. yarn with truncate=False and factor 32 over 64 original positions, as GPT-OSS has.
 CONFIG = dict(intermediate_size=32, num_hidden_layers=3, sliding_window=4, max_position_embeddings=2048,
@@ -27,10 +28,10 @@ TOTAL_EXPERTS = 3 * 8
 SMALL_CACHE = 5  # < a quarter of all experts: forces evictions
 
 
-def _save(path, dtype=torch.float32, **overrides):
+def _save(path, dtype=torch.float32, seed=SEED, **overrides):
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     cfg = tiny_config("gpt_oss", **{**copy.deepcopy(CONFIG), **overrides})
     AutoModelForCausalLM.from_config(cfg).eval().to(dtype).save_pretrained(path)
     return path
@@ -164,6 +165,124 @@ def test_variant_without_attention_bias_tied_embeddings(models):
         ref_logits = ref(ids[None]).logits[0]
     logits = sluice.load(path, memory="4GiB", progress=False).forward(ids)
     assert (logits - ref_logits).abs().max().item() <= 1e-4
+
+
+# -- native MXFP4 ---------------------------------------------------------------------------
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., out, in] -> (blocks u8 [..., out, in/32, 16], scales u8 [..., out, in/32]) as GPT-OSS
+    checkpoints store them: E2M1 codes (bit 3 the sign), element 2i in the low nibble of byte i,
+    E8M0 scales biased by 127. Written here independently of Sluice's own quantizer."""
+    *lead, n, k = w.shape
+    g = w.float().reshape(*lead, n, k // 32, 32)
+    amax = g.abs().amax(-1)
+    e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax)).clamp(-127, 127)
+    q = g / torch.exp2(e)[..., None]
+    idx = (q.abs()[..., None] - _E2M1).abs().argmin(-1)
+    code = (idx | ((q < 0) & (idx > 0)).long() << 3).to(torch.uint8)
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous(), (e + 127).to(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def mxfp4(models):
+    """A real-layout MXFP4 GPT-OSS checkpoint (experts as blocks/scales, everything else bf16)
+    and transformers' reference on it (dequantized by transformers itself, upcast to fp32)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = _save(models["root"] / "mxfp4-src", seed=MXFP4_SEED), models["root"] / "mxfp4"
+    dst.mkdir()
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out] -> [E, out, in]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = _mxfp4_quantize(t.transpose(1, 2))
+        else:
+            tensors[name] = t.to(torch.bfloat16)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    cfg["dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    ref = _reference(dst)  # on CPU transformers dequantizes MXFP4 experts (convert_moe_packed_tensors)
+    ids = prompt_ids()
+    with torch.no_grad():
+        logits = ref(ids[None]).logits[0]
+        out = ref.generate(ids[None], max_new_tokens=N_NEW, do_sample=False)[0]
+    assert_decisive(ref, out, len(ids) - 1, ref.config.num_experts_per_tok)
+    return dst, tensors, (ids, logits, out[len(ids):].tolist(), ref)
+
+
+def test_mxfp4_weights_bit_identical_to_transformers(mxfp4):
+    """The 4-bit slices Sluice streams, dequantized, are transformers' weights bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from sluice.engine import ModelInfo
+    from sluice.experts.compute import prepare
+    from sluice.experts.source import views
+    from sluice.quant import QuantMatrix
+    from sluice.storage import AlignedBuffer
+
+    path, tensors, (_, _, _, ref) = mxfp4
+    info = ModelInfo(path)
+    src = info.experts
+    assert src.format == "mxfp4" and src.native_quant
+    p = "model.layers.2.mlp.experts."
+    buf = AlignedBuffer(src.slot_bytes)
+    w = prepare(src.format, info.desc.expert, views(buf, 0, src.read(2, 6, buf)), exact=True)
+    assert isinstance(w["gate_up"], QuantMatrix) and isinstance(w["down"], QuantMatrix)
+    gu_ref = convert_moe_packed_tensors(tensors[p + "gate_up_proj_blocks"], tensors[p + "gate_up_proj_scales"],
+                                        dtype=torch.float32)[6]  # [H, 2I]
+    down_ref = convert_moe_packed_tensors(tensors[p + "down_proj_blocks"], tensors[p + "down_proj_scales"],
+                                          dtype=torch.float32)[6]  # [I, H]
+    assert torch.equal(w["gate_up"].dequantize(), gu_ref.T) and torch.equal(w["down"].dequantize(), down_ref.T)
+    assert torch.equal(gu_ref, ref.model.layers[2].mlp.experts.gate_up_proj[6].float())
+    # 4.25 bits per weight plus bf16 biases: what one expert read brings in
+    h, i = 64, 32
+    assert src.record_bytes == 3 * h * i // 2 + 3 * h * i // 32 + 2 * (2 * i + h)
+    info.checkpoint.close()
+
+
+@pytest.mark.parametrize("target", ["hf", "container-mxfp4", "container-f32"])
+def test_mxfp4_exact_against_dequantized_reference(models, mxfp4, target):
+    """Streamed in 4-bit form (fp32 activations, as the reference) from the HF directory or a
+    container that copies the blocks; or dequantized once into an f32 container."""
+    path, _, expected = mxfp4
+    if target != "hf":
+        fmt = target.split("-")[1]
+        path = convert(path, models["root"] / f"mxfp4.{fmt}.sluice", experts=fmt, progress=False)
+    tol = 1e-4 * max(1.0, expected[1].abs().max().item())
+    eng, _, result = _check(path, expected, tol=tol, cache_experts=SMALL_CACHE)
+    assert eng.experts_source.format == target.split("-")[-1].replace("hf", "mxfp4")
+    assert result.stats["evictions"] > 0
+
+
+def test_mxfp4_container_records_copy_the_blocks(models, mxfp4):
+    """A container made from an MXFP4 checkpoint holds gate/up de-interleaved by rows, blocks
+    and scales copied bit for bit (nothing requantized)."""
+    from sluice.engine import ModelInfo
+    from sluice.experts.source import views
+    from sluice.storage import AlignedBuffer
+
+    path, tensors, _ = mxfp4
+    box = models["root"] / "mxfp4.mxfp4.sluice"
+    if not box.exists():
+        convert(path, box, progress=False)
+    info = ModelInfo(box)
+    src = info.experts
+    assert src.format == "mxfp4" and src.native_quant
+    buf = AlignedBuffer(src.slot_bytes)
+    w = views(buf, 0, src.read(0, 3, buf))
+    p = "model.layers.0.mlp.experts."
+    for part in ("blocks", "scales"):
+        gu = tensors[f"{p}gate_up_proj_{part}"][3]
+        assert torch.equal(w[f"gate.{part}"], gu[0::2]) and torch.equal(w[f"up.{part}"], gu[1::2])
+        assert torch.equal(w[f"down.{part}"], tensors[f"{p}down_proj_{part}"][3])
+    info.checkpoint.close()
 
 
 # -- pieces ---------------------------------------------------------------------------------

@@ -175,6 +175,10 @@ class ContainerExperts(ExpertSource):
     def __init__(self, container: Container, layers: list[int], n_experts: int, roles: dict[str, tuple[int, ...]]):
         self.container = container
         self.format = container.expert_format
+        src = container.manifest.get("source")
+        # quantized records copied bit for bit from a natively quantized checkpoint (not requantized)
+        self.native_quant = isinstance(src, dict) and src.get("expert_dtype") == self.format \
+            and self.format not in ("f32", "bf16", "f16")
         mpath = container.path / "manifest.json"
         banks = container.banks.get("layers")
         if not isinstance(banks, dict):

@@ -1,7 +1,8 @@
 """One expert's feed-forward on fp32 activations, over weights in any stored format.
 
-Weights arrive as the views of a cache slot: canonical (``gate``/``up``/``down``, output-major)
-or a family's fused on-disk layout (see ``fused.py``), recognised by the view names.
+Weights arrive as the views of a cache slot, made ready by ``prepare``: canonical
+(``gate``/``up``/``down``, output-major, dense tensors or ``QuantMatrix``) or a family's fused
+on-disk layout (see ``fused.py``), recognised by the view names.
 """
 
 from __future__ import annotations
@@ -9,25 +10,46 @@ from __future__ import annotations
 import torch
 
 from ..layers.mlp import activation
-from ..quant import linear, linear_t
-from .fused import is_fused
+from ..quant import QuantMatrix, assemble, linear, linear_t
 from .spec import ExpertSpec
 
+_DENSE = ("f32", "bf16", "f16")
 
-def _gate_up(w: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if is_fused(w):  # [H, 2I] input-major, gate/up interleaved: one product, de-interleave the outputs
+
+def prepare(fmt: str, spec: ExpertSpec, views: dict[str, torch.Tensor], exact: bool = False) -> dict:
+    """A slot's views -> what ``expert_forward`` uses: parts named ``"<role>.<part>"`` of a
+    quantized format become one ``QuantMatrix`` per role (no copies); dense views pass through.
+    ``exact``: the quantized weights are the model itself (native checkpoint): fp32 activations."""
+    if fmt in _DENSE:
+        return views
+    h, i = spec.hidden, spec.intermediate
+    known = {"gate_up": (2 * i, h), "gate": (i, h), "up": (i, h), "down": (h, i)}
+    roles = {n.split(".", 1)[0] for n in views if "." in n}
+    out = assemble(fmt, views, {r: known[r] for r in sorted(roles) if r in known})
+    if exact:
+        for m in out.values():
+            if isinstance(m, QuantMatrix):
+                m.exact = True
+    return out
+
+
+def _gate_up(w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if "gate_up_t" in w:  # [H, 2I] input-major, gate/up interleaved columns
         gu = linear_t(x, w["gate_up_t"], w.get("gate_up_bias"))
+        return gu[:, 0::2], gu[:, 1::2]
+    if "gate_up" in w:  # [2I, H] output-major (quantized), gate/up interleaved rows
+        gu = linear(x, w["gate_up"], w.get("gate_up_bias"))
         return gu[:, 0::2], gu[:, 1::2]
     return linear(x, w["gate"], w.get("gate_bias")), linear(x, w["up"], w.get("up_bias"))
 
 
-def _down(w: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+def _down(w: dict, h: torch.Tensor) -> torch.Tensor:
     if "down_t" in w:
         return linear_t(h.contiguous(), w["down_t"], w.get("down_bias"))
     return linear(h, w["down"], w.get("down_bias"))
 
 
-def expert_forward(spec: ExpertSpec, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def expert_forward(spec: ExpertSpec, w: dict, x: torch.Tensor) -> torch.Tensor:
     """x: [n, H] fp32 -> [n, H] fp32."""
     if spec.variant == "swiglu":
         act = activation(spec.act)

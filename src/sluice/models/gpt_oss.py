@@ -133,10 +133,16 @@ def parse_config(raw: dict) -> Config:
     k = c.int("num_experts_per_tok", 4)
     if not n_experts or not 1 <= k <= n_experts:
         raise UnsupportedModelError(f"config.json: num_experts_per_tok={k} with {n_experts} experts is not supported")
+    mxfp4 = _quantization(raw)
+    inter = c.int("intermediate_size")
+    if mxfp4 and (hidden % 32 or inter % 32):
+        raise UnsupportedModelError(
+            f"config.json: MXFP4 experts need hidden_size ({hidden}) and intermediate_size ({inter}) to be "
+            "multiples of 32 (the MXFP4 block)")
     return Config(
         vocab_size=c.int("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=c.int("intermediate_size"),
+        intermediate_size=inter,
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
@@ -152,7 +158,7 @@ def parse_config(raw: dict) -> Config:
         swiglu_alpha=c.float("swiglu_alpha", 1.702),
         swiglu_limit=c.float("swiglu_limit", 7.0),
         rope=_rope(raw),
-        mxfp4=_quantization(raw),
+        mxfp4=mxfp4,
     )
 
 
@@ -198,11 +204,13 @@ def describe(cfg: Config) -> ModelDescription:
         return refs
 
     n_sliding = cfg.layer_types.count("sliding_attention")
+    stored = ("MXFP4 blocks/scales (gate_up rows interleaved), computed in 4-bit form"
+              if cfg.mxfp4 else "fused, input-major, gate/up interleaved")
     notes = [
         f"attention: {n_sliding} sliding-window layers (window {cfg.sliding_window}) and "
         f"{cfg.num_hidden_layers - n_sliding} full layers, learned sinks; RoPE {cfg.rope.get('rope_type')}",
-        "experts: a Hugging Face directory stores them fused (input-major, gate/up interleaved) and is streamed "
-        "one expert slice at a time as stored; a container holds canonical de-interleaved records",
+        f"experts: a Hugging Face directory stores them {stored} and is streamed one expert slice at a time as "
+        "stored; a container holds canonical de-interleaved records",
     ]
     return ModelDescription(
         model_type=MODEL_TYPE, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
@@ -210,13 +218,20 @@ def describe(cfg: Config) -> ModelDescription:
         expert=spec, expert_tensors=expert_tensors,
         state_bytes_per_token=KVCache.nbytes(cfg.num_key_value_heads, 1, d) * cfg.num_hidden_layers,
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads, notes=notes,
+        expert_format="mxfp4" if cfg.mxfp4 else None,
     )
 
 
 def _mxfp4_tensors(p: str, e: int, h: int, inter: int) -> dict[str, TensorRef]:
-    raise UnsupportedModelError(
-        "config.json: MXFP4 gpt_oss checkpoints (quantization_config.quant_method=mxfp4) cannot be streamed by "
-        "this build yet; dequantize the experts to bf16 first")
+    """MXFP4 experts as GPT-OSS checkpoints store them: ``*_blocks`` uint8 [E, out, in/32, 16]
+    and ``*_scales`` uint8 [E, out, in/32], output-major; gate_up's 2I rows interleave gate and
+    up. Exactly the parts of ``sluice.quant``'s mxfp4 format, read as they are (4.25 bits)."""
+    return {
+        "gate_up.blocks": TensorRef(p + "gate_up_proj_blocks", (2 * inter, h // 32, 16), index=e),
+        "gate_up.scales": TensorRef(p + "gate_up_proj_scales", (2 * inter, h // 32), index=e),
+        "down.blocks": TensorRef(p + "down_proj_blocks", (h, inter // 32, 16), index=e),
+        "down.scales": TensorRef(p + "down_proj_scales", (h, inter // 32), index=e),
+    }
 
 
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

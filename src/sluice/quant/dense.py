@@ -23,6 +23,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantMatrix, bias: torch.Tens
     """
     if isinstance(weight, QuantMatrix):
         return weight.matmul(x, bias)
+    if bias is not None and bias.dtype != torch.float32:  # e.g. bf16 biases next to f32 weights
+        bias = bias.float()
     if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.available() and weight.is_contiguous():
         b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
         return kernels.dense(x.contiguous(), weight, b)

@@ -41,11 +41,15 @@ def set_activations(mode: str | None) -> None:
     _act_override = None if mode in (None, "auto") else mode
 
 
-def activations(fmt: str) -> str:
-    """The activation handling the fused kernel of format ``fmt`` uses now."""
+def activations(fmt: str, exact: bool = False) -> str:
+    """The activation handling the fused kernel of format ``fmt`` uses now.
+
+    ``exact``: the stored weights are the model itself (a natively quantized checkpoint such as
+    GPT-OSS MXFP4, whose reference multiplies fp32 activations): "f32" unless forced globally.
+    """
     if _act_override in ACTIVATIONS and fmt in _DEFAULT_ACT:
         return _act_override
-    return _DEFAULT_ACT.get(fmt, "f32")
+    return "f32" if exact else _DEFAULT_ACT.get(fmt, "f32")
 
 
 _CHUNK_ELEMS = 4 << 20  # fp32 elements of one dequantized row block in the batched path (16 MiB)
@@ -97,7 +101,7 @@ class Format:
         return None
 
     def matmul(self, x: torch.Tensor, parts: dict[str, torch.Tensor], n: int, k: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
         """x [T, k] fp32 -> [T, n] fp32 (+ bias), never holding a full fp32 copy of the matrix."""
         x = x.float()
         kp = self.padded_k(k)
@@ -109,7 +113,7 @@ class Format:
         if t <= self.small_batch:
             if kernels.available() and self.code is not None:
                 w, s = self._kernel_parts(parts)
-                return kernels.qmatmul(self.code, ACTIVATIONS.index(activations(self.name)), x, w, s, n, b)
+                return kernels.qmatmul(self.code, ACTIVATIONS.index(activations(self.name, exact)), x, w, s, n, b)
             y = self._fused_fallback(x, parts, n, k)
             if y is not None:
                 return y if b is None else y + b
@@ -156,7 +160,7 @@ class DenseFormat(Format):
     def dequantize_rows(self, parts, n, k, r0, r1):
         return parts["weight"][r0:r1].float()
 
-    def matmul(self, x, parts, n, k, bias=None):
+    def matmul(self, x, parts, n, k, bias=None, exact=False):
         from .dense import linear
 
         return linear(x.float(), parts["weight"], bias)
@@ -165,12 +169,13 @@ class DenseFormat(Format):
 class QuantMatrix:
     """One [n, k] matrix stored in ``format``: ``parts`` as ``format.parts(n, k)`` describes."""
 
-    __slots__ = ("format", "parts", "n", "k")
+    __slots__ = ("format", "parts", "n", "k", "exact")
 
-    def __init__(self, format: Format | str, parts: dict[str, torch.Tensor], n: int, k: int):
+    def __init__(self, format: Format | str, parts: dict[str, torch.Tensor], n: int, k: int, exact: bool = False):
         self.format = FORMATS[format] if isinstance(format, str) else format
         self.parts = parts
         self.n, self.k = n, k
+        self.exact = exact  # see ``activations``: fp32 activations unless forced globally
 
     @classmethod
     def quantize(cls, format: Format | str, w: torch.Tensor, seed: int = 0) -> QuantMatrix:
@@ -189,7 +194,7 @@ class QuantMatrix:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` in fp32; x: [..., k]."""
         lead = x.shape[:-1]
-        y = self.format.matmul(x.reshape(-1, self.k), self.parts, self.n, self.k, bias)
+        y = self.format.matmul(x.reshape(-1, self.k), self.parts, self.n, self.k, bias, self.exact)
         return y.reshape(*lead, self.n)
 
     def dequantize(self) -> torch.Tensor:
