@@ -245,6 +245,11 @@ def test_mxfp4_weights_bit_identical_to_transformers(mxfp4):
     h, i = 64, 32
     assert src.record_bytes == 3 * h * i // 2 + 3 * h * i // 32 + 2 * (2 * i + h)
     info.checkpoint.close()
+    from sluice.inspect import inspect_model
+
+    r = inspect_model(path)
+    assert r["expert_format"] == "mxfp4" and r["bytes_per_expert"] == src.record_bytes
+    assert r["params_total"] == sum(p.numel() for p in ref.parameters())
 
 
 @pytest.mark.parametrize("target", ["hf", "container-mxfp4", "container-f32"])
@@ -399,3 +404,34 @@ def test_config_defaults_follow_transformers():
         "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
                                    "lm_head"]}))
     assert mx.mxfp4
+
+
+def test_released_config_shape():
+    """config.json as the released checkpoints write it: legacy ``rope_scaling`` + top-level
+    ``rope_theta``, no ``swiglu_alpha``; the same RoPE as transformers derives from it."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from sluice.layers.rotary import Rotary
+
+    raw = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 201088,
+           "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+           "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
+           "experts_per_token": 4, "sliding_window": 128, "swiglu_limit": 7.0, "rms_norm_eps": 1e-05,
+           "max_position_embeddings": 131072, "initial_context_length": 4096, "rope_theta": 150000,
+           "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+           "layer_types": ["sliding_attention", "full_attention"] * 12, "attention_bias": True,
+           "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 200002, "pad_token_id": 199999,
+           "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+               "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+    cfg = gpt_oss.parse_config(raw)
+    assert cfg.mxfp4 and cfg.swiglu_alpha == 1.702 and cfg.sliding_window == 128
+    desc = gpt_oss.describe(cfg)
+    assert desc.expert_format == "mxfp4" and desc.working_set == 4 * 24
+    refs = desc.expert_tensors(0, 31)
+    assert refs["gate_up.blocks"].shape == (5760, 90, 16) and refs["down.scales"].shape == (2880, 90)
+    hf = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "quantization_config"})
+    inv, scale = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    rot = Rotary(64, cfg.rope, cfg.max_position_embeddings)
+    assert torch.equal(rot.inv_freq, inv) and rot.attention_scaling == scale
