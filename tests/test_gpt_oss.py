@@ -222,9 +222,8 @@ def test_mxfp4_weights_bit_identical_to_transformers(mxfp4):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from sluice.engine import ModelInfo
-    from sluice.experts.compute import prepare
     from sluice.experts.source import views
-    from sluice.quant import QuantMatrix
+    from sluice.quant import QuantMatrix, assemble
     from sluice.storage import AlignedBuffer
 
     path, tensors, (_, _, _, ref) = mxfp4
@@ -233,8 +232,10 @@ def test_mxfp4_weights_bit_identical_to_transformers(mxfp4):
     assert src.format == "mxfp4" and src.native_quant
     p = "model.layers.2.mlp.experts."
     buf = AlignedBuffer(src.slot_bytes)
-    w = prepare(src.format, info.desc.expert, views(buf, 0, src.read(2, 6, buf)), exact=True)
-    assert isinstance(w["gate_up"], QuantMatrix) and isinstance(w["down"], QuantMatrix)
+    layout = src.read(2, 6, buf)
+    assert layout.format == "mxfp4" and layout.exact  # what the cache assembles a slot with
+    w = assemble(layout.format, views(buf, 0, layout), {r: (n, k) for r, n, k in layout.shapes}, exact=layout.exact)
+    assert isinstance(w["gate_up"], QuantMatrix) and isinstance(w["down"], QuantMatrix) and w["gate_up"].exact
     gu_ref = convert_moe_packed_tensors(tensors[p + "gate_up_proj_blocks"], tensors[p + "gate_up_proj_scales"],
                                         dtype=torch.float32)[6]  # [H, 2I]
     down_ref = convert_moe_packed_tensors(tensors[p + "down_proj_blocks"], tensors[p + "down_proj_scales"],

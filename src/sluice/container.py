@@ -217,12 +217,15 @@ class ContainerExperts(ExpertSource):
             views = tuple(View(p.name, HEADER_BYTES + p.offset, DTYPES[p.dtype][0], p.shape) for p in parts)
             self._banks[layer] = (fname, rec, views, end)
             payload = end
+        # quantized records: the cache assembles "<role>.<part>" views into matrices
+        self._quant = {} if self.format in ("f32", "bf16", "f16") else dict(
+            format=self.format, shapes=tuple((r, *s) for r, s in roles.items()), exact=self.native_quant)
         self.slot_bytes = max((b[1] for b in self._banks.values()), default=ALIGN)
         self._payload = payload
 
     def layout(self, layer: int, expert: int) -> ExpertLayout:
         fname, rec, views, end = self._banks[layer]
-        return ExpertLayout((Read(fname, expert * rec, rec, 0, HEADER_BYTES + end),), views, rec)
+        return ExpertLayout((Read(fname, expert * rec, rec, 0, HEADER_BYTES + end),), views, rec, **self._quant)
 
     def validate(self, layer: int, expert: int, record: memoryview, verify_crc: bool) -> None:
         fname, rec, views, end = self._banks[layer]

@@ -30,11 +30,10 @@ from .container import (
 )
 from .engine import ModelInfo
 from .errors import CheckpointError
-from .experts.compute import prepare
 from .experts.fused import canonical_layout, canonical_weights
 from .experts.source import views
 from .progress import Progress
-from .quant import QuantMatrix
+from .quant import QuantMatrix, assemble
 from .storage import ALIGN, AlignedBuffer, align_up
 
 MATRIX_ROLES = ("gate", "up", "down")
@@ -175,7 +174,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
             for e in range(desc.n_experts):
                 layout = source.read(layer, e, buf)
                 record.tensor(0, torch.uint8, (rec,)).zero_()
-                weights = prepare(source.format, desc.expert, canonical_weights(views(buf, 0, layout)))
+                weights = canonical_weights(views(buf, 0, layout))
+                if layout.format is not None:  # natively quantized source: parts -> matrices
+                    weights = assemble(layout.format, weights, shapes)
                 encode_parts(fmt, weights, parts, record, HEADER_BYTES)
                 payload_bytes = record.view(HEADER_BYTES, payload)
                 record.view(0, HEADER_BYTES)[:] = pack_header(fmt, layer, e, len(parts), payload_bytes)

@@ -106,7 +106,7 @@ class ModelInfo:
                                             self.desc.expert.matrix_shapes())
         else:
             self.experts = CheckpointExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
-                                             self.desc.expert_tensors, self.desc.expert_format)
+                                             self.desc.expert_tensors, self.desc.expert_format, self.desc.expert)
         self.tokenizer: Tokenizer | None = None
         if (self.path / "tokenizer.json").exists():
             self.tokenizer = Tokenizer(self.path)

@@ -1,8 +1,8 @@
 """One expert's feed-forward on fp32 activations, over weights in any stored format.
 
-Weights arrive as the views of a cache slot, made ready by ``prepare``: canonical
-(``gate``/``up``/``down``, output-major, dense tensors or ``QuantMatrix``) or a family's fused
-on-disk layout (see ``fused.py``), recognised by the view names.
+Weights arrive as the views of a cache slot (quantized parts already assembled into
+``QuantMatrix`` by the cache): canonical (``gate``/``up``/``down``, output-major) or a family's
+fused on-disk layout (see ``fused.py``), recognised by the view names.
 """
 
 from __future__ import annotations
@@ -10,27 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..layers.mlp import activation
-from ..quant import QuantMatrix, assemble, linear, linear_t
+from ..quant import linear, linear_t
 from .spec import ExpertSpec
-
-_DENSE = ("f32", "bf16", "f16")
-
-
-def prepare(fmt: str, spec: ExpertSpec, views: dict[str, torch.Tensor], exact: bool = False) -> dict:
-    """A slot's views -> what ``expert_forward`` uses: parts named ``"<role>.<part>"`` of a
-    quantized format become one ``QuantMatrix`` per role (no copies); dense views pass through.
-    ``exact``: the quantized weights are the model itself (native checkpoint): fp32 activations."""
-    if fmt in _DENSE:
-        return views
-    h, i = spec.hidden, spec.intermediate
-    known = {"gate_up": (2 * i, h), "gate": (i, h), "up": (i, h), "down": (h, i)}
-    roles = {n.split(".", 1)[0] for n in views if "." in n}
-    out = assemble(fmt, views, {r: known[r] for r in sorted(roles) if r in known})
-    if exact:
-        for m in out.values():
-            if isinstance(m, QuantMatrix):
-                m.exact = True
-    return out
 
 
 def _gate_up(w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import LOADING, READY, ExpertCache, Slot
-from .compute import expert_forward, prepare
+from .compute import expert_forward
 from .source import ExpertSource
 from .spec import ExpertSpec
 
@@ -85,7 +85,6 @@ class ExpertProvider:
             self.cache.discard(slot)
             raise
         self.cache.ready(slot)
-        slot.weights = prepare(self.source.format, self.spec, slot.weights, self.source.native_quant)
 
     def _settle_finished(self) -> None:
         """Settle unpinned reads that have finished, so their slots become evictable."""

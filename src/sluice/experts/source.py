@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..checkpoint import DTYPE_NAMES, DTYPES, Checkpoint
 from ..errors import CheckpointError, ExpertReadError
@@ -19,7 +20,7 @@ from .layout import ExpertLayout, Span, layout_from_spans
 def views(buf: AlignedBuffer, base: int, layout: ExpertLayout) -> dict:
     """Tensor views of a record read into ``buf`` at ``base``."""
     return {v.name: buf.tensor(base + v.slot_offset, v.dtype, v.shape) for v in layout.views}
-from .spec import ExpertTensors
+from .spec import ExpertSpec, ExpertTensors
 
 
 class ExpertSource:
@@ -72,9 +73,11 @@ _FORMAT_OF_DTYPE = {"F32": "f32", "BF16": "bf16", "F16": "f16"}
 
 class CheckpointExperts(ExpertSource):
     def __init__(self, ckpt: Checkpoint, layers: list[int], n_experts: int,
-                 tensors: Callable[[int, int], ExpertTensors], format: str | None = None):
+                 tensors: Callable[[int, int], ExpertTensors], format: str | None = None,
+                 spec: ExpertSpec | None = None):
         """``format``: a quant format the checkpoint stores the expert matrices in natively (their
-        roles named "<role>.<part>", read as they are); None: plain f32/bf16/f16 matrices."""
+        roles named "<role>.<part>", read as they are, ``spec`` giving each role's [n, k]);
+        None: plain f32/bf16/f16 matrices."""
         self.ckpt = ckpt
         self._layouts: dict[tuple[int, int], ExpertLayout] = {}
         dtypes: set[str] = set()
@@ -95,7 +98,7 @@ class CheckpointExperts(ExpertSource):
                     payload = sum(s.nbytes for s in spans)
         self._payload = payload
         if format is not None:
-            self._native(format, dtypes, part_dtypes)
+            self._native(format, dtypes, part_dtypes, spec)
             return
         if len(dtypes) > 1:
             raise CheckpointError(f"{ckpt.path}: routed experts mix dtypes {sorted(dtypes)}; expected one dtype")
@@ -108,7 +111,7 @@ class CheckpointExperts(ExpertSource):
         self.format = _FORMAT_OF_DTYPE[dtype]
         self.slot_bytes = max((lay.slot_bytes for lay in self._layouts.values()), default=4096)
 
-    def _native(self, format: str, dtypes: set[str], part_dtypes: dict[str, set[str]]) -> None:
+    def _native(self, format: str, dtypes: set[str], part_dtypes: dict[str, set[str]], spec) -> None:
         from ..quant import FORMATS
 
         fmt = FORMATS.get(format)
@@ -125,6 +128,10 @@ class CheckpointExperts(ExpertSource):
                                   f"{', '.join(_FORMAT_OF_DTYPE)}")
         self.format = format
         self.native_quant = True
+        known = spec.role_shapes()
+        for key, lay in self._layouts.items():
+            roles = sorted({v.name.split(".", 1)[0] for v in lay.views if "." in v.name})
+            self._layouts[key] = replace(lay, format=format, shapes=tuple((r, *known[r]) for r in roles), exact=True)
         self.slot_bytes = max((lay.slot_bytes for lay in self._layouts.values()), default=4096)
 
     @staticmethod

@@ -30,6 +30,11 @@ class ExpertSpec:
         h, i = self.hidden, self.intermediate
         return {"gate": (i, h), "up": (i, h), "down": (h, i)}
 
+    def role_shapes(self) -> dict[str, tuple[int, int]]:
+        """[out, in] of every matrix role a record or checkpoint may hold: the canonical three and
+        the fused ``gate_up`` [2I, H] (rows interleaving gate and up, as GPT-OSS MXFP4 stores it)."""
+        return {**self.matrix_shapes(), "gate_up": (2 * self.intermediate, self.hidden)}
+
     def param_count(self) -> int:
         """Parameters of one expert (matrices, plus biases when ``bias``), whatever the storage format."""
         h, i = self.hidden, self.intermediate

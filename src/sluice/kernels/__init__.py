@@ -32,6 +32,7 @@ def _find_library() -> str | None:
 class _Lib:
     def __init__(self):
         self.lib = None
+        self.qmatmul = None
         self.threads = 1
         self.error: str | None = None
         path = _find_library()
@@ -60,6 +61,7 @@ class _Lib:
         lib.sk_set_schedule.argtypes = [i]
         lib.sk_set_schedule.restype = None
         self.lib = lib
+        self.qmatmul = lib.sk_qmatmul
         self.set_threads(torch.get_num_threads())
 
     def set_threads(self, n: int) -> None:
@@ -113,8 +115,8 @@ def qmatmul(fmt: int, act: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tenso
     weight parts ``w`` (codes) and ``s`` (scales / codebooks) -> [T, n] fp32."""
     t, k = x.shape
     y = torch.empty(t, n, dtype=torch.float32)
-    rc = _lib.lib.sk_qmatmul(fmt, act, x.data_ptr(), w.data_ptr(), s.data_ptr(), _ptr(bias), y.data_ptr(),
-                             t, n, k, _lib.threads)
+    rc = _lib.qmatmul(fmt, act, x.data_ptr(), w.data_ptr(), s.data_ptr(), None if bias is None else bias.data_ptr(),
+                      y.data_ptr(), t, n, k, _lib.threads)
     if rc != 0:
         raise ValueError(f"C kernels do not support format {fmt} with K={k} and activation mode {act}")
     return y

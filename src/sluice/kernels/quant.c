@@ -60,10 +60,11 @@ static const int8_t FP4X2_ABS[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 
 static const float FP4X2_F[16] = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 6.0f, 8.0f, 12.0f,
                                   -0.0f, -1.0f, -2.0f, -3.0f, -4.0f, -6.0f, -8.0f, -12.0f};
 
-/* E8M0 byte -> 2^(e - 128) (half the block scale, since FP4X2 holds twice the value);
- * e = 255 (NaN in OCP MX) gives +inf, as 2^(255 - 127) overflows in transformers' fp32 math. */
+/* E8M0 byte -> 2^(e - 128), half the block scale, since FP4X2 holds twice the value: every
+ * product 2v * 2^(e - 128) is then exact (or overflows to inf) in fp32, including e = 0 (a
+ * subnormal scale) and e = 255 (NaN in OCP MX, read as 2^128 like transformers' ldexp). */
 static inline float e8m0_half(uint8_t e) {
-    uint32_t u = e == 255 ? 0x7f800000u : e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00100000u << e;
+    uint32_t u = e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e;
     float f;
     memcpy(&f, &u, 4);
     return f;
@@ -73,9 +74,8 @@ AVX2 static inline __m256 e8m0_half8(const uint8_t *p) {
     const __m256i one = _mm256_set1_epi32(1);
     __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
-    __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00100000), e);
+    __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
     __m256i r = _mm256_blendv_epi8(sub, norm, _mm256_cmpgt_epi32(e, one));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7f800000), _mm256_cmpeq_epi32(e, _mm256_set1_epi32(255)));
     return _mm256_castsi256_ps(r);
 }
 

@@ -33,12 +33,16 @@ _DEFAULT_ACT = {"int8": "f32", "q4": "q8", "mxfp4": "q8"}
 _act_override: str | None = os.environ.get("SLUICE_QUANT_ACTIVATIONS") or None
 
 
+_act_code: dict[tuple[str, bool], int] = {}  # (format, exact) -> C activation mode, refreshed by set_activations
+
+
 def set_activations(mode: str | None) -> None:
     """Force the fused kernels' activation handling: "f32", "q8", or None for each format's default."""
     global _act_override
     if mode not in (None, "auto") + ACTIVATIONS:
         raise ValueError(f"activation mode must be one of {ACTIVATIONS} or None, not {mode!r}")
     _act_override = None if mode in (None, "auto") else mode
+    _act_code.clear()
 
 
 def activations(fmt: str, exact: bool = False) -> str:
@@ -50,6 +54,13 @@ def activations(fmt: str, exact: bool = False) -> str:
     if _act_override in ACTIVATIONS and fmt in _DEFAULT_ACT:
         return _act_override
     return "f32" if exact else _DEFAULT_ACT.get(fmt, "f32")
+
+
+def _activation_code(fmt: str, exact: bool = False) -> int:
+    code = _act_code.get((fmt, exact))
+    if code is None:
+        code = _act_code[(fmt, exact)] = ACTIVATIONS.index(activations(fmt, exact))
+    return code
 
 
 _CHUNK_ELEMS = 4 << 20  # fp32 elements of one dequantized row block in the batched path (16 MiB)
@@ -113,7 +124,7 @@ class Format:
         if t <= self.small_batch:
             if kernels.available() and self.code is not None:
                 w, s = self._kernel_parts(parts)
-                return kernels.qmatmul(self.code, ACTIVATIONS.index(activations(self.name, exact)), x, w, s, n, b)
+                return kernels.qmatmul(self.code, _activation_code(self.name, exact), x, w, s, n, b)
             y = self._fused_fallback(x, parts, n, k)
             if y is not None:
                 return y if b is None else y + b
@@ -169,13 +180,18 @@ class DenseFormat(Format):
 class QuantMatrix:
     """One [n, k] matrix stored in ``format``: ``parts`` as ``format.parts(n, k)`` describes."""
 
-    __slots__ = ("format", "parts", "n", "k", "exact")
+    __slots__ = ("format", "parts", "n", "k", "exact", "_fast")
 
     def __init__(self, format: Format | str, parts: dict[str, torch.Tensor], n: int, k: int, exact: bool = False):
         self.format = FORMATS[format] if isinstance(format, str) else format
         self.parts = parts
         self.n, self.k = n, k
         self.exact = exact  # see ``activations``: fp32 activations unless forced globally
+        fmt = self.format
+        # decode fast path: C kernel arguments resolved once (None: go through Format.matmul)
+        self._fast = None
+        if fmt.code is not None and fmt.padded_k(k) == k and kernels.available():
+            self._fast = (fmt.code, fmt.name, *fmt._kernel_parts(parts), fmt.small_batch)
 
     @classmethod
     def quantize(cls, format: Format | str, w: torch.Tensor, seed: int = 0) -> QuantMatrix:
@@ -193,6 +209,11 @@ class QuantMatrix:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` in fp32; x: [..., k]."""
+        fast = self._fast
+        if (fast is not None and x.dim() == 2 and x.shape[0] <= fast[4] and x.dtype == torch.float32
+                and x.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+            code, name, w, s, _ = fast
+            return kernels.qmatmul(code, _activation_code(name, self.exact), x, w, s, self.n, bias)
         lead = x.shape[:-1]
         y = self.format.matmul(x.reshape(-1, self.k), self.parts, self.n, self.k, bias, self.exact)
         return y.reshape(*lead, self.n)
@@ -215,13 +236,13 @@ def _check_part(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int
 
 
 def assemble(format_name: str, views: dict[str, torch.Tensor],
-             shapes: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor | QuantMatrix]:
+             shapes: dict[str, tuple[int, int]], exact: bool = False) -> dict[str, torch.Tensor | QuantMatrix]:
     """Turn one expert's slot views into what ``expert_forward`` uses.
 
     ``views`` names each part ``"<role>.<part>"`` (e.g. ``"gate.blocks"``, ``"gate.scales"``);
     ``shapes`` gives each role's [n, k]. Every role in ``shapes`` becomes a ``QuantMatrix``
     (or, for the dense formats, its ``weight`` tensor itself); views that belong to no role
-    (e.g. ``"gate_bias"``) pass through unchanged.
+    (e.g. ``"gate_bias"``) pass through unchanged. ``exact``: see ``QuantMatrix.exact``.
     """
     fmt = FORMATS[format_name]
     out: dict[str, torch.Tensor | QuantMatrix] = {}
@@ -234,7 +255,7 @@ def assemble(format_name: str, views: dict[str, torch.Tensor],
                 raise ValueError(f"{format_name} matrix {role!r} [{n}, {k}] is missing part {name!r}")
             parts[part] = _check_part(name, views[name], dtype, shape)
             used.add(name)
-        out[role] = parts["weight"] if isinstance(fmt, DenseFormat) else QuantMatrix(fmt, parts, n, k)
+        out[role] = parts["weight"] if isinstance(fmt, DenseFormat) else QuantMatrix(fmt, parts, n, k, exact)
     for name, t in views.items():
         if name not in used:
             out[name] = t

@@ -10,7 +10,9 @@ Parts of an [N, K] matrix (K padded with zero weights to a multiple of 32, G = K
 This is exactly how GPT-OSS checkpoints store experts (``*_blocks`` [E, out, in/32, 16] and
 ``*_scales`` [E, out, in/32]): one expert's slices are used as they are, without
 requantizing, and ``dequantize`` is bit-identical to transformers' ``convert_moe_packed_tensors``
-(including -0.0 for code 8; the E8M0 NaN code 255 gives inf * value, as there).
+for every code and exponent: the exact value rounded to the output type, -0.0 for code 8,
+subnormal results for small exponents, and the E8M0 NaN code 255 read as 2^128 (0 stays 0,
+0.5 gives 2^127, larger magnitudes overflow to inf), as its ``ldexp`` does.
 
 ``quantize`` (from float weights): per block the OCP shared exponent floor(log2(amax)) - 2,
 or one more when that has a smaller squared error, then round to the nearest E2M1 value
@@ -27,15 +29,15 @@ from .q4 import pack_nibbles, unpack_nibbles
 GROUP = 32
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _LUT = torch.tensor(FP4_VALUES, dtype=torch.float32)
+_LUT2 = _LUT * 2  # 2 * E2M1: integers, so that 2v * 2^(e - 128) is exact even for e = 255
 # magnitude thresholds between E2M1 values, and whether a tie rounds up (to the even code)
 _THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
-def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes -> 2^(e - 127) as fp32, exactly (2^-127 is a subnormal; 255 -> inf)."""
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> 2^(e - 128) as fp32, exactly (half the block scale; subnormal for e < 2)."""
     e = e.to(torch.int32)
-    bits = torch.where(e >= 1, e << 23, torch.full_like(e, 0x00400000))
-    bits = torch.where(e == 255, torch.full_like(e, 0x7F800000), bits)
+    bits = torch.where(e >= 2, (e - 1) << 23, torch.full_like(e, 0x00200000) << e.clamp(0, 1))
     return bits.view(torch.float32)
 
 
@@ -84,8 +86,9 @@ class MXFP4(Format):
         best_e = best_c = best_s = None
         for extra in (0, 1) if search else (0,):
             s = (biased + extra).clamp(0, 254)
-            codes = e2m1_codes(wg / e8m0_to_float(s))
-            err = ((_LUT[codes.long()] * e8m0_to_float(s) - wg) ** 2).sum(-1, keepdim=True)
+            scale = e8m0_half(s) * 2  # 2^(s - 127), s <= 254
+            codes = e2m1_codes(wg / scale)
+            err = ((_LUT[codes.long()] * scale - wg) ** 2).sum(-1, keepdim=True)
             if best_e is None:
                 best_e, best_c, best_s = err, codes, s
             else:
@@ -97,7 +100,7 @@ class MXFP4(Format):
 
     def dequantize_rows(self, parts, n, k, r0, r1):
         codes = unpack_nibbles(parts["blocks"][r0:r1])  # [r, G, 32]
-        w = _LUT[codes] * e8m0_to_float(parts["scales"][r0:r1])[..., None]
+        w = _LUT2[codes] * e8m0_half(parts["scales"][r0:r1])[..., None]
         return w.reshape(r1 - r0, -1)
 
     def _kernel_parts(self, parts):
