@@ -7,7 +7,6 @@ core step generator; ``generate()``, the CLI and the server are built on it.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -100,7 +99,7 @@ class ModelInfo:
                                             self.desc.expert.matrix_shapes())
         else:
             self.experts = CheckpointExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
-                                             self.desc.expert_tensors)
+                                             self.desc.expert_tensors, self.desc.expert_format, self.desc.expert)
         self.tokenizer: Tokenizer | None = None
         if (self.path / "tokenizer.json").exists():
             self.tokenizer = Tokenizer(self.path)
@@ -131,8 +130,7 @@ class ModelInfo:
     def param_counts(self) -> tuple[int, int]:
         """(total parameters, parameters active per token)."""
         spine = sum(self.checkpoint.info(n).numel for n in self.desc.spine)
-        per_expert = sum(math.prod(r.shape) for r in self.desc.expert_tensors(self.desc.moe_layers[0], 0).values()) \
-            if self.desc.moe_layers else 0
+        per_expert = self.desc.expert.param_count() if self.desc.moe_layers else 0
         return spine + per_expert * self.desc.total_experts, spine + per_expert * self.desc.working_set
 
     def plan(self, memory: int | str | None, options: Options, baseline: int | None = None) -> Plan:

@@ -91,7 +91,7 @@ class ExpertCache:
         lay = slot.layout
         weights = views(self.arena, self.base(slot), lay)
         if lay.format is not None:
-            weights = assemble(lay.format, weights, {role: (n, k) for role, n, k in lay.shapes})
+            weights = assemble(lay.format, weights, {role: (n, k) for role, n, k in lay.shapes}, exact=lay.exact)
         slot.weights = weights
         slot.state = READY
         slot.future = None

@@ -54,6 +54,9 @@ class ExpertLayout:
     # into what ``expert_forward`` uses. None: the views are the matrices themselves.
     format: str | None = None
     shapes: tuple[tuple[str, int, int], ...] = ()
+    # the quantized weights are the model itself (a natively quantized checkpoint, or a container
+    # that copied them): computed with fp32 activations, as the reference is (``quant.activations``)
+    exact: bool = False
 
     @property
     def read_bytes(self) -> int:

@@ -2,8 +2,8 @@
 
 ``dense(x, w, bias)`` multiplies fp32 activations [T, K] by an f32/bf16/f16 weight [N, K]
 without materialising an fp32 copy of the weight, using a persistent C thread pool;
-``fp8_dense`` does the same for a block-scaled FP8 weight (``quant.fp8``).
-without materialising an fp32 copy of the weight, using a persistent C thread pool.
+``fp8_dense`` does the same for a block-scaled FP8 weight (``quant.fp8``), and
+``dense_t(x, w, bias)`` does the same for an input-major weight [K, N] (``x @ w``).
 ``qmatmul`` / ``qdequant`` do the same for the quantized formats of ``sluice.quant``
 (fused dequantize-and-multiply, and bounded row dequantization for batched prefill).
 Callers check ``available()`` first; ``sluice.quant`` holds the torch fallbacks.
@@ -49,6 +49,8 @@ class _Lib:
         p, i = ctypes.c_void_p, ctypes.c_int
         lib.sk_dense.argtypes = [p, p, p, p, i, i, i, i, i]
         lib.sk_dense.restype = None
+        lib.sk_dense_t.argtypes = [p, p, p, p, i, i, i, i, i]
+        lib.sk_dense_t.restype = None
         lib.sk_set_threads.argtypes = [i]
         lib.sk_set_threads.restype = i
         lib.sk_has_avx2.restype = i
@@ -147,6 +149,16 @@ def fp8_heads_t(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tu
     y = torch.empty(t, h, k, dtype=torch.float32)
     _lib.lib.sk_fp8_heads_t(x.data_ptr(), w.data_ptr(), scale.data_ptr(), y.data_ptr(), t, h, d, k, row0, stride,
                             block[0], block[1], _lib.threads)
+    return y
+
+
+def dense_t(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] fp32 (contiguous) @ w [K, N] (contiguous, input-major) (+ bias fp32 [N]) -> [T, N] fp32."""
+    t, k = x.shape
+    n = w.shape[1]
+    y = torch.empty(t, n, dtype=torch.float32)
+    _lib.lib.sk_dense_t(x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                        t, n, k, _WTYPE[w.dtype], _lib.threads)
     return y
 
 

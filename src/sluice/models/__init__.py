@@ -15,6 +15,7 @@ FAMILIES = {
     "kimi_linear": "kimi_linear",
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",  # Kimi K2 ships the DeepSeek-V3 architecture under its own model_type
+    "gpt_oss": "gpt_oss",
 }
 
 

@@ -47,6 +47,9 @@ class ModelDescription:
     attn_heads: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # a quant format (``sluice.quant.FORMATS``) the checkpoint stores routed experts in natively,
+    # as parts named "<role>.<part>" in ``expert_tensors``; None: plain f32/bf16/f16 tensors
+    expert_format: str | None = None
 
     @property
     def working_set(self) -> int:

@@ -25,6 +25,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantMatrix, bias: torch.Tens
         return weight.matmul(x, bias)
     if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
+    if bias is not None and bias.dtype != torch.float32:  # e.g. bf16 biases next to f32 weights
+        bias = bias.float()
     if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.available() and weight.is_contiguous():
         b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
         return kernels.dense(x.contiguous(), weight, b)
@@ -40,4 +42,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantMatrix, bias: torch.Tens
         torch.matmul(x, weight[r0:r1].float().t(), out=out[..., r0:r1])
     if bias is not None:
         out += bias.float()
+    return out
+
+
+def linear_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight (+ bias)`` in fp32 for an input-major weight [K, N] (GPT-OSS experts on disk).
+
+    Small batches use the input-major C kernel (one fused multiply-add chain per output, in
+    ascending k: independent of batch size, alignment and thread count). Larger batches use
+    sgemm, upcasting half-precision weights in bounded column chunks (16 MiB at most).
+    """
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.available() and weight.is_contiguous():
+        return kernels.dense_t(x.contiguous(), weight, bias)
+    if weight.dtype == torch.float32:
+        out = x @ weight
+    else:
+        k, n = weight.shape
+        cols = max(1, _CHUNK_ELEMS // max(k, 1))
+        if cols >= n:
+            out = x @ weight.float()
+        else:
+            out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
+            for c0 in range(0, n, cols):
+                c1 = min(n, c0 + cols)
+                torch.matmul(x, weight[:, c0:c1].float(), out=out[..., c0:c1])
+    if bias is not None:
+        out += bias
     return out

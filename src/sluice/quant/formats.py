@@ -33,7 +33,7 @@ _DEFAULT_ACT = {"int8": "f32", "q4": "q8", "mxfp4": "q8"}
 _act_override: str | None = os.environ.get("SLUICE_QUANT_ACTIVATIONS") or None
 
 
-_act_code: dict[str, int] = {}  # format name -> C activation mode, refreshed by set_activations
+_act_code: dict[tuple[str, bool], int] = {}  # (format, exact) -> C activation mode, refreshed by set_activations
 
 
 def set_activations(mode: str | None) -> None:
@@ -45,17 +45,21 @@ def set_activations(mode: str | None) -> None:
     _act_code.clear()
 
 
-def activations(fmt: str) -> str:
-    """The activation handling the fused kernel of format ``fmt`` uses now."""
+def activations(fmt: str, exact: bool = False) -> str:
+    """The activation handling the fused kernel of format ``fmt`` uses now.
+
+    ``exact``: the stored weights are the model itself (a natively quantized checkpoint such as
+    GPT-OSS MXFP4, whose reference multiplies fp32 activations): "f32" unless forced globally.
+    """
     if _act_override in ACTIVATIONS and fmt in _DEFAULT_ACT:
         return _act_override
-    return _DEFAULT_ACT.get(fmt, "f32")
+    return "f32" if exact else _DEFAULT_ACT.get(fmt, "f32")
 
 
-def _activation_code(fmt: str) -> int:
-    code = _act_code.get(fmt)
+def _activation_code(fmt: str, exact: bool = False) -> int:
+    code = _act_code.get((fmt, exact))
     if code is None:
-        code = _act_code[fmt] = ACTIVATIONS.index(activations(fmt))
+        code = _act_code[(fmt, exact)] = ACTIVATIONS.index(activations(fmt, exact))
     return code
 
 
@@ -113,7 +117,7 @@ class Format:
         return None
 
     def matmul(self, x: torch.Tensor, parts: dict[str, torch.Tensor], n: int, k: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
         """x [T, k] fp32 -> [T, n] fp32 (+ bias), never holding a full fp32 copy of the matrix."""
         x = x.float()
         kp = self.padded_k(k)
@@ -125,7 +129,7 @@ class Format:
         if t <= self.batch_limit():
             if kernels.available() and self.code is not None:
                 w, s = self._kernel_parts(parts)
-                return kernels.qmatmul(self.code, _activation_code(self.name), x, w, s, n, b)
+                return kernels.qmatmul(self.code, _activation_code(self.name, exact), x, w, s, n, b)
             y = self._fused_fallback(x, parts, n, k)
             if y is not None:
                 return y if b is None else y + b
@@ -172,7 +176,7 @@ class DenseFormat(Format):
     def dequantize_rows(self, parts, n, k, r0, r1):
         return parts["weight"][r0:r1].float()
 
-    def matmul(self, x, parts, n, k, bias=None):
+    def matmul(self, x, parts, n, k, bias=None, exact=False):
         from .dense import linear
 
         return linear(x.float(), parts["weight"], bias)
@@ -181,12 +185,13 @@ class DenseFormat(Format):
 class QuantMatrix:
     """One [n, k] matrix stored in ``format``: ``parts`` as ``format.parts(n, k)`` describes."""
 
-    __slots__ = ("format", "parts", "n", "k", "_fast")
+    __slots__ = ("format", "parts", "n", "k", "exact", "_fast")
 
-    def __init__(self, format: Format | str, parts: dict[str, torch.Tensor], n: int, k: int):
+    def __init__(self, format: Format | str, parts: dict[str, torch.Tensor], n: int, k: int, exact: bool = False):
         self.format = FORMATS[format] if isinstance(format, str) else format
         self.parts = parts
         self.n, self.k = n, k
+        self.exact = exact  # see ``activations``: fp32 activations unless forced globally
         fmt = self.format
         # decode fast path: C kernel arguments resolved once (None: go through Format.matmul)
         self._fast = None
@@ -213,11 +218,11 @@ class QuantMatrix:
         if fast is not None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and (
                 bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())):
             code, name, w, s, limits = fast
-            act = _activation_code(name)
+            act = _activation_code(name, self.exact)
             if x.shape[0] <= limits[act]:
                 return kernels.qmatmul(code, act, x, w, s, self.n, bias)
         lead = x.shape[:-1]
-        y = self.format.matmul(x.reshape(-1, self.k), self.parts, self.n, self.k, bias)
+        y = self.format.matmul(x.reshape(-1, self.k), self.parts, self.n, self.k, bias, self.exact)
         return y.reshape(*lead, self.n)
 
     def dequantize(self) -> torch.Tensor:
@@ -238,13 +243,13 @@ def _check_part(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int
 
 
 def assemble(format_name: str, views: dict[str, torch.Tensor],
-             shapes: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor | QuantMatrix]:
+             shapes: dict[str, tuple[int, int]], exact: bool = False) -> dict[str, torch.Tensor | QuantMatrix]:
     """Turn one expert's slot views into what ``expert_forward`` uses.
 
     ``views`` names each part ``"<role>.<part>"`` (e.g. ``"gate.blocks"``, ``"gate.scales"``);
     ``shapes`` gives each role's [n, k]. Every role in ``shapes`` becomes a ``QuantMatrix``
     (or, for the dense formats, its ``weight`` tensor itself); views that belong to no role
-    (e.g. ``"gate_bias"``) pass through unchanged.
+    (e.g. ``"gate_bias"``) pass through unchanged. ``exact``: see ``QuantMatrix.exact``.
     """
     fmt = FORMATS[format_name]
     out: dict[str, torch.Tensor | QuantMatrix] = {}
@@ -257,7 +262,7 @@ def assemble(format_name: str, views: dict[str, torch.Tensor],
                 raise ValueError(f"{format_name} matrix {role!r} [{n}, {k}] is missing part {name!r}")
             parts[part] = _check_part(name, views[name], dtype, shape)
             used.add(name)
-        out[role] = parts["weight"] if isinstance(fmt, DenseFormat) else QuantMatrix(fmt, parts, n, k)
+        out[role] = parts["weight"] if isinstance(fmt, DenseFormat) else QuantMatrix(fmt, parts, n, k, exact)
     for name, t in views.items():
         if name not in used:
             out[name] = t
