@@ -89,3 +89,17 @@ def test_large_batch_uses_bounded_upcast():
     w = torch.randn(5000, 1024).to(torch.bfloat16)
     x = torch.randn(40, 1024)
     assert torch.allclose(linear(x, w), x @ w.float().T, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_swiglu_expert_matches_reference(dtype):
+    if not kernels.available():
+        pytest.skip("C kernels not built on this machine (torch fallback in use)")
+    g = torch.Generator().manual_seed(3)
+    h, i = 96, 40
+    gate, up = torch.randn(i, h, generator=g).to(dtype), torch.randn(i, h, generator=g).to(dtype)
+    down = torch.randn(h, i, generator=g).to(dtype)
+    x = torch.randn(1, h, generator=g)
+    ref = 0.3 * (torch.nn.functional.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)) @ down.double().T
+    out = kernels.swiglu(x, gate, up, down, 0.3)
+    assert torch.allclose(out.double(), ref, atol=1e-3, rtol=1e-4)

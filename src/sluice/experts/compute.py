@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..layers.mlp import activation
 from ..quant import linear, linear_t
 from .spec import ExpertSpec
@@ -28,6 +29,26 @@ def _down(w: dict, h: torch.Tensor) -> torch.Tensor:
     if "down_t" in w:
         return linear_t(h.contiguous(), w["down_t"], w.get("down_bias"))
     return linear(h, w["down"], w.get("down_bias"))
+
+
+_DENSE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fused_ok(spec: ExpertSpec, w: dict, x: torch.Tensor) -> bool:
+    """One token, plain SwiGLU (silu) over dense gate/up/down of one dtype, no biases."""
+    if x.shape[0] != 1 or spec.variant != "swiglu" or spec.act not in ("silu", "swish") or len(w) != 3:
+        return False
+    g, u, d = w.get("gate"), w.get("up"), w.get("down")
+    return (isinstance(g, torch.Tensor) and isinstance(u, torch.Tensor) and isinstance(d, torch.Tensor)
+            and g.dtype in _DENSE and g.dtype == u.dtype == d.dtype
+            and g.is_contiguous() and u.is_contiguous() and d.is_contiguous() and kernels.available())
+
+
+def expert_output(spec: ExpertSpec, w: dict, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * expert(x)``: one C call per expert when decoding a plain SwiGLU expert."""
+    if _fused_ok(spec, w, x):
+        return kernels.swiglu(x.contiguous(), w["gate"], w["up"], w["down"], scale)
+    return expert_forward(spec, w, x) * scale
 
 
 def expert_forward(spec: ExpertSpec, w: dict, x: torch.Tensor) -> torch.Tensor:

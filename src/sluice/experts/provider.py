@@ -18,7 +18,7 @@ import torch
 
 from ..quant.fp8 import assemble
 from .cache import LOADING, READY, ExpertCache, Slot
-from .compute import expert_forward
+from .compute import expert_forward, expert_output
 from .source import ExpertSource
 from .spec import ExpertSpec
 
@@ -210,7 +210,7 @@ class ExpertProvider:
                 t0 = time.perf_counter()
                 rows_e, cols_e = groups[pick]
                 if t == 1:
-                    y = expert_forward(self.spec, slot.weights, x) * weights[0, cols_e[0]].to(x.dtype)
+                    y = expert_output(self.spec, slot.weights, x, float(weights[0, cols_e[0]]))
                     idx = None
                 else:
                     idx = torch.tensor(rows_e)

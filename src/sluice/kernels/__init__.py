@@ -51,6 +51,8 @@ class _Lib:
         lib.sk_dense.restype = None
         lib.sk_dense_t.argtypes = [p, p, p, p, i, i, i, i, i]
         lib.sk_dense_t.restype = None
+        lib.sk_swiglu.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float, i]
+        lib.sk_swiglu.restype = None
         lib.sk_set_threads.argtypes = [i]
         lib.sk_set_threads.restype = i
         lib.sk_has_avx2.restype = i
@@ -159,6 +161,18 @@ def dense_t(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
     y = torch.empty(t, n, dtype=torch.float32)
     _lib.lib.sk_dense_t(x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
                         t, n, k, _WTYPE[w.dtype], _lib.threads)
+    return y
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token through a SwiGLU expert in one call: ``scale * down(silu(gate x) * up x)``.
+
+    x [1, H] fp32 contiguous; gate/up [I, H] and down [H, I] contiguous, one dtype -> [1, H]."""
+    i, h = gate.shape
+    scratch = torch.empty(2 * i, dtype=torch.float32)
+    y = torch.empty(1, h, dtype=torch.float32)
+    _lib.lib.sk_swiglu(x.data_ptr(), gate.data_ptr(), up.data_ptr(), down.data_ptr(), scratch.data_ptr(),
+                       y.data_ptr(), h, i, _WTYPE[gate.dtype], scale, _lib.threads)
     return y
 
 

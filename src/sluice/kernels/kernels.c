@@ -334,6 +334,23 @@ EXPORT void sk_dense(const float *x, const void *w, const float *bias, float *y,
     sk_parallel(dense_task, &a, N, sk_chunk_rows(row_bytes, N), nthreads);
 }
 
+/* ------------------------------------------------------- one SwiGLU expert ---- */
+
+/*
+ * One token through one expert: y = scale * down(silu(gate(x)) * up(x)), in a single call so
+ * decoding pays one foreign call per expert instead of a handful of small tensor operations.
+ * Each matrix product is sk_dense's (same rows, same summation order); scratch holds 2 * I floats.
+ */
+EXPORT void sk_swiglu(const float *x, const void *gate, const void *up, const void *down, float *scratch, float *y,
+                      int H, int I, int wtype, float scale, int nthreads) {
+    float *g = scratch, *u = scratch + I;
+    sk_dense(x, gate, NULL, g, 1, I, H, wtype, nthreads);
+    sk_dense(x, up, NULL, u, 1, I, H, wtype, nthreads);
+    for (int i = 0; i < I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    sk_dense(g, down, NULL, y, 1, H, I, wtype, nthreads);
+    for (int i = 0; i < H; i++) y[i] *= scale;
+}
+
 /* ------------------------------------------------- input-major weights (x @ W) ---- */
 
 /*
