@@ -317,6 +317,12 @@ AVX2 INLINE __m256 nib_pair_q8(const uint8_t *b, const int8_t *xq, const int MX)
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
 }
 
+/* Software prefetch distance of the nibble kernels. Their instruction density per byte is
+ * high enough that the out-of-order window covers few cache lines, and a single core
+ * reached only ~0.4-0.6 of the read bandwidth from DRAM; prefetching 4 KiB ahead measured
+ * 0.5-0.8 (2 KiB and 8 KiB a little less, 16 KiB worse; no gain for int8 or dense). */
+#define NIB_PREFETCH 4096
+
 AVX2 INLINE float nib_dot(const uint8_t *b, const void *scales, int G, const float *xp, const int8_t *xq,
                           const float *xd, const float *xs, const int MX, const int Q8) {
     const uint8_t *se = (const uint8_t *)scales;
@@ -325,6 +331,9 @@ AVX2 INLINE float nib_dot(const uint8_t *b, const void *scales, int G, const flo
     float corr_tail = 0.0f;
     int g0 = 0;
     for (; g0 + 8 <= G; g0 += 8) {
+        _mm_prefetch((const char *)(b + (size_t)g0 * 16 + NIB_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b + (size_t)g0 * 16 + NIB_PREFETCH + 64), _MM_HINT_T0);
+        if ((g0 & 31) == 0) _mm_prefetch((const char *)scales + (size_t)g0 * (MX ? 1 : 2) + NIB_PREFETCH / 8, _MM_HINT_T0);
         __m256 v = MX ? e8m0_half8(se + g0) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sh + g0)));
         if (Q8) {
             corr = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs + g0), corr);
