@@ -122,8 +122,13 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=64)
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--baseline-so", help="an older build of the C kernels, to compare its bf16 GEMV side by side")
+    ap.add_argument("--hot", action="store_true",
+                    help="instead: one thread, one cache-resident matrix, CPU time (the kernels' compute"
+                         " throughput, insensitive to other processes)")
     ap.add_argument("--json", help="write all results here")
     args = ap.parse_args()
+    if args.hot:
+        return hot(args)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     info = {"machine": platform.machine(), "processor": _cpu_name(), "kernels": kernels.info(),
             "torch": torch.__version__, "cpus": torch.get_num_threads()}
@@ -178,6 +183,35 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def hot(args) -> None:
+    """Compute throughput: thread CPU time per GEMV on one cache-resident matrix, one thread."""
+    kernels.set_threads(1)
+    torch.set_num_threads(1)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    gen = torch.Generator().manual_seed(0)
+    for n, k in shapes:
+        if n * k > (4 << 20):
+            continue  # not cache resident
+        for name in args.formats:
+            fmt = FORMATS[name]
+            m = QuantMatrix(fmt, random_parts(fmt, n, k, gen), n, k)
+            for mode in (("f32", "q8") if name in ("int8", "q4", "mxfp4") else (None,)):
+                quant.set_activations(mode)
+                for t in (1, 8):
+                    x = torch.randn(t, k)
+                    reps = 20
+                    samples = []
+                    for _ in range(args.reps):
+                        c = time.thread_time()
+                        for _ in range(reps):
+                            m.matmul(x)
+                        samples.append((time.thread_time() - c) / reps)
+                    s = statistics.median(samples)
+                    print(f"hot {n:5d}x{k:<5d} {name:6s} {mode or '':4s} T={t}  {s * 1e6:8.1f} us CPU"
+                          f"  {fmt.nbytes(n, k) * t / s / 1e9:6.2f} GB/s x tokens  {n * k * t / s / 1e9:6.1f} Gweights/s")
+            quant.set_activations(None)
 
 
 def _cpu_name() -> str:

@@ -189,7 +189,7 @@ def qmatmul(fmt: int, act: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tenso
     rc = _lib.qmatmul(fmt, act, x.data_ptr(), w.data_ptr(), s.data_ptr(), None if bias is None else bias.data_ptr(),
                       y.data_ptr(), t, n, k, _lib.threads)
     if rc != 0:
-        raise ValueError(f"C kernels do not support format {fmt} with K={k} and activation mode {act}")
+        _fail(rc, f"format {fmt} with K={k} and activation mode {act}")
     return y
 
 
@@ -198,9 +198,16 @@ def qdequant(fmt: int, w: torch.Tensor, s: torch.Tensor, n0: int, n1: int, k: in
     """Rows [n0, n1) of a quantized matrix as fp32 [n1 - n0, k] (bit-identical to the reference)."""
     if out is None:
         out = torch.empty(n1 - n0, k, dtype=torch.float32)
-    if _lib.lib.sk_qdequant(fmt, w.data_ptr(), s.data_ptr(), out.data_ptr(), n0, n1, k, _lib.threads) != 0:
-        raise ValueError(f"C kernels do not support format {fmt} with K={k}")
+    rc = _lib.lib.sk_qdequant(fmt, w.data_ptr(), s.data_ptr(), out.data_ptr(), n0, n1, k, _lib.threads)
+    if rc != 0:
+        _fail(rc, f"format {fmt} with K={k}")
     return out
+
+
+def _fail(rc: int, what: str):
+    if rc == -2:
+        raise MemoryError(f"C kernels: out of memory for scratch buffers ({what})")
+    raise ValueError(f"C kernels do not support {what}")
 
 
 def q8_activations(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
