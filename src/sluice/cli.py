@@ -245,8 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="Hugging Face model directory")
     c.add_argument("output", help="container directory to write (replaced if it exists)")
     c.add_argument("--experts", default=None, metavar="FORMAT",
-                   help="expert format: f32, bf16, f16 (exact passthrough/cast), fp8 (block-scaled FP8 checkpoints, "
-                        "stored as they are); default: the checkpoint's format")
+                   help="expert format (default: the checkpoint's own, exact): f32, bf16, f16 (casts); "
+                        "LOSSY quantized formats: int8 (8 bits/weight, per-row scales), q4 (4.5 bits, groups "
+                        "of 32), mxfp4 (4.25 bits, OCP microscaling FP4), rvq3 (3 bits, residual vector "
+                        "quantization); fp8 keeps block-scaled FP8 checkpoints as they are. Measured quality "
+                        "and speed: docs/quantization.md")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 
