@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         print(f"| {r['format']} | {'yes' if r['lossy'] else 'no'} | {bpw} | {r['record_bytes'] / 2**20:.2f} MiB "
               f"| {100 * r['weight_rel_error']:.2f}% | {100 * r['top1_agreement']:.1f}% "
               f"| {r['mean_abs_logit_diff']:.4f} | {r['greedy_prefix']}/{args.tokens} "
-              f"| {r['bytes_per_token'] / 1e6:.1f} MB | {base["bytes_per_token"] / r["bytes_per_token"]:.2f}x "
+              f"| {r['bytes_per_token'] / 1e6:.1f} MB | {base['bytes_per_token'] / r['bytes_per_token']:.2f}x "
               f"| {r['cold_decode_tok_s']:.2f} | {r['cold_decode_tok_s'] / base['cold_decode_tok_s']:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps({"model": str(src), "rows": rows}, indent=1))
