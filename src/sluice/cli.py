@@ -168,6 +168,31 @@ def cmd_check(args) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+
+    opts = _engine_options(args)
+    opts.pop("moe_top_k", None)
+    opts.pop("prefer_cached", None)
+    if args.what == "io":
+        report = bench.bench_io(args.model, memory=args.memory, new_tokens=args.tokens, **opts)
+    elif args.what == "lossy":
+        if args.moe_top_k is None and not args.prefer_cached:
+            raise SluiceError("sluice bench lossy needs --moe-top-k N and/or --prefer-cached BIAS")
+        report = bench.bench_lossy(args.model, args.prompt, new_tokens=args.tokens, memory=args.memory,
+                                   moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached, **opts)
+    else:
+        report = bench.bench_spec(args.model, args.prompt, new_tokens=args.tokens, memory=args.memory, **opts)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for key, value in report.items():
+        if key in ("stats", "plan"):
+            continue
+        print(f"{key:>28}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -260,6 +285,21 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="print the report as JSON")
     k.add_argument("--no-progress", action="store_true", help="no progress bar")
     k.set_defaults(func=cmd_check)
+
+    b = sub.add_parser("bench", help="measure: I/O roofline, lossy switches, speculative decoding",
+                       description="io: raw random-read bandwidth at the expert record size, measured in the same "
+                                   "run as a cold decode, and the decode speed as a ratio to that I/O roofline with "
+                                   "the time split. lossy: greedy agreement with the exact output, teacher-forced "
+                                   "top-1 agreement and logit divergence of --moe-top-k / --prefer-cached beside "
+                                   "the speedup. spec: decode with and without n-gram speculation (identical "
+                                   "tokens required), tokens per forward.")
+    b.add_argument("what", choices=["io", "lossy", "spec"], help="what to measure")
+    b.add_argument("model", help="Hugging Face model directory or container")
+    b.add_argument("--prompt", "-p", default="def fibonacci(n):\n", help="prompt (lossy, spec)")
+    b.add_argument("--tokens", type=int, default=64, help="tokens to generate per arm (default 64)")
+    b.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
 
     i = sub.add_parser("inspect", help="describe a model: family, sizes, memory floor, cache per budget")
     i.add_argument("model", help="Hugging Face model directory")

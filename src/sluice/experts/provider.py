@@ -39,8 +39,8 @@ class ExpertCounters:
     prefetch_cancelled: int = 0  # wrong guesses cancelled before their read started
     predicted: int = 0  # lookahead predictions checked against the real routing (decode)
     predicted_hits: int = 0  # ... that the layer really used
-    read_wait_s: float = 0.0
-    compute_s: float = 0.0
+    read_wait_s: float = 0.0  # decode-time seconds spent waiting on expert reads
+    compute_s: float = 0.0  # decode-time seconds spent computing experts
 
 
 class ExpertProvider:
@@ -216,7 +216,8 @@ class ExpertProvider:
                     idx = torch.tensor(rows_e)
                     y = expert_forward(self.spec, slot.weights, x[idx])
                     y = y * weights[idx, torch.tensor(cols_e)].to(y.dtype)[:, None]
-                c.compute_s += time.perf_counter() - t0
+                if self.decoding:
+                    c.compute_s += time.perf_counter() - t0
                 slot.pins -= 1
                 done.add(pick)
                 results[pick] = (idx, y)
@@ -269,7 +270,8 @@ class ExpertProvider:
             self._settle_finished()
         elif mine:
             wait(mine, return_when=FIRST_COMPLETED)
-        self.counters.read_wait_s += time.perf_counter() - t0
+        if self.decoding:
+            self.counters.read_wait_s += time.perf_counter() - t0
 
     def _quiesce(self, slots: dict[int, Slot]) -> None:
         """After an error: let every read in flight finish, keep good ones, drop failed ones."""
