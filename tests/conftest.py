@@ -186,11 +186,14 @@ def expected_outputs(ref, ids: torch.Tensor, n_new: int, decisive=None):
 
 
 def check_exact(expected, eng, ids: torch.Tensor, n_new: int, tol: float = 1e-4):
-    """Engine logits within ``tol`` of ``expected`` at every position, greedy tokens identical."""
+    """Engine logits within ``tol`` of ``expected`` at every position, greedy tokens identical,
+    with n-gram speculation (the default for greedy) and without it."""
     ref_logits, ref_tokens = expected
     logits = eng.forward(ids)
     diff = (logits - ref_logits).abs().max().item()
     assert diff <= tol, f"max |logit diff| {diff:.3e} > {tol:.1e}"
+    plain = eng.generate(ids.tolist(), max_new_tokens=n_new, ignore_eos=True, speculate=False)
+    assert plain.token_ids == ref_tokens
     result = eng.generate(ids.tolist(), max_new_tokens=n_new, ignore_eos=True)
     assert result.token_ids == ref_tokens
     return logits, result

@@ -164,7 +164,9 @@ def _check(path: Path, ref_path: Path | None = None, tol_scale: bool = False, ca
     with torch.no_grad():
         ref_out = ref.generate(ids[None], max_new_tokens=N_NEW, do_sample=False)[0]
     _assert_decisive(ref, ref_out, len(ids) - 1)
-    result = eng.generate(ids.tolist(), max_new_tokens=N_NEW)
+    plain = eng.generate(ids.tolist(), max_new_tokens=N_NEW, speculate=False)
+    assert plain.token_ids == ref_out[len(ids):].tolist()
+    result = eng.generate(ids.tolist(), max_new_tokens=N_NEW)  # with n-gram speculation (the default)
     assert result.token_ids == ref_out[len(ids):].tolist()
     return eng, logits, result
 

@@ -68,7 +68,9 @@ def _check(path, expected, tol=1e-4, **opts):
     logits = eng.forward(ids)
     diff = (logits - ref_logits).abs().max().item()
     assert diff <= tol, f"max |logit diff| {diff:.3e} > {tol:.1e}"
-    result = eng.generate(ids.tolist(), max_new_tokens=N_NEW)
+    plain = eng.generate(ids.tolist(), max_new_tokens=N_NEW, speculate=False)
+    assert plain.token_ids == ref_tokens
+    result = eng.generate(ids.tolist(), max_new_tokens=N_NEW)  # with n-gram speculation (the default)
     assert result.token_ids == ref_tokens
     return eng, logits, result
 
