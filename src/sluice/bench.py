@@ -20,13 +20,15 @@ from .engine import load
 from .storage import AlignedBuffer
 
 
-def raw_read_bandwidth(engine, seconds: float = 3.0, threads: int | None = None, seed: int = 0) -> dict:
+def raw_read_bandwidth(engine, seconds: float = 3.0, threads: int | None = None, seed: int = 0,
+                       huge_pages: bool | None = None) -> dict:
     """Random expert-record reads through the engine's own read path (no cache), bytes/s."""
     src = engine.experts_source
     keys = [(layer, e) for layer in engine.desc.moe_layers for e in range(engine.desc.n_experts)]
     rng = random.Random(seed)
     threads = threads or engine.options.reader_threads
-    bufs = [AlignedBuffer(src.slot_bytes) for _ in range(threads)]
+    huge = engine.options.huge_pages if huge_pages is None else huge_pages
+    bufs = [AlignedBuffer(src.slot_bytes, huge=huge) for _ in range(threads)]
     before = engine.checkpoint.stats.bytes_read
     deadline = time.perf_counter() + seconds
     count = [0] * threads

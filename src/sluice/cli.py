@@ -48,6 +48,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="disable router lookahead (reading the next layer's predicted experts early)")
     g.add_argument("--verify-reads", action="store_true",
                    help="check the CRC32 of every expert record read from a container (costs CPU)")
+    g.add_argument("--no-huge-pages", action="store_true",
+                   help="do not ask for transparent huge pages for the expert cache and read buffers")
     g.add_argument("--buffered-io", action="store_true",
                    help="never use O_DIRECT (buffered reads that drop their pages from the page cache)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -66,7 +68,7 @@ def _engine_options(args) -> dict:
     return dict(cache_experts=args.cache_experts, cache_policy=args.cache_policy, max_context=args.max_context,
                 threads=args.threads, reader_threads=args.reader_threads, prefetch=not args.no_prefetch,
                 verify_reads=args.verify_reads, moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached,
-                trace_routing=args.trace_routing,
+                trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress)
 
 
