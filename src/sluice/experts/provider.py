@@ -11,13 +11,14 @@ Shape legend: T tokens, H hidden, K experts per token, n_e tokens routed to expe
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import torch
 
 from ..quant.fp8 import assemble
 from .cache import LOADING, READY, ExpertCache, Slot
+from .reader import DEMAND, PREFETCH, ReaderPool
 from .compute import expert_forward, expert_output
 from .source import ExpertSource
 from .spec import ExpertSpec
@@ -47,7 +48,7 @@ class ExpertProvider:
     def __init__(self, source: ExpertSource, cache: ExpertCache, spec: ExpertSpec, n_experts: int,
                  reader_threads: int = 4, verify_reads: bool = False):
         self.source, self.cache, self.spec, self.n_experts = source, cache, spec, n_experts
-        self.pool = ThreadPoolExecutor(max_workers=max(1, reader_threads), thread_name_prefix="sluice-read")
+        self.pool = ReaderPool(reader_threads)
         self.verify_reads = verify_reads
         self.counters = ExpertCounters()
         self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
@@ -63,7 +64,7 @@ class ExpertProvider:
         return mask
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown()
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -80,7 +81,8 @@ class ExpertProvider:
         if slot is None:
             return None
         slot.speculative = speculative
-        slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1])
+        slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1],
+                                       priority=PREFETCH if speculative else DEMAND)
         if speculative:
             self.counters.prefetch_reads += 1
         else:
