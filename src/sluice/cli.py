@@ -248,18 +248,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(r)
     r.set_defaults(func=cmd_run)
 
-    d = sub.add_parser("demo", help="build the demo model once and run it under a budget smaller than the model",
-                       description="Writes a synthetic Qwen3-MoE checkpoint in real Hugging Face format (random "
-                                   "weights: the text is meaningless, the streaming numbers are the point) into "
-                                   "a cache directory once, then runs it with a memory budget well under its size.")
-    d.add_argument("--synthetic", type=_size, default=parse_size("2GB"), metavar="SIZE",
-                   help="size of the synthetic model (default 2GB)")
-    d.add_argument("--cache-dir", default=None, help="where demo models are kept (default ~/.cache/sluice)")
-    d.add_argument("--prompt", "-p", default="The streaming engine reads only the experts each token needs, so",
-                   help="prompt text")
+    d = sub.add_parser("demo", help="run the shipped trained MoE with a small expert cache (or a large synthetic one)",
+                       description="By default runs the small Mixture-of-Experts model that ships with Sluice "
+                                   "(Qwen3-MoE layout, trained on Python's standard library) on a Python prompt, "
+                                   "with an expert cache that holds a quarter of its experts, and prints the text and "
+                                   "the streaming stats. --synthetic SIZE instead writes a random-weight Qwen3-MoE "
+                                   "checkpoint of that size into a cache directory once and runs it under a memory "
+                                   "budget well below its size (scale runs: the text is meaningless there).")
+    d.add_argument("--synthetic", type=_size, default=None, metavar="SIZE",
+                   help="run a synthetic random-weight model of about SIZE (e.g. 2GB) instead of the trained one")
+    d.add_argument("--cache-dir", default=None, help="where synthetic demo models are kept (default ~/.cache/sluice)")
+    d.add_argument("--prompt", "-p", default=None,
+                   help="prompt text (default 'def fibonacci(n):\\n'; with --synthetic a fixed English sentence)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text and a stats line")
     _add_sampling_args(d)
-    d.set_defaults(max_new_tokens=32)
+    d.set_defaults(max_new_tokens=96)
     _add_engine_args(d)
     d.set_defaults(func=cmd_demo)
 
