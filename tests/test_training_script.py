@@ -84,7 +84,9 @@ def test_tiny_config_and_tokenizer_files(tiny_run):
     assert not (out / "chat_template.jinja").exists()
     assert tok_cfg["bos_token"] == tok_cfg["eos_token"] == tok_cfg["pad_token"] == "<|endoftext|>"
     tok_json = json.loads((out / "tokenizer.json").read_text())
-    assert tok_json["pre_tokenizer"]["type"] == "ByteLevel"
+    pre = tok_json["pre_tokenizer"]
+    steps = pre["pretokenizers"] if pre["type"] == "Sequence" else [pre]
+    assert steps[-1]["type"] == "ByteLevel"
     assert tok_json["decoder"]["type"] == "ByteLevel"
     assert tok_json["model"]["vocab"]["<|endoftext|>"] == config["eos_token_id"]
 

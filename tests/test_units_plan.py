@@ -26,7 +26,8 @@ def test_parse_size():
 
 
 def _plan(budget, **kw):
-    args = dict(budget=budget, baseline=200 << 20, spine_bytes=100 << 20, state_bytes=10 << 20,
+    args = dict(budget=budget, baseline=200 << 20, spine_global=20 << 20, spine_layers={i: 10 << 20 for i in range(8)},
+                stream_buffer=10 << 20, state_bytes=10 << 20,
                 activations=20 << 20, slot_bytes=1 << 20, working_set=16, total_experts=256, top_k=2,
                 max_context=1024, prefill_chunk=512)
     args.update(kw)
@@ -34,10 +35,15 @@ def _plan(budget, **kw):
 
 
 def test_plan_floor_and_slots():
-    floor = _plan(1 << 40).floor
+    full = _plan(1 << 40)
+    floor = full.floor
+    assert floor < full.floor_resident  # streaming the spine lowers the floor
     p = _plan(floor)
     assert p.cache_slots >= 16  # the floor holds one token's working set
-    with pytest.raises(BudgetError, match=r"below the floor .*: baseline 200\.00 MiB \+ spine 100\.00 MiB"):
+    assert p.streamed_layers  # ... streaming the spine layers that do not fit
+    resident = _plan(full.floor_resident)
+    assert not resident.streamed_layers and resident.cache_slots >= 16
+    with pytest.raises(BudgetError, match=r"below the floor .*: baseline 200\.00 MiB \+ spine 20\.00 MiB resident"):
         _plan(floor - (1 << 20))
     big = _plan(10 << 30)
     assert big.cache_slots == 256  # never more slots than experts
@@ -83,3 +89,17 @@ def test_large_batch_uses_bounded_upcast():
     w = torch.randn(5000, 1024).to(torch.bfloat16)
     x = torch.randn(40, 1024)
     assert torch.allclose(linear(x, w), x @ w.float().T, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_swiglu_expert_matches_reference(dtype):
+    if not kernels.available():
+        pytest.skip("C kernels not built on this machine (torch fallback in use)")
+    g = torch.Generator().manual_seed(3)
+    h, i = 96, 40
+    gate, up = torch.randn(i, h, generator=g).to(dtype), torch.randn(i, h, generator=g).to(dtype)
+    down = torch.randn(h, i, generator=g).to(dtype)
+    x = torch.randn(1, h, generator=g)
+    ref = 0.3 * (torch.nn.functional.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)) @ down.double().T
+    out = kernels.swiglu(x, gate, up, down, 0.3)
+    assert torch.allclose(out.double(), ref, atol=1e-3, rtol=1e-4)

@@ -114,7 +114,7 @@ FULL = Preset(
     moe_intermediate_size=48,
     seq_len=512,
     batch_size=8,
-    steps=2600,
+    steps=1100,
     lr=2e-3,
     warmup_steps=100,
     eval_every=100,
@@ -168,6 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=1234, help="seed for data order, init and sampling")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
+    g.add_argument("--adaptive-threads", action="store_true",
+                   help="on a shared machine, keep probing 1 thread against --threads and use "
+                        "whichever is currently faster (a busy core stalls multi-threaded steps)")
     g.add_argument("--experts-impl", default="grouped_mm", choices=["eager", "grouped_mm"],
                    help="transformers experts kernel used while training (does not change the math)")
 
@@ -338,11 +341,23 @@ def build_corpus(args) -> dict:
 # tokenizer
 
 
+# Pre-token boundaries for source code, applied before the byte-level mapping: every
+# newline alone, runs of other whitespace (indentation) alone, and words or punctuation
+# runs each with at most one *trailing* space.  GPT-2's split instead glues a newline to
+# the next line's indentation and a space to the *next* word, so prompts that end in
+# "\n" or " " (e.g. "def f(n):\n", "import os\n\n\ndef ") would end on a token the
+# model never saw in that position, and greedy completions derail.
+PRE_TOKENIZER_PATTERN = r"\n|[^\S\n]+|\w+ ?|[^\s\w]+ ?"
+
+
 def train_tokenizer(texts: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     # byte-level offsets only; no bos/eos is added when encoding (add_bos_token = false)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -501,6 +516,17 @@ def heldout_windows(stream: np.ndarray, seq_len: int):
     return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
+# The first this many held-out windows are also scored on their own and recorded, so a
+# test can re-score them with another engine in seconds (the full split takes minutes).
+HELDOUT_CHECK_WINDOWS = 16
+
+
+def heldout_check(model, windows) -> dict:
+    loss, _ = evaluate(model, windows[:HELDOUT_CHECK_WINDOWS], 8, 1, 1)
+    return {"windows": int(min(HELDOUT_CHECK_WINDOWS, len(windows))), "seq_len": int(windows.shape[1] - 1),
+            "loss": loss}
+
+
 def evaluate(model, windows, batch_size: int, num_experts: int, top_k: int, with_routing=False):
     """Mean next-token cross entropy (nats/token) over the windows, and optionally the
     per-layer fraction of top-k routing assignments per expert."""
@@ -549,6 +575,55 @@ def routing_summary(frac: list[list[float]]) -> dict:
     }
 
 
+class ThreadTuner:
+    """Switch torch between 1 and ``max_threads`` intra-op threads, whichever steps faster.
+
+    With every core busy with other work, a multi-threaded step waits for its slowest
+    thread and can run many times slower than a single-threaded one; on an idle machine
+    it is the other way round. Every ``period`` steps the other setting is tried for
+    ``probe_len`` steps and kept if its median step time beats the running average.
+    Only floating-point summation order depends on the choice."""
+
+    def __init__(self, max_threads: int, period: int = 25, probe_len: int = 3):
+        import torch
+
+        self.torch = torch
+        self.options = sorted({1, max_threads})
+        self.current = max_threads
+        self.period, self.probe_len = period, probe_len
+        self.avg: dict[int, float] = {}
+        self.probe: int | None = None
+        self.probe_times: list[float] = []
+        self.steps_at = {opt: 0 for opt in self.options}
+
+    def before_step(self, step: int) -> None:
+        if len(self.options) < 2 or self.probe is not None:
+            return
+        if step > 0 and step % self.period == 0:
+            self.probe = next(o for o in self.options if o != self.current)
+            self.probe_times = []
+            self.torch.set_num_threads(self.probe)
+
+    def after_step(self, seconds: float) -> None:
+        if self.probe is not None:
+            self.steps_at[self.probe] += 1
+            self.probe_times.append(seconds)
+            if len(self.probe_times) == self.probe_len:
+                median = float(np.median(self.probe_times))
+                if median < self.avg.get(self.current, float("inf")):
+                    self.current = self.probe
+                    self.avg[self.current] = median
+                self.probe = None
+                self.torch.set_num_threads(self.current)
+            return
+        self.steps_at[self.current] += 1
+        prev = self.avg.get(self.current)
+        self.avg[self.current] = seconds if prev is None else 0.7 * prev + 0.3 * seconds
+
+    def threads(self) -> int:
+        return self.probe if self.probe is not None else self.current
+
+
 def train(args, model, train_stream, held_stream):
     import torch
     import torch.nn.functional as F
@@ -572,9 +647,13 @@ def train(args, model, train_stream, held_stream):
     run_ce, run_aux, run_n = 0.0, 0.0, 0
     recent = []
     model.train()
+    tuner = ThreadTuner(torch.get_num_threads()) if args.adaptive_threads else None
     t0 = time.time()
     eval_time = 0.0
     for step in range(args.steps):
+        if tuner:
+            tuner.before_step(step)
+        t_step = time.time()
         lr = lr_at(step, args)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -589,6 +668,8 @@ def train(args, model, train_stream, held_stream):
         opt.step()
 
         ce_v, aux_v = ce.item(), aux.item()
+        if tuner:
+            tuner.after_step(time.time() - t_step)
         if not math.isfinite(ce_v):
             raise SystemExit(f"non-finite loss at step {step}")
         run_ce += ce_v
@@ -607,7 +688,8 @@ def train(args, model, train_stream, held_stream):
                                      "aux_loss": run_aux / run_n})
             log(f"step {done:5d}/{args.steps} | tokens {tokens / 1e6:7.3f}M | "
                 f"loss {run_ce / run_n:.4f} | aux {run_aux / run_n:.3f} | lr {lr:.2e} | "
-                f"{tps:,.0f} tok/s | elapsed {fmt_time(elapsed)} | ETA {fmt_time(eta)}")
+                f"{tps:,.0f} tok/s | elapsed {fmt_time(elapsed)} | ETA {fmt_time(eta)}"
+                + (f" | threads {tuner.threads()}" if tuner else ""))
             run_ce, run_aux, run_n = 0.0, 0.0, 0
 
         if done % args.eval_every == 0 or done == args.steps:
@@ -630,6 +712,8 @@ def train(args, model, train_stream, held_stream):
         "epochs": batches.epoch,
         "heldout_windows": held,
         "heldout_eval_subset_windows": len(held_subset),
+        "steps_per_thread_count": ({str(k): v for k, v in tuner.steps_at.items()}
+                                   if tuner else {str(torch.get_num_threads()): args.steps}),
     }
 
 
@@ -757,7 +841,11 @@ def write_report(path: Path, m: dict, out_rel: str, plot_rel: str) -> None:
         f"{c['heldout_files']} files ({c['heldout_bytes'] / 1e6:.2f} MB, {c['heldout_tokens']:,} "
         "tokens) held out, chosen by a hash of the relative path. "
         f"The tokenizer averages {c['train_bytes_per_token']:.2f} bytes per token.",
-        "* Tokenizer: byte-level BPE trained with `tokenizers` on the training split only.",
+        "* Tokenizer: byte-level BPE trained with `tokenizers` on the training split only. Before "
+        "the byte-level mapping, text is split into single newlines, runs of other whitespace "
+        "(indentation), and words or punctuation runs that each keep at most one trailing space, "
+        "so prompts that end in a newline or a space (`\"def f(n):\\n\"`, `\"import os\\n\\n\\ndef \"`) "
+        "end on a natural token boundary.",
         f"* Objective: next-token cross entropy + {m['hyperparameters']['router_aux_loss_coef']} × "
         "the load-balancing aux loss on the router logits.",
         f"* Optimiser: AdamW (β = 0.9, 0.95; weight decay {m['hyperparameters']['weight_decay']}), "
@@ -914,6 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
     held_loss, frac = evaluate(model, result["heldout_windows"], args.batch_size, args.experts,
                                args.top_k, with_routing=True)
     held_ppl = math.exp(held_loss)
+    check = heldout_check(model, result["heldout_windows"])
     held_tokens_scored = result["heldout_windows"][:, 1:].numel()
     # bits per byte over the scored held-out tokens (bytes estimated at the split's average)
     bpb = held_loss / math.log(2) * len(held_stream) / held_bytes
@@ -996,6 +1085,7 @@ def main(argv: list[str] | None = None) -> int:
         "epochs_started": result["epochs"],
         "train_wall_seconds": round(result["train_wall_seconds"], 1),
         "eval_seconds_during_training": round(result["eval_seconds_during_training"], 1),
+        "steps_per_thread_count": result["steps_per_thread_count"],
         "final_train_loss": result["final_train_loss"],
         "final_train_loss_window_steps": result["final_train_loss_window_steps"],
         "heldout_loss": held_loss,
@@ -1003,6 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_bits_per_byte": bpb,
         "heldout_eval_windows": int(len(result["heldout_windows"])),
         "heldout_tokens_scored": int(held_tokens_scored),
+        "heldout_check": check,
         "routing": routing_summary(frac),
         "max_new_tokens": args.max_new_tokens,
         "samples": samples,

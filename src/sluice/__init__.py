@@ -6,6 +6,23 @@
     print(result.text, result.stats["decode_tok_s"])
 """
 
+import os as _os
+import sys as _sys
+
+# OpenMP threads that spin while they wait stall every parallel region when another process
+# holds a core: a 512-token prefill of the demo model took 9-22 s instead of 0.15 s on a busy
+# 2-core machine (docs/optimizations.md). Sleeping waiters cost microseconds per region. The
+# setting is read when torch's OpenMP runtime loads, so it applies only if torch is not yet
+# imported; a user's own OMP_WAIT_POLICY wins.
+if "torch" not in _sys.modules:
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+elif "OMP_WAIT_POLICY" not in _os.environ:
+    import warnings as _warnings
+
+    _warnings.warn("torch was imported before sluice, so its OpenMP threads spin while they wait: on a busy "
+                   "machine multi-threaded prefill can run many times slower. Import sluice first, or set "
+                   "OMP_WAIT_POLICY=PASSIVE in the environment.", RuntimeWarning, stacklevel=2)
+
 from .engine import Engine, Options, Result, Step, load
 from .errors import (
     BudgetError,

@@ -20,13 +20,15 @@ from .engine import load
 from .storage import AlignedBuffer
 
 
-def raw_read_bandwidth(engine, seconds: float = 3.0, threads: int | None = None, seed: int = 0) -> dict:
+def raw_read_bandwidth(engine, seconds: float = 3.0, threads: int | None = None, seed: int = 0,
+                       huge_pages: bool | None = None) -> dict:
     """Random expert-record reads through the engine's own read path (no cache), bytes/s."""
     src = engine.experts_source
     keys = [(layer, e) for layer in engine.desc.moe_layers for e in range(engine.desc.n_experts)]
     rng = random.Random(seed)
     threads = threads or engine.options.reader_threads
-    bufs = [AlignedBuffer(src.slot_bytes) for _ in range(threads)]
+    huge = engine.options.huge_pages if huge_pages is None else huge_pages
+    bufs = [AlignedBuffer(src.slot_bytes, huge=huge) for _ in range(threads)]
     before = engine.checkpoint.stats.bytes_read
     deadline = time.perf_counter() + seconds
     count = [0] * threads
@@ -56,23 +58,36 @@ def drop_cache(engine) -> None:
 
 
 def bench_io(path, memory=None, prompt_tokens: int = 32, new_tokens: int = 32, read_seconds: float = 3.0,
-             **options) -> dict:
+             temperature: float = 1.0, seed: int = 0, **options) -> dict:
+    """Cold decode against the I/O roofline. Tokens are sampled (temperature 1, fixed seed) so
+    that a random-weight model does not settle into a loop that routes every step alike."""
     options.setdefault("progress", False)
     engine = load(path, memory=memory, **options)
     raw = raw_read_bandwidth(engine, read_seconds)
     ids = [(i * 7919) % (engine.desc.vocab - 3) + 3 for i in range(prompt_tokens)]
+    # prefill first, then measure a decode that starts cold: the prompt's KV is reused, so the
+    # measured call prefills one token and reads only what decoding needs
+    first = engine.generate(ids, max_new_tokens=1, ignore_eos=True, speculate=False).token_ids
     drop_cache(engine)
-    r = engine.generate(ids, max_new_tokens=new_tokens, ignore_eos=True, speculate=False)
+    r = engine.generate(ids + first, max_new_tokens=new_tokens, ignore_eos=True, speculate=False,
+                        temperature=temperature, seed=seed, reuse_prefix=True)
     s = r.stats
     steps = max(1, s["generated_tokens"] - 1)
     decode_s = s["total_s"] - s["ttft_s"]
     per_token_bytes = s["bytes_read"] / max(1, s["generated_tokens"])
-    roofline_tok_s = raw["bytes_per_s"] / per_token_bytes if per_token_bytes else float("inf")
+    # the roofline counts only reads the tokens needed (demand misses + prefetches that were used):
+    # wasted speculative reads make Sluice slower and must not make its roofline look closer
+    needed_reads = s["demand_reads"] + s["prefetch_used"]
+    record = engine.experts_source.slot_bytes
+    needed_per_token = needed_reads * record / max(1, s["generated_tokens"])
+    roofline_tok_s = raw["bytes_per_s"] / needed_per_token if needed_per_token else float("inf")
     return {
         "model": str(path),
         "raw_read": raw,
         "decode_tok_s": s["decode_tok_s"],
         "bytes_per_token": per_token_bytes,
+        "needed_bytes_per_token": needed_per_token,
+        "wasted_prefetch_reads": s["prefetch_reads"] - s["prefetch_used"] - s["prefetch_cancelled"],
         "achieved_bytes_per_s": per_token_bytes * s["decode_tok_s"],
         "io_roofline_tok_s": roofline_tok_s,
         "roofline_ratio": s["decode_tok_s"] / roofline_tok_s if roofline_tok_s else 0.0,

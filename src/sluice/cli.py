@@ -48,9 +48,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="disable router lookahead (reading the next layer's predicted experts early)")
     g.add_argument("--verify-reads", action="store_true",
                    help="check the CRC32 of every expert record read from a container (costs CPU)")
+    g.add_argument("--no-huge-pages", action="store_true",
+                   help="do not ask for transparent huge pages for the expert cache and read buffers")
     g.add_argument("--buffered-io", action="store_true",
                    help="never use O_DIRECT (buffered reads that drop their pages from the page cache)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--trace-routing", default=None, metavar="FILE",
+                   help="write every decode token's expert routing to FILE (JSONL, the format sluice trace-replay "
+                        "reads)")
     lossy = p.add_argument_group("lossy speed switches (outputs differ from the model's; off by default)")
     lossy.add_argument("--moe-top-k", type=int, default=None, metavar="N",
                        help="LOSSY: route each token to only N experts (fewer than the model was trained with)")
@@ -63,6 +68,7 @@ def _engine_options(args) -> dict:
     return dict(cache_experts=args.cache_experts, cache_policy=args.cache_policy, max_context=args.max_context,
                 threads=args.threads, reader_threads=args.reader_threads, prefetch=not args.no_prefetch,
                 verify_reads=args.verify_reads, moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached,
+                trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress)
 
 
@@ -164,6 +170,31 @@ def cmd_check(args) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+
+    opts = _engine_options(args)
+    opts.pop("moe_top_k", None)
+    opts.pop("prefer_cached", None)
+    if args.what == "io":
+        report = bench.bench_io(args.model, memory=args.memory, new_tokens=args.tokens, **opts)
+    elif args.what == "lossy":
+        if args.moe_top_k is None and not args.prefer_cached:
+            raise SluiceError("sluice bench lossy needs --moe-top-k N and/or --prefer-cached BIAS")
+        report = bench.bench_lossy(args.model, args.prompt, new_tokens=args.tokens, memory=args.memory,
+                                   moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached, **opts)
+    else:
+        report = bench.bench_spec(args.model, args.prompt, new_tokens=args.tokens, memory=args.memory, **opts)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for key, value in report.items():
+        if key in ("stats", "plan"):
+            continue
+        print(f"{key:>28}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -185,6 +216,11 @@ def cmd_chat(args) -> int:
     from .chat import chat_command
 
     return chat_command(args, _engine_options(args), _sampling_kwargs(args))
+
+def cmd_trace_replay(args) -> int:
+    from .replay import run_cli
+
+    return run_cli(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,18 +248,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(r)
     r.set_defaults(func=cmd_run)
 
-    d = sub.add_parser("demo", help="build the demo model once and run it under a budget smaller than the model",
-                       description="Writes a synthetic Qwen3-MoE checkpoint in real Hugging Face format (random "
-                                   "weights: the text is meaningless, the streaming numbers are the point) into "
-                                   "a cache directory once, then runs it with a memory budget well under its size.")
-    d.add_argument("--synthetic", type=_size, default=parse_size("2GB"), metavar="SIZE",
-                   help="size of the synthetic model (default 2GB)")
-    d.add_argument("--cache-dir", default=None, help="where demo models are kept (default ~/.cache/sluice)")
-    d.add_argument("--prompt", "-p", default="The streaming engine reads only the experts each token needs, so",
-                   help="prompt text")
+    d = sub.add_parser("demo", help="run the shipped trained MoE with a small expert cache (or a large synthetic one)",
+                       description="By default runs the small Mixture-of-Experts model that ships with Sluice "
+                                   "(Qwen3-MoE layout, trained on Python's standard library) on a Python prompt, "
+                                   "with an expert cache that holds a quarter of its experts, and prints the text and "
+                                   "the streaming stats. --synthetic SIZE instead writes a random-weight Qwen3-MoE "
+                                   "checkpoint of that size into a cache directory once and runs it under a memory "
+                                   "budget well below its size (scale runs: the text is meaningless there).")
+    d.add_argument("--synthetic", type=_size, default=None, metavar="SIZE",
+                   help="run a synthetic random-weight model of about SIZE (e.g. 2GB) instead of the trained one")
+    d.add_argument("--cache-dir", default=None, help="where synthetic demo models are kept (default ~/.cache/sluice)")
+    d.add_argument("--prompt", "-p", default=None,
+                   help="prompt text (default 'def fibonacci(n):\\n'; with --synthetic a fixed English sentence)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text and a stats line")
     _add_sampling_args(d)
-    d.set_defaults(max_new_tokens=32)
+    d.set_defaults(max_new_tokens=96)
     _add_engine_args(d)
     d.set_defaults(func=cmd_demo)
 
@@ -236,7 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="Hugging Face model directory")
     c.add_argument("output", help="container directory to write (replaced if it exists)")
     c.add_argument("--experts", default=None, metavar="FORMAT",
-                   help="expert format: f32, bf16, f16 (exact passthrough/cast; default: the checkpoint's dtype)")
+                   help="expert format (default: the checkpoint's own, exact): f32, bf16, f16 (casts); "
+                        "LOSSY quantized formats: int8 (8 bits/weight, per-row scales), q4 (4.5 bits, groups "
+                        "of 32), mxfp4 (4.25 bits, OCP microscaling FP4), rvq3 (3 bits, residual vector "
+                        "quantization); fp8 keeps block-scaled FP8 checkpoints as they are. Measured quality "
+                        "and speed: docs/quantization.md")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 
@@ -247,6 +290,21 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="print the report as JSON")
     k.add_argument("--no-progress", action="store_true", help="no progress bar")
     k.set_defaults(func=cmd_check)
+
+    b = sub.add_parser("bench", help="measure: I/O roofline, lossy switches, speculative decoding",
+                       description="io: raw random-read bandwidth at the expert record size, measured in the same "
+                                   "run as a cold decode, and the decode speed as a ratio to that I/O roofline with "
+                                   "the time split. lossy: greedy agreement with the exact output, teacher-forced "
+                                   "top-1 agreement and logit divergence of --moe-top-k / --prefer-cached beside "
+                                   "the speedup. spec: decode with and without n-gram speculation (identical "
+                                   "tokens required), tokens per forward.")
+    b.add_argument("what", choices=["io", "lossy", "spec"], help="what to measure")
+    b.add_argument("model", help="Hugging Face model directory or container")
+    b.add_argument("--prompt", "-p", default="def fibonacci(n):\n", help="prompt (lossy, spec)")
+    b.add_argument("--tokens", type=int, default=64, help="tokens to generate per arm (default 64)")
+    b.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
 
     i = sub.add_parser("inspect", help="describe a model: family, sizes, memory floor, cache per budget")
     i.add_argument("model", help="Hugging Face model directory")
@@ -288,6 +346,35 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(max_new_tokens=512)
     _add_engine_args(c)
     c.set_defaults(func=cmd_chat)
+
+    t = sub.add_parser("trace-replay", help="replay a routing trace through the cache policies and Belady's optimum",
+                       description="Replay an expert-routing trace (JSONL, one {\"tok\", \"layers\"} object per "
+                                   "decode token) through the engine's cache policies and Belady's optimal policy, "
+                                   "and print hit rates per capacity, with one cache per layer and with one global "
+                                   "cache of the same total size. See docs/cache-policy.md.")
+    t.add_argument("trace", nargs="?", default=None, help="routing trace file (JSONL)")
+    t.add_argument("--synthetic", default=None, metavar="SPEC",
+                   help="replay a seeded synthetic trace instead, e.g. 'tokens=1000,zipf=1.1,seed=0' "
+                        "(fields: layers experts top_k tokens zipf reuse drift segment seed)")
+    t.add_argument("--capacity", default=None, metavar="C[,C...]",
+                   help="cache sizes in experts per layer (the global cache gets layers x C slots); "
+                        "default: 1, 1.5, 2, 3, 4 and 6 times top-k")
+    t.add_argument("--policy", action="append", default=None, metavar="SPEC",
+                   help="policy to replay, repeatable: lru, lfru, or NAME:KEY=VALUE,... e.g. "
+                        "lfru:half_life=32,history=false (default: lru and lfru; Belady is always added)")
+    t.add_argument("--scope", choices=["both", "layer", "global"], default="both",
+                   help="one cache per layer, one global cache, or both (default)")
+    t.add_argument("--semantics", choices=["engine", "sequential"], default="engine",
+                   help="engine: a layer's experts are looked up, then pinned while its misses are fetched "
+                        "(default); sequential: each access fetched on its own, nothing pinned")
+    t.add_argument("--tokens", default=None, metavar="START:STOP", help="replay only these tokens (0-based slice)")
+    t.add_argument("--pins", default=None, metavar="FILE",
+                   help="also replay each policy with these experts pinned (a sluice-pins-v1 file)")
+    t.add_argument("--write-pins", default=None, metavar="FILE",
+                   help="write the trace's --pin-count most used experts as a pin list")
+    t.add_argument("--pin-count", type=int, default=None, metavar="N", help="how many experts --write-pins keeps")
+    t.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    t.set_defaults(func=cmd_trace_replay)
     return p
 
 

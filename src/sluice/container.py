@@ -45,7 +45,7 @@ PART_ALIGN = 64
 assert HEADER.size == HEADER_BYTES
 
 # expert format name <-> id stored in record headers
-FORMAT_IDS = {"f32": 1, "bf16": 2, "f16": 3, "int8": 4, "q4": 5, "mxfp4": 6, "rvq3": 7}
+FORMAT_IDS = {"f32": 1, "bf16": 2, "f16": 3, "int8": 4, "q4": 5, "mxfp4": 6, "rvq3": 7, "fp8": 8}
 
 
 def is_container(path: str | Path) -> bool:
@@ -175,6 +175,10 @@ class ContainerExperts(ExpertSource):
     def __init__(self, container: Container, layers: list[int], n_experts: int, roles: dict[str, tuple[int, ...]]):
         self.container = container
         self.format = container.expert_format
+        src = container.manifest.get("source")
+        # quantized records copied bit for bit from a natively quantized checkpoint (not requantized)
+        self.native_quant = isinstance(src, dict) and src.get("expert_dtype") == self.format \
+            and self.format not in ("f32", "bf16", "f16")
         mpath = container.path / "manifest.json"
         banks = container.banks.get("layers")
         if not isinstance(banks, dict):
@@ -213,12 +217,17 @@ class ContainerExperts(ExpertSource):
             views = tuple(View(p.name, HEADER_BYTES + p.offset, DTYPES[p.dtype][0], p.shape) for p in parts)
             self._banks[layer] = (fname, rec, views, end)
             payload = end
+        # quantized records: the cache assembles "<role>.<part>" views into matrices
+        # dense records hold the matrices; FP8 records hold "<role>" + "<role>_scale_inv", paired by
+        # quant.fp8.assemble; the quant registry's formats hold "<role>.<part>" views
+        self._quant = {} if self.format in ("f32", "bf16", "f16", "fp8") else dict(
+            format=self.format, shapes=tuple((r, *s) for r, s in roles.items()), exact=self.native_quant)
         self.slot_bytes = max((b[1] for b in self._banks.values()), default=ALIGN)
         self._payload = payload
 
     def layout(self, layer: int, expert: int) -> ExpertLayout:
         fname, rec, views, end = self._banks[layer]
-        return ExpertLayout((Read(fname, expert * rec, rec, 0, HEADER_BYTES + end),), views, rec)
+        return ExpertLayout((Read(fname, expert * rec, rec, 0, HEADER_BYTES + end),), views, rec, **self._quant)
 
     def validate(self, layer: int, expert: int, record: memoryview, verify_crc: bool) -> None:
         fname, rec, views, end = self._banks[layer]

@@ -30,8 +30,11 @@ from .container import (
 )
 from .engine import ModelInfo
 from .errors import CheckpointError
+from .experts.fused import canonical_layout, canonical_weights
 from .experts.source import views
 from .progress import Progress
+from .quant.fp8 import FORMAT as FP8_FORMAT
+from .quant import QuantMatrix, assemble
 from .storage import ALIGN, AlignedBuffer, align_up
 
 MATRIX_ROLES = ("gate", "up", "down")
@@ -48,6 +51,8 @@ def part_specs(fmt: str, layout) -> list[tuple[str, str, tuple[int, ...]]]:
         v = by_name[role]
         if fmt in DENSE_FORMATS:
             specs.append((role, _DENSE_DTYPE[fmt], tuple(v.shape)))
+        elif fmt == FP8_FORMAT:  # stored as is; "<role>_scale_inv" follows among the other parts
+            specs.append((role, DTYPE_NAMES[v.dtype], tuple(v.shape)))
         else:
             from .quant.formats import FORMATS
 
@@ -69,8 +74,15 @@ def encode_parts(fmt: str, weights: dict[str, torch.Tensor], parts, record: Alig
     encoded: dict[str, torch.Tensor] = {}
     for role in MATRIX_ROLES:
         w = weights[role]
+        if isinstance(w, QuantMatrix):  # stored quantized (a native MXFP4 checkpoint): kept as is if
+            if w.format.name == fmt:     # the target is its own format, else dequantized first
+                encoded.update({f"{role}.{part}": t for part, t in w.parts.items()})
+                continue
+            w = w.dequantize()
         if fmt in DENSE_FORMATS:
             encoded[role] = w if w.dtype == _TORCH_DENSE[fmt] else w.to(_TORCH_DENSE[fmt])
+        elif fmt == FP8_FORMAT:
+            encoded[role] = w
         else:
             from .quant.formats import FORMATS
 
@@ -111,9 +123,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     fmt = experts or source.format
     if fmt not in FORMAT_IDS:
         raise ValueError(f"unknown expert format {fmt!r} (choose from: {', '.join(FORMAT_IDS)})")
+    if (fmt == FP8_FORMAT) != (source.format == FP8_FORMAT):
+        raise ValueError(f"expert format {fmt!r} from {source.format!r} experts is not supported: block-scaled FP8 "
+                         "experts are stored as they are (fp8), and other experts are not quantized to fp8")
     # sizes first: check free disk
     layer0 = desc.moe_layers[0] if desc.moe_layers else None
-    specs = part_specs(fmt, source.layout(layer0, 0)) if layer0 is not None else []
+    # fused on-disk layouts (GPT-OSS) become canonical gate/up/down records here
+    shapes = desc.expert.matrix_shapes()
+    specs = part_specs(fmt, canonical_layout(source.layout(layer0, 0), shapes)) if layer0 is not None else []
     parts, payload = plan_parts(specs)
     rec = record_bytes_for(payload)
     spine_total = sum(align_up(ckpt.info(n).nbytes, ALIGN) for n in desc.spine)
@@ -165,7 +182,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
             for e in range(desc.n_experts):
                 layout = source.read(layer, e, buf)
                 record.tensor(0, torch.uint8, (rec,)).zero_()
-                encode_parts(fmt, views(buf, 0, layout), parts, record, HEADER_BYTES)
+                weights = canonical_weights(views(buf, 0, layout))
+                if layout.format is not None:  # natively quantized source: parts -> matrices
+                    weights = assemble(layout.format, weights, shapes)
+                encode_parts(fmt, weights, parts, record, HEADER_BYTES)
                 payload_bytes = record.view(HEADER_BYTES, payload)
                 record.view(0, HEADER_BYTES)[:] = pack_header(fmt, layer, e, len(parts), payload_bytes)
                 f.write(record.view(0, rec))

@@ -1,4 +1,5 @@
-"""``sluice demo``: build the demo model once, then run it under a budget smaller than the model."""
+"""``sluice demo``: run the shipped trained model (or a large synthetic one) with an expert
+cache that holds only a fraction of the experts, and print the streaming stats."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from .synthetic import DEMO_CONFIG, model_bytes, scaled_config, write_model
 from .units import format_size
 
 DEMO_VERSION = 1
+# The trained demo model that ships inside the package (see docs/demo-model.md).
+SHIPPED_MODEL = Path(__file__).resolve().parent / "demo_model"
+SHIPPED_PROMPT = "def fibonacci(n):\n"
+SYNTHETIC_PROMPT = "The streaming engine reads only the experts each token needs, so"
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -30,6 +35,16 @@ SMALL_DEMO = {
 def demo_config(size: int) -> dict:
     """The demo's Qwen3-MoE shape for a target size: a narrower one below 1 GB."""
     return scaled_config(size, DEMO_CONFIG if size >= 1e9 else SMALL_DEMO)
+
+
+def shipped_model() -> Path:
+    """The trained demo checkpoint, or a clear error if the installation lacks it."""
+    if not (SHIPPED_MODEL / "config.json").is_file() or not (SHIPPED_MODEL / "model.safetensors").is_file():
+        from .errors import SluiceError
+
+        raise SluiceError(f"the trained demo model is missing from {SHIPPED_MODEL}; reinstall sluice, "
+                          "or run the scale demo on random weights with: sluice demo --synthetic 2GB")
+    return SHIPPED_MODEL
 
 
 def ensure_synthetic(size: int, cache_dir: str | None = None, progress: bool = True) -> Path:
@@ -55,14 +70,29 @@ def demo_budget(path: Path, share: float = 0.25) -> int:
 def run_demo(args) -> int:
     from .cli import _engine_options, generate_and_print
 
-    path = ensure_synthetic(args.synthetic, args.cache_dir, progress=not args.no_progress)
-    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    budget = args.memory or demo_budget(path)
-    print(f"[sluice demo] model {format_size(size)} on disk, memory budget {format_size(budget)} "
-          f"({100 * budget / size:.0f}% of the model). Random weights: the text is meaningless; "
-          "the streaming numbers are the point.", file=sys.stderr)
-    engine = load(path, memory=budget, **_engine_options(args))
-    rc = generate_and_print(engine, args.prompt, args)
+    options = _engine_options(args)
+    if args.synthetic is None:
+        path = shipped_model()
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        budget = args.memory or demo_budget(path)
+        prompt = args.prompt if args.prompt is not None else SHIPPED_PROMPT
+        engine = load(path, memory=budget, **options)
+        print(f"[sluice demo] the shipped demo model ({format_size(size)}, trained on Python's standard library; "
+              f"docs/demo-model.md) with an expert cache of {engine.plan.cache_slots} of "
+              f"{engine.plan.total_experts} experts: every other expert is read from disk when routed to.",
+              file=sys.stderr)
+        if not args.json:
+            sys.stdout.write(prompt)
+    else:
+        path = ensure_synthetic(args.synthetic, args.cache_dir, progress=not args.no_progress)
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        budget = args.memory or demo_budget(path)
+        prompt = args.prompt if args.prompt is not None else SYNTHETIC_PROMPT
+        print(f"[sluice demo] model {format_size(size)} on disk, memory budget {format_size(budget)} "
+              f"({100 * budget / size:.0f}% of the model). Random weights: the text is meaningless; "
+              "the streaming numbers are the point.", file=sys.stderr)
+        engine = load(path, memory=budget, **options)
+    rc = generate_and_print(engine, prompt, args)
     if args.json:
         return rc
     print(f"[sluice demo] plan: {json.dumps({k: engine.plan.to_dict()[k] for k in ('cache_slots', 'total_experts', 'floor', 'budget')})}",

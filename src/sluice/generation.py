@@ -128,6 +128,15 @@ def run(engine, req: Request) -> Iterator[Step]:
     engine.experts.decoding = False
     reused = state.rewind(common)
     pending, pos = req.ids[reused:], reused
+    t_start = time.perf_counter()
+    if state.recurrent and len(pending) > 1:
+        # Recurrent layers return only to snapshots: keep one before the prompt's last token, so
+        # a later prompt that shares all of this one but its last token (a regeneration) or
+        # extends it (a continued conversation) resumes from there.
+        with torch.inference_mode():
+            engine._run(pending[:-1], pos, last_n=0)
+        state.mark()
+        pos, pending = pos + len(pending) - 1, pending[-1:]
     forwards: list[tuple[int, float]] = []  # decode forwards: (tokens produced, seconds)
     t_prefill, prefill = 0.0, True
     drafted = accepted = 0
@@ -145,8 +154,12 @@ def run(engine, req: Request) -> Iterator[Step]:
             room = min(out.budget - len(out.generated) - 1, state.max_ctx - pos - len(pending))
             draft = drafter.propose()[: max(0, room)]
         t1 = time.perf_counter()
+        tracing = engine.trace is not None and not prefill
+        if tracing:
+            engine.experts.routing = {}
         with torch.inference_mode():
             rows = _verify(engine, pending, draft, pos)  # [1 + d, V]
+            routed, engine.experts.routing = engine.experts.routing, None
             a = 0
             if draft:
                 preds = rows.argmax(dim=-1).tolist()
@@ -161,10 +174,14 @@ def run(engine, req: Request) -> Iterator[Step]:
                 drafted += len(draft)
                 accepted += a
         if prefill:
-            t_prefill, prefill = time.perf_counter() - t1, False
+            t_prefill, prefill = time.perf_counter() - t_start, False
             state.mark()
         else:
             forwards.append((1 + a, time.perf_counter() - t1))
+        if tracing:
+            for i in range(len(pending) + a):  # the tokens this forward processed and kept
+                engine.trace.write(pos + i, [routed[layer][i].tolist() for layer in engine.desc.moe_layers])
+            engine.trace.flush()
         engine.experts.decoding = True
         for i in range(a + 1):
             token = draft[i] if i < a else sampler(rows[a])

@@ -89,13 +89,13 @@ def buffer_bytes(lr: LayerReads) -> int:
 class SpineStreamer:
     """Double (or n-) buffered background reads of streamed layers' matrices."""
 
-    def __init__(self, store, plans: list[LayerReads], n_buffers: int = 2):
+    def __init__(self, store, plans: list[LayerReads], n_buffers: int = 2, huge_pages: bool = True):
         self.store = store
         self.plans = plans
         self.rank = {p.layer: r for r, p in enumerate(plans)}
         self.n = max(1, min(n_buffers, len(plans)))
         size = max((buffer_bytes(p) for p in plans), default=ALIGN)
-        self.buffers = [AlignedBuffer(size) for _ in range(self.n)]
+        self.buffers = [AlignedBuffer(size, huge=huge_pages) for _ in range(self.n)]
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-spine")
         self.pending: list[Future | None] = [None] * self.n
         self.loaded: list[int | None] = [None] * self.n  # rank held by each buffer

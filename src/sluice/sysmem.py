@@ -89,5 +89,18 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
-    """Peak resident set size of this process so far (bytes, from getrusage)."""
+    """Peak resident set size of this program so far (bytes).
+
+    Reads VmHWM from /proc/self/status: getrusage's ru_maxrss also counts the parent's
+    memory when this process was spawned from a large one (Linux carries the pre-exec
+    high-water mark into the child), which would overstate the peak. Falls back to
+    getrusage where /proc is unavailable.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

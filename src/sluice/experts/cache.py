@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import torch
 
+from ..quant import assemble
 from ..storage import AlignedBuffer
 from .layout import ExpertLayout
 from .policy import Policy
@@ -27,7 +28,7 @@ class Slot:
         self.key: Hashable | None = None
         self.state = EMPTY
         self.future: Future | None = None
-        self.weights: dict[str, torch.Tensor] | None = None
+        self.weights: dict | None = None  # role -> tensor, or QuantMatrix for quantized formats
         self.pins = 0
         self.speculative = False
         self.layout: ExpertLayout | None = None
@@ -86,8 +87,12 @@ class ExpertCache:
         return slot.index * self.slot_bytes
 
     def ready(self, slot: Slot) -> None:
-        """Mark a loaded slot READY and build its tensor views."""
-        slot.weights = views(self.arena, self.base(slot), slot.layout)
+        """Mark a loaded slot READY and build its tensor views (assembled per format when quantized)."""
+        lay = slot.layout
+        weights = views(self.arena, self.base(slot), lay)
+        if lay.format is not None:
+            weights = assemble(lay.format, weights, {role: (n, k) for role, n, k in lay.shapes}, exact=lay.exact)
+        slot.weights = weights
         slot.state = READY
         slot.future = None
 

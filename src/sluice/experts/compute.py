@@ -1,23 +1,67 @@
-"""One expert's feed-forward on fp32 activations, over weights in any stored format."""
+"""One expert's feed-forward on fp32 activations, over weights in any stored format.
+
+Weights arrive as the views of a cache slot (quantized parts already assembled into
+``QuantMatrix`` by the cache): canonical (``gate``/``up``/``down``, output-major) or a family's
+fused on-disk layout (see ``fused.py``), recognised by the view names.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..layers.mlp import activation
-from ..quant import linear
+from ..quant import linear, linear_t
 from .spec import ExpertSpec
 
 
-def expert_forward(spec: ExpertSpec, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _gate_up(w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if "gate_up_t" in w:  # [H, 2I] input-major, gate/up interleaved columns
+        gu = linear_t(x, w["gate_up_t"], w.get("gate_up_bias"))
+        return gu[:, 0::2], gu[:, 1::2]
+    if "gate_up" in w:  # [2I, H] output-major (quantized), gate/up interleaved rows
+        gu = linear(x, w["gate_up"], w.get("gate_up_bias"))
+        return gu[:, 0::2], gu[:, 1::2]
+    return linear(x, w["gate"], w.get("gate_bias")), linear(x, w["up"], w.get("up_bias"))
+
+
+def _down(w: dict, h: torch.Tensor) -> torch.Tensor:
+    if "down_t" in w:
+        return linear_t(h.contiguous(), w["down_t"], w.get("down_bias"))
+    return linear(h, w["down"], w.get("down_bias"))
+
+
+_DENSE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fused_ok(spec: ExpertSpec, w: dict, x: torch.Tensor) -> bool:
+    """One token, plain SwiGLU (silu) over dense gate/up/down of one dtype, no biases."""
+    if x.shape[0] != 1 or spec.variant != "swiglu" or spec.act not in ("silu", "swish") or len(w) != 3:
+        return False
+    g, u, d = w.get("gate"), w.get("up"), w.get("down")
+    return (isinstance(g, torch.Tensor) and isinstance(u, torch.Tensor) and isinstance(d, torch.Tensor)
+            and g.dtype in _DENSE and g.dtype == u.dtype == d.dtype
+            and g.is_contiguous() and u.is_contiguous() and d.is_contiguous() and kernels.available())
+
+
+def expert_output(spec: ExpertSpec, w: dict, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * expert(x)``: one C call per expert when decoding a plain SwiGLU expert."""
+    if _fused_ok(spec, w, x):
+        return kernels.swiglu(x.contiguous(), w["gate"], w["up"], w["down"], scale)
+    return expert_forward(spec, w, x) * scale
+
+
+def expert_forward(spec: ExpertSpec, w: dict, x: torch.Tensor) -> torch.Tensor:
     """x: [n, H] fp32 -> [n, H] fp32."""
     if spec.variant == "swiglu":
         act = activation(spec.act)
-        g = linear(x, w["gate"], w.get("gate_bias"))
-        u = linear(x, w["up"], w.get("up_bias"))
-        return linear(act(g) * u, w["down"], w.get("down_bias"))
+        g, u = _gate_up(w, x)
+        return _down(w, act(g) * u)
     if spec.variant == "clamped_swiglu":
-        g = linear(x, w["gate"], w.get("gate_bias")).clamp(max=spec.limit)
-        u = linear(x, w["up"], w.get("up_bias")).clamp(-spec.limit, spec.limit)
-        return linear((u + 1) * (g * torch.sigmoid(g * spec.alpha)), w["down"], w.get("down_bias"))
+        # exactly transformers' GptOssExperts._apply_gate: gate clamped above, up clamped both
+        # sides, glu = gate * sigmoid(gate * alpha), (up + 1) * glu
+        g, u = _gate_up(w, x)
+        g = g.clamp(max=spec.limit)
+        u = u.clamp(-spec.limit, spec.limit)
+        return _down(w, (u + 1) * (g * torch.sigmoid(g * spec.alpha)))
     raise ValueError(f"unknown expert variant {spec.variant!r}")

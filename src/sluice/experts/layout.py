@@ -49,6 +49,14 @@ class ExpertLayout:
     reads: tuple[Read, ...]
     views: tuple[View, ...]
     slot_bytes: int
+    # Quantized records: the weight format (a ``sluice.quant.FORMATS`` name) and each role's
+    # (role, n, k); the views are then named "<role>.<part>" and ``quant.assemble`` turns them
+    # into what ``expert_forward`` uses. None: the views are the matrices themselves.
+    format: str | None = None
+    shapes: tuple[tuple[str, int, int], ...] = ()
+    # the quantized weights are the model itself (a natively quantized checkpoint, or a container
+    # that copied them): computed with fp32 activations, as the reference is (``quant.activations``)
+    exact: bool = False
 
     @property
     def read_bytes(self) -> int:

@@ -3,6 +3,11 @@
 Keys are hashable, e.g. ``(layer, expert)``. The cache calls ``insert``/``access``/``remove``
 and asks ``victim(evictable)`` for the key to evict among those it may evict (not in use
 by the current layer, not being read). ``tick()`` advances time by one forward step.
+
+``make_policy("lfru:half_life=16,history=true")`` builds one from a spec string;
+``Pinned(policy, pins)`` keeps a fixed set of keys from ever being evicted once resident.
+How the default was chosen, with hit rates against Belady's optimum: docs/cache-policy.md
+(``sluice trace-replay``).
 """
 
 from __future__ import annotations
@@ -62,67 +67,201 @@ class LFRU(Policy):
     """Decayed hotness: each access adds 1 to a score that halves every ``half_life`` ticks.
 
     Frequent *and* recent experts stay. Scores are kept in log space relative to a moving
-    origin, so one lazy heap orders all keys in O(log n) per operation.
+    origin, so lazy heaps order all keys in O(log n) per operation.
+
+    ``protect`` (layer-aware, for ``(layer, expert)`` keys): a key used at its layer's most
+    recent pass is *fresh*; one its layer has passed by since is *stale*. Victims are the
+    lowest-scored stale keys; fresh ones go only when no stale key can. In a global cache
+    this keeps the experts that layers still to come this token used last token (their next
+    chance is moments away) over a hot expert its own layer just skipped (next chance: the
+    next token), which per-token scores alone cannot tell apart. With one cache per layer
+    every evictable key is stale, so ``protect`` changes nothing there. Keys that are not
+    tuples all count as one layer.
+
+    ``history``: keep the (still decaying) scores of evicted keys, so an expert that was hot,
+    got evicted and comes back resumes its score instead of restarting at 1. Costs one float
+    per key ever seen (at most layers x experts).
+
+    The defaults were chosen by trace replay (docs/cache-policy.md);
+    ``LFRU(64, history=False, protect=False)`` is the original policy.
     """
 
     name = "lfru"
 
-    def __init__(self, half_life: float = 64.0):
+    def __init__(self, half_life: float = 16.0, history: bool = True, protect: bool = True):
+        if not half_life > 0:
+            raise ValueError(f"lfru: half_life must be positive, got {half_life}")
+        self.half_life = float(half_life)
+        self.history = bool(history)
+        self.protect = bool(protect)
         self.rate = math.log(2.0) / half_life
         self.now = 0
-        self._score: dict[Hashable, float] = {}
-        self._heap: list[tuple[float, int, Hashable]] = []
+        self._score: dict[Hashable, float] = {}  # log score of every tracked key
+        self._resident: set[Hashable] = set()
+        self._fresh: set[Hashable] = set()  # resident keys used at their layer's latest pass
+        self._fresh_by_layer: dict[Hashable, set[Hashable]] = {}
+        self._pass: dict[Hashable, int] = {}  # layer -> tick of its latest pass
+        # (log score, seq, key); an entry is live while the key is resident with that score and
+        # its freshness matches the heap it is in
+        self._stale_heap: list[tuple[float, int, Hashable]] = []
+        self._fresh_heap: list[tuple[float, int, Hashable]] = []
+        self._stamp: dict[Hashable, int] = {}  # seq of each resident key's latest use
         self._seq = 0
 
     def tick(self):
         self.now += 1
 
-    def _push(self, key, score):
-        self._score[key] = score
-        self._seq += 1
-        heapq.heappush(self._heap, (score, self._seq, key))
-        if len(self._heap) > 4 * len(self._score) + 64:
-            self._heap = [(s, i, k) for s, i, k in self._heap if self._score.get(k) == s]
-            heapq.heapify(self._heap)
+    @staticmethod
+    def _layer(key):
+        return key[0] if isinstance(key, tuple) and key else None
+
+    def _live(self, entry, fresh: bool) -> bool:
+        score, _, key = entry
+        return key in self._resident and self._score.get(key) == score and (key in self._fresh) == fresh
+
+    def _push(self, heap, key, seq):
+        heapq.heappush(heap, (self._score[key], seq, key))
+        if len(self._stale_heap) + len(self._fresh_heap) > 4 * len(self._resident) + 64:
+            self._stale_heap = [e for e in self._stale_heap if self._live(e, False)]
+            self._fresh_heap = [e for e in self._fresh_heap if self._live(e, True)]
+            heapq.heapify(self._stale_heap)
+            heapq.heapify(self._fresh_heap)
 
     def _bump(self, key):
         t = self.rate * self.now
         old = self._score.get(key)
-        new = t if old is None else max(old, t) + math.log1p(math.exp(-abs(old - t)))
-        self._push(key, new)
+        self._score[key] = t if old is None else max(old, t) + math.log1p(math.exp(-abs(old - t)))
+        self._seq += 1
+        self._stamp[key] = self._seq  # ties go to the least recently used
+        if not self.protect:
+            self._push(self._stale_heap, key, self._seq)
+            return
+        layer = self._layer(key)
+        if self._pass.get(layer) != self.now:  # the layer's first use this tick: its keys go stale
+            self._pass[layer] = self.now
+            for k in self._fresh_by_layer.pop(layer, ()):
+                self._fresh.discard(k)
+                if k in self._resident:
+                    self._push(self._stale_heap, k, self._stamp[k])
+        self._fresh.add(key)
+        self._fresh_by_layer.setdefault(layer, set()).add(key)
+        self._push(self._fresh_heap, key, self._seq)
 
     def insert(self, key):
+        self._resident.add(key)
         self._bump(key)
 
     def access(self, key):
-        if key in self._score:
+        if key in self._resident:
             self._bump(key)
 
     def remove(self, key):
-        self._score.pop(key, None)
+        self._resident.discard(key)
+        self._stamp.pop(key, None)
+        if key in self._fresh:
+            self._fresh.discard(key)
+            self._fresh_by_layer.get(self._layer(key), set()).discard(key)
+        if not self.history:
+            self._score.pop(key, None)
 
-    def victim(self, evictable):
+    def hotness(self, key) -> float:
+        """The key's current decayed score (0 if untracked)."""
+        s = self._score.get(key)
+        return 0.0 if s is None else math.exp(s - self.rate * self.now)
+
+    def _lowest(self, heap, fresh: bool, evictable):
         skipped = []
         found = None
-        while self._heap:
-            score, seq, key = heapq.heappop(self._heap)
-            if self._score.get(key) != score:
+        while heap:
+            entry = heapq.heappop(heap)
+            if not self._live(entry, fresh):
                 continue  # stale entry
-            if evictable(key):
-                found = key
-                heapq.heappush(self._heap, (score, seq, key))  # stays until removed
+            skipped.append(entry)  # stays until removed
+            if evictable(entry[2]):
+                found = entry[2]
                 break
-            skipped.append((score, seq, key))
-        for item in skipped:
-            heapq.heappush(self._heap, item)
+        for entry in skipped:
+            heapq.heappush(heap, entry)
         return found
 
+    def victim(self, evictable):
+        v = self._lowest(self._stale_heap, False, evictable)
+        return v if v is not None else self._lowest(self._fresh_heap, True, evictable)
 
-POLICIES: dict[str, Callable[[], Policy]] = {"lru": LRU, "lfru": LFRU}
+
+class Pinned(Policy):
+    """Wrap a policy so that the keys in ``pins`` are never chosen as victims once resident.
+
+    Pins still load on demand (nothing is preloaded). Pinned keys are kept out of the inner
+    policy altogether, so they cost it nothing. Whoever builds the cache must leave room:
+    at most ``capacity - one layer's top-k`` pins per cache, or a layer can find no victim.
+    """
+
+    def __init__(self, inner: Policy, pins):
+        self.inner = inner
+        self.pins = frozenset(pins)
+        self.name = f"pinned({inner.name})"
+        self._held: set[Hashable] = set()
+
+    def tick(self):
+        self.inner.tick()
+
+    def insert(self, key):
+        if key in self.pins:
+            self._held.add(key)
+        else:
+            self.inner.insert(key)
+
+    def access(self, key):
+        if key not in self.pins:
+            self.inner.access(key)
+
+    def remove(self, key):
+        if key in self.pins:
+            self._held.discard(key)
+        else:
+            self.inner.remove(key)
+
+    def victim(self, evictable):
+        return self.inner.victim(evictable)
 
 
-def make_policy(name: str) -> Policy:
+POLICIES: dict[str, Callable[..., Policy]] = {"lru": LRU, "lfru": LFRU}
+
+
+def _value(text: str):
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
     try:
-        return POLICIES[name]()
+        return float(low)
+    except ValueError:
+        raise ValueError(f"cache policy parameter value {text!r} is not a number or true/false") from None
+
+
+def parse_policy_spec(spec: str) -> tuple[str, dict]:
+    """``"lfru:half_life=8,history=true"`` -> ``("lfru", {"half_life": 8.0, "history": True})``."""
+    name, _, rest = spec.partition(":")
+    params = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"cache policy {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE], got {part!r}")
+        params[key.strip()] = _value(value)
+    return name.strip(), params
+
+
+def make_policy(spec: str, registry: dict[str, Callable[..., Policy]] | None = None) -> Policy:
+    """A fresh policy from ``"name"`` or ``"name:key=value,..."`` (e.g. ``"lfru:half_life=8"``)."""
+    table = POLICIES if registry is None else registry
+    name, params = parse_policy_spec(spec)
+    try:
+        cls = table[name]
     except KeyError:
-        raise ValueError(f"unknown cache policy {name!r} (choose from: {', '.join(POLICIES)})") from None
+        raise ValueError(f"unknown cache policy {name!r} (choose from: {', '.join(table)})") from None
+    try:
+        return cls(**params)
+    except TypeError as e:
+        raise ValueError(f"cache policy {spec!r}: {e}") from None

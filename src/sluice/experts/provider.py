@@ -11,13 +11,15 @@ Shape legend: T tokens, H hidden, K experts per token, n_e tokens routed to expe
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import torch
 
+from ..quant.fp8 import assemble
 from .cache import LOADING, READY, ExpertCache, Slot
-from .compute import expert_forward
+from .reader import DEMAND, PREFETCH, ReaderPool
+from .compute import expert_forward, expert_output
 from .source import ExpertSource
 from .spec import ExpertSpec
 
@@ -38,19 +40,20 @@ class ExpertCounters:
     prefetch_cancelled: int = 0  # wrong guesses cancelled before their read started
     predicted: int = 0  # lookahead predictions checked against the real routing (decode)
     predicted_hits: int = 0  # ... that the layer really used
-    read_wait_s: float = 0.0
-    compute_s: float = 0.0
+    read_wait_s: float = 0.0  # decode-time seconds spent waiting on expert reads
+    compute_s: float = 0.0  # decode-time seconds spent computing experts
 
 
 class ExpertProvider:
     def __init__(self, source: ExpertSource, cache: ExpertCache, spec: ExpertSpec, n_experts: int,
                  reader_threads: int = 4, verify_reads: bool = False):
         self.source, self.cache, self.spec, self.n_experts = source, cache, spec, n_experts
-        self.pool = ThreadPoolExecutor(max_workers=max(1, reader_threads), thread_name_prefix="sluice-read")
+        self.pool = ReaderPool(reader_threads)
         self.verify_reads = verify_reads
         self.counters = ExpertCounters()
         self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
         self._predictions: dict[int, list[int]] = {}  # layer -> experts prefetched for it
+        self.routing: dict[int, torch.Tensor] | None = None  # when set: layer -> ids [T, K] of the last forward
 
     def resident_mask(self, layer: int) -> torch.Tensor:
         """[E] float: 1 for experts of ``layer`` that are in memory (ready or being read), else 0."""
@@ -61,7 +64,7 @@ class ExpertProvider:
         return mask
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown()
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -78,7 +81,8 @@ class ExpertProvider:
         if slot is None:
             return None
         slot.speculative = speculative
-        slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1])
+        slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1],
+                                       priority=PREFETCH if speculative else DEMAND)
         if speculative:
             self.counters.prefetch_reads += 1
         else:
@@ -93,6 +97,7 @@ class ExpertProvider:
             self.cache.discard(slot)
             raise
         self.cache.ready(slot)
+        slot.weights = assemble(slot.weights, self.spec.block)  # "<role>" + "<role>_scale_inv" -> one matrix
 
     def _settle_finished(self) -> None:
         """Settle unpinned reads that have finished, so their slots become evictable."""
@@ -144,6 +149,8 @@ class ExpertProvider:
     def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of routed experts. x [T, H] fp32, ids/weights [T, K] -> [T, H]."""
         t = x.shape[0]
+        if self.routing is not None:
+            self.routing[layer] = ids
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         sorted_ids = flat[order].tolist()
@@ -205,13 +212,14 @@ class ExpertProvider:
                 t0 = time.perf_counter()
                 rows_e, cols_e = groups[pick]
                 if t == 1:
-                    y = expert_forward(self.spec, slot.weights, x) * weights[0, cols_e[0]].to(x.dtype)
+                    y = expert_output(self.spec, slot.weights, x, float(weights[0, cols_e[0]]))
                     idx = None
                 else:
                     idx = torch.tensor(rows_e)
                     y = expert_forward(self.spec, slot.weights, x[idx])
                     y = y * weights[idx, torch.tensor(cols_e)].to(y.dtype)[:, None]
-                c.compute_s += time.perf_counter() - t0
+                if self.decoding:
+                    c.compute_s += time.perf_counter() - t0
                 slot.pins -= 1
                 done.add(pick)
                 results[pick] = (idx, y)
@@ -264,7 +272,8 @@ class ExpertProvider:
             self._settle_finished()
         elif mine:
             wait(mine, return_when=FIRST_COMPLETED)
-        self.counters.read_wait_s += time.perf_counter() - t0
+        if self.decoding:
+            self.counters.read_wait_s += time.perf_counter() - t0
 
     def _quiesce(self, slots: dict[int, Slot]) -> None:
         """After an error: let every read in flight finish, keep good ones, drop failed ones."""

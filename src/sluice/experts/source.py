@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
-from ..checkpoint import DTYPES, Checkpoint
+from ..checkpoint import DTYPE_NAMES, DTYPES, Checkpoint
 from ..errors import CheckpointError, ExpertReadError
+from ..quant.fp8 import FORMAT as FP8_FORMAT
+from ..quant.fp8 import SCALE_SUFFIX
 from ..storage import AlignedBuffer, LocalFile
 from .layout import ExpertLayout, Span, layout_from_spans
 
@@ -19,7 +22,7 @@ from .layout import ExpertLayout, Span, layout_from_spans
 def views(buf: AlignedBuffer, base: int, layout: ExpertLayout) -> dict:
     """Tensor views of a record read into ``buf`` at ``base``."""
     return {v.name: buf.tensor(base + v.slot_offset, v.dtype, v.shape) for v in layout.views}
-from .spec import ExpertTensors
+from .spec import ExpertSpec, ExpertTensors
 
 
 class ExpertSource:
@@ -27,6 +30,9 @@ class ExpertSource:
 
     format: str
     slot_bytes: int
+    # True when quantized expert weights are the model itself (a natively quantized checkpoint,
+    # or a container that copied them): computed with fp32 activations, as the reference does
+    native_quant: bool = False
 
     def layout(self, layer: int, expert: int) -> ExpertLayout:
         raise NotImplementedError
@@ -64,37 +70,77 @@ class ExpertSource:
         raise NotImplementedError
 
 
-_FORMAT_OF_DTYPE = {"F32": "f32", "BF16": "bf16", "F16": "f16"}
+_FORMAT_OF_DTYPE = {"F32": "f32", "BF16": "bf16", "F16": "f16", "F8_E4M3": FP8_FORMAT}
+_BLOCK_SCALED = ("F8_E4M3",)
 
 
 class CheckpointExperts(ExpertSource):
     def __init__(self, ckpt: Checkpoint, layers: list[int], n_experts: int,
-                 tensors: Callable[[int, int], ExpertTensors]):
+                 tensors: Callable[[int, int], ExpertTensors], format: str | None = None,
+                 spec: ExpertSpec | None = None):
+        """``format``: a quant format the checkpoint stores the expert matrices in natively (their
+        roles named "<role>.<part>", read as they are, ``spec`` giving each role's [n, k]);
+        None: plain f32/bf16/f16 matrices."""
         self.ckpt = ckpt
         self._layouts: dict[tuple[int, int], ExpertLayout] = {}
         dtypes: set[str] = set()
+        part_dtypes: dict[str, set[str]] = {}
         payload = 0
         for layer in layers:
             for e in range(n_experts):
                 spans = []
-                for role, ref in tensors(layer, e).items():
+                refs = tensors(layer, e)
+                for role, ref in refs.items():
                     info = ckpt.info(ref.name)
                     spans.append(self._span(role, ref, info))
-                    dtypes.add(info.dtype)
+                    if "." in role:  # a part of a natively quantized matrix ("gate_up.blocks")
+                        part_dtypes.setdefault(role.split(".", 1)[1], set()).add(info.dtype)
+                    elif not role.endswith(SCALE_SUFFIX):  # matrices and biases (not FP8 block scales)
+                        dtypes.add(info.dtype)
+                        if info.dtype in _BLOCK_SCALED and role + SCALE_SUFFIX not in refs:
+                            raise CheckpointError(
+                                f"{info.file}: expert tensor {ref.name!r} is {info.dtype} but config.json declares "
+                                "no block-scaled quantization (quantization_config) to read its scales with")
                 self._layouts[(layer, e)] = layout_from_spans(spans)
                 if not payload:
                     payload = sum(s.nbytes for s in spans)
+        self._payload = payload
+        if format is not None:
+            self._native(format, dtypes, part_dtypes, spec)
+            return
         if len(dtypes) > 1:
             raise CheckpointError(f"{ckpt.path}: routed experts mix dtypes {sorted(dtypes)}; expected one dtype")
         dtype = dtypes.pop() if dtypes else "F32"
         if dtype not in _FORMAT_OF_DTYPE:
             raise CheckpointError(
-                f"{ckpt.path}: routed experts have dtype {dtype}; Sluice streams f32/bf16/f16 experts "
-                "from Hugging Face checkpoints (convert other formats with `sluice convert`)"
+                f"{ckpt.path}: routed experts have dtype {dtype}; Sluice streams f32/bf16/f16 and block-scaled "
+                "FP8 (e4m3) experts from Hugging Face checkpoints (convert other formats with `sluice convert`)"
             )
         self.format = _FORMAT_OF_DTYPE[dtype]
         self.slot_bytes = max((lay.slot_bytes for lay in self._layouts.values()), default=4096)
-        self._payload = payload
+
+    def _native(self, format: str, dtypes: set[str], part_dtypes: dict[str, set[str]], spec) -> None:
+        from ..quant import FORMATS
+
+        fmt = FORMATS.get(format)
+        if fmt is None:
+            raise CheckpointError(f"{self.ckpt.path}: experts stored as {format!r}, a format this build does not know")
+        want = {part: DTYPE_NAMES[dt] for part, (dt, _) in fmt.parts(1, fmt.block).items()}
+        for part, found in part_dtypes.items():
+            if part not in want or found != {want[part]}:
+                raise CheckpointError(
+                    f"{self.ckpt.path}: {format} expert part {part!r} has dtype {sorted(found)}, "
+                    f"the format stores {want.get(part, 'no such part')}")
+        if len(dtypes) > 1 or not dtypes <= set(_FORMAT_OF_DTYPE):
+            raise CheckpointError(f"{self.ckpt.path}: expert biases have dtypes {sorted(dtypes)}; expected one of "
+                                  f"{', '.join(_FORMAT_OF_DTYPE)}")
+        self.format = format
+        self.native_quant = True
+        known = spec.role_shapes()
+        for key, lay in self._layouts.items():
+            roles = sorted({v.name.split(".", 1)[0] for v in lay.views if "." in v.name})
+            self._layouts[key] = replace(lay, format=format, shapes=tuple((r, *known[r]) for r in roles), exact=True)
+        self.slot_bytes = max((lay.slot_bytes for lay in self._layouts.values()), default=4096)
 
     @staticmethod
     def _span(role: str, ref, info) -> Span:

@@ -13,7 +13,11 @@ class ExpertSpec:
       - ``"swiglu"``: ``down(act(gate(x)) * up(x))`` with gate/up [I, H] and down [H, I]
         (Mixtral, Qwen3-MoE, OLMoE, DeepSeek, ...), optional biases.
       - ``"clamped_swiglu"``: GPT-OSS: gate clamped above at ``limit``, up clamped to
-        [-limit, limit], ``(up + 1) * gate * sigmoid(alpha * gate)``, with biases.
+        [-limit, limit], ``(up + 1) * (gate * sigmoid(gate * alpha))`` (transformers'
+        ``GptOssExperts._apply_gate``, same order of operations), with biases.
+
+    ``block``: the (rows, cols) weight block of block-scaled matrices (FP8 checkpoints: a
+    role's record holds ``<role>`` and ``<role>_scale_inv``), None for plain dtypes.
     """
 
     hidden: int
@@ -23,11 +27,22 @@ class ExpertSpec:
     bias: bool = False
     limit: float = 7.0
     alpha: float = 1.702
+    block: tuple[int, int] | None = None
 
     def matrix_shapes(self) -> dict[str, tuple[int, int]]:
         """Canonical [out, in] shape of each matrix."""
         h, i = self.hidden, self.intermediate
         return {"gate": (i, h), "up": (i, h), "down": (h, i)}
+
+    def role_shapes(self) -> dict[str, tuple[int, int]]:
+        """[out, in] of every matrix role a record or checkpoint may hold: the canonical three and
+        the fused ``gate_up`` [2I, H] (rows interleaving gate and up, as GPT-OSS MXFP4 stores it)."""
+        return {**self.matrix_shapes(), "gate_up": (2 * self.intermediate, self.hidden)}
+
+    def param_count(self) -> int:
+        """Parameters of one expert (matrices, plus biases when ``bias``), whatever the storage format."""
+        h, i = self.hidden, self.intermediate
+        return 3 * h * i + ((2 * i + h) if self.bias else 0)
 
 
 @dataclass(frozen=True)

@@ -4,32 +4,31 @@
  * Loaded with ctypes (no Python or torch API is used, nothing links against torch).
  * Every entry point computes rows [n0, n1) of y[t, n] = sum_k x[t, k] * W(n, k) (+ b[n])
  * for t in [0, T), so callers can split rows across threads. A small persistent thread
- * pool (sk_run) does that split inside C, keeping Python out of the hot loop.
+ * pool (sk_parallel) does that split inside C, keeping Python out of the hot loop.
  *
  * Paths: AVX2+FMA+F16C (chosen at run time with __builtin_cpu_supports) and portable C.
  * Summation order is fixed for a given (T, K): results do not depend on thread count.
+ * sk_dense takes W [N, K] (output-major rows); sk_dense_t takes W [K, N] (input-major).
+ * Quantized formats live in quant.c; this file has the dense kernels and the pool.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <math.h>
 #include <immintrin.h>
 
-#define EXPORT __attribute__((visibility("default")))
+#include "sk.h"
 
 /* ---------------------------------------------------------------- conversions ---- */
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = ((uint32_t)v) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#define bf16_to_f32 sk_bf16_to_f32
+#define f16_to_f32 sk_f16_to_f32
 
-static inline float f16_to_f32(uint16_t h) {
+float sk_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1f;
     uint32_t man = h & 0x3ff;
@@ -94,8 +93,7 @@ static void dense_rows_c(const dense_args *a, int n0, int n1) {
     }
 }
 
-__attribute__((target("avx2,fma,f16c")))
-static inline __m256 load8(const void *w, size_t idx, int wtype) {
+AVX2 static inline __m256 load8(const void *w, size_t idx, int wtype) {
     if (wtype == WT_BF16) {
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + idx));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -105,66 +103,24 @@ static inline __m256 load8(const void *w, size_t idx, int wtype) {
     return _mm256_loadu_ps((const float *)w + idx);
 }
 
-__attribute__((target("avx2,fma,f16c")))
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    __m128 sh = _mm_movehdup_ps(lo);
-    lo = _mm_add_ps(lo, sh);
-    sh = _mm_movehl_ps(sh, lo);
-    return _mm_cvtss_f32(_mm_add_ss(lo, sh));
-}
 
-/* Four rows at a time, two accumulators per row over K in steps of 16. */
-__attribute__((target("avx2,fma,f16c")))
-static void dense_rows_avx2(const dense_args *a, int n0, int n1) {
+/* One row at a time, all T tokens per row (the row stays in L1 after the first token),
+ * two accumulators per row over K in steps of 16. Streaming one row at a time measured
+ * ~1.5-2x faster than interleaving four rows when the matrix comes from DRAM (see
+ * docs/quantization.md); the per-row summation order is the same as before. */
+AVX2 static void dense_rows_avx2(const dense_args *a, int n0, int n1) {
     const int K = a->K, T = a->T, wt = a->wtype;
     const int K16 = K & ~15;
-    int n = n0;
-    for (; n + 4 <= n1; n += 4) {
-        for (int t = 0; t < T; t++) {
-            const float *x = a->x + (size_t)t * K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-                   a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
-                   b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-            size_t r0 = (size_t)n * K, r1 = r0 + K, r2 = r1 + K, r3 = r2 + K;
-            for (int k = 0; k < K16; k += 16) {
-                __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
-                a0 = _mm256_fmadd_ps(load8(a->w, r0 + k, wt), xa, a0);
-                a1 = _mm256_fmadd_ps(load8(a->w, r1 + k, wt), xa, a1);
-                a2 = _mm256_fmadd_ps(load8(a->w, r2 + k, wt), xa, a2);
-                a3 = _mm256_fmadd_ps(load8(a->w, r3 + k, wt), xa, a3);
-                b0 = _mm256_fmadd_ps(load8(a->w, r0 + k + 8, wt), xb, b0);
-                b1 = _mm256_fmadd_ps(load8(a->w, r1 + k + 8, wt), xb, b1);
-                b2 = _mm256_fmadd_ps(load8(a->w, r2 + k + 8, wt), xb, b2);
-                b3 = _mm256_fmadd_ps(load8(a->w, r3 + k + 8, wt), xb, b3);
-            }
-            float s[4] = {hsum8(_mm256_add_ps(a0, b0)), hsum8(_mm256_add_ps(a1, b1)),
-                          hsum8(_mm256_add_ps(a2, b2)), hsum8(_mm256_add_ps(a3, b3))};
-            for (int k = K16; k < K; k++) {
-                float xv = x[k];
-                for (int j = 0; j < 4; j++) {
-                    size_t idx = (size_t)(n + j) * K + k;
-                    float wv = wt == WT_F32 ? ((const float *)a->w)[idx]
-                             : wt == WT_BF16 ? bf16_to_f32(((const uint16_t *)a->w)[idx])
-                             : f16_to_f32(((const uint16_t *)a->w)[idx]);
-                    s[j] += xv * wv;
-                }
-            }
-            float *y = a->y + (size_t)t * a->N + n;
-            for (int j = 0; j < 4; j++) y[j] = s[j] + (a->bias ? a->bias[n + j] : 0.0f);
-        }
-    }
-    for (; n < n1; n++) {
+    for (int n = n0; n < n1; n++) {
+        const size_t r0 = (size_t)n * K;
         for (int t = 0; t < T; t++) {
             const float *x = a->x + (size_t)t * K;
             __m256 a0 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps();
-            size_t r0 = (size_t)n * K;
             for (int k = 0; k < K16; k += 16) {
                 a0 = _mm256_fmadd_ps(load8(a->w, r0 + k, wt), _mm256_loadu_ps(x + k), a0);
                 b0 = _mm256_fmadd_ps(load8(a->w, r0 + k + 8, wt), _mm256_loadu_ps(x + k + 8), b0);
             }
-            float s = hsum8(_mm256_add_ps(a0, b0));
+            float s = sk_hsum8(_mm256_add_ps(a0, b0));
             for (int k = K16; k < K; k++) {
                 size_t idx = r0 + k;
                 float wv = wt == WT_F32 ? ((const float *)a->w)[idx]
@@ -179,93 +135,157 @@ static void dense_rows_avx2(const dense_args *a, int n0, int n1) {
 
 static int g_have_avx2 = -1;
 
-static int have_avx2(void) {
+int sk_avx2(void) {
     if (g_have_avx2 < 0) {
         __builtin_cpu_init();
-        g_have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                      __builtin_cpu_supports("f16c");
+        int ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                 __builtin_cpu_supports("f16c");
         const char *force = getenv("SLUICE_KERNELS_PORTABLE");
-        if (force && force[0] == '1') g_have_avx2 = 0;
+        if (force && force[0] == '1') ok = 0;
+        g_have_avx2 = ok;
     }
     return g_have_avx2;
 }
 
+/* ------------------------------------------------------------------ scratch ------- */
+
+#define SCRATCH_SLOTS 4
+static _Thread_local struct { void *p; size_t n; } scratch[SCRATCH_SLOTS];
+
+void *sk_scratch(int which, size_t bytes) {
+    if (scratch[which].n < bytes) {
+        free(scratch[which].p);
+        size_t n = (bytes + 4095) & ~(size_t)4095;
+        scratch[which].p = aligned_alloc(64, n);
+        scratch[which].n = scratch[which].p ? n : 0;
+    }
+    return scratch[which].p;
+}
+
 /* ---------------------------------------------------------------- thread pool ----- */
 
-typedef void (*task_fn)(void *ctx, int part, int nparts);
+/*
+ * Workers spin briefly after each job (decode issues GEMVs back to back), then sleep on a
+ * condition variable. A job is a range of items cut into chunks that the caller and the
+ * workers claim with an atomic counter: the caller starts at once and never waits for a
+ * worker that has not woken up yet; it only waits for chunks a worker has already taken.
+ * (The previous pool split rows into fixed halves and waited for every worker, so a
+ * worker that was asleep or descheduled by another process stalled the whole call.)
+ *
+ * A worker joins job g only while it is open: it increments `active`, then re-checks
+ * `open == g`; the caller closes the job (open = 0) and then waits for `active == 0`.
+ * Both sides use sequentially consistent atomics, so one of them always sees the other.
+ */
 
 #define MAX_THREADS 64
+#define WORKER_SPINS 4000 /* pause instructions before sleeping (as before; 200..20000 measured no different) */
 
 static struct {
     pthread_mutex_t mu;
-    pthread_cond_t cv_work, cv_done;
-    int nthreads;          /* workers besides the caller */
-    int started;
-    atomic_long generation;
-    atomic_int remaining;
-    task_fn fn;
+    pthread_cond_t cv;
+    int nthreads;           /* workers besides the caller */
+    atomic_long generation; /* bumped once per job */
+    atomic_long open;       /* generation of the open job, 0 when none */
+    atomic_int active;      /* workers inside the open job */
+    atomic_int sleepers;
+    atomic_int next;        /* next chunk to claim */
+    atomic_int done;        /* chunks finished (static schedule only) */
+    sk_range_fn fn;
     void *ctx;
-    int nparts;
+    int nitems, chunk, nchunks, maxworkers, dynamic;
     pthread_t tid[MAX_THREADS];
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static int g_schedule_dynamic = 1;
+
+static void run_chunk(int c) {
+    int i0 = c * pool.chunk, i1 = i0 + pool.chunk;
+    if (i1 > pool.nitems) i1 = pool.nitems;
+    if (i0 < i1) pool.fn(pool.ctx, i0, i1);
+}
+
+/* participant `who` (0 = caller) works on the open job */
+static void participate(int who) {
+    if (pool.dynamic) {
+        int c;
+        while ((c = atomic_fetch_add(&pool.next, 1)) < pool.nchunks) run_chunk(c);
+    } else if (who < pool.nchunks) {
+        run_chunk(who);
+        atomic_fetch_add(&pool.done, 1);
+    }
+}
 
 static void *worker_main(void *arg) {
     int id = (int)(intptr_t)arg;
     long seen = 0;
     for (;;) {
-        /* spin briefly for back-to-back calls, then sleep */
         long g;
         int spins = 0;
-        while ((g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen && spins < 4000) {
-            spins++;
-            __builtin_ia32_pause();
-        }
-        if (g == seen) {
+        while ((g = atomic_load(&pool.generation)) == seen) {
+            if (++spins < WORKER_SPINS) {
+                __builtin_ia32_pause();
+                continue;
+            }
             pthread_mutex_lock(&pool.mu);
-            while ((g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen)
-                pthread_cond_wait(&pool.cv_work, &pool.mu);
+            atomic_fetch_add(&pool.sleepers, 1);
+            while ((g = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+            atomic_fetch_sub(&pool.sleepers, 1);
             pthread_mutex_unlock(&pool.mu);
+            break;
         }
         seen = g;
-        if (id + 1 < pool.nparts) pool.fn(pool.ctx, id + 1, pool.nparts);
-        if (atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_acq_rel) == 1) {
-            pthread_mutex_lock(&pool.mu);
-            pthread_cond_signal(&pool.cv_done);
-            pthread_mutex_unlock(&pool.mu);
-        }
+        atomic_fetch_add(&pool.active, 1);
+        if (atomic_load(&pool.open) == g && id < pool.maxworkers) participate(id + 1);
+        atomic_fetch_sub(&pool.active, 1);
     }
     return NULL;
 }
 
 static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER;
 
-/* Run fn(ctx, part, nparts) for part in [0, nparts) on the caller plus pool workers. */
-static void sk_run(task_fn fn, void *ctx, int nparts) {
-    if (nparts <= 1 || pool.nthreads == 0) {
-        for (int p = 0; p < nparts; p++) fn(ctx, p, nparts);
+void sk_parallel(sk_range_fn fn, void *ctx, int nitems, int chunk, int nthreads) {
+    if (nitems <= 0) return;
+    if (chunk < 1) chunk = 1;
+    int nchunks = (nitems + chunk - 1) / chunk;
+    if (nthreads > pool.nthreads + 1) nthreads = pool.nthreads + 1;
+    if (nthreads <= 1 || nchunks <= 1) {
+        fn(ctx, 0, nitems);
         return;
     }
     pthread_mutex_lock(&run_mu);
-    if (nparts > pool.nthreads + 1) nparts = pool.nthreads + 1;
     pool.fn = fn;
     pool.ctx = ctx;
-    pool.nparts = nparts;
-    atomic_store(&pool.remaining, pool.nthreads);
-    pthread_mutex_lock(&pool.mu);
-    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
-    pthread_cond_broadcast(&pool.cv_work);
-    pthread_mutex_unlock(&pool.mu);
-    fn(ctx, 0, nparts);
-    int spins = 0;
-    while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0 && spins < 200000) {
-        spins++;
-        __builtin_ia32_pause();
+    pool.nitems = nitems;
+    pool.dynamic = g_schedule_dynamic;
+    if (!pool.dynamic) { /* fixed contiguous parts, one per participant */
+        if (nchunks > nthreads) nchunks = nthreads;
+        chunk = (nitems + nchunks - 1) / nchunks;
+        nchunks = (nitems + chunk - 1) / chunk;
     }
-    if (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0) {
+    pool.chunk = chunk;
+    pool.nchunks = nchunks;
+    pool.maxworkers = nthreads - 1;
+    atomic_store(&pool.next, 0);
+    atomic_store(&pool.done, 0);
+    long g = atomic_load(&pool.generation) + 1;
+    atomic_store(&pool.open, g);
+    atomic_store(&pool.generation, g);
+    if (atomic_load(&pool.sleepers) > 0) {
         pthread_mutex_lock(&pool.mu);
-        while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0)
-            pthread_cond_wait(&pool.cv_done, &pool.mu);
+        pthread_cond_broadcast(&pool.cv);
         pthread_mutex_unlock(&pool.mu);
+    }
+    participate(0);
+    if (!pool.dynamic) { /* every part has an owner: wait for all of them */
+        int spins = 0;
+        while (atomic_load(&pool.done) < (nchunks < nthreads ? nchunks : nthreads)) {
+            if (++spins > 2000) sched_yield(); else __builtin_ia32_pause();
+        }
+    }
+    atomic_store(&pool.open, 0);
+    int spins = 0;
+    while (atomic_load(&pool.active) > 0) {
+        if (++spins > 2000) sched_yield(); else __builtin_ia32_pause();
     }
     pthread_mutex_unlock(&run_mu);
 }
@@ -285,28 +305,240 @@ EXPORT int sk_set_threads(int n) {
     return pool.nthreads + 1;
 }
 
+/* Benchmarks only: 1 = dynamic chunks (default), 0 = one fixed part per thread (the old pool). */
+EXPORT void sk_set_schedule(int dynamic) { g_schedule_dynamic = dynamic ? 1 : 0; }
+
+/* Rows per chunk so that one chunk holds about 32 KiB of weights (at least 4 rows). */
+int sk_chunk_rows(size_t row_bytes, int nrows) {
+    size_t r = (32u << 10) / (row_bytes ? row_bytes : 1);
+    if (r < 4) r = 4;
+    if (r > (size_t)nrows) r = (size_t)nrows;
+    return (int)r;
+}
+
 /* ------------------------------------------------------------------ entry points -- */
 
-static void dense_task(void *ctx, int part, int nparts) {
+static void dense_task(void *ctx, int n0, int n1) {
     const dense_args *a = (const dense_args *)ctx;
-    int rows = (a->N + nparts - 1) / nparts;
-    rows = (rows + 3) & ~3;
-    int n0 = part * rows, n1 = n0 + rows;
-    if (n1 > a->N) n1 = a->N;
-    if (n0 >= n1) return;
-    if (have_avx2()) dense_rows_avx2(a, n0, n1);
+    if (sk_avx2()) dense_rows_avx2(a, n0, n1);
     else dense_rows_c(a, n0, n1);
 }
 
 /* y[T, N] = x[T, K] @ W[N, K]^T (+ bias), W in f32 / bf16 / f16. */
 EXPORT void sk_dense(const float *x, const void *w, const float *bias, float *y, int T, int N, int K, int wtype,
-                     int nparts) {
+                     int nthreads) {
     dense_args a = {x, w, bias, y, T, N, K, wtype};
+    size_t row_bytes = (size_t)K * (wtype == WT_F32 ? 4 : 2);
     /* small matrices: not worth waking the pool */
-    if ((long)N * K < 32768) nparts = 1;
-    sk_run(dense_task, &a, nparts);
+    if ((size_t)N * row_bytes < (64u << 10)) nthreads = 1;
+    sk_parallel(dense_task, &a, N, sk_chunk_rows(row_bytes, N), nthreads);
 }
 
-EXPORT int sk_has_avx2(void) { return have_avx2(); }
+/* ------------------------------------------------------- one SwiGLU expert ---- */
 
-EXPORT int sk_version(void) { return 1; }
+/*
+ * One token through one expert: y = scale * down(silu(gate(x)) * up(x)), in a single call so
+ * decoding pays one foreign call per expert instead of a handful of small tensor operations.
+ * Each matrix product is sk_dense's (same rows, same summation order); scratch holds 2 * I floats.
+ */
+EXPORT void sk_swiglu(const float *x, const void *gate, const void *up, const void *down, float *scratch, float *y,
+                      int H, int I, int wtype, float scale, int nthreads) {
+    float *g = scratch, *u = scratch + I;
+    sk_dense(x, gate, NULL, g, 1, I, H, wtype, nthreads);
+    sk_dense(x, up, NULL, u, 1, I, H, wtype, nthreads);
+    for (int i = 0; i < I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    sk_dense(g, down, NULL, y, 1, H, I, wtype, nthreads);
+    for (int i = 0; i < H; i++) y[i] *= scale;
+}
+
+/* ------------------------------------------------- input-major weights (x @ W) ---- */
+
+/*
+ * y[t, n] = sum_k x[t, k] * W[k, n] (+ b[n]) for W stored [K, N] (input-major, as GPT-OSS
+ * stores its experts). Each output is one fused multiply-add chain over k in ascending
+ * order, so a result does not depend on the token count, the column tiling or the thread
+ * count (the AVX2 lanes and the scalar tail compute the same chain).
+ */
+typedef struct {
+    const float *x;      /* [T, K] */
+    const void *w;       /* [K, N] */
+    const float *bias;   /* [N] or NULL */
+    float *y;            /* [T, N] */
+    int T, N, K, wtype;
+} dense_t_args;
+
+static inline float wval(const void *w, size_t idx, int wt) {
+    return wt == WT_F32 ? ((const float *)w)[idx]
+         : wt == WT_BF16 ? bf16_to_f32(((const uint16_t *)w)[idx])
+         : f16_to_f32(((const uint16_t *)w)[idx]);
+}
+
+static void dense_t_cols_c(const dense_t_args *a, int n0, int n1) {
+    const int K = a->K, N = a->N;
+    for (int t = 0; t < a->T; t++) {
+        const float *x = a->x + (size_t)t * K;
+        float *y = a->y + (size_t)t * N;
+        for (int n = n0; n < n1; n++) y[n] = 0.0f;
+        for (int k = 0; k < K; k++) {
+            const float xv = x[k];
+            const size_t row = (size_t)k * N;
+            for (int n = n0; n < n1; n++) y[n] += xv * wval(a->w, row + n, a->wtype);
+        }
+        if (a->bias)
+            for (int n = n0; n < n1; n++) y[n] += a->bias[n];
+    }
+}
+
+/*
+ * W is streamed sequentially, four rows at a time; y (the thread's columns of every token,
+ * L1/L2 resident) holds the running sums between row blocks. Storing and reloading an fp32
+ * partial sum does not change it, so every output is still one fma chain in ascending k.
+ */
+AVX2 static void dense_t_cols_avx2(const dense_t_args *a, int n0, int n1) {
+    const int K = a->K, N = a->N, T = a->T, wt = a->wtype;
+    const int v1 = n0 + ((n1 - n0) & ~7); /* end of whole 8-column vectors */
+    for (int t = 0; t < T; t++) memset(a->y + (size_t)t * N + n0, 0, sizeof(float) * (size_t)(n1 - n0));
+    int k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const size_t r0 = (size_t)k * N, r1 = r0 + N, r2 = r1 + N, r3 = r2 + N;
+        for (int t = 0; t < T; t++) {
+            const float *x = a->x + (size_t)t * K + k;
+            float *y = a->y + (size_t)t * N;
+            const __m256 x0 = _mm256_broadcast_ss(x), x1 = _mm256_broadcast_ss(x + 1),
+                         x2 = _mm256_broadcast_ss(x + 2), x3 = _mm256_broadcast_ss(x + 3);
+            int c = n0;
+            for (; c + 16 <= v1; c += 16) {
+                if (t == 0 && k + 8 <= K) { /* the next row block, one cache line ahead per row */
+                    const char *wb = (const char *)a->w;
+                    const size_t es = wt == WT_F32 ? 4 : 2;
+                    _mm_prefetch(wb + (r3 + N + c) * es, _MM_HINT_T0);
+                    _mm_prefetch(wb + (r3 + 2 * (size_t)N + c) * es, _MM_HINT_T0);
+                    _mm_prefetch(wb + (r3 + 3 * (size_t)N + c) * es, _MM_HINT_T0);
+                    _mm_prefetch(wb + (r3 + 4 * (size_t)N + c) * es, _MM_HINT_T0);
+                }
+                __m256 p = _mm256_loadu_ps(y + c), q = _mm256_loadu_ps(y + c + 8);
+                p = _mm256_fmadd_ps(x0, load8(a->w, r0 + c, wt), p);
+                q = _mm256_fmadd_ps(x0, load8(a->w, r0 + c + 8, wt), q);
+                p = _mm256_fmadd_ps(x1, load8(a->w, r1 + c, wt), p);
+                q = _mm256_fmadd_ps(x1, load8(a->w, r1 + c + 8, wt), q);
+                p = _mm256_fmadd_ps(x2, load8(a->w, r2 + c, wt), p);
+                q = _mm256_fmadd_ps(x2, load8(a->w, r2 + c + 8, wt), q);
+                p = _mm256_fmadd_ps(x3, load8(a->w, r3 + c, wt), p);
+                q = _mm256_fmadd_ps(x3, load8(a->w, r3 + c + 8, wt), q);
+                _mm256_storeu_ps(y + c, p);
+                _mm256_storeu_ps(y + c + 8, q);
+            }
+            for (; c < v1; c += 8) {
+                __m256 p = _mm256_loadu_ps(y + c);
+                p = _mm256_fmadd_ps(x0, load8(a->w, r0 + c, wt), p);
+                p = _mm256_fmadd_ps(x1, load8(a->w, r1 + c, wt), p);
+                p = _mm256_fmadd_ps(x2, load8(a->w, r2 + c, wt), p);
+                p = _mm256_fmadd_ps(x3, load8(a->w, r3 + c, wt), p);
+                _mm256_storeu_ps(y + c, p);
+            }
+            for (; c < n1; c++) { /* scalar tail: the same fma chain per column */
+                float s = y[c];
+                s = fmaf(x[0], wval(a->w, r0 + c, wt), s);
+                s = fmaf(x[1], wval(a->w, r1 + c, wt), s);
+                s = fmaf(x[2], wval(a->w, r2 + c, wt), s);
+                s = fmaf(x[3], wval(a->w, r3 + c, wt), s);
+                y[c] = s;
+            }
+        }
+    }
+    for (; k < K; k++) {
+        const size_t r0 = (size_t)k * N;
+        for (int t = 0; t < T; t++) {
+            const float xv = a->x[(size_t)t * K + k];
+            float *y = a->y + (size_t)t * N;
+            const __m256 x0 = _mm256_set1_ps(xv);
+            int c = n0;
+            for (; c < v1; c += 8)
+                _mm256_storeu_ps(y + c, _mm256_fmadd_ps(x0, load8(a->w, r0 + c, wt), _mm256_loadu_ps(y + c)));
+            for (; c < n1; c++) y[c] = fmaf(xv, wval(a->w, r0 + c, wt), y[c]);
+        }
+    }
+    if (a->bias)
+        for (int t = 0; t < T; t++) {
+            float *y = a->y + (size_t)t * N;
+            for (int c = n0; c < n1; c++) y[c] += a->bias[c];
+        }
+}
+
+static void dense_t_task(void *ctx, int n0, int n1) {
+    const dense_t_args *a = (const dense_t_args *)ctx;
+    if (sk_avx2()) dense_t_cols_avx2(a, n0, n1);
+    else dense_t_cols_c(a, n0, n1);
+}
+
+/* Columns per chunk: one wide chunk per thread (whole 16-column vectors, at least 256
+ * columns). Each chunk walks all K rows of its columns; wide chunks keep those row
+ * segments long, which the row-block prefetch needs (narrow chunks measured ~1.5x slower). */
+static int dense_t_chunk(int N, int nthreads) {
+    int c = (N + nthreads - 1) / (nthreads > 0 ? nthreads : 1);
+    if (c < 256) c = 256;
+    c = (c + 15) & ~15;
+    return c < N ? c : N;
+}
+
+/* y[T, N] = x[T, K] @ W[K, N] (+ bias), W input-major in f32 / bf16 / f16. */
+EXPORT void sk_dense_t(const float *x, const void *w, const float *bias, float *y, int T, int N, int K, int wtype,
+                       int nthreads) {
+    dense_t_args a = {x, w, bias, y, T, N, K, wtype};
+    size_t bytes = (size_t)N * K * (wtype == WT_F32 ? 4 : 2);
+    if (bytes < (64u << 10)) nthreads = 1; /* small matrices: not worth waking the pool */
+    sk_parallel(dense_t_task, &a, N, dense_t_chunk(N, nthreads), nthreads);
+}
+
+EXPORT int sk_has_avx2(void) { return sk_avx2(); }
+
+EXPORT int sk_version(void) { return 2; }
+
+/* ------------------------------------------------------------ benchmark helper ---- */
+
+/* Sum of n floats with the same pool and chunking as the kernels: the read bandwidth a
+ * streaming kernel can reach at this thread count (used by benchmarks/kernels.py). */
+typedef struct {
+    const float *a;
+    size_t n;
+    float *partial;
+} sum_args;
+
+#define SUM_CHUNK 16384
+
+AVX2 static float sum_avx2(const float *a, size_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(a + i));
+        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(a + i + 8));
+        s2 = _mm256_add_ps(s2, _mm256_loadu_ps(a + i + 16));
+        s3 = _mm256_add_ps(s3, _mm256_loadu_ps(a + i + 24));
+    }
+    float s = sk_hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    for (; i < n; i++) s += a[i];
+    return s;
+}
+
+static void sum_task(void *ctx, int c0, int c1) {
+    sum_args *s = (sum_args *)ctx;
+    for (int c = c0; c < c1; c++) {
+        size_t i0 = (size_t)c * SUM_CHUNK, len = s->n - i0 < SUM_CHUNK ? s->n - i0 : SUM_CHUNK;
+        float acc = 0.0f;
+        if (sk_avx2()) acc = sum_avx2(s->a + i0, len);
+        else
+            for (size_t i = 0; i < len; i++) acc += s->a[i0 + i];
+        s->partial[c] = acc;
+    }
+}
+
+EXPORT float sk_bench_sum(const float *a, size_t n, int nthreads) {
+    int chunks = (int)((n + SUM_CHUNK - 1) / SUM_CHUNK);
+    sum_args s = {a, n, (float *)malloc(sizeof(float) * (size_t)chunks)};
+    if (!s.partial) return 0.0f;
+    sk_parallel(sum_task, &s, chunks, 4, nthreads);
+    float total = 0.0f;
+    for (int c = 0; c < chunks; c++) total += s.partial[c];
+    free(s.partial);
+    return total;
+}

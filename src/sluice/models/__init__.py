@@ -11,6 +11,11 @@ FAMILIES = {
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
     "olmoe": "olmoe",
+    "qwen3_next": "qwen3_next",
+    "kimi_linear": "kimi_linear",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",  # Kimi K2 ships the DeepSeek-V3 architecture under its own model_type
+    "gpt_oss": "gpt_oss",
 }
 
 

@@ -7,7 +7,9 @@ A family module (``models/<model_type>.py``) provides:
 - ``describe(cfg) -> ModelDescription``: every spine tensor with its shape, the MoE layers,
   routing width and the checkpoint names of each expert's matrices;
 - ``build(cfg, weights, experts) -> CausalLM``: wires shared layers from ``layers/`` and
-  routes MoE layers through the expert interface (it never reads files).
+  routes MoE layers through the expert interface (it never reads files);
+- optionally ``tensor_aliases(cfg) -> {name: other name}``: spine tensors that some
+  checkpoints store under another name (looked up there when ``name`` is absent).
 
 Shape legend: T tokens, H hidden, V vocabulary, E experts, K experts per token.
 """
@@ -45,6 +47,9 @@ class ModelDescription:
     attn_heads: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # a quant format (``sluice.quant.FORMATS``) the checkpoint stores routed experts in natively,
+    # as parts named "<role>.<part>" in ``expert_tensors``; None: plain f32/bf16/f16 tensors
+    expert_format: str | None = None
 
     @property
     def working_set(self) -> int:

@@ -6,13 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..experts.spec import ExpertSpec
-from ..layers.attention import Attention, KVCache
-from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, rope_parameters
-from ..layers.routing import softmax_topk
-from ..quant import linear
-from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
+from .base import CausalLM, ModelDescription, MoEBlock
 from .config import RawConfig
+from .standard import (AttnShape, attention_spine, build_attention, causal_lm, decoder_layer, expert_refs,
+                       global_spine, kv_bytes_per_token, prefix, softmax_router)
 
 MODEL_TYPE = "olmoe"
 
@@ -64,67 +62,36 @@ def parse_config(raw: dict) -> Config:
     )
 
 
-def _prefix(i: int) -> str:
-    return f"model.layers.{i}."
+def _attn(cfg: Config) -> AttnShape:
+    return AttnShape(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                     cfg.attention_bias, "full")
 
 
 def describe(cfg: Config) -> ModelDescription:
-    h, d = cfg.hidden_size, cfg.head_dim
-    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    spine: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        spine["lm_head.weight"] = (cfg.vocab_size, h)
+    h, a = cfg.hidden_size, _attn(cfg)
+    spine = global_spine(cfg.vocab_size, h, cfg.tie_word_embeddings)
     for i in range(cfg.num_hidden_layers):
-        p = _prefix(i)
-        spine.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (nq, h),
-            p + "self_attn.k_proj.weight": (nkv, h),
-            p + "self_attn.v_proj.weight": (nkv, h),
-            p + "self_attn.o_proj.weight": (h, nq),
-            p + "self_attn.q_norm.weight": (nq,),
-            p + "self_attn.k_norm.weight": (nkv,),
-            p + "mlp.gate.weight": (cfg.num_experts, h),
-        })
-        if cfg.attention_bias:
-            spine.update({p + "self_attn.q_proj.bias": (nq,), p + "self_attn.k_proj.bias": (nkv,),
-                          p + "self_attn.v_proj.bias": (nkv,), p + "self_attn.o_proj.bias": (h,)})
+        spine.update(attention_spine(prefix(i), a))
+        spine[prefix(i) + "mlp.gate.weight"] = (cfg.num_experts, h)
     spec = ExpertSpec(hidden=h, intermediate=cfg.intermediate_size, act=cfg.hidden_act)
-    shapes = spec.matrix_shapes()
-
-    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        p = f"{_prefix(layer)}mlp.experts.{e}."
-        return {r: TensorRef(f"{p}{r}_proj.weight", shapes[r]) for r in ("gate", "up", "down")}
-
     return ModelDescription(
         model_type=MODEL_TYPE, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
         moe_layers=list(range(cfg.num_hidden_layers)), n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
-        expert=spec, expert_tensors=expert_tensors,
-        state_bytes_per_token=KVCache.nbytes(cfg.num_key_value_heads, 1, d) * cfg.num_hidden_layers,
+        expert=spec,
+        expert_tensors=expert_refs(spec, "model.layers.{layer}.mlp.experts.{e}.{name}.weight",
+                                   {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+        state_bytes_per_token=kv_bytes_per_token(a, cfg.num_hidden_layers),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
     )
 
 
 def build(cfg: Config, w, experts) -> CausalLM:
+    a, eps = _attn(cfg), cfg.rms_norm_eps
     layers = []
     for i in range(cfg.num_hidden_layers):
-        p = _prefix(i)
-        bias = (lambda n: w(p + f"self_attn.{n}_proj.bias")) if cfg.attention_bias else (lambda n: None)
-        attn = Attention(
-            wq=w(p + "self_attn.q_proj.weight"), wk=w(p + "self_attn.k_proj.weight"),
-            wv=w(p + "self_attn.v_proj.weight"), wo=w(p + "self_attn.o_proj.weight"),
-            bq=bias("q"), bk=bias("k"), bv=bias("v"), bo=bias("o"),
-            n_heads=cfg.num_attention_heads, n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-            qk_norm="full", q_norm=w(p + "self_attn.q_norm.weight"), k_norm=w(p + "self_attn.k_norm.weight"),
-            norm_eps=cfg.rms_norm_eps, clip_qkv=cfg.clip_qkv,
-        )
-        router_w = w(p + "mlp.gate.weight")
-        k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        mlp = MoEBlock(i, lambda x, bias=None, rw=router_w: softmax_topk(linear(x, rw), k, norm, bias), experts)
-        layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), cfg.rms_norm_eps), attn,
-                                   RMSNorm(w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps), mlp))
-    embed = w("model.embed_tokens.weight")
-    head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
-    rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
-    return CausalLM(embed, layers, RMSNorm(w("model.norm.weight"), cfg.rms_norm_eps), head, rotary)
+        p = prefix(i)
+        attn = build_attention(w, p, a, eps, clip_qkv=cfg.clip_qkv)
+        router = softmax_router(w(p + "mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        layers.append(decoder_layer(w, p, eps, attn, MoEBlock(i, router, experts)))
+    return causal_lm(w, layers, cfg.tie_word_embeddings, eps,
+                     Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings))

@@ -2,10 +2,15 @@
 
 Quant knows no architecture. A *format* describes how one [N, K] weight matrix is stored
 (its parts, e.g. ``weight`` or ``blocks`` + ``scales``) and multiplies fp32 activations by
-it without materialising a full-precision copy. ``linear`` is the entry point for plain
-dtypes (f32 / bf16 / f16 weights with fp32 activations and fp32 accumulation).
+it without materialising a full-precision copy. ``linear`` is the entry point: plain dtypes
+(f32 / bf16 / f16 weights) and ``QuantMatrix`` (int8, q4, mxfp4, rvq3) alike, with fp32
+activations and fp32 results. See ``formats`` for the interface and docs/quantization.md.
 """
 
-from .dense import linear
+from . import int8, mxfp4, q4, rvq3  # noqa: F401  (register the formats)
+from .dense import linear, linear_t
+from .formats import (FORMATS, Format, QuantMatrix, activations, assemble, fake_quantize_activations,
+                      record_layout, set_activations)
 
-__all__ = ["linear"]
+__all__ = ["FORMATS", "Format", "QuantMatrix", "activations", "assemble", "fake_quantize_activations", "linear",
+           "linear_t", "record_layout", "set_activations"]

@@ -1,4 +1,4 @@
-"""fp32 activations x {f32, bf16, f16} weights, fp32 results."""
+"""fp32 activations x {f32, bf16, f16} weights (or a ``QuantMatrix``), fp32 results."""
 
 from __future__ import annotations
 
@@ -6,19 +6,27 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from .formats import QuantMatrix
 
 _CHUNK_ELEMS = 4 << 20  # bound on the fp32 temporary when upcasting a weight (16 MiB)
 SMALL_BATCH = 8  # up to this many rows, the fused C kernel beats upcast + sgemm
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` in fp32. x: [T, K] fp32, weight: [N, K] f32/bf16/f16.
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in fp32. x: [T, K] fp32, weight: [N, K] f32/bf16/f16 or a ``QuantMatrix``.
 
     Small batches go through the C kernel for every dtype: no fp32 copy of a half-precision
     weight, and a summation order that depends neither on the weight's address alignment nor
     on the thread count (BLAS GEMV does depend on both). Larger batches use sgemm, upcasting
-    half-precision weights in bounded row chunks (16 MiB at most).
+    half-precision weights in bounded row chunks (16 MiB at most). A ``QuantMatrix`` does the
+    same with its format's kernels; another wrapper (``quant.fp8.BlockFP8``) multiplies itself.
     """
+    if isinstance(weight, QuantMatrix):
+        return weight.matmul(x, bias)
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x, bias)
+    if bias is not None and bias.dtype != torch.float32:  # e.g. bf16 biases next to f32 weights
+        bias = bias.float()
     if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.available() and weight.is_contiguous():
         b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
         return kernels.dense(x.contiguous(), weight, b)
@@ -34,4 +42,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         torch.matmul(x, weight[r0:r1].float().t(), out=out[..., r0:r1])
     if bias is not None:
         out += bias.float()
+    return out
+
+
+def linear_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight (+ bias)`` in fp32 for an input-major weight [K, N] (GPT-OSS experts on disk).
+
+    Small batches use the input-major C kernel (one fused multiply-add chain per output, in
+    ascending k: independent of batch size, alignment and thread count). Larger batches use
+    sgemm, upcasting half-precision weights in bounded column chunks (16 MiB at most).
+    """
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.available() and weight.is_contiguous():
+        return kernels.dense_t(x.contiguous(), weight, bias)
+    if weight.dtype == torch.float32:
+        out = x @ weight
+    else:
+        k, n = weight.shape
+        cols = max(1, _CHUNK_ELEMS // max(k, 1))
+        if cols >= n:
+            out = x @ weight.float()
+        else:
+            out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
+            for c0 in range(0, n, cols):
+                c1 = min(n, c0 + cols)
+                torch.matmul(x, weight[:, c0:c1].float(), out=out[..., c0:c1])
+    if bias is not None:
+        out += bias
     return out

@@ -1,0 +1,36 @@
+"""Attention with a sigmoid output gate (Qwen3-Next full-attention layers).
+
+``q_proj`` yields, per head, the query and a gate of the same width; the attention output
+is multiplied by ``sigmoid(gate)`` before ``o_proj``. q/k norms are per head and may use the
+(1 + weight) form.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import linear
+from .attention import Attention, attend
+from .norm import RMSNorm
+from .rotary import apply_rotary
+
+
+class GatedAttention(Attention):
+    def __init__(self, *, norm_offset: float = 0.0, **kw):
+        super().__init__(qk_norm="head", **kw)
+        eps = self.q_norm.eps
+        self.q_norm = RMSNorm(kw["q_norm"], eps, offset=norm_offset)
+        self.k_norm = RMSNorm(kw["k_norm"], eps, offset=norm_offset)
+
+    def __call__(self, x: torch.Tensor, start: int, cache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        qg = linear(x, self.wq, self.bq).view(t, self.n_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(t, -1)
+        k = linear(x, self.wk, self.bk).view(t, self.n_kv, d)
+        v = linear(x, self.wv, self.bv).view(t, self.n_kv, d)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(k), cos, sin)
+        cache.write(start, k, v)
+        end = start + t
+        o = attend(q, cache.k[:, :end], cache.v[:, :end], start, self.scale, self.window, self.sinks)
+        return linear(o.reshape(t, -1) * torch.sigmoid(gate), self.wo, self.bo)

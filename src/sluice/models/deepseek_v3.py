@@ -1,0 +1,333 @@
+"""DeepSeek-V3 (``model_type: deepseek_v3``; Kimi K2 ships the same architecture).
+
+Multi-head Latent Attention with a compressed latent cache (``layers/mla.py``), RoPE on a
+rope sub-head (interleaved pairs by default, YaRN with the mscale softmax correction),
+sigmoid group-limited routing with ``e_score_correction_bias`` for selection only
+(``layers/routing.py``), shared experts, ``first_k_dense_replace`` dense layers (and
+``moe_layer_freq``), block-scaled FP8 checkpoints (``quant/fp8.py``) kept in FP8.
+
+Semantics follow transformers 5.24 (the oracle). Where transformers ignores a config key
+that would change the computation, Sluice refuses that key's non-default values instead
+of guessing (the list is in ``docs/families.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CheckpointError, UnsupportedModelError
+from ..experts.spec import ExpertSpec
+from ..layers.mla import MLA, LatentCache
+from ..layers.mlp import GatedMLP, activation
+from ..layers.norm import RMSNorm
+from ..layers.rotary import Rotary, rope_parameters
+from ..layers.routing import grouped_topk
+from ..quant import linear
+from ..quant.fp8 import SCALE_SUFFIX, BlockFP8, not_converted, parse_quantization_config, scale_shape
+from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
+from .config import RawConfig
+
+MODEL_TYPE = "deepseek_v3"
+
+# transformers' DeepseekV3Config defaults, used only when config.json lacks the key
+_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+                 qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+                 first_k_dense_replace=3, norm_topk_prob=True, rope_interleave=True)
+
+
+@dataclass
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    hidden_act: str
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    moe_layers: list[int]
+    mtp_layers: int
+    rope: dict
+    softmax_scale: float
+    block: tuple[int, int] | None  # FP8 weight block, None for plain dtypes
+    quantization: dict | None
+    model_type: str
+
+    def quantized(self, module: str) -> bool:
+        """Whether linear ``module`` (its name without ``.weight``) is stored as block FP8."""
+        return self.block is not None and not not_converted(self.quantization, module)
+
+
+def _raw_or_default(raw: dict, key: str):
+    """The key's value, ``None`` if config.json sets it to null, transformers' default if absent."""
+    return raw[key] if key in raw else _DEFAULTS[key]
+
+
+def _positive_int(c: RawConfig, key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UnsupportedModelError(f"{c.where}: {key}={value!r} is not supported (expected a positive integer)")
+    return value
+
+
+def parse_config(raw: dict) -> Config:
+    c = RawConfig(raw)
+    n_layers = c.int("num_hidden_layers")
+    heads = c.int("num_attention_heads")
+    kv_heads = c.int("num_key_value_heads", heads)
+    if kv_heads != heads:
+        raise UnsupportedModelError(
+            f"config.json: num_key_value_heads={kv_heads} with num_attention_heads={heads} is not supported (MLA "
+            "expands one key/value per query head; transformers' DeepSeek-V3 needs them equal too)")
+    c.refuse("scoring_func", ("sigmoid",), "DeepSeek-V3 routing scores experts with a sigmoid; transformers "
+             "ignores scoring_func, so another value would be silently different")
+    c.refuse("topk_method", ("noaux_tc",), "DeepSeek-V3 selects experts with noaux_tc (bias-corrected group "
+             "top-k); transformers ignores topk_method")
+    for key in ("use_sliding_window", "sliding_window"):
+        c.refuse(key, (False,), "DeepSeek-V3 attends to the whole context")
+
+    n_experts = c.int("n_routed_experts", None, "num_local_experts") or 0
+    k = c.int("num_experts_per_tok")
+    n_group = raw.get("n_group", _DEFAULTS["n_group"]) or 1
+    topk_group = raw.get("topk_group", _DEFAULTS["topk_group"]) or 1
+    n_group = _positive_int(c, "n_group", n_group)
+    topk_group = _positive_int(c, "topk_group", topk_group)
+    if n_experts:
+        if n_experts % n_group:
+            raise UnsupportedModelError(f"config.json: n_routed_experts={n_experts} is not divisible by "
+                                        f"n_group={n_group}")
+        if topk_group > n_group:
+            raise UnsupportedModelError(f"config.json: topk_group={topk_group} exceeds n_group={n_group}")
+        if n_group > 1 and n_experts // n_group < 2:
+            raise UnsupportedModelError(f"config.json: n_group={n_group} leaves fewer than 2 experts per group "
+                                        "(groups are scored by their two best experts)")
+        if k > topk_group * (n_experts // n_group):
+            raise UnsupportedModelError(f"config.json: num_experts_per_tok={k} exceeds the {topk_group} x "
+                                        f"{n_experts // n_group} experts of the selected groups")
+    first_dense = raw.get("first_k_dense_replace", _DEFAULTS["first_k_dense_replace"]) or 0
+    freq = c.int("moe_layer_freq", 1)
+    if freq < 1:
+        raise UnsupportedModelError(f"config.json: moe_layer_freq={freq} is not supported")
+    moe = [i for i in range(n_layers) if n_experts and i >= first_dense and i % freq == 0]
+
+    q_lora = _raw_or_default(raw, "q_lora_rank")
+    if q_lora is not None:
+        q_lora = _positive_int(c, "q_lora_rank", q_lora)
+    dn = _positive_int(c, "qk_nope_head_dim", _raw_or_default(raw, "qk_nope_head_dim"))
+    dr = _positive_int(c, "qk_rope_head_dim", _raw_or_default(raw, "qk_rope_head_dim"))
+    if dr % 2:
+        raise UnsupportedModelError(f"config.json: qk_rope_head_dim={dr} must be even")
+    dv = _positive_int(c, "v_head_dim", _raw_or_default(raw, "v_head_dim"))
+    max_pos = c.int("max_position_embeddings", 4096)
+    rope = rope_parameters(raw)
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(
+            f"config.json: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported (DeepSeek-V3 "
+            "rotates the whole qk_rope_head_dim part)")
+    if rope.get("rope_type", "default") != "default" and rope.get("factor") is None:
+        raise UnsupportedModelError(f"config.json: RoPE type {rope.get('rope_type')!r} without a 'factor' is not "
+                                    "supported (transformers requires it too)")
+    Rotary(dr, rope, max_pos)  # refuses unsupported RoPE types now, at load
+    act = c.get("hidden_act", "silu")
+    activation(act)
+    scale = (dn + dr) ** -0.5
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        # the YaRN attention-temperature correction, applied to the softmax scale (squared)
+        factor = float(rope["factor"])
+        m = 1.0 if factor <= 1 else 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale = scale * m * m
+    qc = raw.get("quantization_config")
+    block = parse_quantization_config(qc)
+    n_shared = raw.get("n_shared_experts", _DEFAULTS["n_shared_experts"]) or 0
+    return Config(
+        vocab_size=c.int("vocab_size"),
+        hidden_size=c.int("hidden_size"),
+        intermediate_size=c.int("intermediate_size"),
+        moe_intermediate_size=c.int("moe_intermediate_size"),
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        hidden_act=act,
+        rms_norm_eps=c.float("rms_norm_eps", 1e-6),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        attention_bias=bool(c.get("attention_bias", False)),
+        q_lora_rank=q_lora,
+        kv_lora_rank=_positive_int(c, "kv_lora_rank", _raw_or_default(raw, "kv_lora_rank")),
+        qk_nope_head_dim=dn,
+        qk_rope_head_dim=dr,
+        v_head_dim=dv,
+        rope_interleave=bool(raw.get("rope_interleave", _DEFAULTS["rope_interleave"])),
+        n_routed_experts=n_experts,
+        n_shared_experts=int(n_shared),
+        num_experts_per_tok=k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", _DEFAULTS["norm_topk_prob"])),
+        routed_scaling_factor=c.float("routed_scaling_factor", _DEFAULTS["routed_scaling_factor"]),
+        moe_layers=moe,
+        mtp_layers=c.int("num_nextn_predict_layers", 0, "num_mtp_layers"),
+        rope=rope,
+        softmax_scale=scale,
+        block=block,
+        quantization=qc if block is not None else None,
+        model_type=raw.get("model_type", MODEL_TYPE),
+    )
+
+
+def _prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def _linear_tensors(cfg: Config, module: str, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {module + ".weight": shape}
+    if cfg.quantized(module):
+        out[module + ".weight" + SCALE_SUFFIX] = scale_shape(shape, cfg.block)
+    return out
+
+
+def describe(cfg: Config) -> ModelDescription:
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    dn, dr, dv, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    spine: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        spine["lm_head.weight"] = (cfg.vocab_size, h)
+
+    def lin(module: str, shape: tuple[int, int], bias: bool = False) -> None:
+        spine.update(_linear_tensors(cfg, module, shape))
+        if bias:
+            spine[module + ".bias"] = (shape[0],)
+
+    for i in range(cfg.num_hidden_layers):
+        p = _prefix(i)
+        a = p + "self_attn."
+        spine[p + "input_layernorm.weight"] = (h,)
+        spine[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.q_lora_rank is None:
+            lin(a + "q_proj", (nh * (dn + dr), h))
+        else:
+            lin(a + "q_a_proj", (cfg.q_lora_rank, h), cfg.attention_bias)
+            spine[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            lin(a + "q_b_proj", (nh * (dn + dr), cfg.q_lora_rank))
+        lin(a + "kv_a_proj_with_mqa", (rank + dr, h), cfg.attention_bias)
+        spine[a + "kv_a_layernorm.weight"] = (rank,)
+        lin(a + "kv_b_proj", (nh * (dn + dv), rank))
+        lin(a + "o_proj", (h, nh * dv), cfg.attention_bias)
+        if i in cfg.moe_layers:
+            spine[p + "mlp.gate.weight"] = (cfg.n_routed_experts, h)
+            spine[p + "mlp.gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+            if cfg.n_shared_experts:
+                si = cfg.moe_intermediate_size * cfg.n_shared_experts
+                lin(p + "mlp.shared_experts.gate_proj", (si, h))
+                lin(p + "mlp.shared_experts.up_proj", (si, h))
+                lin(p + "mlp.shared_experts.down_proj", (h, si))
+        else:
+            im = cfg.intermediate_size
+            lin(p + "mlp.gate_proj", (im, h))
+            lin(p + "mlp.up_proj", (im, h))
+            lin(p + "mlp.down_proj", (h, im))
+
+    spec = ExpertSpec(hidden=h, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act,
+                      block=cfg.block if cfg.moe_layers and cfg.quantized(f"{_prefix(cfg.moe_layers[0])}mlp.experts.0.gate_proj")
+                      else None)
+    shapes = spec.matrix_shapes()
+
+    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
+        p = f"{_prefix(layer)}mlp.experts.{e}."
+        refs = {}
+        for role in ("gate", "up", "down"):
+            module = f"{p}{role}_proj"
+            for name, shape in _linear_tensors(cfg, module, shapes[role]).items():
+                refs[role + SCALE_SUFFIX if name.endswith(SCALE_SUFFIX) else role] = TensorRef(name, shape)
+        return refs
+
+    notes = []
+    if cfg.mtp_layers:
+        n = cfg.num_hidden_layers
+        notes.append(f"{cfg.mtp_layers} multi-token-prediction layer(s) (model.layers.{n}"
+                     f"{'..' + str(n + cfg.mtp_layers - 1) if cfg.mtp_layers > 1 else ''}.*) are not used: "
+                     "generation predicts one token per step")
+    notes.append(f"MLA latent cache: {rank} + {dr} floats per position per layer (not full K/V)")
+    if cfg.block is not None:
+        notes.append(f"FP8 e4m3 weights with {cfg.block[0]}x{cfg.block[1]} block scales, kept in FP8 "
+                     "(activations stay fp32)")
+    if cfg.model_type != MODEL_TYPE:
+        notes.append(f"model_type {cfg.model_type!r} read as {MODEL_TYPE}")
+    return ModelDescription(
+        model_type=cfg.model_type, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
+        moe_layers=cfg.moe_layers, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, expert=spec,
+        expert_tensors=expert_tensors,
+        state_bytes_per_token=LatentCache.nbytes(1, rank, dr) * cfg.num_hidden_layers,
+        max_position_embeddings=cfg.max_position_embeddings, attn_heads=nh, notes=notes,
+    )
+
+
+def build(cfg: Config, w, experts) -> CausalLM:
+    def lin(module: str):
+        weight = w(module + ".weight")
+        if cfg.quantized(module):
+            return BlockFP8(weight, w(module + ".weight" + SCALE_SUFFIX), cfg.block, module + ".weight")
+        if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise CheckpointError(
+                f"tensor {module + '.weight'!r} is {weight.dtype}, but config.json declares no block-scaled "
+                "quantization for it (quantization_config / modules_to_not_convert)")
+        return weight
+
+    def bias(module: str):
+        return w(module + ".bias") if cfg.attention_bias else None
+
+    eps = cfg.rms_norm_eps
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = _prefix(i)
+        a = p + "self_attn."
+        q = dict(wq=lin(a + "q_proj")) if cfg.q_lora_rank is None else dict(
+            wq_a=lin(a + "q_a_proj"), bq_a=bias(a + "q_a_proj"), q_a_norm=w(a + "q_a_layernorm.weight"),
+            wq_b=lin(a + "q_b_proj"))
+        attn = MLA(
+            **q, wkv_a=lin(a + "kv_a_proj_with_mqa"), bkv_a=bias(a + "kv_a_proj_with_mqa"),
+            kv_a_norm=w(a + "kv_a_layernorm.weight"), wkv_b=lin(a + "kv_b_proj"), wo=lin(a + "o_proj"),
+            bo=bias(a + "o_proj"), n_heads=cfg.num_attention_heads, kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim, scale=cfg.softmax_scale, interleave=cfg.rope_interleave,
+            norm_eps=1e-6,  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
+        )
+        if i in cfg.moe_layers:
+            router_w = w(p + "mlp.gate.weight")
+            corr = w(p + "mlp.gate.e_score_correction_bias").float()
+            shared = None
+            if cfg.n_shared_experts:
+                s = p + "mlp.shared_experts."
+                shared = GatedMLP(lin(s + "gate_proj"), lin(s + "up_proj"), lin(s + "down_proj"), cfg.hidden_act)
+
+            def router(x, rw=router_w, corr=corr):
+                return grouped_topk(linear(x, rw), cfg.num_experts_per_tok, scoring="sigmoid", bias=corr,
+                                    n_group=cfg.n_group, topk_group=cfg.topk_group, normalize=cfg.norm_topk_prob,
+                                    scale=cfg.routed_scaling_factor)
+
+            mlp = MoEBlock(i, router, experts, shared=shared)
+        else:
+            mlp = GatedMLP(lin(p + "mlp.gate_proj"), lin(p + "mlp.up_proj"), lin(p + "mlp.down_proj"), cfg.hidden_act)
+        layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), eps), attn,
+                                   RMSNorm(w(p + "post_attention_layernorm.weight"), eps), mlp))
+    embed = w("model.embed_tokens.weight")
+    head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
+    rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
+    return CausalLM(embed, layers, RMSNorm(w("model.norm.weight"), eps), head, rotary)

@@ -1,0 +1,264 @@
+"""GPT-OSS (``model_type: gpt_oss``): GQA with biases on q/k/v/o and learned attention sinks,
+sliding-window and full attention alternating by ``layer_types``, yarn RoPE; a router with a
+bias whose top-k *logits* are softmaxed; experts with a clamped SwiGLU and biases.
+
+Experts are fused on disk, input-major (``y = x @ W``):
+``mlp.experts.gate_up_proj`` [E, H, 2I] (gate/up interleaved along the last dim),
+``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]. Each
+expert is the contiguous e-th slice of each, streamed as it is (see ``experts/fused.py``).
+Native MXFP4 checkpoints (``quantization_config.quant_method == "mxfp4"``) store the expert
+matrices as ``*_blocks`` / ``*_scales`` instead; see ``_mxfp4_tensors``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UnsupportedModelError
+from ..experts.spec import ExpertSpec
+from ..layers.attention import Attention, KVCache
+from ..layers.norm import RMSNorm
+from ..layers.rotary import SUPPORTED_ROPE_TYPES, Rotary, rope_parameters
+from ..quant import linear
+from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
+from .config import RawConfig
+
+MODEL_TYPE = "gpt_oss"
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+# transformers' GptOssConfig defaults, used when config.json omits them
+_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+_DEFAULT_THETA = 150000.0
+
+
+@dataclass
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int | None
+    layer_types: list[str]
+    num_experts: int
+    num_experts_per_tok: int
+    swiglu_alpha: float
+    swiglu_limit: float
+    rope: dict
+    mxfp4: bool  # experts stored as MXFP4 blocks/scales
+
+
+def _rope(raw: dict) -> dict:
+    if raw.get("rope_parameters") or raw.get("rope_scaling"):
+        params = rope_parameters({"rope_theta": _DEFAULT_THETA, **raw})
+    else:
+        params = {**_DEFAULT_ROPE, "rope_theta": raw.get("rope_theta", _DEFAULT_THETA)}
+    rtype = params.get("rope_type")
+    if rtype not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"config.json: RoPE type {rtype!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("config.json: partial_rotary_factor != 1 is not supported for gpt_oss "
+                                    "(GPT-OSS rotates the whole head)")
+    return params
+
+
+def _quantization(raw: dict) -> bool:
+    """True when the routed experts are stored as MXFP4; refuses any other quantization."""
+    q = raw.get("quantization_config")
+    if not q:
+        return False
+    if not isinstance(q, dict):
+        raise UnsupportedModelError(f"config.json: quantization_config {q!r} is not supported")
+    method = q.get("quant_method")
+    if method != "mxfp4":
+        raise UnsupportedModelError(
+            f"config.json: quantization_config.quant_method={method!r} is not supported for gpt_oss "
+            "(supported: mxfp4, or an unquantized checkpoint)")
+    skipped = q.get("modules_to_not_convert") or []
+    n_layers = raw.get("num_hidden_layers") or 0
+    if any(_skips(str(m), f"model.layers.{i}.mlp.experts") for m in skipped for i in range(n_layers)):
+        raise UnsupportedModelError(
+            f"config.json: quantization_config.modules_to_not_convert={skipped!r} keeps some experts unquantized; "
+            "Sluice reads MXFP4 gpt_oss checkpoints whose routed experts are all MXFP4")
+    return True
+
+
+def _skips(pattern: str, module: str) -> bool:
+    """Whether a ``modules_to_not_convert`` entry names ``module`` (as a prefix up to a module
+    boundary, as a regex with that boundary, or as a suffix), so that module stays unquantized."""
+    try:
+        if re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module):
+            return True
+    except re.error:
+        pass
+    return module.endswith(pattern)
+
+
+def parse_config(raw: dict) -> Config:
+    c = RawConfig(raw)
+    n_layers = c.int("num_hidden_layers")
+    heads = c.int("num_attention_heads")
+    hidden = c.int("hidden_size")
+    kv = c.int("num_key_value_heads", heads)
+    if heads % kv:
+        raise UnsupportedModelError(f"config.json: num_attention_heads={heads} is not a multiple of "
+                                    f"num_key_value_heads={kv}")
+    layer_types = c.get("layer_types", None)
+    if layer_types is None:
+        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise UnsupportedModelError(
+            f"config.json: layer_types must list one type per layer ({n_layers}), got {layer_types!r}")
+    bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if bad:
+        raise UnsupportedModelError(
+            f"config.json: layer_types {bad} are not supported (supported: {', '.join(LAYER_TYPES)})")
+    window = raw["sliding_window"] if "sliding_window" in raw else 128  # an explicit null is not the default
+    if "sliding_attention" in layer_types and not (isinstance(window, int) and window >= 1):
+        raise UnsupportedModelError(
+            f"config.json: sliding_window={window!r} with sliding_attention layers is not supported "
+            "(need a positive integer)")
+    n_experts = c.int("num_local_experts", None, "num_experts")
+    k = c.int("num_experts_per_tok", 4)
+    if not n_experts or not 1 <= k <= n_experts:
+        raise UnsupportedModelError(f"config.json: num_experts_per_tok={k} with {n_experts} experts is not supported")
+    mxfp4 = _quantization(raw)
+    inter = c.int("intermediate_size")
+    if mxfp4 and (hidden % 32 or inter % 32):
+        raise UnsupportedModelError(
+            f"config.json: MXFP4 experts need hidden_size ({hidden}) and intermediate_size ({inter}) to be "
+            "multiples of 32 (the MXFP4 block)")
+    return Config(
+        vocab_size=c.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=c.int("head_dim", hidden // heads),
+        rms_norm_eps=c.float("rms_norm_eps", 1e-5),
+        max_position_embeddings=c.int("max_position_embeddings", 131072),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        attention_bias=bool(c.get("attention_bias", True)),
+        sliding_window=window if "sliding_attention" in layer_types else None,
+        layer_types=list(layer_types),
+        num_experts=n_experts,
+        num_experts_per_tok=k,
+        swiglu_alpha=c.float("swiglu_alpha", 1.702),
+        swiglu_limit=c.float("swiglu_limit", 7.0),
+        rope=_rope(raw),
+        mxfp4=mxfp4,
+    )
+
+
+def _prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def describe(cfg: Config) -> ModelDescription:
+    h, d = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    spine: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        spine["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_hidden_layers):
+        p = _prefix(i)
+        spine.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nq, h),
+            p + "self_attn.k_proj.weight": (nkv, h),
+            p + "self_attn.v_proj.weight": (nkv, h),
+            p + "self_attn.o_proj.weight": (h, nq),
+            p + "self_attn.sinks": (cfg.num_attention_heads,),
+            p + "mlp.router.weight": (cfg.num_experts, h),
+            p + "mlp.router.bias": (cfg.num_experts,),
+        })
+        if cfg.attention_bias:
+            spine.update({p + "self_attn.q_proj.bias": (nq,), p + "self_attn.k_proj.bias": (nkv,),
+                          p + "self_attn.v_proj.bias": (nkv,), p + "self_attn.o_proj.bias": (h,)})
+    inter = cfg.intermediate_size
+    spec = ExpertSpec(hidden=h, intermediate=inter, variant="clamped_swiglu", bias=True,
+                      limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+
+    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
+        p = f"{_prefix(layer)}mlp.experts."
+        refs = {"gate_up_bias": TensorRef(p + "gate_up_proj_bias", (2 * inter,), index=e),
+                "down_bias": TensorRef(p + "down_proj_bias", (h,), index=e)}
+        if cfg.mxfp4:
+            refs.update(_mxfp4_tensors(p, e, h, inter))
+        else:
+            refs["gate_up_t"] = TensorRef(p + "gate_up_proj", (h, 2 * inter), index=e)
+            refs["down_t"] = TensorRef(p + "down_proj", (inter, h), index=e)
+        return refs
+
+    n_sliding = cfg.layer_types.count("sliding_attention")
+    stored = ("MXFP4 blocks/scales (gate_up rows interleaved), computed in 4-bit form"
+              if cfg.mxfp4 else "fused, input-major, gate/up interleaved")
+    notes = [
+        f"attention: {n_sliding} sliding-window layers (window {cfg.sliding_window}) and "
+        f"{cfg.num_hidden_layers - n_sliding} full layers, learned sinks; RoPE {cfg.rope.get('rope_type')}",
+        f"experts: a Hugging Face directory stores them {stored} and is streamed one expert slice at a time as "
+        "stored; a container holds canonical de-interleaved records",
+    ]
+    return ModelDescription(
+        model_type=MODEL_TYPE, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
+        moe_layers=list(range(cfg.num_hidden_layers)), n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        expert=spec, expert_tensors=expert_tensors,
+        state_bytes_per_token=KVCache.nbytes(cfg.num_key_value_heads, 1, d) * cfg.num_hidden_layers,
+        max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads, notes=notes,
+        expert_format="mxfp4" if cfg.mxfp4 else None,
+    )
+
+
+def _mxfp4_tensors(p: str, e: int, h: int, inter: int) -> dict[str, TensorRef]:
+    """MXFP4 experts as GPT-OSS checkpoints store them: ``*_blocks`` uint8 [E, out, in/32, 16]
+    and ``*_scales`` uint8 [E, out, in/32], output-major; gate_up's 2I rows interleave gate and
+    up. Exactly the parts of ``sluice.quant``'s mxfp4 format, read as they are (4.25 bits)."""
+    return {
+        "gate_up.blocks": TensorRef(p + "gate_up_proj_blocks", (2 * inter, h // 32, 16), index=e),
+        "gate_up.scales": TensorRef(p + "gate_up_proj_scales", (2 * inter, h // 32), index=e),
+        "down.blocks": TensorRef(p + "down_proj_blocks", (h, inter // 32, 16), index=e),
+        "down.scales": TensorRef(p + "down_proj_scales", (h, inter // 32), index=e),
+    }
+
+
+def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS routing: top-k of the raw logits, softmax over those k only (fp32)."""
+    values, ids = torch.topk(logits.float(), k, dim=-1)
+    return ids, torch.softmax(values, dim=-1)
+
+
+def build(cfg: Config, w, experts) -> CausalLM:
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = _prefix(i)
+        bias = (lambda n: w(p + f"self_attn.{n}_proj.bias")) if cfg.attention_bias else (lambda n: None)
+        attn = Attention(
+            wq=w(p + "self_attn.q_proj.weight"), wk=w(p + "self_attn.k_proj.weight"),
+            wv=w(p + "self_attn.v_proj.weight"), wo=w(p + "self_attn.o_proj.weight"),
+            bq=bias("q"), bk=bias("k"), bv=bias("v"), bo=bias("o"),
+            n_heads=cfg.num_attention_heads, n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+            window=cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None,
+            sinks=w(p + "self_attn.sinks"),
+        )
+        router_w, router_b = w(p + "mlp.router.weight"), w(p + "mlp.router.bias").float()
+        k = cfg.num_experts_per_tok
+        mlp = MoEBlock(i, lambda x, rw=router_w, rb=router_b: topk_softmax(linear(x, rw, rb), k), experts)
+        layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), cfg.rms_norm_eps), attn,
+                                   RMSNorm(w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps), mlp))
+    embed = w("model.embed_tokens.weight")
+    head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
+    rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+    return CausalLM(embed, layers, RMSNorm(w("model.norm.weight"), cfg.rms_norm_eps), head, rotary)

@@ -1,0 +1,363 @@
+"""Kimi Linear (``model_type: kimi_linear``): a hybrid of Kimi Delta Attention (gated delta
+rule with a per-channel decay, ``layers/gated_delta.py``) and Multi-head Latent Attention
+without positional encoding (``layers/mla.py``, its rope sub-head used unrotated), sigmoid
+group-limited routing with ``e_score_correction_bias`` and ``routed_scaling_factor``,
+shared experts, dense layers first (``first_k_dense_replace`` / ``mlp_layer_types``).
+
+Reads both the original config layout (``linear_attn_config``, ``model_max_length``,
+``num_experts_per_token``, ...) and the one transformers writes. Semantics follow
+transformers 5.24; keys that transformers ignores but that would change the computation
+are refused when set to anything but the value transformers implements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UnsupportedModelError
+from ..experts.spec import ExpertSpec
+from ..layers.gated_delta import DECAY_BLOCK_BYTES, SNAPSHOTS, KimiDeltaAttention, LinearState
+from ..layers.mla import MLA, LatentCache
+from ..layers.mlp import GatedMLP, activation
+from ..layers.norm import RMSNorm
+from ..layers.routing import grouped_topk
+from ..quant import linear
+from ..units import format_size
+from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
+from .config import RawConfig
+
+MODEL_TYPE = "kimi_linear"
+LAYER_TYPES = ("linear_attention", "full_attention")
+MLP_TYPES = ("dense", "sparse")
+LATENT_NORM_EPS = 1e-6  # transformers builds the MLA latent norms with the default eps, not rms_norm_eps
+
+# Keys of the original config that transformers' kimi_linear does not read: the value it
+# implements, and what it means. Any other value is refused.
+_IGNORED_BY_TRANSFORMERS = {
+    "moe_router_activation_func": ("sigmoid", "transformers routes with sigmoid scores"),
+    "mla_use_nope": (True, "transformers' Kimi Linear MLA applies no rotary embedding"),
+    "moe_layer_freq": (1, "transformers makes every layer from first_k_dense_replace on an MoE layer"),
+    "mla_use_output_gate": (False, "transformers' Kimi Linear MLA has no output gate"),
+    "use_full_rank_gate": (False, "transformers' KDA forget gate is low-rank (f_a, f_b)"),
+}
+
+
+@dataclass
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    hidden_act: str
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    layer_types: list[str]
+    mlp_layer_types: list[str]
+    linear_head_dim: int
+    linear_num_heads: int
+    linear_conv_kernel_dim: int
+    raw: dict
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.mlp_layer_types) if t == "sparse"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+
+def _types(value, n: int, allowed: tuple[str, ...], key: str) -> list[str]:
+    if not isinstance(value, list) or len(value) != n:
+        raise UnsupportedModelError(f"config.json: {key} must list {n} layer types, got {value!r}")
+    bad = sorted({str(t) for t in value if t not in allowed})
+    if bad:
+        raise UnsupportedModelError(f"config.json: {key} value(s) {bad} are not supported (supported: "
+                                    f"{', '.join(allowed)})")
+    return list(value)
+
+
+def parse_config(raw: dict) -> Config:
+    c = RawConfig(raw)
+    if raw.get("quantization_config") is not None:
+        method = (raw["quantization_config"] or {}).get("quant_method") if isinstance(raw["quantization_config"], dict) \
+            else None
+        raise UnsupportedModelError(f"config.json: quantized checkpoints (quantization_config, quant_method="
+                                    f"{method!r}) are not supported for {MODEL_TYPE}; use the bf16/fp16/fp32 weights")
+    for key, (implemented, why) in _IGNORED_BY_TRANSFORMERS.items():
+        if key in raw and raw[key] != implemented:
+            raise UnsupportedModelError(f"config.json: {key}={raw[key]!r} is not supported ({why})")
+    for key in ("gate_lower_bound",):
+        if raw.get(key) is not None or (raw.get("linear_attn_config") or {}).get(key) is not None:
+            raise UnsupportedModelError(f"config.json: {key} is not supported (transformers' KDA has no gate bound)")
+    n_layers = c.int("num_hidden_layers")
+    heads = c.int("num_attention_heads")
+    kv_heads = c.int("num_key_value_heads", heads)
+    if kv_heads != heads:
+        raise UnsupportedModelError(f"config.json: num_key_value_heads={kv_heads} differs from num_attention_heads="
+                                    f"{heads} (MLA has no key/value head groups)")
+    lin = raw.get("linear_attn_config") or {}
+    if not isinstance(lin, dict):
+        raise UnsupportedModelError("config.json: linear_attn_config must be an object")
+    if lin.get("use_full_rank_gate"):
+        raise UnsupportedModelError("config.json: linear_attn_config.use_full_rank_gate is not supported "
+                                    "(transformers' KDA forget gate is low-rank)")
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        if "full_attn_layers" in lin and "kda_layers" in lin:
+            layer_types = [None] * n_layers
+            try:
+                for i in lin["full_attn_layers"]:
+                    layer_types[i - 1] = "full_attention"  # 1-based in the original config
+                for i in lin["kda_layers"]:
+                    layer_types[i - 1] = "linear_attention"
+            except (TypeError, IndexError):
+                raise UnsupportedModelError("config.json: linear_attn_config layer lists are malformed") from None
+        else:
+            layer_types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n_layers)]
+    layer_types = _types(layer_types, n_layers, LAYER_TYPES, "layer_types")
+    mlp_types = raw.get("mlp_layer_types")
+    if mlp_types is None:
+        first_dense = c.int("first_k_dense_replace", 1)
+        mlp_types = ["dense" if i < first_dense else "sparse" for i in range(n_layers)]
+    mlp_types = _types(mlp_types, n_layers, MLP_TYPES, "mlp_layer_types")
+    n_experts = c.int("num_experts", 256, "num_local_experts", "n_routed_experts")
+    n_group = c.int("num_expert_group", 1, "n_group")
+    topk_group = c.int("topk_group", 1)
+    k = c.int("num_experts_per_token", 8, "num_experts_per_tok")
+    if n_group < 1 or n_experts % n_group or not 1 <= topk_group <= n_group:
+        raise UnsupportedModelError(f"config.json: {n_experts} experts cannot be routed in {n_group} groups "
+                                    f"keeping {topk_group}")
+    if n_group > 1 and topk_group < n_group and n_experts // n_group < 2:
+        raise UnsupportedModelError("config.json: group-limited routing needs at least 2 experts per group")
+    if raw.get("use_grouped_topk") is False and 1 < n_group and topk_group < n_group:
+        raise UnsupportedModelError("config.json: use_grouped_topk=false with expert groups is not supported "
+                                    "(transformers always limits routing to the top groups)")
+    n_shared = c.int("num_shared_experts", 1, "n_shared_experts")
+    if n_shared < 1:
+        raise UnsupportedModelError(f"config.json: num_shared_experts={n_shared} is not supported "
+                                    "(transformers' Kimi Linear always has a shared expert)")
+    q_lora = raw.get("q_lora_rank")
+    cfg = Config(
+        vocab_size=c.int("vocab_size"),
+        hidden_size=c.int("hidden_size"),
+        intermediate_size=c.int("intermediate_size"),
+        moe_intermediate_size=c.int("moe_intermediate_size", 1024),
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        hidden_act=c.get("hidden_act", "silu"),
+        rms_norm_eps=c.float("rms_norm_eps", 1e-5),
+        max_position_embeddings=c.int("model_max_length", 1048576, "max_position_embeddings"),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        attention_bias=bool(c.get("attention_bias", False)),
+        q_lora_rank=int(q_lora) if q_lora is not None else None,
+        kv_lora_rank=c.int("kv_lora_rank", 512),
+        qk_nope_head_dim=c.int("qk_nope_head_dim", 128),
+        qk_rope_head_dim=c.int("qk_rope_head_dim", 64),
+        v_head_dim=c.int("v_head_dim", 128),
+        num_experts=n_experts,
+        num_experts_per_tok=k,
+        n_shared_experts=n_shared,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=bool(c.get("moe_renormalize", True, "norm_topk_prob")),
+        routed_scaling_factor=c.float("routed_scaling_factor", 2.446),
+        layer_types=layer_types,
+        mlp_layer_types=mlp_types,
+        linear_head_dim=int(lin.get("head_dim", c.int("linear_head_dim", 128))),
+        linear_num_heads=int(lin.get("num_heads", c.int("linear_num_heads", 32))),
+        linear_conv_kernel_dim=int(lin.get("short_conv_kernel_size", c.int("linear_conv_kernel_dim", 4))),
+        raw=raw,
+    )
+    if not cfg.moe_layers:
+        raise UnsupportedModelError("config.json: no MoE layer (a dense model) is not supported by the MoE engine")
+    if not 1 <= k <= n_experts:
+        raise UnsupportedModelError(f"config.json: {k} experts per token out of {n_experts}")
+    if cfg.linear_conv_kernel_dim < 1:
+        raise UnsupportedModelError(f"config.json: short conv kernel size {cfg.linear_conv_kernel_dim} must be >= 1")
+    activation(cfg.hidden_act)
+    return cfg
+
+
+def _prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def tensor_aliases(cfg: Config) -> dict[str, str]:
+    """Dense MLPs are ``mlp.*`` in the original checkpoints, ``block_sparse_moe.*`` as transformers saves them."""
+    out = {}
+    for i, t in enumerate(cfg.mlp_layer_types):
+        if t == "dense":
+            for r in ("gate", "up", "down"):
+                out[f"{_prefix(i)}mlp.{r}_proj.weight"] = f"{_prefix(i)}block_sparse_moe.{r}_proj.weight"
+    return out
+
+
+def linear_state_bytes(cfg: Config) -> int:
+    """Recurrent state of every KDA layer for one sequence, its snapshots, and a forward's
+    transients: a few copies of one layer's state and the bounded per-channel decay blocks."""
+    h, d = cfg.linear_num_heads, cfg.linear_head_dim
+    one = LinearState.nbytes(3 * h * d, cfg.linear_conv_kernel_dim, h, d, d)
+    n = len(cfg.linear_layers)
+    if not n:
+        return 0
+    decay_blocks = 3 * min(DECAY_BLOCK_BYTES, 4 * h * 64 * 64 * d)
+    return one * n * (1 + SNAPSHOTS) + 4 * one + decay_blocks
+
+
+def describe(cfg: Config) -> ModelDescription:
+    h = cfg.hidden_size
+    heads, r, dn, dr, dv = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, \
+        cfg.v_head_dim
+    lh, ld = cfg.linear_num_heads, cfg.linear_head_dim
+    qkv, k = lh * ld, cfg.linear_conv_kernel_dim
+    spine: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        spine["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_hidden_layers):
+        p = _prefix(i)
+        a = p + "self_attn."
+        spine.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if cfg.layer_types[i] == "linear_attention":
+            spine.update({
+                a + "q_proj.weight": (qkv, h), a + "k_proj.weight": (qkv, h), a + "v_proj.weight": (qkv, h),
+                a + "q_conv1d.weight": (qkv, 1, k), a + "k_conv1d.weight": (qkv, 1, k),
+                a + "v_conv1d.weight": (qkv, 1, k),
+                a + "f_a_proj.weight": (ld, h), a + "f_b_proj.weight": (qkv, ld),
+                a + "dt_bias": (qkv,), a + "A_log": (1, 1, lh, 1),
+                a + "b_proj.weight": (lh, h),
+                a + "g_a_proj.weight": (ld, h), a + "g_b_proj.weight": (qkv, ld),
+                a + "o_norm.weight": (ld,), a + "o_proj.weight": (h, qkv),
+            })
+        else:
+            if cfg.q_lora_rank is None:
+                spine[a + "q_proj.weight"] = (heads * (dn + dr), h)
+            else:
+                spine.update({a + "q_a_proj.weight": (cfg.q_lora_rank, h),
+                              a + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+                              a + "q_b_proj.weight": (heads * (dn + dr), cfg.q_lora_rank)})
+                if cfg.attention_bias:
+                    spine[a + "q_a_proj.bias"] = (cfg.q_lora_rank,)
+            spine.update({
+                a + "kv_a_proj_with_mqa.weight": (r + dr, h),
+                a + "kv_a_layernorm.weight": (r,),
+                a + "kv_b_proj.weight": (heads * (dn + dv), r),
+                a + "o_proj.weight": (h, heads * dv),
+            })
+            if cfg.attention_bias:
+                spine.update({a + "kv_a_proj_with_mqa.bias": (r + dr,), a + "o_proj.bias": (h,)})
+        if cfg.mlp_layer_types[i] == "sparse":
+            m = p + "block_sparse_moe."
+            si = cfg.moe_intermediate_size * cfg.n_shared_experts
+            spine.update({
+                m + "gate.weight": (cfg.num_experts, h),
+                m + "gate.e_score_correction_bias": (cfg.num_experts,),
+                m + "shared_experts.gate_proj.weight": (si, h),
+                m + "shared_experts.up_proj.weight": (si, h),
+                m + "shared_experts.down_proj.weight": (h, si),
+            })
+        else:
+            im = cfg.intermediate_size
+            spine.update({p + "mlp.gate_proj.weight": (im, h), p + "mlp.up_proj.weight": (im, h),
+                          p + "mlp.down_proj.weight": (h, im)})
+    spec = ExpertSpec(hidden=h, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
+    shapes = spec.matrix_shapes()
+    names = {"gate": "w1", "up": "w3", "down": "w2"}
+
+    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
+        p = f"{_prefix(layer)}block_sparse_moe.experts.{e}."
+        return {role: TensorRef(f"{p}{n}.weight", shapes[role]) for role, n in names.items()}
+
+    n_lin, n_full = len(cfg.linear_layers), len(cfg.full_layers)
+    return ModelDescription(
+        model_type=MODEL_TYPE, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
+        moe_layers=cfg.moe_layers, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
+        expert_tensors=expert_tensors,
+        state_bytes_per_token=LatentCache.nbytes(1, r, dr) * n_full,
+        state_bytes_fixed=linear_state_bytes(cfg),
+        max_position_embeddings=cfg.max_position_embeddings, attn_heads=heads,
+        notes=[f"hybrid attention: {n_lin} Kimi Delta Attention layer(s) with a fixed-size recurrent state "
+               f"({format_size(linear_state_bytes(cfg))} with {SNAPSHOTS} snapshots kept for prefix reuse) and "
+               f"{n_full} MLA layer(s) without positional encoding, with a latent cache"],
+    )
+
+
+class NoPEMLA(MLA):
+    """MLA whose rope sub-head is used as is: Kimi Linear's full-attention layers."""
+
+    def _rope(self, x, cos, sin):
+        return x
+
+
+def build(cfg: Config, w, experts) -> CausalLM:
+    layers = []
+    eps = cfg.rms_norm_eps
+    for i in range(cfg.num_hidden_layers):
+        p = _prefix(i)
+        a = p + "self_attn."
+        if cfg.layer_types[i] == "linear_attention":
+            conv = torch.cat([w(a + f"{n}_conv1d.weight").float() for n in ("q", "k", "v")], dim=0)
+            attn = KimiDeltaAttention(
+                wq=w(a + "q_proj.weight"), wk=w(a + "k_proj.weight"), wv=w(a + "v_proj.weight"), conv_weight=conv,
+                f_a=w(a + "f_a_proj.weight"), f_b=w(a + "f_b_proj.weight"), a_log=w(a + "A_log"),
+                dt_bias=w(a + "dt_bias"), w_b=w(a + "b_proj.weight"), g_a=w(a + "g_a_proj.weight"),
+                g_b=w(a + "g_b_proj.weight"), norm_weight=w(a + "o_norm.weight"), w_out=w(a + "o_proj.weight"),
+                n_heads=cfg.linear_num_heads, head_dim=cfg.linear_head_dim, act=cfg.hidden_act, eps=eps,
+            )
+        else:
+            bias = (lambda n: w(a + n)) if cfg.attention_bias else (lambda n: None)
+            q = dict(wq=w(a + "q_proj.weight")) if cfg.q_lora_rank is None else dict(
+                wq_a=w(a + "q_a_proj.weight"), q_a_norm=w(a + "q_a_layernorm.weight"), wq_b=w(a + "q_b_proj.weight"),
+                bq_a=bias("q_a_proj.bias"))
+            attn = NoPEMLA(
+                wkv_a=w(a + "kv_a_proj_with_mqa.weight"), bkv_a=bias("kv_a_proj_with_mqa.bias"),
+                kv_a_norm=w(a + "kv_a_layernorm.weight"), wkv_b=w(a + "kv_b_proj.weight"),
+                wo=w(a + "o_proj.weight"), bo=bias("o_proj.bias"), n_heads=cfg.num_attention_heads,
+                kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+                scale=(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5, interleave=False,
+                norm_eps=LATENT_NORM_EPS, **q,
+            )
+        if cfg.mlp_layer_types[i] == "sparse":
+            m = p + "block_sparse_moe."
+            rw = w(m + "gate.weight")
+            corr = w(m + "gate.e_score_correction_bias").float()
+            shared = GatedMLP(w(m + "shared_experts.gate_proj.weight"), w(m + "shared_experts.up_proj.weight"),
+                              w(m + "shared_experts.down_proj.weight"), cfg.hidden_act)
+
+            def router(x, rw=rw, corr=corr):
+                return grouped_topk(linear(x, rw), cfg.num_experts_per_tok, scoring="sigmoid", bias=corr,
+                                    n_group=cfg.n_group, topk_group=cfg.topk_group, group_score="top2_sum",
+                                    normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+
+            mlp = MoEBlock(i, router, experts, shared=shared)
+        else:
+            mlp = GatedMLP(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"), w(p + "mlp.down_proj.weight"),
+                           cfg.hidden_act)
+        layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), eps), attn,
+                                   RMSNorm(w(p + "post_attention_layernorm.weight"), eps), mlp))
+    embed = w("model.embed_tokens.weight")
+    head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
+    return CausalLM(embed, layers, RMSNorm(w("model.norm.weight"), eps), head, None)

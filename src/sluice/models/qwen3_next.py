@@ -1,0 +1,274 @@
+"""Qwen3-Next (``model_type: qwen3_next``): a hybrid of Gated DeltaNet linear attention and
+gated full attention (sigmoid output gate, per-head (1 + w) q/k norms, partial rotary),
+zero-centred (1 + w) RMSNorm, softmax top-k routing with a sigmoid-gated shared expert,
+dense layers via ``mlp_only_layers`` / ``decoder_sparse_step``.
+
+Multi-token-prediction weights (``mtp.*``) are not used (transformers ignores them too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UnsupportedModelError
+from ..experts.spec import ExpertSpec
+from ..layers.attention import KVCache
+from ..layers.gated_attention import GatedAttention
+from ..layers.gated_delta import SNAPSHOTS, GatedDeltaNet, LinearState
+from ..layers.mlp import GatedMLP, activation
+from ..layers.norm import RMSNorm
+from ..layers.rotary import Rotary, rope_parameters
+from ..layers.routing import softmax_topk
+from ..quant import linear
+from ..units import format_size
+from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
+from .config import RawConfig
+
+MODEL_TYPE = "qwen3_next"
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_act: str
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    moe_layers: list[int]
+    layer_types: list[str]
+    linear_conv_kernel_dim: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    rope: dict
+    raw: dict
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+
+def parse_config(raw: dict) -> Config:
+    c = RawConfig(raw)
+    if raw.get("quantization_config") is not None:
+        method = (raw["quantization_config"] or {}).get("quant_method") if isinstance(raw["quantization_config"], dict) \
+            else None
+        raise UnsupportedModelError(f"config.json: quantized checkpoints (quantization_config, quant_method="
+                                    f"{method!r}) are not supported for {MODEL_TYPE}; use the bf16/fp16/fp32 weights")
+    n_layers = c.int("num_hidden_layers")
+    heads = c.int("num_attention_heads")
+    hidden = c.int("hidden_size")
+    layer_types = c.get("layer_types", None)
+    if layer_types is None:
+        interval = c.int("full_attention_interval", 4)
+        if interval < 1:
+            raise UnsupportedModelError(f"config.json: full_attention_interval={interval} must be at least 1")
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise UnsupportedModelError(f"config.json: layer_types must list {n_layers} layer types, got {layer_types!r}")
+    bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if bad:
+        raise UnsupportedModelError(f"config.json: layer type(s) {bad} are not supported (supported: "
+                                    f"{', '.join(LAYER_TYPES)})")
+    n_experts = c.int("num_experts", 512)
+    if n_experts <= 0:
+        raise UnsupportedModelError("config.json: num_experts=0 (a dense model) is not supported by the MoE engine")
+    step = c.int("decoder_sparse_step", 1)
+    if step < 1:
+        raise UnsupportedModelError(f"config.json: decoder_sparse_step={step} must be at least 1")
+    mlp_only = c.get("mlp_only_layers", []) or []
+    moe = [i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0]
+    if not moe:
+        raise UnsupportedModelError("config.json: no MoE layer (a dense model) is not supported by the MoE engine")
+    nk, nv = c.int("linear_num_key_heads", 16), c.int("linear_num_value_heads", 32)
+    if nk <= 0 or nv % nk:
+        raise UnsupportedModelError(
+            f"config.json: linear_num_value_heads={nv} must be a multiple of linear_num_key_heads={nk}")
+    shared = c.int("shared_expert_intermediate_size", 512)
+    if shared <= 0:
+        raise UnsupportedModelError(f"config.json: shared_expert_intermediate_size={shared} is not supported "
+                                    "(Qwen3-Next always has a shared expert)")
+    rope = rope_parameters(raw)
+    rope.setdefault("partial_rotary_factor", 0.25)  # transformers' default for this family
+    cfg = Config(
+        vocab_size=c.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=c.int("intermediate_size"),
+        moe_intermediate_size=c.int("moe_intermediate_size", 512),
+        shared_expert_intermediate_size=shared,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=c.int("num_key_value_heads", heads),
+        head_dim=c.int("head_dim", hidden // heads),
+        hidden_act=c.get("hidden_act", "silu"),
+        rms_norm_eps=c.float("rms_norm_eps", 1e-6),
+        max_position_embeddings=c.int("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        attention_bias=bool(c.get("attention_bias", False)),
+        num_experts=n_experts,
+        num_experts_per_tok=c.int("num_experts_per_tok", 10),
+        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        moe_layers=moe,
+        layer_types=list(layer_types),
+        linear_conv_kernel_dim=c.int("linear_conv_kernel_dim", 4),
+        linear_key_head_dim=c.int("linear_key_head_dim", 128),
+        linear_value_head_dim=c.int("linear_value_head_dim", 128),
+        linear_num_key_heads=nk,
+        linear_num_value_heads=nv,
+        rope=rope,
+        raw=raw,
+    )
+    if cfg.linear_conv_kernel_dim < 1:
+        raise UnsupportedModelError(f"config.json: linear_conv_kernel_dim={cfg.linear_conv_kernel_dim} must be >= 1")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise UnsupportedModelError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+    activation(cfg.hidden_act)  # refuse an unknown activation or RoPE type at load, not at build
+    Rotary(cfg.head_dim, rope, cfg.max_position_embeddings)
+    return cfg
+
+
+def _prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def linear_state_bytes(cfg: Config) -> int:
+    """One sequence's recurrent state of every linear-attention layer, plus its snapshots and
+    the transient copies one forward builds (one layer's worth, a few times)."""
+    one = LinearState.nbytes(cfg.conv_channels, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
+                             cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    n = len(cfg.linear_layers)
+    return one * n * (1 + SNAPSHOTS) + (4 * one if n else 0)
+
+
+def describe(cfg: Config) -> ModelDescription:
+    h, d = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    nv = cfg.linear_num_value_heads
+    spine: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        spine["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_hidden_layers):
+        p = _prefix(i)
+        spine.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if cfg.layer_types[i] == "linear_attention":
+            a = p + "linear_attn."
+            spine.update({
+                a + "in_proj_qkvz.weight": (2 * kd + 2 * vd, h),
+                a + "in_proj_ba.weight": (2 * nv, h),
+                a + "conv1d.weight": (cfg.conv_channels, 1, cfg.linear_conv_kernel_dim),
+                a + "A_log": (nv,),
+                a + "dt_bias": (nv,),
+                a + "norm.weight": (cfg.linear_value_head_dim,),
+                a + "out_proj.weight": (h, vd),
+            })
+        else:
+            a = p + "self_attn."
+            spine.update({
+                a + "q_proj.weight": (2 * nq, h),
+                a + "k_proj.weight": (nkv, h),
+                a + "v_proj.weight": (nkv, h),
+                a + "o_proj.weight": (h, nq),
+                a + "q_norm.weight": (d,),
+                a + "k_norm.weight": (d,),
+            })
+            if cfg.attention_bias:
+                spine.update({a + "q_proj.bias": (2 * nq,), a + "k_proj.bias": (nkv,), a + "v_proj.bias": (nkv,),
+                              a + "o_proj.bias": (h,)})
+        if i in cfg.moe_layers:
+            si = cfg.shared_expert_intermediate_size
+            spine.update({
+                p + "mlp.gate.weight": (cfg.num_experts, h),
+                p + "mlp.shared_expert.gate_proj.weight": (si, h),
+                p + "mlp.shared_expert.up_proj.weight": (si, h),
+                p + "mlp.shared_expert.down_proj.weight": (h, si),
+                p + "mlp.shared_expert_gate.weight": (1, h),
+            })
+        else:
+            im = cfg.intermediate_size
+            spine.update({p + "mlp.gate_proj.weight": (im, h), p + "mlp.up_proj.weight": (im, h),
+                          p + "mlp.down_proj.weight": (h, im)})
+    spec = ExpertSpec(hidden=h, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
+    shapes = spec.matrix_shapes()
+
+    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
+        p = f"{_prefix(layer)}mlp.experts.{e}."
+        return {r: TensorRef(f"{p}{r}_proj.weight", shapes[r]) for r in ("gate", "up", "down")}
+
+    n_lin, n_full = len(cfg.linear_layers), len(cfg.full_layers)
+    return ModelDescription(
+        model_type=MODEL_TYPE, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
+        moe_layers=cfg.moe_layers, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
+        expert_tensors=expert_tensors,
+        state_bytes_per_token=KVCache.nbytes(cfg.num_key_value_heads, 1, d) * n_full,
+        state_bytes_fixed=linear_state_bytes(cfg),
+        max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
+        notes=[f"hybrid attention: {n_lin} Gated DeltaNet layer(s) with a fixed-size recurrent state "
+               f"({format_size(linear_state_bytes(cfg))} with {SNAPSHOTS} snapshots kept for prefix reuse) and "
+               f"{n_full} full-attention layer(s) with a KV cache"],
+    )
+
+
+def build(cfg: Config, w, experts) -> CausalLM:
+    layers = []
+    eps = cfg.rms_norm_eps
+    for i in range(cfg.num_hidden_layers):
+        p = _prefix(i)
+        if cfg.layer_types[i] == "linear_attention":
+            a = p + "linear_attn."
+            attn = GatedDeltaNet(
+                w_qkvz=w(a + "in_proj_qkvz.weight"), w_ba=w(a + "in_proj_ba.weight"),
+                conv_weight=w(a + "conv1d.weight"), a_log=w(a + "A_log"), dt_bias=w(a + "dt_bias"),
+                norm_weight=w(a + "norm.weight"), w_out=w(a + "out_proj.weight"),
+                n_k=cfg.linear_num_key_heads, n_v=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
+                dv=cfg.linear_value_head_dim, act=cfg.hidden_act, eps=eps,
+            )
+        else:
+            a = p + "self_attn."
+            bias = (lambda n: w(a + f"{n}_proj.bias")) if cfg.attention_bias else (lambda n: None)
+            attn = GatedAttention(
+                wq=w(a + "q_proj.weight"), wk=w(a + "k_proj.weight"), wv=w(a + "v_proj.weight"),
+                wo=w(a + "o_proj.weight"), bq=bias("q"), bk=bias("k"), bv=bias("v"), bo=bias("o"),
+                n_heads=cfg.num_attention_heads, n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight"), norm_eps=eps, norm_offset=1.0,
+            )
+        if i in cfg.moe_layers:
+            router_w = w(p + "mlp.gate.weight")
+            k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
+            shared = GatedMLP(w(p + "mlp.shared_expert.gate_proj.weight"), w(p + "mlp.shared_expert.up_proj.weight"),
+                              w(p + "mlp.shared_expert.down_proj.weight"), cfg.hidden_act)
+            mlp = MoEBlock(i, lambda x, rw=router_w: softmax_topk(linear(x, rw), k, norm), experts, shared=shared,
+                           shared_gate=w(p + "mlp.shared_expert_gate.weight"))
+        else:
+            mlp = GatedMLP(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"), w(p + "mlp.down_proj.weight"),
+                           cfg.hidden_act)
+        layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), eps, offset=1.0), attn,
+                                   RMSNorm(w(p + "post_attention_layernorm.weight"), eps, offset=1.0), mlp))
+    embed = w("model.embed_tokens.weight")
+    head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
+    rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings) if cfg.full_layers else None
+    return CausalLM(embed, layers, RMSNorm(w("model.norm.weight"), eps, offset=1.0), head, rotary)

@@ -1,0 +1,431 @@
+"""Trace replay: Belady is optimal, the shared trace's reference figures, the CLI, trace and pin files."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from sluice.experts.policy import LFRU, LRU, Pinned, make_policy
+from sluice.replay import (
+    STUDY_POLICIES,
+    SyntheticSpec,
+    build_report,
+    next_uses,
+    pins_fit,
+    replay,
+    synthetic_trace,
+)
+from sluice.trace import (
+    PINS_FORMAT,
+    Trace,
+    TraceFormatError,
+    TraceWriter,
+    hottest,
+    parse_trace,
+    read_pins,
+    read_trace,
+    write_pins,
+    write_trace,
+)
+
+SHARED_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "olmoe-1b-7b_299tok.jsonl"
+
+
+def random_trace(rng: random.Random, tokens: int, layers: int, experts: int, k: int, skew: float = 1.0) -> Trace:
+    w = [1.0 / (i + 1) ** skew for i in range(experts)]
+    steps = []
+    for _ in range(tokens):
+        step = []
+        for _ in range(layers):
+            chosen: set[int] = set()
+            while len(chosen) < k:
+                chosen.add(rng.choices(range(experts), weights=w)[0])
+            step.append(sorted(chosen))
+        steps.append(step)
+    return Trace(steps, list(range(tokens)), "random")
+
+
+def optimum(trace: Trace, capacity: int, semantics: str) -> int:
+    """Most hits any eviction schedule can get (one global cache of ``capacity`` slots), by exhaustive search."""
+    steps = [[(layer, e) for e in ids] for step in trace.steps for layer, ids in enumerate(step)]
+
+    if semantics == "sequential":
+        flat = [key for step in steps for key in step]
+
+        @lru_cache(maxsize=None)
+        def best_seq(i: int, cache: frozenset) -> int:
+            if i == len(flat):
+                return 0
+            key = flat[i]
+            if key in cache:
+                return 1 + best_seq(i + 1, cache)
+            if len(cache) < capacity:
+                return best_seq(i + 1, cache | {key})
+            return max(best_seq(i + 1, (cache - {v}) | {key}) for v in cache)
+
+        return best_seq(0, frozenset())
+
+    @lru_cache(maxsize=None)
+    def best(i: int, cache: frozenset) -> int:
+        if i == len(steps):
+            return 0
+        req = frozenset(steps[i])
+        hits = len(req & cache)
+        others = sorted(cache - req)
+        keep = min(len(others), capacity - len(req))
+        return hits + max(best(i + 1, req | frozenset(kept)) for kept in itertools.combinations(others, keep))
+
+    return best(0, frozenset())
+
+
+# -- Belady -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("semantics", ["engine", "sequential"])
+def test_belady_matches_brute_force_optimum(semantics):
+    rng = random.Random(7)
+    checked = 0
+    for case in range(40):
+        layers = rng.choice([1, 2])
+        experts = rng.choice([3, 4, 5])
+        k = rng.choice([1, 2])
+        trace = random_trace(rng, rng.randint(3, 7), layers, experts, k, skew=rng.choice([0.0, 1.0]))
+        cap_per_layer = rng.randint(k, max(k, experts - 1))
+        if cap_per_layer * layers > 8:
+            cap_per_layer = max(k, 8 // layers)
+        got = replay(trace, "belady", cap_per_layer, "global", semantics)
+        assert got.hits == optimum(trace, cap_per_layer * layers, semantics), (case, trace.steps, cap_per_layer)
+        for spec in ("lru", "lfru"):
+            assert replay(trace, spec, cap_per_layer, "global", semantics).hits <= got.hits
+        checked += 1
+    assert checked == 40
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+@pytest.mark.parametrize("semantics", ["engine", "sequential"])
+def test_belady_never_worse_than_online_policies(scope, semantics):
+    rng = random.Random(11)
+    specs = ["lru", "lfru", "lfru:half_life=2,history=false,protect=false", "2q", "arc", "plfru", "lfu"]
+    for _ in range(6):
+        trace = random_trace(rng, 60, 3, 12, 3, skew=rng.choice([0.5, 1.0, 1.5]))
+        for cap in (3, 4, 6, 9):
+            opt = replay(trace, "belady", cap, scope, semantics)
+            assert opt.lookups == trace.lookups
+            for spec in specs:
+                got = replay(trace, spec, cap, scope, semantics)
+                assert got.lookups == opt.lookups
+                assert got.hits <= opt.hits, (spec, cap)
+
+
+def test_next_uses_positions():
+    trace = Trace([[[1, 2]], [[2, 3]], [[1, 2]]], [0, 1, 2])
+    uses = next_uses(trace)
+    assert list(uses[(0, 1)]) == [0, 4] and list(uses[(0, 2)]) == [1, 2, 5] and list(uses[(0, 3)]) == [3]
+
+
+def test_engine_semantics_pin_the_layer():
+    # capacity equal to top-k: every key of the layer must stay while its misses are fetched
+    trace = Trace([[[0, 1]], [[1, 2]], [[0, 2]]], [0, 1, 2])
+    for spec in ("lru", "lfru", "belady"):
+        r = replay(trace, spec, 2, "layer", "engine")
+        assert (r.hits, r.lookups) == (2, 6)
+    with pytest.raises(ValueError, match="cannot hold one layer"):
+        replay(trace, "lru", 1, "layer", "engine")
+
+
+# -- the shared OLMoE trace -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    if not SHARED_TRACE.exists():
+        print(f"shared trace not found at {SHARED_TRACE}: skipping the reference figures")
+        pytest.skip(f"shared trace {SHARED_TRACE.name} is absent (expected at ../shared/traces/ from the repo root)")
+    return read_trace(SHARED_TRACE)
+
+
+def test_reference_figures(olmoe):
+    """The trace README: per-layer caches of 16 slots, fetch on demand: reuse 0.435, LRU 0.571, Belady 0.747.
+
+    Those come from processing each access on its own (``sequential``). The engine looks a
+    layer's experts up before fetching any and pins them meanwhile (``engine``), which makes
+    LRU better (no miss evicts an expert the same layer uses a moment later) and the optimum
+    lower (it can no longer drop an expert it just used to keep one for later).
+    """
+    assert (olmoe.tokens, olmoe.layers, olmoe.experts, olmoe.top_k) == (299, 16, 64, 8)
+    assert round(olmoe.reuse(), 3) == 0.435
+    assert round(replay(olmoe, "lru", 16, "layer", "sequential").hit_rate, 3) == 0.571
+    assert round(replay(olmoe, "belady", 16, "layer", "sequential").hit_rate, 3) == 0.747
+    assert round(replay(olmoe, "lru", 16, "layer", "engine").hit_rate, 3) == 0.596
+    assert round(replay(olmoe, "belady", 16, "layer", "engine").hit_rate, 3) == 0.723
+
+
+def test_default_policy_beats_lru_on_olmoe(olmoe):
+    """The engine default is at least as good as LRU at every size, both scopes (docs/cache-policy.md)."""
+    for scope in ("layer", "global"):
+        for cap in (8, 12, 16, 24, 32, 48):
+            lru = replay(olmoe, "lru", cap, scope).hit_rate
+            lfru = replay(olmoe, "lfru", cap, scope).hit_rate
+            assert lfru >= lru - 0.001, (scope, cap, lfru, lru)
+            if cap in (12, 16):
+                assert lfru > lru + 0.02, (scope, cap, lfru, lru)
+
+
+# -- policies -------------------------------------------------------------------------------
+
+
+def test_policy_specs():
+    p = make_policy("lfru:half_life=8,history=false")
+    assert isinstance(p, LFRU) and p.half_life == 8 and p.history is False and p.protect is True
+    assert isinstance(make_policy("lru"), LRU)
+    d = make_policy("lfru")
+    assert (d.half_life, d.history, d.protect) == (16.0, True, True)
+    for bad, msg in [("mru", "unknown cache policy"), ("lfru:half_life", "expected NAME:KEY=VALUE"),
+                     ("lfru:colour=3", "unexpected keyword"), ("lfru:half_life=x", "not a number"),
+                     ("lfru:half_life=0", "must be positive")]:
+        with pytest.raises(ValueError, match=msg):
+            make_policy(bad)
+    assert set(STUDY_POLICIES) >= {"lru", "lfru", "2q", "arc", "plfru", "lfu"}
+
+
+def test_lfru_protects_keys_of_layers_still_to_come():
+    """Global cache, two layers: while layer 0 fetches, a cold expert layer 1 used last token
+    (needed again moments later) outlives a hot layer-0 expert this token skipped."""
+    p = LFRU(half_life=16)
+    keys = [(0, 0), (0, 1), (1, 0)]
+    for t in range(5):  # (0, 0) is hot: used every token
+        p.tick()
+        p.insert((0, 0)) if t == 0 else p.access((0, 0))
+    p.tick()
+    p.insert((1, 0))  # layer 1 used expert 0 last token
+    p.tick()
+    p.insert((0, 1))  # layer 0 now uses expert 1, not expert 0
+    assert p.victim(lambda k: k != (0, 1)) == (0, 0)
+    old = LFRU(half_life=64, history=False, protect=False)
+    for t in range(5):
+        old.tick()
+        old.insert((0, 0)) if t == 0 else old.access((0, 0))
+    old.tick()
+    old.insert((1, 0))
+    old.tick()
+    old.insert((0, 1))
+    assert old.victim(lambda k: k != (0, 1)) == (1, 0)
+    assert keys
+
+
+def test_lfru_history_keeps_scores_of_evicted_keys():
+    for history in (True, False):
+        p = LFRU(half_life=1000, history=history)
+        p.insert("a")
+        for _ in range(3):
+            p.access("a")
+        p.remove("a")
+        p.insert("a")
+        p.insert("b")
+        p.access("b")
+        assert p.victim(lambda k: True) == ("b" if history else "a")
+
+
+def test_pinned_wrapper_never_evicts_pins():
+    p = Pinned(LRU(), {"hot"})
+    for k in ("hot", "a", "b"):
+        p.insert(k)
+    assert p.victim(lambda k: True) == "a"
+    p.remove("a")
+    assert p.victim(lambda k: k != "b") is None  # only the pin is left: never chosen
+    assert p.name == "pinned(lru)"
+
+
+def test_pins_in_replay_and_fit():
+    trace = synthetic_trace(SyntheticSpec(layers=2, experts=16, top_k=2, tokens=200, seed=3))
+    pins = hottest(trace, 2)  # top-k 2 of 4 slots: any 2 pins fit
+    assert pins_fit(trace, pins, 4, "layer") is None
+    plain = replay(trace, "lru", 4, "layer")
+    pinned = replay(trace, "lru", 4, "layer", pins=pins)
+    assert pinned.lookups == plain.lookups and pinned.policy == "pinned(lru)"
+    too_many = [(0, e) for e in range(3)]
+    assert "layer 0 has 3 pins" in pins_fit(trace, too_many, 4, "layer")
+    with pytest.raises(ValueError, match="pins do not fit"):
+        replay(trace, "lru", 4, "layer", pins=too_many)
+    assert pins_fit(trace, too_many, 4, "global") is None
+
+
+# -- synthetic traces -----------------------------------------------------------------------
+
+
+def test_synthetic_trace_is_seeded_and_well_formed():
+    spec = SyntheticSpec.parse("tokens=50,layers=3,experts=20,top_k=4,seed=5")
+    a, b = synthetic_trace(spec), synthetic_trace(spec)
+    assert a.steps == b.steps and (a.tokens, a.layers, a.top_k) == (50, 3, 4)
+    assert synthetic_trace(SyntheticSpec.parse("tokens=50,layers=3,experts=20,top_k=4,seed=6")).steps != a.steps
+    for step in a.steps:
+        for ids in step:
+            assert ids == sorted(set(ids)) and len(ids) == 4 and all(0 <= e < 20 for e in ids)
+    for bad in ("zipf", "colour=1", "top_k=70", "reuse=2", "tokens=x"):
+        with pytest.raises(ValueError):
+            SyntheticSpec.parse(bad)
+
+
+def test_default_synthetic_resembles_olmoe():
+    t = synthetic_trace(SyntheticSpec(tokens=300))
+    assert 0.38 < t.reuse() < 0.50
+
+
+# -- trace files ----------------------------------------------------------------------------
+
+
+def test_trace_round_trip(tmp_path):
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path) as w:
+        w.write(1, [[5, 1, 3], [2, 0, 7]])
+        w.write(2, [[1, 2, 3], [7, 6, 0]])
+    assert w.records == 2
+    t = read_trace(path)
+    assert t.steps == [[[1, 3, 5], [0, 2, 7]], [[1, 2, 3], [0, 6, 7]]] and t.tok == [1, 2]
+    assert path.read_text().splitlines()[0] == '{"tok": 1, "layers": [[1, 3, 5], [0, 2, 7]]}'
+    syn = synthetic_trace(SyntheticSpec(layers=2, experts=8, top_k=2, tokens=20))
+    write_trace(tmp_path / "s.jsonl", syn)
+    assert read_trace(tmp_path / "s.jsonl").steps == syn.steps
+    with TraceWriter(tmp_path / "bad.jsonl") as w:
+        w.write(0, [[1], [2]])
+        with pytest.raises(TraceFormatError, match="3 layers, but earlier lines have 2"):
+            w.write(1, [[1], [2], [3]])
+        with pytest.raises(TraceFormatError, match=r"repeated"):
+            w.write(1, [[1, 1], [2]])
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"tok": 2, "layers": [[1, 2], [3]', "not valid JSON"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"layers": [[1, 2], [3, 4]]}', 'missing field "tok"'),
+    ('{"tok": 2}', 'missing field "layers"'),
+    ('{"tok": "2", "layers": [[1, 2], [3, 4]]}', '"tok" must be an integer'),
+    ('{"tok": 2, "layers": [[1, 2]]}', "1 layers, but earlier lines have 2"),
+    ('{"tok": 2, "layers": [[1, 2], 3]}', "layer 1: expected a list of expert ids"),
+    ('{"tok": 2, "layers": [[1, 2.5], [3, 4]]}', "layer 0: expert id 2.5 is not an integer"),
+    ('{"tok": 2, "layers": [[1, -2], [3, 4]]}', "layer 0: expert id -2 is negative"),
+    ('{"tok": 2, "layers": [[1, 2], [4, 4]]}', r"layer 1: expert id\(s\) \[4\] repeated"),
+    ('{"tok": 2, "layers": [[1, 2], []]}', "layer 1: no experts"),
+    ('{"tok": 2, "layers": []}', '"layers" is empty'),
+])
+def test_malformed_trace_lines(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"tok": 1, "layers": [[1, 2], [3, 4]]}\n\n' + line + "\n")
+    with pytest.raises(TraceFormatError, match=rf"bad\.jsonl:3: {message}"):
+        read_trace(path)
+
+
+def test_empty_trace():
+    with pytest.raises(TraceFormatError, match="no tokens"):
+        parse_trace(["", "  "], "empty.jsonl")
+
+
+# -- pin files ------------------------------------------------------------------------------
+
+
+def test_pin_file_round_trip(tmp_path):
+    trace = Trace([[[1, 2], [3, 4]], [[1, 5], [3, 6]], [[1, 2], [0, 3]]], [1, 2, 3])
+    pins = hottest(trace, 3)
+    assert pins == [(0, 1), (1, 3), (0, 2)]
+    path = tmp_path / "pins.json"
+    write_pins(path, pins, source="t")
+    obj = json.loads(path.read_text())
+    assert obj["format"] == PINS_FORMAT and obj["pins"] == [[0, 1], [1, 3], [0, 2]]
+    assert read_pins(path) == pins
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{", "not valid JSON"),
+    ('{"pins": []}', "not a pin list"),
+    ('{"format": "sluice-pins-v2", "pins": []}', "not a pin list"),
+    ('{"format": "sluice-pins-v1"}', '"pins" must be a list'),
+    ('{"format": "sluice-pins-v1", "pins": [[1, 2], [3]]}', r"pins\[1\]"),
+    ('{"format": "sluice-pins-v1", "pins": [[1, 2], [1, -2]]}', r"pins\[1\]"),
+    ('{"format": "sluice-pins-v1", "pins": [[1, 2], [1, 2]]}', "appears twice"),
+])
+def test_bad_pin_files(tmp_path, text, message):
+    path = tmp_path / "pins.json"
+    path.write_text(text)
+    with pytest.raises(TraceFormatError, match=message):
+        read_pins(path)
+
+
+# -- report and CLI -------------------------------------------------------------------------
+
+
+def sluice_cmd(*args):
+    return subprocess.run([sys.executable, "-m", "sluice.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_report_shape():
+    trace = synthetic_trace(SyntheticSpec(layers=2, experts=16, top_k=2, tokens=40))
+    rep = build_report(trace, ["lru", "lfru"], [2, 4]).as_json()
+    assert [c["experts_per_layer"] for c in rep["capacities"]] == [2, 4]
+    assert len(rep["results"]) == 2 * 3 * 2  # scopes x (policies + belady) x capacities
+
+
+def test_cli_json(tmp_path):
+    out = sluice_cmd("trace-replay", "--synthetic", "tokens=60,layers=2,experts=16,top_k=2,seed=1",
+                     "--capacity", "2,4", "--policy", "lru", "--policy", "lfru:half_life=8", "--json")
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert set(obj) == {"trace", "semantics", "capacities", "results", "pins"}
+    assert obj["semantics"] == "engine" and obj["trace"]["top_k"] == 2 and obj["trace"]["working_set"] == 4
+    assert obj["capacities"] == [
+        {"experts_per_layer": 2, "multiple": 1.0, "global_slots": 4},
+        {"experts_per_layer": 4, "multiple": 2.0, "global_slots": 8},
+    ]
+    rows = {(r["scope"], r["policy"], r["capacity"]): r for r in obj["results"]}
+    assert len(rows) == 2 * 3 * 2
+    for r in obj["results"]:
+        assert set(r) >= {"policy", "scope", "capacity", "slots", "multiple", "hits", "lookups", "hit_rate"}
+        assert r["lookups"] == 60 * 2 * 2 and 0 <= r["hit_rate"] <= 1
+        assert r["hits"] <= rows[(r["scope"], "belady", r["capacity"])]["hits"]
+    assert rows[("global", "lru", 4)]["slots"] == 8 and rows[("layer", "lru", 4)]["slots"] == 8
+
+
+def run_main(capsys, *args):
+    from sluice.cli import main
+
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_text_pins_and_errors(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, synthetic_trace(SyntheticSpec(layers=2, experts=16, top_k=2, tokens=80)))
+    pins = tmp_path / "pins.json"
+    rc, out, err = run_main(capsys, "trace-replay", trace, "--tokens", ":40", "--write-pins", pins, "--pin-count", "2",
+                            "--capacity", "4")
+    assert rc == 0, err
+    assert "wrote 2 pins" in out and "per-layer caches" in out and "global cache" in out and "belady" in out
+    assert len(read_pins(pins)) == 2
+    rc, out, err = run_main(capsys, "trace-replay", trace, "--tokens", "40:", "--pins", pins, "--capacity", "4,8",
+                            "--scope", "layer", "--json")
+    assert rc == 0, err
+    obj = json.loads(out)
+    assert {"lru", "pinned(lru)", "lfru", "pinned(lfru)", "belady"} == {r["policy"] for r in obj["results"]}
+    assert {r["scope"] for r in obj["results"]} == {"layer"} and obj["pins"]["count"] == 2
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tok": 1, "layers": [[1, 2]]}\n{"tok": 2, "layers": [[1, "x"]]}\n')
+    for args, message in [
+        ((bad,), "bad.jsonl:2: layer 0: expert id 'x' is not an integer"),
+        ((trace, "--policy", "mru"), "unknown cache policy 'mru'"),
+        ((trace, "--write-pins", pins), "--pin-count"),
+        ((trace, "--pin-count", "3"), "--pin-count goes with --write-pins"),
+        ((), "give a trace file or --synthetic"),
+        ((trace, "--capacity", "4,x"), "'x' is not a whole number"),
+        ((trace, "--tokens", "100:"), "selects no tokens"),
+    ]:
+        rc, out, err = run_main(capsys, "trace-replay", *args)
+        assert rc == 1 and message in err and "Traceback" not in err, (args, err)
