@@ -377,7 +377,7 @@ out = {}
 # without loading a model: what raw_read_bandwidth needs from an engine
 info = ModelInfo(model)
 eng = SimpleNamespace(experts_source=info.experts, desc=info.desc, checkpoint=info.checkpoint,
-                      options=SimpleNamespace(reader_threads=4))
+                      options=SimpleNamespace(reader_threads=4, huge_pages=True))
 out["direct_read"] = raw_read_bandwidth(eng, seconds)
 # buffered sequential reads of the model's files, 8 MiB at a time (what mmap/readahead engines do best)
 files = sorted(p for p in os.listdir(model) if p.endswith(".safetensors"))
