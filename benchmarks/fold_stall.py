@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import sluice  # noqa: F401  (before torch: it sets OpenMP's wait policy)
 import torch
 
 from sluice import kernels

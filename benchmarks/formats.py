@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import sluice  # noqa: F401  (before torch: it sets OpenMP's wait policy)
 import torch
 
 import sluice

@@ -254,6 +254,9 @@ def run_arm(spec: ArmSpec, cgroup_kind: str | None = None) -> dict:
     env = dict(os.environ)
     env.update({k: str(spec.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
     env["PYTHONUNBUFFERED"] = "1"
+    # every engine gets what `import sluice` sets for itself: OpenMP waiters that sleep rather
+    # than spin (on a shared machine spinning teams stall; docs/optimizations.md)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["TOKENIZERS_PARALLELISM"] = "false"
     env["HF_HUB_OFFLINE"] = "1"
     env.update(spec.env)
@@ -366,8 +369,9 @@ def _derive(rec: dict) -> dict:
 
 LIMITS_SCRIPT = r"""
 import json, os, sys, time, mmap
-import torch
 sys.path.insert(0, sys.argv[1])
+import sluice  # before torch: OpenMP wait policy
+import torch
 from types import SimpleNamespace
 from sluice.bench import raw_read_bandwidth
 from sluice.engine import ModelInfo

@@ -20,6 +20,7 @@ import platform
 import statistics
 import time
 
+import sluice  # noqa: F401  (before torch: it sets OpenMP's wait policy)
 import torch
 
 from sluice import kernels, quant

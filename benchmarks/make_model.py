@@ -29,6 +29,7 @@ _SRC = Path(__file__).resolve().parent.parent / "src"
 if str(_SRC) not in sys.path:
     sys.path.insert(0, str(_SRC))
 
+import sluice  # noqa: E402,F401  (first: it sets OpenMP's wait policy before torch loads)
 import torch  # noqa: E402
 
 from sluice.synthetic import BASE_CONFIGS, model_bytes, scaled_config, write_model  # noqa: E402

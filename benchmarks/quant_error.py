@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import sluice  # noqa: F401  (before torch: it sets OpenMP's wait policy)
 import torch
 
 from sluice.quant import FORMATS
