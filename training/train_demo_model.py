@@ -874,6 +874,14 @@ def write_report(path: Path, m: dict, out_rel: str, plot_rel: str) -> None:
         + "; busiest expert share per layer "
         + ", ".join(f"{r['max_share']:.3f}" for r in m["routing"]["per_layer"])
         + ". Balanced, but not uniform.",
+    ]
+    if "heldout_check" in m:
+        hc = m["heldout_check"]
+        lines.append(f"* The first {hc['windows']} held-out windows alone: {hc['loss']:.4f} nats/token "
+                     "(`tests/test_demo_model.py` re-scores them with Sluice and requires the same value).")
+    lines += [
+        "* How its decode-time routing compares with a real MoE's (OLMoE) and with random weights: "
+        "[routing-realism.md](routing-realism.md).",
         "",
         f"![loss curve]({plot_rel})",
         "",
