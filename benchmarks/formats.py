@@ -21,10 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-import sluice  # noqa: F401  (before torch: it sets OpenMP's wait policy)
+import sluice  # before torch: it sets OpenMP's wait policy
 import torch
 
-import sluice
 from sluice.bench import drop_cache
 from sluice.convert import convert
 from sluice.demo import demo_config

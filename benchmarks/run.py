@@ -57,6 +57,11 @@ MODELS = {
     "cold": dict(family="mixtral", size="12GB", dtype="bf16"),
     "warm": dict(family="mixtral", experts=8, dtype="bf16"),
     "exact": dict(family="mixtral", experts=8, dtype="bf16", overrides={"num_hidden_layers": 4}),
+    # spine streaming: wide attention, small experts, so the spine (attention, norms, routers,
+    # embeddings) is ~80% of the model and ~3x the cap
+    "spine": dict(family="mixtral", experts=8, dtype="bf16", overrides={
+        "num_hidden_layers": 40, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 128, "vocab_size": 4096}),
 }
 TINY = {  # the smoke test's model (a few MB)
     "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -190,7 +195,7 @@ class Bench:
             spec["size"] = self.args.size
         family, dtype = spec["family"], spec["dtype"]
         ov = spec.get("overrides") or {}
-        label = spec.get("size") or f"{spec.get('experts')}x"
+        label = spec.get("size") or f"{spec.get('experts')}x" + ("-spine" if key == "spine" else "")
         suffix = "-tiny" if self.args.tiny else ("-l%d" % ov["num_hidden_layers"] if "num_hidden_layers" in ov else "")
         path = self.cache / "models" / f"{family}-{label}{suffix}-{dtype}"
         size = make_model.parse_size(spec["size"]) if spec.get("size") else None
@@ -415,7 +420,27 @@ def scenario_exact(b: Bench) -> dict:
     return {"model": str(model), "model_facts": facts, "prompt_ids": ids, "reference": ref_rec, "runs": runs}
 
 
-SCENARIOS = {"cold": scenario_cold, "warm": scenario_warm, "sweep": scenario_sweep, "exact": scenario_exact}
+def scenario_spine(b: Bench) -> dict:
+    """The spine alone ~3x the cap: Sluice streams spine layers through two buffers and reads
+    only routed experts; AirLLM streams whole layers. Page cache dropped, cgroup cap."""
+    a = b.args
+    model = b.model("spine")
+    facts = H.model_facts(str(model))
+    cap = a.cap or int(facts["spine_bytes"] / 3)
+    ids = b.prompt_ids(model, a.prompt_tokens)
+    print(f"spine: {model.name} {facts['checkpoint_bytes'] / 1e9:.2f} GB, spine {facts['spine_bytes'] / 1e9:.2f} GB, "
+          f"cap {fmt_gib(cap)}", flush=True)
+    b.wait_quiet()
+    limits = H.measure_limits(sys.executable, str(model), a.threads)
+    runs = []
+    for e in engines(a):
+        if e == "sluice" or e == "airllm":
+            runs.append(b.run(e, model, ids, new_tokens=a.new_tokens, cap=cap, engine_memory=cap, tag="spine"))
+    return {"model": str(model), "model_facts": facts, "prompt_ids": ids, "cap": cap, "limits": limits,
+            "runs": runs}
+
+
+SCENARIOS = {"spine": scenario_spine, "cold": scenario_cold, "warm": scenario_warm, "sweep": scenario_sweep, "exact": scenario_exact}
 
 
 def main(argv=None) -> int:

@@ -79,7 +79,8 @@ def bench_io(path, memory=None, prompt_tokens: int = 32, new_tokens: int = 32, r
     # wasted speculative reads make Sluice slower and must not make its roofline look closer
     needed_reads = s["demand_reads"] + s["prefetch_used"]
     record = engine.experts_source.slot_bytes
-    needed_per_token = needed_reads * record / max(1, s["generated_tokens"])
+    spine_per_token = s.get("spine_bytes_read", 0) / max(1, s["generated_tokens"])
+    needed_per_token = needed_reads * record / max(1, s["generated_tokens"]) + spine_per_token
     roofline_tok_s = raw["bytes_per_s"] / needed_per_token if needed_per_token else float("inf")
     return {
         "model": str(path),
@@ -87,6 +88,8 @@ def bench_io(path, memory=None, prompt_tokens: int = 32, new_tokens: int = 32, r
         "decode_tok_s": s["decode_tok_s"],
         "bytes_per_token": per_token_bytes,
         "needed_bytes_per_token": needed_per_token,
+        "spine_bytes_per_token": spine_per_token,
+        "spine_streamed_layers": s.get("spine_streamed_layers", 0),
         "wasted_prefetch_reads": s["prefetch_reads"] - s["prefetch_used"] - s["prefetch_cancelled"],
         "achieved_bytes_per_s": per_token_bytes * s["decode_tok_s"],
         "io_roofline_tok_s": roofline_tok_s,
@@ -94,10 +97,14 @@ def bench_io(path, memory=None, prompt_tokens: int = 32, new_tokens: int = 32, r
         "hit_rate": s["hit_rate"],
         "lookahead_recall": s["lookahead_recall"],
         "prefetch_reads": s["prefetch_reads"],
+        # overlap: the share of decode time spent waiting for any read (experts or spine layers)
+        "read_wait_share": (s["read_wait_s"] + s.get("spine_read_wait_s", 0.0)) / decode_s if decode_s > 0 else 0.0,
         "time_split_s": {
             "read_wait": s["read_wait_s"],
+            "spine_read_wait": s.get("spine_read_wait_s", 0.0),
             "expert_compute": s["expert_compute_s"],
-            "attention_and_rest": max(0.0, decode_s - s["read_wait_s"] - s["expert_compute_s"]),
+            "attention_and_rest": max(0.0, decode_s - s["read_wait_s"] - s.get("spine_read_wait_s", 0.0)
+                                      - s["expert_compute_s"]),
             "decode_total": decode_s,
             "per_token": decode_s / steps,
         },
