@@ -856,7 +856,7 @@ def write_report(path: Path, m: dict, out_rel: str, plot_rel: str) -> None:
         f"* Tokens trained: {m['tokens_trained'] / 1e6:.2f} M "
         f"({m['tokens_trained'] / c['train_tokens']:.2f} passes over the training split).",
         f"* Wall time: {fmt_time(m['train_wall_seconds'])} of training "
-        f"({fmt_time(m['total_wall_seconds'])} in all) on {m['threads']} CPU threads "
+        f"({fmt_time(m['total_wall_seconds'])} in all) on {m['threads']} CPU thread{'s' if m['threads'] != 1 else ''} "
         f"({m['platform']}), torch {m['versions']['torch']}, "
         f"transformers {m['versions']['transformers']}.",
         f"* Seed: {m['seed']}.",

@@ -79,7 +79,7 @@ def run_demo(args) -> int:
         engine = load(path, memory=budget, **options)
         print(f"[sluice demo] the shipped demo model ({format_size(size)}, trained on Python's standard library; "
               f"docs/demo-model.md) with an expert cache of {engine.plan.cache_slots} of "
-              f"{engine.plan.total_experts} experts: every other expert is read from disk when routed to.",
+              f"{engine.plan.total_experts} experts: the others are read from disk when a token is routed to them.",
               file=sys.stderr)
         if not args.json:
             sys.stdout.write(prompt)
