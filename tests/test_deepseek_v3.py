@@ -183,7 +183,7 @@ def test_fp32_exact_streaming_and_container(ds_dir, variant, tmp_path):
     eng, logits, result = _check(path, cache_experts=cache)
     assert eng.plan.cache_slots < eng.desc.total_experts / 3
     assert result.stats["evictions"] > 0 and result.stats["expert_misses"] > 0
-    assert result.stats["prefetch_reads"] > 0 and 0 < result.stats["lookahead_recall"] <= 1
+    assert result.stats["lookahead_predictions"] > 0 and 0 < result.stats["lookahead_recall"] <= 1
     # the container holds the same bits: identical logits and tokens
     box = convert(path, tmp_path / "m.sluice", progress=False)
     b = sluice.load(box, memory="4GiB", cache_experts=cache, progress=False)

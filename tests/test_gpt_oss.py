@@ -81,7 +81,7 @@ def test_exact_with_evicting_cache(models, expected, source):
     assert eng.plan.cache_slots == SMALL_CACHE < TOTAL_EXPERTS / 4
     s = result.stats
     assert s["evictions"] > 0 and s["expert_misses"] > 0
-    assert s["prefetch_reads"] > 0 and 0 < s["lookahead_recall"] <= 1  # CausalLM.predict drives prefetch
+    assert s["lookahead_predictions"] > 0 and 0 < s["lookahead_recall"] <= 1  # CausalLM.predict drives lookahead
     assert eng.info.is_container == (source == "container")
 
 

@@ -133,7 +133,7 @@ def test_fp32_exact_with_evictions(models, expected, source):
     _, result = check_exact(expected, eng, prompt_ids(), N_NEW)
     s = result.stats
     assert s["evictions"] > 0 and s["expert_misses"] > 0
-    assert s["prefetch_reads"] > 0  # router lookahead ran on the hybrid stack
+    assert s["lookahead_predictions"] > 0  # router lookahead ran on the hybrid stack
     assert eng.info.is_container == (source == "container")
 
 

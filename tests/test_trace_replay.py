@@ -220,6 +220,33 @@ def test_lfru_protects_keys_of_layers_still_to_come():
     assert keys
 
 
+def test_lfru_predictions_are_not_uses_and_evict_only_cold_stale_keys():
+    """A prefetched (speculative) key neither counts as a use nor marks its layer as passed,
+    and room for a prediction is made only from stale keys that have gone cold."""
+    p = LFRU(half_life=4)
+    p.tick()
+    p.insert((1, 0))  # layer 1 used expert 0 last token: fresh until layer 1 runs again
+    p.insert((0, 5))
+    p.tick()
+    p.insert((0, 6))  # layer 0 ran this token without expert 5: (0, 5) is stale but recent
+    p.insert((1, 3), speculative=True)  # a prediction for layer 1
+    assert (1, 0) in p._fresh  # the prediction did not pass layer 1
+    assert p.speculative_victim(lambda k: True) != (1, 0)
+    assert p.speculative_victim(lambda k: k != (1, 3)) is None  # (0, 5) is stale but still hot
+    assert p.victim(lambda k: True) == (1, 3)  # the unused guess is the first victim on demand
+    for _ in range(12):  # three half-lives later (0, 5) has gone cold
+        p.tick()
+    assert p.speculative_victim(lambda k: k != (1, 3)) == (0, 5)
+    p.access((1, 3))  # the guess was used: now it counts
+    assert p.hotness((1, 3)) > 0.5
+    lru = LRU()
+    lru.insert("a")
+    lru.insert("b", speculative=True)
+    assert lru.victim(lambda k: True) == "b"
+    lru.access("b")
+    assert lru.victim(lambda k: True) == "a"
+
+
 def test_lfru_history_keeps_scores_of_evicted_keys():
     for history in (True, False):
         p = LFRU(half_life=1000, history=history)

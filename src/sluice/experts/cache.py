@@ -64,12 +64,12 @@ class ExpertCache:
         s = self._map[key]
         return s.state == READY and s.pins == 0
 
-    def allocate(self, key: Hashable, layout: ExpertLayout) -> Slot | None:
+    def allocate(self, key: Hashable, layout: ExpertLayout, speculative: bool = False) -> Slot | None:
         """A slot for ``key`` (state LOADING), evicting by policy; None if every slot is busy."""
         if self._free:
             slot = self.slots[self._free.pop()]
         else:
-            victim = self.policy.victim(self._evictable)
+            victim = (self.policy.speculative_victim if speculative else self.policy.victim)(self._evictable)
             if victim is None:
                 return None
             slot = self._map.pop(victim)
@@ -80,7 +80,7 @@ class ExpertCache:
         slot.key, slot.state, slot.layout = key, LOADING, layout
         slot.weights, slot.future, slot.speculative, slot.pins = None, None, False, 0
         self._map[key] = slot
-        self.policy.insert(key)
+        self.policy.insert(key, speculative)
         return slot
 
     def base(self, slot: Slot) -> int:

@@ -74,10 +74,10 @@ class ExpertProvider:
 
     def _start_read(self, key: tuple[int, int], speculative: bool) -> Slot | None:
         layout = self.source.layout(*key)
-        slot = self.cache.allocate(key, layout)
+        slot = self.cache.allocate(key, layout, speculative)
         if slot is None:
             self._settle_finished()
-            slot = self.cache.allocate(key, layout)
+            slot = self.cache.allocate(key, layout, speculative)
         if slot is None:
             return None
         slot.speculative = speculative
