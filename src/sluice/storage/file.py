@@ -10,6 +10,25 @@ from .buffers import ALIGN, AlignedBuffer, align_down, align_up
 
 _STAGING_BYTES = 8 << 20
 
+# One large read is split into pieces of this size read in parallel: a streamed spine layer
+# (tens of MB, sequential) would otherwise be one read in flight at a time. Spine-streaming
+# decode, 3 runs each: 0.41 tok/s unsplit, 0.47 with 4 threads, 0.50 with 8 (docs/optimizations.md).
+PIECE_BYTES = 4 << 20
+PIECE_THREADS = 8
+_piece_pool = None
+_piece_pool_lock = threading.Lock()
+
+
+def _pieces():
+    global _piece_pool
+    if _piece_pool is None:
+        with _piece_pool_lock:
+            if _piece_pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                _piece_pool = ThreadPoolExecutor(PIECE_THREADS, thread_name_prefix="sluice-piece")
+    return _piece_pool
+
 
 @dataclass
 class ReadStats:
@@ -86,21 +105,51 @@ class LocalFile:
         file. Raises ``OSError`` (with the file name) on I/O errors.
         """
         want = len(buf)
-        done = 0
         fd = self.dfd if self.dfd is not None else self.fd
         try:
-            while done < want:
-                n = os.preadv(fd, [buf[done:]], offset + done)
-                if n <= 0:
-                    break
-                done += n
-                if self.dfd is not None and n % ALIGN:
-                    break  # a partial block only happens at EOF in direct mode
+            if want >= 2 * PIECE_BYTES and PIECE_THREADS > 1 and not threading.current_thread().name.startswith("sluice-piece"):
+                done = self._read_pieces(fd, buf, offset)
+            else:
+                done = self._read_span(fd, buf, offset)
         except OSError as e:
             raise OSError(e.errno, f"{e.strerror} reading {want} bytes at offset {offset}", self.path) from e
         if self.dfd is None and done:
             os.posix_fadvise(self.fd, offset, done, os.POSIX_FADV_DONTNEED)
         self.stats.add(done)
+        return done
+
+    def _read_span(self, fd: int, buf: memoryview, offset: int) -> int:
+        want, done = len(buf), 0
+        while done < want:
+            n = os.preadv(fd, [buf[done:]], offset + done)
+            if n <= 0:
+                break
+            done += n
+            if self.dfd is not None and n % ALIGN:
+                break  # a partial block only happens at EOF in direct mode
+        return done
+
+    def _read_pieces(self, fd: int, buf: memoryview, offset: int) -> int:
+        """The span in PIECE_BYTES pieces (ALIGN multiples), all but the first on the piece
+        pool; bytes read up to the first short piece (end of file)."""
+        want = len(buf)
+        bounds = [(a, min(a + PIECE_BYTES, want)) for a in range(0, want, PIECE_BYTES)]
+        futures = [_pieces().submit(self._read_span, fd, buf[a:b], offset + a) for a, b in bounds[1:]]
+        got = [self._read_span(fd, buf[bounds[0][0]:bounds[0][1]], offset)]
+        error = None
+        for f in futures:
+            try:
+                got.append(f.result())
+            except OSError as e:
+                error = error or e
+                got.append(0)
+        if error is not None:
+            raise error
+        done = 0
+        for (a, b), n in zip(bounds, got):
+            done += n
+            if n < b - a:
+                break
         return done
 
     def _staging(self) -> AlignedBuffer:
