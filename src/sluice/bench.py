@@ -85,11 +85,19 @@ def bench_io(path, memory=None, prompt_tokens: int = 32, new_tokens: int = 32, r
     needed_reads = s["demand_reads"] + s["prefetch_used"]
     record = engine.experts_source.slot_bytes
     spine_per_token = s.get("spine_bytes_read", 0) / max(1, s["generated_tokens"])
-    needed_per_token = needed_reads * record / max(1, s["generated_tokens"]) + spine_per_token
-    roofline_tok_s = raw["bytes_per_s"] / needed_per_token if needed_per_token else float("inf")
+    expert_per_token = needed_reads * record / max(1, s["generated_tokens"])
+    needed_per_token = expert_per_token + spine_per_token
+    spine_raw = None
+    seconds_per_token = expert_per_token / raw["bytes_per_s"]
+    if spine_per_token and engine.spine is not None:
+        # streamed layers are long sequential reads: their own bandwidth, measured the same way
+        spine_raw = engine.spine.read_bandwidth(read_seconds)
+        seconds_per_token += spine_per_token / spine_raw["bytes_per_s"]
+    roofline_tok_s = 1.0 / seconds_per_token if seconds_per_token else float("inf")
     return {
         "model": str(path),
         "raw_read": raw,
+        "raw_spine_read": spine_raw,
         "decode_tok_s": s["decode_tok_s"],
         "bytes_per_token": per_token_bytes,
         "needed_bytes_per_token": needed_per_token,

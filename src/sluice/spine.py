@@ -170,6 +170,28 @@ class SpineStreamer:
             return
         self._issue((r + self.n) % len(self.plans))
 
+    def read_bandwidth(self, seconds: float = 3.0) -> dict:
+        """Fill the buffers with streamed layers back to back for ``seconds``, no compute: the
+        read path's own bandwidth for this model's spine (benchmarks). Leaves no layer marked
+        loaded, so the next forward reads what it needs again."""
+        for fut in self.pending:
+            if fut is not None:
+                try:
+                    fut.result()
+                except BaseException:
+                    pass
+        before, fills = self.stats.bytes_read, 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            self._fill(fills % len(self.plans))
+            fills += 1
+        dt = time.perf_counter() - t0
+        nbytes = self.stats.bytes_read - before
+        self.stats.bytes_read, self.stats.fills = before, self.stats.fills - fills  # not the model's reads
+        self.loaded = [None] * self.n
+        self.pending = [None] * self.n
+        return {"bytes_per_s": nbytes / dt, "fills": fills, "seconds": dt}
+
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
