@@ -9,7 +9,11 @@ from .. import kernels
 from .formats import QuantMatrix
 
 _CHUNK_ELEMS = 4 << 20  # bound on the fp32 temporary when upcasting a weight (16 MiB)
-SMALL_BATCH = 8  # up to this many rows, the fused C kernel beats upcast + sgemm
+SMALL_BATCH = 8  # f32 weights: up to this many rows the C kernel; beyond, sgemm is as fast or faster
+# bf16/f16 weights: the C kernel reads them as stored, sgemm needs an fp32 copy first. Measured
+# on a 3584 x 1024 bf16 matrix (2 kernel threads): T=16 1.9 vs 2.8 ms, T=32 3.4 vs 3.6 ms (sgemm
+# at 2 threads), T=48 5.5 vs 5.9 ms; warm prefill of the 3 GB benchmark model 41 -> see docs.
+HALF_SMALL_BATCH = 32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,7 +31,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantMatrix, bias: torch.Tens
         return weight.linear(x, bias)
     if bias is not None and bias.dtype != torch.float32:  # e.g. bf16 biases next to f32 weights
         bias = bias.float()
-    if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.available() and weight.is_contiguous():
+    limit = SMALL_BATCH if weight.dtype == torch.float32 else HALF_SMALL_BATCH
+    if x.dim() == 2 and x.shape[0] <= limit and kernels.available() and weight.is_contiguous():
         b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
         return kernels.dense(x.contiguous(), weight, b)
     if weight.dtype == torch.float32:
