@@ -232,6 +232,24 @@ def fp32_noise(path: Path, ids: torch.Tensor) -> float:
     return (f32 - f64).abs().max().item()
 
 
+def check_chunked_vs_stepwise(load, path: Path, ids: torch.Tensor, gen: dict) -> None:
+    """One prefill chunk, chunks of 7, token by token (``load(path, prefill_chunk=...)``): logits
+    agree within fp32 rounding, greedy tokens identical."""
+    runs = {}
+    for chunk in (512, 7, 1):
+        eng = load(path, prefill_chunk=chunk)
+        runs[chunk] = (eng.forward(ids), eng.generate(ids.tolist(), max_new_tokens=16, **gen).token_ids)
+    noise = fp32_noise(path, ids)
+    assert noise < 1e-3
+    base_logits, base_tokens = runs[512]
+    for chunk in (7, 1):
+        logits, tokens = runs[chunk]
+        diff = (logits - base_logits).abs().max().item()
+        # each fp32 evaluation lies about `noise` from the fp64 one: two of them within 2 x noise
+        assert diff <= 2 * noise, f"prefill_chunk={chunk}: max |logit diff| {diff:.3e} vs one chunk, fp32 noise {noise:.1e}"
+        assert tokens == base_tokens
+
+
 def check_prefix_reuse(eng, fresh, p1: list[int], gen: dict) -> None:
     """Prefix reuse on a recurrent model gives the tokens of a fresh run in four situations.
 

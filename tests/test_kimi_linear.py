@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sluice
-from conftest import check_prefix_reuse, LOGIT_MARGIN, ROUTER_MARGIN, check_exact, expected_outputs, fp32_noise, prompt_ids, reference, \
+from conftest import check_chunked_vs_stepwise, check_prefix_reuse, LOGIT_MARGIN, ROUTER_MARGIN, check_exact, expected_outputs, prompt_ids, reference, \
     tiny_config
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
@@ -165,20 +165,7 @@ def test_prompt_longer_than_a_prefill_chunk(models, ref):
 
 def test_chunked_vs_stepwise(models):
     """One prefill chunk, chunks of 7, token by token: logits agree within fp32 rounding, tokens identical."""
-    ids = prompt_ids(40, seed=11)
-    runs = {}
-    for chunk in (512, 7, 1):
-        eng = _load(models["f32"], prefill_chunk=chunk)
-        runs[chunk] = (eng.forward(ids), eng.generate(ids.tolist(), max_new_tokens=16, ignore_eos=True).token_ids)
-    noise = fp32_noise(models["f32"], ids)
-    assert noise < 1e-3
-    base_logits, base_tokens = runs[512]
-    for chunk in (7, 1):
-        logits, tokens = runs[chunk]
-        diff = (logits - base_logits).abs().max().item()
-        # each fp32 evaluation lies about `noise` from the fp64 one: two of them within 2 x noise
-        assert diff <= 2 * noise, f"prefill_chunk={chunk}: max |logit diff| {diff:.3e} vs one chunk, fp32 noise {noise:.1e}"
-        assert tokens == base_tokens
+    check_chunked_vs_stepwise(_load, models["f32"], prompt_ids(40, seed=11), dict(ignore_eos=True))
 
 
 def test_prefix_reuse_matches_fresh_runs(models):

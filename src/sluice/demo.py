@@ -58,13 +58,14 @@ def ensure_synthetic(size: int, cache_dir: str | None = None, progress: bool = T
     return path
 
 
-def demo_budget(path: Path, share: float = 0.25) -> int:
-    """The smallest budget whose cache holds ``share`` of all experts: well under the model size."""
+def demo_cache(path: Path, share: float = 0.25) -> tuple[int, int]:
+    """Expert-cache slots holding ``share`` of all experts (at least one token's working set),
+    and the smallest budget that gives them: well under the model size."""
     info = ModelInfo(path)
     slots = max(info.desc.working_set, int(share * info.desc.total_experts))
     plan = info.plan(1 << 40, Options(cache_experts=info.desc.top_k))
     info.checkpoint.close()
-    return plan.budget_for_slots(slots)
+    return slots, plan.budget_for_slots(slots)
 
 
 def run_demo(args) -> int:
@@ -74,13 +75,12 @@ def run_demo(args) -> int:
     if args.synthetic is None:
         path = shipped_model()
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        slots, budget = demo_cache(path)
         if args.memory is None and options["cache_experts"] is None:
-            # a quarter of the experts, exactly; the budget with headroom for the baseline
-            # measured again at load (a few MiB higher once more is imported)
-            info = ModelInfo(path)
-            options["cache_experts"] = max(info.desc.working_set, info.desc.total_experts // 4)
-            info.checkpoint.close()
-        budget = args.memory or demo_budget(path) + (32 << 20)
+            # exactly a quarter of the experts; headroom for the baseline measured again at load
+            # (a few MiB higher once more is imported)
+            options["cache_experts"] = slots
+        budget = args.memory or budget + (32 << 20)
         prompt = args.prompt if args.prompt is not None else SHIPPED_PROMPT
         engine = load(path, memory=budget, **options)
         print(f"[sluice demo] the shipped demo model ({format_size(size)}, trained on Python's standard library; "
@@ -92,7 +92,7 @@ def run_demo(args) -> int:
     else:
         path = ensure_synthetic(args.synthetic, args.cache_dir, progress=not args.no_progress)
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        budget = args.memory or demo_budget(path)
+        budget = args.memory or demo_cache(path)[1]
         prompt = args.prompt if args.prompt is not None else SYNTHETIC_PROMPT
         print(f"[sluice demo] model {format_size(size)} on disk, memory budget {format_size(budget)} "
               f"({100 * budget / size:.0f}% of the model). Random weights: the text is meaningless; "
