@@ -78,8 +78,6 @@ KNOWN_BUGS: dict[str, str] = {
                           "(router branch)",
     "streamed_derivation": "bug: derived tensors built at load time from still-empty streamed spine buffers "
                            "(kimi_linear conv/A_log, qwen3_next conv weight of bf16 checkpoints) (router branch)",
-    "gpt_oss_container": "bug: GPT-OSS container records and the HF directory's input-major slices go "
-                         "through kernels with different summation orders (matrix branch)",
 }
 
 
@@ -92,8 +90,6 @@ def _known_bug(family: str, kind: str, row: dict | None = None, switch: str | No
     if row is not None and row["spine"] == "streamed" and (
             family == "kimi_linear" or (family == "qwen3_next" and kind == "bf16")):
         return "streamed_derivation"
-    if row is not None and row["source"] == "container" and family == "gpt_oss" and kind in ("f32", "bf16"):
-        return "gpt_oss_container"
     return None
 
 
