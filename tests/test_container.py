@@ -12,7 +12,8 @@ import torch
 
 import sluice
 from conftest import FAMILIES, prompt_ids
-from sluice.container import HEADER_BYTES, check_container
+from sluice.check import check_container
+from sluice.container import HEADER_BYTES
 from sluice.convert import convert
 from sluice.storage.faults import FaultPlan, inject_faults
 

@@ -157,7 +157,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from .container import check_container
+    from .check import check_container
 
     report = check_container(args.model, progress=not args.no_progress)
     if args.json:
@@ -198,7 +198,7 @@ def cmd_bench(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(args)
+    return run_demo(args, _engine_options(args), generate_and_print)
 
 
 def _sampling_kwargs(args) -> dict:

@@ -32,8 +32,6 @@ import torch
 
 from .checkpoint import DTYPES, TensorInfo
 from .errors import CheckpointError, ExpertReadError
-from .experts.layout import ExpertLayout, Read, View
-from .experts.source import ExpertSource
 from .storage import ALIGN, LocalFile, ReadStats, align_up
 
 MAGIC = b"SLXR"
@@ -88,6 +86,24 @@ def pack_header(fmt: str, layer: int, expert: int, nparts: int, payload: bytes |
                        zlib.crc32(payload))
 
 
+def check_record(where: str, record: memoryview, fmt: str, layer: int, expert: int, payload: int,
+                 verify_crc: bool) -> None:
+    """Check an expert record just read: header (magic, place, length, format), and with
+    ``verify_crc`` the payload's CRC32. Raises ``ExpertReadError`` starting with ``where``."""
+    magic, version, fid, lay, exp, poff, nparts, plen, crc = HEADER.unpack(record[:HEADER_BYTES])
+    if magic != MAGIC:
+        raise ExpertReadError(f"{where}: bad record magic {magic!r} (corrupt bank or wrong offset)")
+    if lay != layer or exp != expert:
+        raise ExpertReadError(f"{where}: record header says layer {lay} expert {exp} (records out of place)")
+    if poff != HEADER_BYTES or plen != payload or version != VERSION or fid != FORMAT_IDS[fmt]:
+        raise ExpertReadError(f"{where}: record header does not match the manifest (payload {plen} bytes, "
+                              f"expected {payload}; format id {fid})")
+    if verify_crc:
+        got = zlib.crc32(record[HEADER_BYTES : HEADER_BYTES + plen])
+        if got != crc:
+            raise ExpertReadError(f"{where}: CRC mismatch (stored {crc:08x}, computed {got:08x}): the record is corrupt")
+
+
 class Container:
     """An opened container; offers the same tensor-store interface as ``Checkpoint``."""
 
@@ -117,7 +133,7 @@ class Container:
         if self.expert_format not in FORMAT_IDS:
             raise CheckpointError(f"{mpath}: unknown expert_format {self.expert_format!r}")
         spine = _obj(m, "spine", mpath)
-        self.spine_file = str(self.path / _name(spine.get("file"), mpath))
+        self.spine_file = str(self.path / member_file(spine.get("file"), mpath))
         sfile = self.file(self.spine_file)
         self.tensors: dict[str, TensorInfo] = {}
         for name, t in _obj(spine, "tensors", mpath).items():
@@ -169,101 +185,6 @@ class Container:
         self._files.clear()
 
 
-class ContainerExperts(ExpertSource):
-    """Experts of a container: one aligned read per expert, header checked on every read."""
-
-    def __init__(self, container: Container, layers: list[int], n_experts: int, roles: dict[str, tuple[int, ...]]):
-        self.container = container
-        self.format = container.expert_format
-        src = container.manifest.get("source")
-        # quantized records copied bit for bit from a natively quantized checkpoint (not requantized)
-        self.native_quant = isinstance(src, dict) and src.get("expert_dtype") == self.format \
-            and self.format not in ("f32", "bf16", "f16")
-        mpath = container.path / "manifest.json"
-        banks = container.banks.get("layers")
-        if not isinstance(banks, dict):
-            raise CheckpointError(f"{mpath}: 'experts.layers' must be an object keyed by layer")
-        self._banks: dict[int, tuple[str, int, tuple[View, ...], int]] = {}
-        payload = 0
-        for layer in layers:
-            b = banks.get(str(layer))
-            if not isinstance(b, dict):
-                raise CheckpointError(f"{mpath}: no expert bank for MoE layer {layer}")
-            fname = str(container.path / _name(b.get("file"), mpath))
-            count, rec = b.get("count"), b.get("record_bytes")
-            if count != n_experts:
-                raise CheckpointError(f"{mpath}: layer {layer} bank holds {count!r} experts, config says {n_experts}")
-            if not isinstance(rec, int) or rec <= HEADER_BYTES or rec % ALIGN:
-                raise CheckpointError(f"{mpath}: layer {layer} record_bytes {rec!r} is not a positive multiple of {ALIGN}")
-            parts = [_part(p, mpath, layer) for p in b.get("parts") or []]
-            end = max((p.offset + p.nbytes for p in parts), default=0)
-            if end + HEADER_BYTES > rec:
-                raise CheckpointError(f"{mpath}: layer {layer} parts end at {end} bytes, beyond the {rec}-byte record")
-            names = {p.name for p in parts}
-            for role, shape in roles.items():
-                if role not in names and not any(n.startswith(role + ".") for n in names):
-                    raise CheckpointError(f"{mpath}: layer {layer} records have no part for {role!r}")
-                p = next((p for p in parts if p.name == role), None)
-                if p is not None and p.shape != tuple(shape):
-                    raise CheckpointError(
-                        f"{mpath}: layer {layer} part {role!r} has shape {list(p.shape)}, config implies {list(shape)}"
-                    )
-            f = container.file(fname)
-            if f.size < count * rec:
-                raise CheckpointError(
-                    f"{fname}: expert bank is {f.size} bytes, {count} records of {rec} bytes need {count * rec}: "
-                    "the file is truncated (convert again)"
-                )
-            views = tuple(View(p.name, HEADER_BYTES + p.offset, DTYPES[p.dtype][0], p.shape) for p in parts)
-            self._banks[layer] = (fname, rec, views, end)
-            payload = end
-        # quantized records: the cache assembles "<role>.<part>" views into matrices
-        # dense records hold the matrices; FP8 records hold "<role>" + "<role>_scale_inv", paired by
-        # quant.fp8.assemble; the quant registry's formats hold "<role>.<part>" views
-        self._quant = {} if self.format in ("f32", "bf16", "f16", "fp8") else dict(
-            format=self.format, shapes=tuple((r, *s) for r, s in roles.items()), exact=self.native_quant)
-        self.slot_bytes = max((b[1] for b in self._banks.values()), default=ALIGN)
-        self._payload = payload
-
-    def layout(self, layer: int, expert: int) -> ExpertLayout:
-        fname, rec, views, end = self._banks[layer]
-        return ExpertLayout((Read(fname, expert * rec, rec, 0, HEADER_BYTES + end),), views, rec, **self._quant)
-
-    def validate(self, layer: int, expert: int, record: memoryview, verify_crc: bool) -> None:
-        fname, rec, views, end = self._banks[layer]
-        magic, version, fmt, lay, exp, poff, nparts, plen, crc = HEADER.unpack(record[:HEADER_BYTES])
-        where = f"{fname}: layer {layer} expert {expert}"
-        if magic != MAGIC:
-            raise ExpertReadError(f"{where}: bad record magic {magic!r} (corrupt bank or wrong offset)")
-        if lay != layer or exp != expert:
-            raise ExpertReadError(f"{where}: record header says layer {lay} expert {exp} (records out of place)")
-        if poff != HEADER_BYTES or plen != end or version != VERSION or fmt != FORMAT_IDS[self.format]:
-            raise ExpertReadError(f"{where}: record header does not match the manifest (payload {plen} bytes, "
-                                  f"expected {end}; format id {fmt})")
-        if verify_crc:
-            got = zlib.crc32(record[HEADER_BYTES : HEADER_BYTES + plen])
-            if got != crc:
-                raise ExpertReadError(f"{where}: CRC mismatch (stored {crc:08x}, computed {got:08x}): the record is corrupt")
-
-    def file(self, path: str) -> LocalFile:
-        return self.container.file(path)
-
-    @property
-    def direct_io(self) -> bool:
-        return self.container.direct_io
-
-    @property
-    def record_bytes(self) -> int:
-        return self._payload
-
-    def records(self):
-        """(layer, expert) of every record, bank by bank (for ``sluice check``)."""
-        for layer in sorted(self._banks):
-            fname, rec, _, _ = self._banks[layer]
-            for e in range(self.container.file(fname).size // rec):
-                yield layer, e
-
-
 def _obj(m: dict, key: str, where) -> dict:
     v = m.get(key)
     if not isinstance(v, dict):
@@ -271,7 +192,8 @@ def _obj(m: dict, key: str, where) -> dict:
     return v
 
 
-def _name(v, where) -> str:
+def member_file(v, where) -> str:
+    """A file name from the manifest: a plain name inside the container directory."""
     if not isinstance(v, str) or not v or "/" in v or v.startswith("."):
         raise CheckpointError(f"{where}: invalid file name {v!r}")
     return v
@@ -293,7 +215,7 @@ def _spine_tensor(name: str, t, file: str, size: int, where) -> TensorInfo:
     return TensorInfo(name, file, off, nbytes, dtype, shape)
 
 
-def _part(p, where, layer) -> Part:
+def parse_part(p, where, layer) -> Part:
     try:
         part = Part(str(p["name"]), int(p["offset"]), str(p["dtype"]), tuple(int(s) for s in p["shape"]))
     except (KeyError, TypeError, ValueError):
@@ -301,41 +223,3 @@ def _part(p, where, layer) -> Part:
     if part.dtype not in DTYPES or part.offset < 0 or part.offset % PART_ALIGN or any(s < 0 for s in part.shape):
         raise CheckpointError(f"{where}: layer {layer} part {part.name!r} has bad dtype/offset/shape")
     return part
-
-
-def check_container(path: str | Path, progress: bool = True) -> dict:
-    """Verify every spine group and expert record CRC; returns a report (``ok``, ``errors``)."""
-    from .engine import ModelInfo
-    from .progress import Progress
-    from .storage import AlignedBuffer
-
-    info = ModelInfo(path)
-    c, src = info.checkpoint, info.experts
-    if not isinstance(c, Container):
-        raise CheckpointError(f"{path}: not a Sluice container (sluice check verifies containers)")
-    errors: list[str] = []
-    spine = c.file(c.spine_file)
-    records = list(src.records())
-    bar = Progress(sum(n for _, n, _ in c.spine_groups.values()) + len(records) * src.slot_bytes,
-                   f"checking {c.path.name}", enabled=progress)
-    for g, (off, n, crc) in c.spine_groups.items():
-        buf = bytearray(n)
-        try:
-            spine.read_into(memoryview(buf), off)
-        except OSError as e:
-            errors.append(f"{c.spine_file}: spine group {g}: {e}")
-            continue
-        if zlib.crc32(buf) != crc:
-            errors.append(f"{c.spine_file}: spine group {g}: CRC mismatch (corrupt spine)")
-        bar.update(n)
-    buf = AlignedBuffer(src.slot_bytes)
-    for layer, e in records:
-        try:
-            src.read(layer, e, buf, 0, verify_crc=True)
-        except ExpertReadError as err:
-            errors.append(str(err))
-        bar.update(src.slot_bytes)
-    bar.close()
-    c.close()
-    return {"path": str(path), "spine_groups": len(c.spine_groups), "records": len(records),
-            "errors": errors, "ok": not errors}

@@ -19,13 +19,14 @@ import torch
 
 from . import generation, kernels
 from .checkpoint import Checkpoint
-from .container import Container, ContainerExperts, is_container
+from .container import Container, is_container
 from .errors import CheckpointError, SluiceError
 from .experts.cache import ExpertCache
 from .experts.policy import make_policy
 from .experts.provider import ExpertProvider
-from .experts.source import CheckpointExperts
+from .experts.source import CheckpointExperts, ContainerExperts
 from .generation import Request, Result, Step
+from .layers.attention import SCORE_BLOCK_BYTES
 from .layers.sampling import SamplingParams
 from .models import get_family
 from .models.base import MoEBlock, check_tensor
@@ -149,7 +150,8 @@ class ModelInfo:
             spine_global=glob, spine_layers=layers,
             stream_buffer=max((spine_buffer_bytes(r) for r in reads.values()), default=0),
             state_bytes=self.desc.state_bytes_per_token * max_ctx + self.desc.state_bytes_fixed,
-            activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx),
+            activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx,
+                                         score_block=SCORE_BLOCK_BYTES),
             slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set,
             total_experts=self.desc.total_experts, top_k=self.desc.top_k, max_context=max_ctx,
             prefill_chunk=chunk, cache_experts=options.cache_experts,

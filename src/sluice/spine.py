@@ -212,13 +212,3 @@ class SpineLayout:
     @property
     def streamed_bytes(self) -> int:
         return sum(self.layer_bytes[layer] for layer in self.streamed)
-
-
-def spread(layers: list[int], count: int) -> list[int]:
-    """``count`` of ``layers`` spread evenly (streamed layers alternate with resident ones)."""
-    if count <= 0:
-        return []
-    if count >= len(layers):
-        return list(layers)
-    step = len(layers) / count
-    return sorted({layers[int(i * step)] for i in range(count)})

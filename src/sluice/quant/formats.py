@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from .dense import linear
 
 PartSpec = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
@@ -177,8 +178,6 @@ class DenseFormat(Format):
         return parts["weight"][r0:r1].float()
 
     def matmul(self, x, parts, n, k, bias=None, exact=False):
-        from .dense import linear
-
         return linear(x.float(), parts["weight"], bias)
 
 
@@ -224,6 +223,8 @@ class QuantMatrix:
         lead = x.shape[:-1]
         y = self.format.matmul(x.reshape(-1, self.k), self.parts, self.n, self.k, bias, self.exact)
         return y.reshape(*lead, self.n)
+
+    linear = matmul  # what ``quant.linear`` calls on a weight that is not a tensor
 
     def dequantize(self) -> torch.Tensor:
         return self.format.dequantize(self.parts, self.n, self.k)
