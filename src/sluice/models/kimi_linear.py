@@ -22,8 +22,7 @@ from ..layers.gated_delta import DECAY_BLOCK_BYTES, SNAPSHOTS, KimiDeltaAttentio
 from ..layers.mla import MLA, LatentCache
 from ..layers.mlp import GatedMLP, activation
 from ..layers.norm import RMSNorm
-from ..layers.routing import grouped_topk
-from ..quant import linear
+from ..layers.routing import GroupedRouter
 from ..units import format_size
 from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
 from .config import RawConfig
@@ -342,15 +341,12 @@ def build(cfg: Config, w, experts) -> CausalLM:
             )
         if cfg.mlp_layer_types[i] == "sparse":
             m = p + "block_sparse_moe."
-            rw = w(m + "gate.weight")
-            corr = w(m + "gate.e_score_correction_bias").float()
+            router = GroupedRouter(w(m + "gate.weight"), cfg.num_experts_per_tok,
+                                   correction=w(m + "gate.e_score_correction_bias"), scoring="sigmoid",
+                                   n_group=cfg.n_group, topk_group=cfg.topk_group, group_score="top2_sum",
+                                   normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
             shared = GatedMLP(w(m + "shared_experts.gate_proj.weight"), w(m + "shared_experts.up_proj.weight"),
                               w(m + "shared_experts.down_proj.weight"), cfg.hidden_act)
-
-            def router(x, rw=rw, corr=corr):
-                return grouped_topk(linear(x, rw), cfg.num_experts_per_tok, scoring="sigmoid", bias=corr,
-                                    n_group=cfg.n_group, topk_group=cfg.topk_group, group_score="top2_sum",
-                                    normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
 
             mlp = MoEBlock(i, router, experts, shared=shared)
         else:
