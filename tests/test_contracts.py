@@ -229,3 +229,47 @@ def test_lossy_switches_run_and_are_exact_at_identity(family_model, default_runs
     assert routers and all(type(r).__module__ == "sluice.layers.routing" for r in routers)
     same_logits, same_tokens = _run(path, moe_top_k=k, prefer_cached=0.0)
     assert torch.equal(same_logits, logits) and same_tokens == tokens
+
+
+# -- streamed spine: nothing derived at build time -----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_spine_is_bit_identical(family_model, family, dtype):
+    path = family_model(family, dtype)
+    ids = prompt_ids()
+    resident = _load(path)
+    streamed = _load(path, max_resident_layers=0, poison_stream_buffers=True)
+    try:
+        assert not resident.plan.streamed_layers
+        assert streamed.plan.streamed_layers == list(range(resident.desc.n_layers))  # every layer streamed
+        want = resident.forward(ids)
+        got = streamed.forward(ids)
+        assert torch.isfinite(want).all()
+        assert torch.equal(got, want), f"max |diff| {(got - want).abs().max().item():.3e}"
+        gen = dict(max_new_tokens=6, ignore_eos=True)
+        assert streamed.generate(ids.tolist(), **gen).token_ids == resident.generate(ids.tolist(), **gen).token_ids
+    finally:
+        resident.close()
+        streamed.close()
+
+
+def test_poisoned_buffers_catch_a_build_time_derivation(family_model, monkeypatch):
+    """The poison makes a build-time derivation from a streamed weight fail loudly: here the
+    fp32 conv kernel Qwen3-Next used to derive once, at build, from a bf16 streamed weight."""
+    from sluice.layers.gated_delta import GatedDeltaNet
+
+    init = GatedDeltaNet.__init__
+
+    def derive_at_build(self, **kw):
+        init(self, **kw)
+        frozen = self.conv.float().reshape(self.conv.shape[0], -1).clone()
+        self.conv_weight = lambda: frozen
+
+    monkeypatch.setattr(GatedDeltaNet, "__init__", derive_at_build)
+    eng = _load(family_model("qwen3_next", "bfloat16"), max_resident_layers=0, poison_stream_buffers=True)
+    try:
+        assert torch.isnan(eng.forward(prompt_ids())).all()
+    finally:
+        eng.close()

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import UnsupportedModelError
 from ..experts.spec import ExpertSpec
 from ..layers.gated_delta import DECAY_BLOCK_BYTES, SNAPSHOTS, KimiDeltaAttention, LinearState
@@ -317,9 +315,9 @@ def build(cfg: Config, w, experts) -> CausalLM:
         p = _prefix(i)
         a = p + "self_attn."
         if cfg.layer_types[i] == "linear_attention":
-            conv = torch.cat([w(a + f"{n}_conv1d.weight").float() for n in ("q", "k", "v")], dim=0)
             attn = KimiDeltaAttention(
-                wq=w(a + "q_proj.weight"), wk=w(a + "k_proj.weight"), wv=w(a + "v_proj.weight"), conv_weight=conv,
+                wq=w(a + "q_proj.weight"), wk=w(a + "k_proj.weight"), wv=w(a + "v_proj.weight"),
+                q_conv=w(a + "q_conv1d.weight"), k_conv=w(a + "k_conv1d.weight"), v_conv=w(a + "v_conv1d.weight"),
                 f_a=w(a + "f_a_proj.weight"), f_b=w(a + "f_b_proj.weight"), a_log=w(a + "A_log"),
                 dt_bias=w(a + "dt_bias"), w_b=w(a + "b_proj.weight"), g_a=w(a + "g_a_proj.weight"),
                 g_b=w(a + "g_b_proj.weight"), norm_weight=w(a + "o_norm.weight"), w_out=w(a + "o_proj.weight"),
