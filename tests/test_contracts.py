@@ -273,3 +273,37 @@ def test_poisoned_buffers_catch_a_build_time_derivation(family_model, monkeypatc
         assert torch.isnan(eng.forward(prompt_ids())).all()
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_streamed_block_fp8_is_bit_identical(family_model, tmp_path, scale_dtype):
+    """DeepSeek-V3 block-FP8 weights: e4m3 values and their block scales, both streamed (the
+    scales once were upcast at build time when stored in bf16)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from sluice.quant.fp8 import quantize
+
+    src = family_model("deepseek_v3")
+    tensors = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if ".layers." in name and name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
+            w, s = quantize(t, (16, 16))
+            tensors[name], tensors[name + "_scale_inv"] = w, s.to(scale_dtype)
+        else:
+            tensors[name] = t
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [16, 16]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ids = prompt_ids()
+    resident, streamed = _load(tmp_path), _load(tmp_path, max_resident_layers=0, poison_stream_buffers=True)
+    try:
+        want = resident.forward(ids)
+        assert torch.isfinite(want).all()
+        assert torch.equal(streamed.forward(ids), want)
+    finally:
+        resident.close()
+        streamed.close()
