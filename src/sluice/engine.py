@@ -64,6 +64,10 @@ class Options:
     max_resident_layers: int | None = None  # stream the spine of the other layers (None: the planner decides)
     moe_top_k: int | None = None  # lossy
     prefer_cached: float = 0.0  # lossy
+    # test-only: fill the spine stream buffers with 0xFF bytes (NaN in every float dtype) before
+    # their first real fill, so a family that derives tensors from streamed weights at build time
+    # gives NaN logits (the rule in spine.py); costs the buffers' memory up front
+    poison_stream_buffers: bool = False
 
 
 def load(path: str | os.PathLike, memory: int | str | None = None, **options) -> "Engine":
@@ -199,7 +203,8 @@ class Engine:
         if streamed:
             reads = self.info.layer_reads()
             self.spine = SpineStreamer(self.checkpoint, [reads[i] for i in sorted(streamed)],
-                                       huge_pages=self.options.huge_pages)
+                                       huge_pages=self.options.huge_pages,
+                                       poison=self.options.poison_stream_buffers)
             for i in sorted(streamed):
                 out.update(self.spine.views(i))
         names = [n for n in self.desc.spine if n not in out]

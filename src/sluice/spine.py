@@ -1,14 +1,26 @@
 """The spine in memory, or streamed layer by layer when it does not fit.
 
-Global tensors (embeddings, head, final norm) and every 1-D tensor (norms, biases) are
-always resident. A layer's matrices are either resident or *streamed*: before the layer
-runs they are read into one of a small ring of reusable buffers by a background reader,
-which meanwhile fills the next buffer, so reading layer L+1 overlaps computing layer L.
+Global tensors (embeddings, head, final norm) and every 1-D tensor of a layer (norms,
+biases, per-head scalars) are always resident. Every other tensor of a layer, *every
+tensor of two or more dimensions* (projections, routers, conv kernels, block scales,
+KDA's 4-D ``A_log``), is either resident or *streamed*, as the whole layer is: before the
+layer runs they are read into one of a small ring of reusable buffers by a background
+reader, which meanwhile fills the next buffer, so reading layer L+1 overlaps computing
+layer L.
 
 The layer objects of a streamed layer are built once, over views into "its" buffer
 (streamed layer of rank r uses buffer r % n), so no tensor is allocated per layer or per
-token: refilling a buffer changes what the views see. Families must therefore not derive
-new tensors from 2-D weights at build time.
+token: refilling a buffer changes what the views see. The rule for families and layers:
+**never derive a tensor at build time from a tensor of two or more dimensions** (no
+``.float()`` of a half-precision weight, no concatenation, no arithmetic, no
+``.contiguous()`` copy); keep the tensor as given and derive inside the forward (views
+such as ``.view``/``.reshape`` of a contiguous tensor are fine: they see every refill).
+1-D tensors may be converted once at build time.
+
+The rule is enforced by the test-only load option ``poison_stream_buffers``: it fills
+every stream buffer with 0xFF bytes (NaN in f32, bf16, f16 and FP8 e4m3) before the first
+real fill, so anything derived at build time from a streamed tensor is NaN and the
+streamed spine stops being bit-identical to the resident one (tests/test_contracts.py).
 """
 
 from __future__ import annotations
@@ -89,13 +101,17 @@ def buffer_bytes(lr: LayerReads) -> int:
 class SpineStreamer:
     """Double (or n-) buffered background reads of streamed layers' matrices."""
 
-    def __init__(self, store, plans: list[LayerReads], n_buffers: int = 2, huge_pages: bool = True):
+    def __init__(self, store, plans: list[LayerReads], n_buffers: int = 2, huge_pages: bool = True,
+                 poison: bool = False):
         self.store = store
         self.plans = plans
         self.rank = {p.layer: r for r, p in enumerate(plans)}
         self.n = max(1, min(n_buffers, len(plans)))
         size = max((buffer_bytes(p) for p in plans), default=ALIGN)
         self.buffers = [AlignedBuffer(size, huge=huge_pages) for _ in range(self.n)]
+        if poison:  # test-only: NaN bytes until the first real fill (see the module docstring)
+            for buf in self.buffers:
+                buf.tensor(0, torch.uint8, (buf.nbytes,)).fill_(0xFF)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-spine")
         self.pending: list[Future | None] = [None] * self.n
         self.loaded: list[int | None] = [None] * self.n  # rank held by each buffer
