@@ -115,6 +115,7 @@ def browser(tmp_path_factory):
     opts.binary_location = binary
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage",
                  "--window-size=1100,800", f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
         opts.add_argument(flag)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
@@ -135,6 +136,7 @@ def counter(text: str, name: str) -> float:
 
 
 CANCELLED = 'sluice_generations_total{outcome="cancelled"}'
+CLOSED = 'sluice_requests_total{endpoint="chat_completions",status="499"}'
 
 
 def test_page_needs_no_key_and_is_locked_down(server):
@@ -176,7 +178,8 @@ def test_chat_in_the_browser(server, browser):
     assert find(By.ID, "send").is_displayed() and not find(By.ID, "stop").is_displayed()
 
     # the context is full: the next turn drops the first one, with a notice; Stop cancels on the server
-    before = counter(metrics(server), CANCELLED)
+    m0 = metrics(server)
+    before, closed = counter(m0, CANCELLED), counter(m0, CLOSED)
     find(By.ID, "input").send_keys(HOSTILE, Keys.ENTER)
     wait_for(lambda: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 2
              and d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[1].text.count("\n") >= 1,
@@ -186,6 +189,7 @@ def test_chat_in_the_browser(server, browser):
     assert wait_for(lambda: second.find_elements(By.CLASS_NAME, "stats"), what="the stopped reply's line")[0] \
         .text.endswith("stopped")
     wait_for(lambda: counter(metrics(server), CANCELLED) > before, what="the server to count a cancellation")
+    wait_for(lambda: counter(metrics(server), CLOSED) == closed + 1, what="the request counted as 499 (client gone)")
     notice = find(By.CLASS_NAME, "notice").text
     assert notice.startswith("Context full: the oldest turn is no longer sent"), notice
     assert len(d.find_elements(By.CSS_SELECTOR, ".msg.dropped")) == 2  # the first question and its reply
