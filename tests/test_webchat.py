@@ -173,7 +173,9 @@ def test_chat_in_the_browser(server, browser):
     wait_for(lambda: find(By.ID, "stop").is_displayed() and reply.find_element(By.CLASS_NAME, "body").text,
              what="streamed text while the generation runs")
     stats = wait_for(lambda: reply.find_elements(By.CLASS_NAME, "stats"), timeout=60, what="the stats line")[0].text
-    assert re.search(r"^\d+ tokens · [\d.]+ tok/s · hit rate [\d.]+% · read [\d.]+ k?M?G?B · prompt \d+ tokens", stats), stats
+    m = re.search(r"^(\d+) tokens · [\d.]+ tok/s · hit rate [\d.]+% · read [\d.]+ [kMG]?B · prompt (\d+) tokens",
+                  stats)
+    assert m and int(m[1]) + int(m[2]) == CTX, stats  # the reply filled the context
     assert "cut by the token limit" in stats  # this model never ends a reply by itself
     assert find(By.ID, "send").is_displayed() and not find(By.ID, "stop").is_displayed()
 
