@@ -159,6 +159,9 @@ def test_chat_in_the_browser(server, browser):
 
     # the key prompt: the API answered 401; the key entered is kept in local storage
     wait_for(lambda: find(By.ID, "overlay").is_displayed(), what="the API key prompt")
+    find(By.ID, "key-input").send_keys("wrong", Keys.ENTER)
+    wait_for(lambda: "refused" in find(By.ID, "key-why").text, what="the prompt to say the key was refused")
+    assert find(By.ID, "overlay").is_displayed()
     find(By.ID, "key-input").send_keys(KEY, Keys.ENTER)
     wait_for(lambda: find(By.ID, "model").text.startswith("endless"), what="the model id")
     assert f"context {CTX} tokens" in find(By.ID, "model").text
