@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import zlib
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -189,6 +190,21 @@ def _writer(path: Path):
     return open(path, "wb")
 
 
+class _Naming:
+    """Attach ``path`` to an OSError raised without a file name (a failed write or fsync)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if isinstance(e, OSError) and not e.filename:
+            e.filename = str(self.path)
+        return False
+
+
 def _sync_close(f) -> None:
     f.flush()
     os.fsync(f.fileno())
@@ -328,7 +344,7 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
         groups.setdefault(spine_group(name), []).append(name)
     tensors, group_table = {}, {}
     f = _writer(tmp / "spine.bin")
-    try:
+    with _Naming(tmp / "spine.bin"), closing(f):
         off = 0
         for g in sorted(groups, key=_group_order):
             start = align_up(off, ALIGN)
@@ -350,8 +366,6 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
             group_table[g] = [start, off - start, crc]
         f.write(b"\0" * (align_up(off, ALIGN) - off))
         _sync_close(f)
-    finally:
-        f.close()
 
     # expert banks: one record per expert
     bank_table = {}
@@ -359,7 +373,7 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
     record = AlignedBuffer(rec)
     for layer in desc.moe_layers:
         f = _writer(tmp / bank_name(layer))
-        try:
+        with _Naming(tmp / bank_name(layer)), closing(f):
             for e in range(desc.n_experts):
                 layout = source.read(layer, e, buf)
                 record.tensor(0, torch.uint8, (rec,)).zero_()
@@ -372,8 +386,6 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
                 f.write(record.view(0, rec))
                 bar.update(rec)
             _sync_close(f)
-        finally:
-            f.close()
         bank_table[str(layer)] = {
             "file": bank_name(layer), "count": desc.n_experts, "record_bytes": rec,
             "parts": [{"name": p.name, "offset": p.offset, "dtype": p.dtype, "shape": list(p.shape)} for p in parts],
@@ -400,10 +412,8 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
         "tokenizer_files": copied,
     }
     f = _writer(tmp / "manifest.json")
-    try:
+    with _Naming(tmp / "manifest.json"), closing(f):
         f.write(json.dumps(seal_manifest(manifest), indent=1).encode("utf-8"))
         _sync_close(f)
-    finally:
-        f.close()
     _fsync_path(tmp)
     return tmp
