@@ -263,6 +263,7 @@ def _install(tmp: Path, dst: Path) -> None:
             os.rename(tmp, dst)
         except BaseException:
             os.rename(old, dst)  # put the old container back
+            (dst / PARTIAL_MARK).unlink(missing_ok=True)
             raise
         shutil.rmtree(old)
     (dst / PARTIAL_MARK).unlink(missing_ok=True)

@@ -81,6 +81,10 @@ def check_spine_dtype(name: str, info, spine: dict) -> None:
     ``_scale_inv`` companion the family reads too."""
     if info.dtype in SPINE_DTYPES or (info.dtype == "F8_E4M3" and name + "_scale_inv" in spine):
         return
+    if info.dtype == "F8_E4M3":
+        raise CheckpointError(
+            f"{info.file}: spine tensor {name!r} is F8_E4M3, but config.json declares no block-scaled "
+            "quantization for it (quantization_config / modules_to_not_convert)")
     raise CheckpointError(
         f"{info.file}: spine tensor {name!r} is stored as {info.dtype}; Sluice computes with spine tensors "
         f"in {', '.join(SPINE_DTYPES)} (and block-scaled F8_E4M3 weights with their scales): re-save the "
