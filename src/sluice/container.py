@@ -14,16 +14,22 @@ gate, up and down, each 64-byte aligned), zero-padded to ``record_bytes``::
     8  layer u32             12 expert u32    16 payload offset u32   20 part count u32
     24 payload bytes u64     32 CRC32 of the payload u32             36 reserved
 
-Everything read back is untrusted: the manifest is bounds-checked against the files at
-open, and each record's header is checked (magic, layer, expert, length) on every read;
-``verify_reads`` also checks the payload CRC.
+Everything read back is untrusted: the manifest carries a SHA-256 of its canonical JSON
+(checked at open) and is bounds-checked against the files; every spine group's CRC32 is
+checked when the group is loaded (and, with ``verify_reads``, each time a streamed layer is
+read); each record's header is checked (magic, layer, expert, length) on every read and,
+with ``verify_reads`` (the default), its payload CRC32 too, on the reader thread.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
+import threading
+import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +38,7 @@ import torch
 
 from .checkpoint import DTYPES, TensorInfo
 from .errors import CheckpointError, ExpertReadError
-from .storage import ALIGN, LocalFile, ReadStats, align_up
+from .storage import ALIGN, AlignedBuffer, LocalFile, ReadStats, align_up
 
 MAGIC = b"SLXR"
 FORMAT_NAME = "sluice-container"
@@ -44,6 +50,22 @@ assert HEADER.size == HEADER_BYTES
 
 # expert format name <-> id stored in record headers
 FORMAT_IDS = {"f32": 1, "bf16": 2, "f16": 3, "int8": 4, "q4": 5, "mxfp4": 6, "rvq3": 7, "fp8": 8}
+
+
+CHECKSUM_KEY = "manifest_sha256"
+_GROUP_CHUNK = 8 << 20  # spine groups are read and CRC-checked through a buffer of this size
+
+
+def manifest_digest(m: dict) -> str:
+    """SHA-256 of the manifest's canonical JSON (sorted keys, no spaces) without its checksum field."""
+    body = {k: v for k, v in m.items() if k != CHECKSUM_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def seal_manifest(m: dict) -> dict:
+    """Store the manifest's checksum in it (after any edit); returns ``m``."""
+    m[CHECKSUM_KEY] = manifest_digest(m)
+    return m
 
 
 def is_container(path: str | Path) -> bool:
@@ -127,6 +149,18 @@ class Container:
                 f"{mpath}: container version {m.get('version')!r} is not supported (this Sluice reads version "
                 f"{VERSION}); convert the model again"
             )
+        stored = m.get(CHECKSUM_KEY)
+        self.manifest_checksum: bool | None = None  # None: an older container without one
+        if stored is None:
+            warnings.warn(f"{mpath}: the container was written by an older Sluice and its manifest has no checksum, "
+                          "so edits to it cannot be detected; convert the model again", stacklevel=3)
+        else:
+            got = manifest_digest(m)
+            if stored != got:
+                raise CheckpointError(
+                    f"{mpath}: manifest checksum mismatch (stored {str(stored)[:16]!r}..., computed {got[:16]}...): "
+                    "the manifest was edited or is corrupt; convert the model again")
+            self.manifest_checksum = True
         self.config = _obj(m, "config", mpath)
         self.generation_config = m.get("generation_config") or {}
         self.expert_format = m.get("expert_format")
@@ -144,9 +178,22 @@ class Container:
                 off, n, crc = (int(x) for x in v)
             except (TypeError, ValueError):
                 raise CheckpointError(f"{mpath}: spine group {k!r} entry is malformed") from None
-            if off < 0 or off % ALIGN or off + n > sfile.size:
+            if off < 0 or n < 0 or off % ALIGN or off + n > sfile.size:
                 raise CheckpointError(f"{self.spine_file}: spine group {k!r} lies outside the file or is unaligned")
             self.spine_groups[k] = (off, n, crc)
+        # every spine tensor lies inside its CRC-protected group
+        self.group_of: dict[str, str] = {}
+        for name, t in spine["tensors"].items():
+            g = t.get("group")
+            info = self.tensors[name]
+            if g not in self.spine_groups:
+                raise CheckpointError(f"{mpath}: spine tensor {name!r} names group {g!r}, which the spine table "
+                                      "does not have (its bytes would not be CRC-checked)")
+            off, n, _ = self.spine_groups[g]
+            if not off <= info.offset <= info.offset + info.nbytes <= off + n:
+                raise CheckpointError(f"{mpath}: spine tensor {name!r} ({info.nbytes} bytes at {info.offset}) lies "
+                                      f"outside its group {g!r} ({n} bytes at {off})")
+            self.group_of[name] = g
         self.banks = _obj(m, "experts", mpath)
 
     def file(self, path: str) -> LocalFile:
@@ -169,15 +216,51 @@ class Container:
         return t
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        info = self.info(name)
-        if out is None:
-            out = torch.empty(info.shape, dtype=info.torch_dtype)
-        if info.nbytes:
+        """One spine tensor; its whole group is read to check the group's CRC."""
+        return self.read_tensors([name], {name: out} if out is not None else None)[name]
+
+    def read_tensors(self, names: list[str], out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Spine tensors, one pass per group: the group's bytes are read in chunks, CRC-checked, and
+        each requested tensor is copied from the very bytes checked. Raises ``CheckpointError`` on
+        a CRC mismatch (nothing returned) or a failed read."""
+        result: dict[str, torch.Tensor] = {}
+        by_group: dict[str, list[str]] = {}
+        for name in names:
+            info = self.info(name)
+            t = (out or {}).get(name)
+            result[name] = t if t is not None else torch.empty(info.shape, dtype=info.torch_dtype)
+            by_group.setdefault(self.group_of[name], []).append(name)
+        for g, members in by_group.items():
+            self._read_group(g, {n: result[n] for n in members})
+        return result
+
+    def _read_group(self, g: str, dest: dict[str, torch.Tensor]) -> None:
+        off, n, stored = self.spine_groups[g]
+        f = self.file(self.spine_file)
+        spans = sorted((self.tensors[name].offset - off, self.tensors[name].nbytes,
+                        memoryview(t.reshape(-1).view(torch.uint8).numpy())) for name, t in dest.items())
+        buf = AlignedBuffer(min(_GROUP_CHUNK, align_up(max(n, 1))))
+        crc, pos = 0, 0
+        while pos < n:
+            want = min(buf.nbytes, n - pos)
             try:
-                self.file(info.file).read_into(memoryview(out.reshape(-1).view(torch.uint8).numpy()), info.offset)
+                got = f.read_aligned(buf.view(0, align_up(want)), off + pos)
             except OSError as e:
-                raise CheckpointError(f"{info.file}: reading tensor {name!r} failed: {e}") from None
-        return out
+                raise CheckpointError(f"{self.spine_file}: reading spine group {g!r} failed: {e}") from None
+            if got < want:
+                raise CheckpointError(f"{self.spine_file}: short read in spine group {g!r} at offset {off + pos} "
+                                      "(file truncated or storage error)")
+            chunk = buf.view(0, want)
+            crc = zlib.crc32(chunk, crc)
+            for start, length, mv in spans:  # the part of each tensor inside this chunk
+                a, b = max(start, pos), min(start + length, pos + want)
+                if a < b:
+                    mv[a - start : b - start] = chunk[a - pos : b - pos]
+            pos += want
+        if crc != stored:
+            raise CheckpointError(
+                f"{self.spine_file}: spine group {g!r} CRC mismatch (stored {stored:08x}, computed {crc:08x}): "
+                "the spine is corrupt; convert the model again (sluice check lists all damage)")
 
     def close(self) -> None:
         for f in self._files.values():

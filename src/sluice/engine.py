@@ -57,7 +57,7 @@ class Options:
     prefetch: bool = True
     huge_pages: bool = True  # transparent huge pages for read buffers: ~1.7-2x O_DIRECT throughput here
     direct_io: bool | None = None  # None: probe O_DIRECT, fall back to buffered
-    verify_reads: bool = False
+    verify_reads: bool = True  # CRC32 of every expert record and streamed spine layer read from a container
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     progress: bool = True
     trace_routing: str | None = None  # write each decode token's routing to this JSONL file
@@ -76,6 +76,24 @@ def load(path: str | os.PathLike, memory: int | str | None = None, **options) ->
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(Options.__dataclass_fields__)}")
     return Engine(path, memory, Options(**options))
+
+
+SPINE_DTYPES = ("F32", "BF16", "F16")
+
+
+def check_spine_dtype(name: str, info, spine: dict) -> None:
+    """Spine tensors are float32/bfloat16/float16; block-scaled FP8 (e4m3) only for a weight whose
+    ``_scale_inv`` companion the family reads too."""
+    if info.dtype in SPINE_DTYPES or (info.dtype == "F8_E4M3" and name + "_scale_inv" in spine):
+        return
+    if info.dtype == "F8_E4M3":
+        raise CheckpointError(
+            f"{info.file}: spine tensor {name!r} is F8_E4M3, but config.json declares no block-scaled "
+            "quantization for it (quantization_config / modules_to_not_convert)")
+    raise CheckpointError(
+        f"{info.file}: spine tensor {name!r} is stored as {info.dtype}; Sluice computes with spine tensors "
+        f"in {', '.join(SPINE_DTYPES)} (and block-scaled F8_E4M3 weights with their scales): re-save the "
+        "checkpoint in a float dtype")
 
 
 class ModelInfo:
@@ -99,7 +117,9 @@ class ModelInfo:
                 if name not in tensors and alt in tensors:
                     tensors[name] = tensors[alt]
         for name, shape in self.desc.spine.items():
-            check_tensor(name, self.checkpoint.info(name), shape)
+            info = self.checkpoint.info(name)
+            check_tensor(name, info, shape)
+            check_spine_dtype(name, info, self.desc.spine)
         if self.is_container:
             self.experts = ContainerExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
                                             self.desc.expert.matrix_shapes())
@@ -203,16 +223,21 @@ class Engine:
         if streamed:
             reads = self.info.layer_reads()
             self.spine = SpineStreamer(self.checkpoint, [reads[i] for i in sorted(streamed)],
-                                       huge_pages=self.options.huge_pages,
+                                       huge_pages=self.options.huge_pages, verify=self.options.verify_reads,
                                        poison=self.options.poison_stream_buffers)
             for i in sorted(streamed):
                 out.update(self.spine.views(i))
         names = [n for n in self.desc.spine if n not in out]
         total = sum(self.checkpoint.info(n).nbytes for n in names)
         bar = Progress(total, "loading spine", enabled=self.options.progress and total > (64 << 20))
+        # per group: a container checks each spine group's CRC over the very bytes it loads
+        batches: dict[str, list[str]] = {}
+        group_of = getattr(self.checkpoint, "group_of", {})
         for n in names:
-            out[n] = self.checkpoint.read(n)
-            bar.update(self.checkpoint.info(n).nbytes)
+            batches.setdefault(group_of.get(n, n), []).append(n)
+        for batch in batches.values():
+            out.update(self.checkpoint.read_tensors(batch))
+            bar.update(sum(self.checkpoint.info(n).nbytes for n in batch))
         bar.close()
         return out
 

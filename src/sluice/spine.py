@@ -64,6 +64,7 @@ class LayerReads:
     reads: list[tuple[str, int, int, int]]
     views: dict[str, tuple[int, torch.dtype, tuple[int, ...]]]  # name -> (buffer offset, dtype, shape)
     nbytes: int  # bytes actually read per fill
+    crc: tuple[int, int] | None = None  # a container group: (its byte length, its CRC32), checked per fill
 
 
 @dataclass
@@ -80,11 +81,12 @@ def layer_reads(store, layer: int, names: list[str]) -> LayerReads:
     groups = getattr(store, "spine_groups", {})
     group = groups.get(f"layer.{layer}")
     if group is not None:
-        start, length, _ = group
+        start, length, crc = group
         if all(i.file == store.spine_file and start <= i.offset and i.offset + i.nbytes <= start + length
                for i in infos):
             views = {i.name: (i.offset - start, i.torch_dtype, tuple(i.shape)) for i in infos}
-            return LayerReads(layer, [(store.spine_file, start, align_up(length), 0)], views, align_up(length))
+            return LayerReads(layer, [(store.spine_file, start, align_up(length), 0)], views, align_up(length),
+                              (length, crc))
     reads, views, off = [], {}, 0
     for i in infos:
         off = align_up(off, TENSOR_ALIGN)
@@ -92,6 +94,18 @@ def layer_reads(store, layer: int, names: list[str]) -> LayerReads:
         views[i.name] = (off, i.torch_dtype, tuple(i.shape))
         off += i.nbytes
     return LayerReads(layer, reads, views, sum(r[2] for r in reads))
+
+
+def check_group_crc(plan: LayerReads, buf: AlignedBuffer, file: str) -> None:
+    import zlib
+
+    from .errors import CheckpointError
+
+    length, stored = plan.crc
+    got = zlib.crc32(buf.view(0, length))
+    if got != stored:
+        raise CheckpointError(f"{file}: spine group 'layer.{plan.layer}' CRC mismatch when streamed (stored "
+                              f"{stored:08x}, computed {got:08x}): the spine is corrupt; convert the model again")
 
 
 def buffer_bytes(lr: LayerReads) -> int:
@@ -102,8 +116,9 @@ class SpineStreamer:
     """Double (or n-) buffered background reads of streamed layers' matrices."""
 
     def __init__(self, store, plans: list[LayerReads], n_buffers: int = 2, huge_pages: bool = True,
-                 poison: bool = False):
+                 verify: bool = True, poison: bool = False):
         self.store = store
+        self.verify = verify  # check a container group's CRC32 after each fill
         self.plans = plans
         self.rank = {p.layer: r for r, p in enumerate(plans)}
         self.n = max(1, min(n_buffers, len(plans)))
@@ -137,6 +152,8 @@ class SpineStreamer:
                     raise OSError(f"short read of layer {plan.layer}'s spine from {file}")
             else:
                 f.read_into(buf.view(boff, length), offset)
+        if self.verify and plan.crc is not None:
+            check_group_crc(plan, buf, self.store.spine_file)
         self.stats.read_s += time.perf_counter() - t0
         self.stats.bytes_read += plan.nbytes
         self.stats.fills += 1

@@ -8,6 +8,8 @@ expert. The expert path sees only ``layout(layer, expert)`` and ``file(path)``.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -239,6 +241,9 @@ class ContainerExperts(ExpertSource):
             format=self.format, shapes=tuple((r, *s) for r, s in roles.items()), exact=self.native_quant)
         self.slot_bytes = max((b[1] for b in self._banks.values()), default=ALIGN)
         self._payload = payload
+        self.crc_bytes = 0  # payload bytes CRC-checked so far, and the reader-thread seconds it took
+        self.crc_s = 0.0
+        self._crc_lock = threading.Lock()
 
     def layout(self, layer: int, expert: int) -> ExpertLayout:
         fname, rec, views, end = self._banks[layer]
@@ -246,7 +251,13 @@ class ContainerExperts(ExpertSource):
 
     def validate(self, layer: int, expert: int, record: memoryview, verify_crc: bool) -> None:
         fname, rec, views, end = self._banks[layer]
+        t0 = time.thread_time() if verify_crc else 0.0
         check_record(f"{fname}: layer {layer} expert {expert}", record, self.format, layer, expert, end, verify_crc)
+        if verify_crc:
+            dt = time.thread_time() - t0
+            with self._crc_lock:
+                self.crc_bytes += end
+                self.crc_s += dt
 
     def file(self, path: str) -> LocalFile:
         return self.container.file(path)
