@@ -15,7 +15,6 @@ record. ``quant.linear`` accepts a ``QuantMatrix`` wherever it accepts a dense w
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,7 @@ PartSpec = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 # The reference path (``dequantize`` + matmul) is always fp32.
 ACTIVATIONS = ("f32", "q8")
 _DEFAULT_ACT = {"int8": "f32", "q4": "q8", "mxfp4": "q8"}
-_act_override: str | None = os.environ.get("SLUICE_QUANT_ACTIVATIONS") or None
+_act_override: str | None = None  # set_activations(): one mode for every format, for measurements
 
 
 _act_code: dict[tuple[str, bool], int] = {}  # (format, exact) -> C activation mode, refreshed by set_activations
