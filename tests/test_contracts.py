@@ -38,7 +38,9 @@ CONFIGS = {
     "deepseek_v3": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
                         num_key_value_heads=4, kv_lora_rank=40, q_lora_rank=48, qk_rope_head_dim=8,
                         qk_nope_head_dim=16, v_head_dim=16, n_shared_experts=1, routed_scaling_factor=2.5),
-    "gpt_oss": dict(num_experts_per_tok=4, intermediate_size=32, sliding_window=4),
+    "gpt_oss": dict(num_experts_per_tok=4, intermediate_size=32, sliding_window=4, max_position_embeddings=2048,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8
