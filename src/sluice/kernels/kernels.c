@@ -133,6 +133,65 @@ AVX2 static void dense_rows_avx2(const dense_args *a, int n0, int n1) {
     }
 }
 
+/* The scalar tail of dense_rows_avx2 (k >= K16), shared by the tiled kernel so that both
+ * compile it the same way (same contraction) and every output keeps one summation order. */
+AVX2 static inline float dense_tail(const float *x, const void *w, size_t r0, int K16, int K, int wt, float s) {
+    for (int k = K16; k < K; k++) {
+        size_t idx = r0 + k;
+        float wv = wt == WT_F32 ? ((const float *)w)[idx]
+                 : wt == WT_BF16 ? bf16_to_f32(((const uint16_t *)w)[idx])
+                 : f16_to_f32(((const uint16_t *)w)[idx]);
+        s += x[k] * wv;
+    }
+    return s;
+}
+
+/*
+ * Batch-invariant tiled form of dense_rows_avx2: a tile of 2 rows x NT tokens (NT <= 3) keeps
+ * the two accumulators of each of its outputs in registers, so each weight load serves NT
+ * tokens and each activation load 2 rows. Every output is summed exactly as dense_rows_avx2
+ * sums it (a0 over k % 16 < 8, b0 over the rest, ascending k; hsum8(a0 + b0); the scalar
+ * tail; the bias), so a row's result does not depend on how many rows come with it.
+ */
+__attribute__((always_inline)) AVX2 static inline void dense_tile(const dense_args *a, int n, int nr, int t0,
+                                                                  const int NT) {
+    const int K = a->K, wt = a->wtype;
+    const int K16 = K & ~15;
+    __m256 acc[2][3][2];
+    for (int r = 0; r < 2; r++)
+        for (int t = 0; t < 3; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+    const size_t w0 = (size_t)n * K, w1 = (size_t)(n + (nr > 1 ? 1 : 0)) * K;
+    const float *x0 = a->x + (size_t)t0 * K;
+    for (int k = 0; k < K16; k += 16) {
+        for (int h = 0; h < 2; h++) {
+            const __m256 wa = load8(a->w, w0 + k + 8 * h, wt), wb = load8(a->w, w1 + k + 8 * h, wt);
+            for (int t = 0; t < NT; t++) {
+                const __m256 xv = _mm256_loadu_ps(x0 + (size_t)t * K + k + 8 * h);
+                acc[0][t][h] = _mm256_fmadd_ps(wa, xv, acc[0][t][h]);
+                acc[1][t][h] = _mm256_fmadd_ps(wb, xv, acc[1][t][h]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < NT; t++) {
+            const float *x = x0 + (size_t)t * K;
+            float s = sk_hsum8(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));
+            s = dense_tail(x, a->w, r ? w1 : w0, K16, K, wt, s);
+            a->y[(size_t)(t0 + t) * a->N + n + r] = s + (a->bias ? a->bias[n + r] : 0.0f);
+        }
+}
+
+AVX2 static void dense_tiled_avx2(const dense_args *a, int n0, int n1) {
+    const int T = a->T;
+    int t0 = 0;
+    for (; t0 + 3 <= T; t0 += 3)
+        for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, 3);
+    if (T - t0 == 2)
+        for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, 2);
+    else if (T - t0 == 1)
+        for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, 1);
+}
+
 static int g_have_avx2 = -1;
 
 int sk_avx2(void) {
@@ -149,7 +208,7 @@ int sk_avx2(void) {
 
 /* ------------------------------------------------------------------ scratch ------- */
 
-#define SCRATCH_SLOTS 4
+#define SCRATCH_SLOTS 5
 static _Thread_local struct { void *p; size_t n; } scratch[SCRATCH_SLOTS];
 
 void *sk_scratch(int which, size_t bytes) {
@@ -320,8 +379,10 @@ int sk_chunk_rows(size_t row_bytes, int nrows) {
 
 static void dense_task(void *ctx, int n0, int n1) {
     const dense_args *a = (const dense_args *)ctx;
-    if (sk_avx2()) dense_rows_avx2(a, n0, n1);
-    else dense_rows_c(a, n0, n1);
+    if (sk_avx2()) {
+        if (a->T > 1) dense_tiled_avx2(a, n0, n1);
+        else dense_rows_avx2(a, n0, n1);
+    } else dense_rows_c(a, n0, n1);
 }
 
 /* y[T, N] = x[T, K] @ W[N, K]^T (+ bias), W in f32 / bf16 / f16. */
@@ -349,6 +410,18 @@ EXPORT void sk_swiglu(const float *x, const void *gate, const void *up, const vo
     for (int i = 0; i < I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     sk_dense(g, down, NULL, y, 1, H, I, wtype, nthreads);
     for (int i = 0; i < H; i++) y[i] *= scale;
+}
+
+/* sk_swiglu for T tokens (scratch: 2 * T * I floats): each token's output bit-identical to
+ * sk_swiglu on that token alone (sk_dense is batch-invariant; the activation is per element). */
+EXPORT void sk_swiglu_rows(const float *x, const void *gate, const void *up, const void *down, float *scratch,
+                           float *y, int T, int H, int I, int wtype, float scale, int nthreads) {
+    float *g = scratch, *u = scratch + (size_t)T * I;
+    sk_dense(x, gate, NULL, g, T, I, H, wtype, nthreads);
+    sk_dense(x, up, NULL, u, T, I, H, wtype, nthreads);
+    for (size_t i = 0; i < (size_t)T * I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    sk_dense(g, down, NULL, y, T, H, I, wtype, nthreads);
+    for (size_t i = 0; i < (size_t)T * H; i++) y[i] *= scale;
 }
 
 /* ------------------------------------------------- input-major weights (x @ W) ---- */
@@ -592,7 +665,7 @@ EXPORT void sk_dense_chain(const float *x, const void *w, const float *bias, flo
 
 EXPORT int sk_has_avx2(void) { return sk_avx2(); }
 
-EXPORT int sk_version(void) { return 3; }
+EXPORT int sk_version(void) { return 4; }
 
 /* ------------------------------------------------------------ benchmark helper ---- */
 
