@@ -9,11 +9,10 @@ and without speculation. Every *cell* changes some of the axes in ``AXES`` and m
 logits at every position bit-identical to the baseline (``torch.equal``) and the same 32
 greedy tokens.
 
-Exception until batch-invariant kernels land: token-by-token prefill (``prefill_chunk=1``)
-computes the same sums in other batch shapes, so those cells compare logits within twice
-the fp32 rounding of this model and prompt (transformers' fp32 vs fp64 logits), tokens
-exactly. Speculation changes only generation: its cells keep bit-identical logits and
-compare tokens exactly.
+The decoding axis is bitwise too: the kernels are batch-invariant (``tests/test_batch_invariance.py``),
+so token-by-token prefill (``prefill_chunk=1``) gives the logits of one chunk, and speculation
+(drafts verified several rows at a time) gives the same tokens and the same log-probability
+of every generated token as plain decoding, bit for bit.
 
 Rows: every non-default value of every axis alone, both non-default values of each pair of
 axes that share code (``CODE_SHARING``), and a pairwise covering array over all of them
@@ -37,7 +36,7 @@ import pytest
 import torch
 
 import sluice
-from conftest import UNLISTED_SKIPS, fp32_noise, prompt_ids
+from conftest import UNLISTED_SKIPS, prompt_ids
 from families import FAMILY_NAMES, REGISTRY, assert_decisive_model, kinds, reference, selection_scores
 
 N_NEW = 32
@@ -55,13 +54,12 @@ AXES: dict[str, tuple] = {
     "prefetch": (True, False),
     "threads": (2, 1),
     "speculate": (True, False),
-    "prefill": ("chunked", "stepwise"),  # stepwise: prefill_chunk=1 (a tolerance cell)
+    "prefill": ("chunked", "stepwise"),  # stepwise: prefill_chunk=1
 }
 DEFAULT = {axis: values[0] for axis, values in AXES.items()}
 # pairs of axes whose values meet in the same code: both non-default values run together
 CODE_SHARING = [("spine", "source"), ("speculate", "prefill"), ("cache", "prefetch"), ("spine", "prefill"),
                 ("cache", "source")]
-TOLERANCE_VALUES = {("prefill", "stepwise")}  # batch shape changes the sums: 2 x fp32 noise, tokens exact
 
 # The only reasons a cell may be skipped.
 SKIP_REASONS = {
@@ -179,7 +177,6 @@ class Baselines:
     def __init__(self, models):
         self.models = models
         self._runs: dict = {}
-        self._noise: dict = {}
 
     def get(self, family: str, kind: str) -> dict:
         """The resident default run of the HF directory, proven against transformers."""
@@ -196,21 +193,15 @@ class Baselines:
                 tol = _tolerance(kind, ref_logits)
                 diff = (logits - ref_logits).abs().max().item()
                 assert diff <= tol, f"default run: max |logit diff| {diff:.3e} > {tol:.1e} against transformers"
-                spec = eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True)
-                plain = eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True, speculate=False)
+                spec = eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True, logprobs=0)
+                plain = eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True, speculate=False, logprobs=0)
                 assert plain.token_ids == ref_tokens and spec.token_ids == ref_tokens
                 assert spec.stats["drafted"] > 0  # speculation drafted (and verified) here
-                self._runs[key] = dict(logits=logits, tokens=ref_tokens, working_set=eng.desc.working_set,
+                assert spec.logprobs == plain.logprobs  # verified drafts: the bits of plain decoding
+                self._runs[key] = dict(logits=logits, tokens=ref_tokens, logprobs=plain.logprobs,
+                                       working_set=eng.desc.working_set,
                                        top_k=eng.desc.top_k, layers=len(eng.model.layers))
         return self._runs[key]
-
-    def noise(self, family: str, kind: str) -> float:
-        """transformers' fp32 vs fp64 logits on the prompt: the size of fp32 rounding here."""
-        key = (family, kind)
-        if key not in self._noise:
-            self._noise[key] = fp32_noise(self.models.reference_path(family, kind), IDS)
-            assert self._noise[key] < 1e-3
-        return self._noise[key]
 
 
 @pytest.fixture(scope="module")
@@ -256,20 +247,17 @@ def test_cell(family_models, baselines, family, kind, row):
     with sluice.load(path, memory=MEMORY, progress=False, **_options(row, base)) as eng:
         assert eng.info.is_container == (row["source"] == "container")
         logits = eng.forward(IDS)
-        result = eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True, speculate=row["speculate"])
+        result = eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True, speculate=row["speculate"],
+                              logprobs=0)
         if row["spine"] == "streamed":
             assert len(eng.plan.streamed_layers) == base["layers"] - 1 and eng.spine is not None
         if row["cache"] == "working_set":
             assert eng.plan.cache_slots == base["working_set"]
         direct = eng.experts_source.direct_io
-    if row["prefill"] == "stepwise":
-        noise = baselines.noise(family, kind)
-        diff = (logits - base["logits"]).abs().max().item()
-        assert diff <= 2 * noise, f"max |logit diff| {diff:.3e} vs the baseline, fp32 noise {noise:.1e}"
-    else:
-        assert torch.equal(logits, base["logits"]), \
-            f"logits differ from the baseline by up to {(logits - base['logits']).abs().max().item():.3e}"
+    assert torch.equal(logits, base["logits"]), \
+        f"logits differ from the baseline by up to {(logits - base['logits']).abs().max().item():.3e}"
     assert result.token_ids == base["tokens"]
+    assert result.logprobs == base["logprobs"]  # every generated token's log-probability, bit for bit
     assert result.stats["direct_io"] == direct
     if row["io"] == "buffered":
         assert direct is False

@@ -392,7 +392,15 @@ EXPORT void sk_dense(const float *x, const void *w, const float *bias, float *y,
     size_t row_bytes = (size_t)K * (wtype == WT_F32 ? 4 : 2);
     /* small matrices: not worth waking the pool */
     if ((size_t)N * row_bytes < (64u << 10)) nthreads = 1;
-    sk_parallel(dense_task, &a, N, sk_chunk_rows(row_bytes, N), nthreads);
+    int chunk = sk_chunk_rows(row_bytes, N);
+    if (T > 1) { /* tiled: ~256 KiB of rows per chunk (L2), so the activations are re-read less often */
+        size_t r = (256u << 10) / (row_bytes ? row_bytes : 1);
+        size_t per_thread = ((size_t)N + nthreads - 1) / (nthreads > 0 ? nthreads : 1);
+        if (r > per_thread) r = per_thread;
+        if (r < (size_t)chunk) r = chunk;
+        chunk = r > (size_t)N ? N : (int)r;
+    }
+    sk_parallel(dense_task, &a, N, chunk, nthreads);
 }
 
 /* ------------------------------------------------------- one SwiGLU expert ---- */
