@@ -3,7 +3,6 @@ cache that holds only a fraction of the experts, and print the streaming stats."
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -87,8 +86,7 @@ def run_demo(args) -> int:
               f"docs/demo-model.md) with an expert cache of {engine.plan.cache_slots} of "
               f"{engine.plan.total_experts} experts: the others are read from disk when a token is routed to them.",
               file=sys.stderr)
-        if not args.json:
-            sys.stdout.write(prompt)
+        echo = None if args.json else prompt
     else:
         path = ensure_synthetic(args.synthetic, args.cache_dir, progress=not args.no_progress)
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -98,9 +96,16 @@ def run_demo(args) -> int:
               f"({100 * budget / size:.0f}% of the model). Random weights: the text is meaningless; "
               "the streaming numbers are the point.", file=sys.stderr)
         engine = load(path, memory=budget, **options)
-    rc = generate_and_print(engine, prompt, args)
-    if args.json:
-        return rc
-    print(f"[sluice demo] plan: {json.dumps({k: engine.plan.to_dict()[k] for k in ('cache_slots', 'total_experts', 'floor', 'budget')})}",
-          file=sys.stderr)
+        echo = None
+    rc = generate_and_print(engine, prompt, args, echo=echo)
+    if not args.json:
+        print(plan_summary(engine.plan), file=sys.stderr)
     return rc
+
+
+def plan_summary(plan) -> str:
+    """The demo's closing line: what the budget bought, in words."""
+    return (f"[sluice demo] memory budget {format_size(plan.budget)} (the model's floor is "
+            f"{format_size(plan.floor)}): an expert cache of {plan.cache_slots} of {plan.total_experts} experts "
+            f"({100 * plan.cache_slots / max(plan.total_experts, 1):.0f}%). `sluice inspect` shows what other "
+            "budgets buy.")
