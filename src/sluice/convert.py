@@ -114,11 +114,13 @@ def _group_order(g: str) -> tuple[int, int]:
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | None = None,
             progress: bool = True) -> Path:
-    """Convert ``src`` (a Hugging Face directory) into a container at ``dst``; returns ``dst``."""
+    """Convert ``src`` (a Hugging Face directory, ``demo`` or a cached repo id) into a container at
+    ``dst``; returns ``dst``."""
     src, dst = Path(src), Path(dst)
     if is_container(src):
         raise CheckpointError(f"{src}: is already a Sluice container")
     info = ModelInfo(src, direct_io=None)
+    src = info.path  # 'demo' or a cached repo id resolved to its directory
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
     fmt = experts or source.format
     if fmt not in FORMAT_IDS:
@@ -144,7 +146,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    bar = Progress(spine_total + rec * desc.total_experts, f"converting to {dst.name}", enabled=progress)
+    # counts the bytes it writes as data (not alignment padding), so it ends at 100%
+    written = sum(ckpt.info(n).nbytes for n in desc.spine) + rec * desc.total_experts
+    bar = Progress(written, f"converting to {dst.name}", enabled=progress)
 
     # spine: grouped per layer, each group 4096-aligned, tensors 64-aligned inside
     groups: dict[str, list[str]] = {}

@@ -99,13 +99,13 @@ def run_demo(args) -> int:
         echo = None
     rc = generate_and_print(engine, prompt, args, echo=echo)
     if not args.json:
-        print(plan_summary(engine.plan), file=sys.stderr)
+        print(plan_summary(engine.plan, "demo" if args.synthetic is None else str(path)), file=sys.stderr)
     return rc
 
 
-def plan_summary(plan) -> str:
+def plan_summary(plan, model: str) -> str:
     """The demo's closing line: what the budget bought, in words."""
     return (f"[sluice demo] memory budget {format_size(plan.budget)} (the model's floor is "
             f"{format_size(plan.floor)}): an expert cache of {plan.cache_slots} of {plan.total_experts} experts "
-            f"({100 * plan.cache_slots / max(plan.total_experts, 1):.0f}%). `sluice inspect` shows what other "
-            "budgets buy.")
+            f"({100 * plan.cache_slots / max(plan.total_experts, 1):.0f}%). `sluice inspect {model}` shows what "
+            "other budgets buy.")
