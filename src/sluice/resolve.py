@@ -38,7 +38,7 @@ class ModelNotFoundError(CheckpointError):
 
 def model_id_for(path: str | os.PathLike) -> str:
     """The model id of a local directory: its name (what a server reports and clients send)."""
-    p = Path(path).resolve()
+    p = Path(os.path.abspath(path))  # '.' and '..' named, symlinks kept: the name the user chose
     return p.name or str(p)
 
 
