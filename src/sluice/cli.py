@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "4096-aligned, CRC-protected record per expert, so one expert is one read. "
                                    "Reads the source tensor by tensor (small memory); writes to OUTPUT.partial "
                                    "and renames when complete.")
-    c.add_argument("model", help="Hugging Face model directory")
+    c.add_argument("model", help="Hugging Face model directory ('demo' and repo ids in the local Hugging Face "
+                                 "cache are found too)")
     c.add_argument("output", help="container directory to write (replaced if it exists)")
     c.add_argument("--experts", default=None, metavar="FORMAT",
                    help="expert format (default: the checkpoint's own, exact): f32, bf16, f16 (casts); "
