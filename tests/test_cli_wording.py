@@ -75,3 +75,10 @@ def test_demo_prints_a_readable_summary(capsys):
     assert "plan:" not in err and "{" not in err
     assert re.search(r"\[sluice demo\] memory budget 2\.00 GiB \(the model's floor is [\d.]+ MiB\): an expert cache "
                      r"of 48 of 192 experts \(25%\)\. `sluice inspect demo` shows what other budgets buy\.", err), err
+
+
+def test_run_chat_echoes_the_template_and_stops_at_its_stop_strings(capsys):
+    assert main(["run", "demo", "--chat", "-p", "Parse a date string", "--echo", *RUN]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith('# Parse a date string\n\n\ndef answer(*args):\n    """Parse a date string."""\n    ')
+    assert "\n\n\n" not in out[40:] and "stopped at" not in err  # the reply ended with its function

@@ -155,6 +155,7 @@ def cmd_run(args) -> int:
         text = engine.tokenizer.render_chat([{"role": "user", "content": prompt}])
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)
         echo = text if args.echo else None
+        args.stop = list(args.stop or []) + [x for x in engine.tokenizer.chat_stop_strings if x not in args.stop]
     return generate_and_print(engine, prompt, args, echo=echo)
 
 
@@ -258,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(r)
     r.add_argument("--prompt", "-p", default=None, help="prompt text (or --prompt-file, or stdin)")
     r.add_argument("--prompt-file", default=None, help="read the prompt from this file")
-    r.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    r.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the chat template (and stop at the model's "
+                        "chat_stop_strings, if any)")
     r.add_argument("--echo", action="store_true",
                    help="print the prompt before the generated text (with --chat: the rendered template)")
     r.add_argument("--json", action="store_true",
