@@ -74,6 +74,10 @@ def test_missing_models_say_what_to_do(hub_cache, tmp_path, monkeypatch):
         resolve_model("tiny-org/absent", cache_dir=cache)
     with pytest.raises(ModelNotFoundError, match=r"not revision 'v9'.*hf download tiny-org/qwen3-text --revision v9"):
         resolve_model(REPO, "v9", cache_dir=cache)
+    add_snapshot(cache, "tiny-org/partial", COMMIT_MAIN, {"config.json": b"{}"}, refs=("main",))
+    with pytest.raises(ModelNotFoundError, match=r"has a config.json but no safetensors weights.*"
+                                                 r"finish it: hf download tiny-org/partial$"):
+        resolve_model("tiny-org/partial", cache_dir=cache)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelNotFoundError, match=r"^\./absent: no such file or directory$"):
         resolve_model("./absent")

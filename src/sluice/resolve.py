@@ -103,4 +103,9 @@ def _from_hf_cache(repo_id: str, revision: str | None, cache_dir) -> tuple[Path,
             what = f"{where} has '{repo_id}', but not revision '{revision}' with a config.json"
         raise ModelNotFoundError(f"{repo_id}: not a local path, and {what}. Sluice never downloads; "
                                  f"fetch it with: {download}")
-    return Path(found).parent, repo_id
+    snapshot = Path(found).parent
+    if not any((snapshot / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json")):
+        raise ModelNotFoundError(f"{repo_id}: the cached snapshot {snapshot} has a config.json but no safetensors "
+                                 "weights (model.safetensors or model.safetensors.index.json); Sluice reads "
+                                 f"safetensors checkpoints only. If the download was cut short, finish it: {download}")
+    return snapshot, repo_id
