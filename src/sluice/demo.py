@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 from .engine import ModelInfo, Options, load
+from .resolve import DEMO_DIR
 from .synthetic import DEMO_CONFIG, model_bytes, scaled_config, write_model
 from .units import format_size
 
 DEMO_VERSION = 1
-# The trained demo model that ships inside the package (see docs/demo-model.md).
-SHIPPED_MODEL = Path(__file__).resolve().parent / "demo_model"
+# The trained demo model that ships inside the package (see docs/demo-model.md); `demo` names it.
+SHIPPED_MODEL = DEMO_DIR
 SHIPPED_PROMPT = "def fibonacci(n):\n"
 SYNTHETIC_PROMPT = "The streaming engine reads only the experts each token needs, so"
 
