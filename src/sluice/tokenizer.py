@@ -34,13 +34,26 @@ class Tokenizer:
                 self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        # As transformers does: a chat_template.jinja file wins over "chat_template" in
+        # tokenizer_config.json (a string, or a list of named templates of which "default" is used).
         self.chat_template = self.config.get("chat_template")
         tmpl_file = d / "chat_template.jinja"
-        if self.chat_template is None and tmpl_file.exists():
-            self.chat_template = tmpl_file.read_text(encoding="utf-8")
+        if tmpl_file.is_file():
+            try:
+                self.chat_template = tmpl_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{tmpl_file}: not UTF-8 text ({e})") from None
         if isinstance(self.chat_template, list):  # named templates: use "default"
             named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
             self.chat_template = named.get("default") or next(iter(named.values()), None)
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise CheckpointError(f"{cfg_path}: chat_template must be a string or a list of named templates")
+        # Text that ends an assistant reply in this chat format, for models whose replies do not
+        # end with an end-of-sequence token (the demo model). Chat generation stops there.
+        stops = self.config.get("chat_stop_strings", [])
+        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+            raise CheckpointError(f"{cfg_path}: chat_stop_strings must be a list of non-empty strings")
+        self.chat_stop_strings: list[str] = stops
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
