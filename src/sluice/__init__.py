@@ -26,9 +26,12 @@ elif "OMP_WAIT_POLICY" not in _os.environ:
 from .engine import Engine, Options, Result, Step, load
 from .errors import (
     BudgetError,
+    ChatTemplateError,
     CheckpointError,
+    ConfigError,
     ExpertReadError,
     GenerationCancelled,
+    InvalidArgumentError,
     SluiceError,
     UnsupportedModelError,
 )
@@ -37,6 +40,7 @@ from .units import format_size, parse_size
 __version__ = "0.1.0"
 
 __all__ = [
-    "BudgetError", "CheckpointError", "Engine", "ExpertReadError", "GenerationCancelled", "Options", "Result",
+    "BudgetError", "ChatTemplateError", "CheckpointError", "ConfigError", "Engine", "ExpertReadError",
+    "GenerationCancelled", "InvalidArgumentError", "Options", "Result",
     "SluiceError", "Step", "UnsupportedModelError", "format_size", "load", "parse_size", "__version__",
 ]
