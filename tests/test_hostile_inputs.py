@@ -87,6 +87,7 @@ CONFIG_CASES = {
     "rope_theta_negative": ({"rope_parameters.rope_theta": -1}, ["rope_theta=-1"]),
     "rope_theta_string": ({"rope_parameters.rope_theta": "1e4"}, ["rope_theta='1e4'"]),
     "rope_theta_infinite": ({"rope_parameters.rope_theta": math.inf}, ["rope_theta=inf"]),
+    "rope_parameters_string": ({"rope_parameters": "default"}, ["rope_parameters='default'"]),
     "eps_nan": ({"rms_norm_eps": math.nan}, ["rms_norm_eps=nan"]),
     "eps_negative": ({"rms_norm_eps": -1e-6}, ["rms_norm_eps=-1e-06"]),
     "eps_boolean": ({"rms_norm_eps": True}, ["rms_norm_eps=True"]),

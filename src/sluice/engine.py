@@ -68,6 +68,8 @@ class Options:
 def load(path: str | os.PathLike, memory: int | str | None = None, **options) -> "Engine":
     """Open a model directory under a memory budget (``"8GiB"``, bytes, or None for a safe default)."""
     validate.options(options, Options.__dataclass_fields__)
+    if memory is not None:
+        validate.warn_if_over_machine(parse_size(memory, "memory"))
     return Engine(path, memory, Options(**options))
 
 
@@ -140,7 +142,6 @@ class ModelInfo:
             raise InvalidArgumentError(f"max_context (--max-context) {max_ctx} exceeds the model's limit of {limit} "
                                        "positions")
         budget = parse_size(memory, "memory") if memory is not None else default_budget()
-        validate.warn_if_over_machine(budget)
         chunk = max(1, min(options.prefill_chunk, max_ctx))
         ffn = max(self.desc.expert.intermediate, getattr(self.config, "intermediate_size", 0) or 0)
         glob, layers = self.spine_split()

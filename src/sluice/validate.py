@@ -192,7 +192,8 @@ def machine_memory() -> int | None:
 def warn_if_over_machine(budget: int) -> None:
     """A budget the machine cannot give: it still runs (the budget is a ceiling), but the
     planner will size the expert cache for memory that is not there, so the OS will swap or
-    kill the process instead of Sluice refusing cleanly."""
+    kill the process instead of Sluice refusing cleanly. (Called by ``load()``, from its caller's
+    frame: the warning points at the user's call.)"""
     total = machine_memory()
     if total and budget > total:
         from .units import format_size
