@@ -198,5 +198,6 @@ def warn_if_over_machine(budget: int) -> None:
     if total and budget > total:
         from .units import format_size
 
-        warnings.warn(f"memory budget {format_size(budget)} (--memory) is more than this machine's memory ({format_size(total)}): "
-                      "the expert cache is sized for memory that is not there; give a smaller budget", stacklevel=3)
+        warnings.warn(f"memory budget {format_size(budget)} (--memory) is more than this machine's memory "
+                      f"({format_size(total)}): the expert cache is sized for memory that is not there; give a "
+                      "smaller budget", stacklevel=3)

@@ -21,7 +21,7 @@ import torch
 from ..errors import CheckpointError, UnsupportedModelError
 from ..experts.spec import ExpertSpec
 from ..layers.mla import MLA, LatentCache
-from ..layers.mlp import GatedMLP, activation
+from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, rope_parameters
 from ..layers.routing import grouped_topk

@@ -121,7 +121,8 @@ def parse_config(raw: dict) -> Config:
         raise UnsupportedModelError(
             f"config.json: layer_types {bad} are not supported (supported: {', '.join(LAYER_TYPES)})")
     window = raw["sliding_window"] if "sliding_window" in raw else 128  # an explicit null is not the default
-    if "sliding_attention" in layer_types and not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
+    positive = isinstance(window, int) and not isinstance(window, bool) and window >= 1
+    if "sliding_attention" in layer_types and not positive:
         raise UnsupportedModelError(
             f"config.json: sliding_window={window!r} with sliding_attention layers is not supported "
             "(need a positive integer)")
