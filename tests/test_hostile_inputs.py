@@ -177,6 +177,42 @@ def test_hostile_config_every_family(family, edit, family_configs):
     assert expected in str(e.value) and str(e.value).startswith("config.json: ")
 
 
+# family-specific keys: (family, edit, what the message names)
+FAMILY_SPECIFIC = {
+    "mixtral_no_experts": ("mixtral", {"num_local_experts": 0}, "num_local_experts=0"),
+    "mixtral_negative_window": ("mixtral", {"sliding_window": -5}, "sliding_window=-5"),
+    "mixtral_head_dim_float": ("mixtral", {"head_dim": 1e9}, "head_dim=1000000000.0"),
+    "mixtral_vocab_absurd": ("mixtral", {"vocab_size": 10**12}, "vocab_size=1000000000000"),
+    "olmoe_clip_negative": ("olmoe", {"clip_qkv": -1}, "clip_qkv=-1"),
+    "olmoe_clip_string": ("olmoe", {"clip_qkv": "big"}, "clip_qkv='big'"),
+    "qwen3_moe_negative_layer_index": ("qwen3_moe", {"mlp_only_layers": [0, -1]}, "mlp_only_layers=[0, -1]"),
+    "qwen3_moe_kv_heads_zero": ("qwen3_moe", {"num_key_value_heads": 0}, "num_key_value_heads=0"),
+    "qwen3_moe_top_k_float": ("qwen3_moe", {"num_experts_per_tok": 2.0}, "num_experts_per_tok=2.0"),
+    "qwen3_next_key_heads_zero": ("qwen3_next", {"linear_num_key_heads": 0}, "linear_num_key_heads=0"),
+    "qwen3_next_partial_rotary_above_one": (
+        "qwen3_next", {"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 2}},
+        "partial_rotary_factor=2"),
+    "kimi_linear_head_dim_zero": ("kimi_linear", {"linear_attn_config": {"head_dim": 0}}, "head_dim=0"),
+    "kimi_linear_negative_experts": ("kimi_linear", {"num_experts": -8}, "num_experts=-8"),
+    "kimi_linear_kv_lora_zero": ("kimi_linear", {"kv_lora_rank": 0}, "kv_lora_rank=0"),
+    "deepseek_v3_experts_string": ("deepseek_v3", {"n_routed_experts": "8"}, "n_routed_experts='8'"),
+    "deepseek_v3_scaling_nan": ("deepseek_v3", {"routed_scaling_factor": math.nan}, "routed_scaling_factor=nan"),
+    "gpt_oss_swiglu_limit_zero": ("gpt_oss", {"swiglu_limit": 0}, "swiglu_limit=0"),
+    "gpt_oss_yarn_factor_negative": ("gpt_oss", {"rope_parameters": {
+        "rope_type": "yarn", "factor": -32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 4096, "rope_theta": 150000.0}}, "factor=-32.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAMILY_SPECIFIC))
+def test_hostile_config_family_specific(case, family_configs):
+    family, change, expected = FAMILY_SPECIFIC[case]
+    raw = json.loads(json.dumps(family_configs[family]))
+    with pytest.raises(ConfigError) as e:
+        get_family(family).parse_config({**raw, **change})
+    assert expected in str(e.value) and str(e.value).startswith("config.json: ")
+
+
 # -- CLI flags: refused at parse time, exit 2, the flag and the value named --------------------------
 
 FLAG_CASES = {
@@ -245,6 +281,7 @@ GEN_CASES = {
     "logprobs_too_many": (dict(logprobs=21), "logprobs must be an integer from 0 to 20, got 21"),
     "stop_not_text": (dict(stop=5), "stop must be a string or a list of strings, got 5"),
     "stop_token_ids_text": (dict(stop_token_ids=["x"]), "stop_token_ids: token id 'x' is not an integer"),
+    "ignore_eos_string": (dict(ignore_eos="false"), "ignore_eos must be True or False, got 'false'"),
     "prompt_id_negative": (dict(prompt=[5, -1]), "token id -1 is outside the vocabulary (0..511)"),
     "prompt_id_huge": (dict(prompt=[10**12]), "token id 1000000000000 is outside the vocabulary"),
     "prompt_id_float": (dict(prompt=[5, 1.5]), "prompt: token id 1.5 is not an integer"),

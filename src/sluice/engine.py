@@ -333,7 +333,8 @@ class Engine:
         tokens are the same as without it. Sampling never speculates.
         """
         validate.sampling(max_new_tokens=max_new_tokens, temperature_=temperature, top_p_=top_p, top_k=top_k,
-                          seed_=seed, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids)
+                          seed_=seed, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
+                          flags=dict(ignore_eos=ignore_eos, reuse_prefix=reuse_prefix, speculate=speculate))
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if isinstance(prompt, str):
             ids = self.encode(prompt)

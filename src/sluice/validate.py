@@ -104,8 +104,11 @@ def token_ids(ids, name: str = "prompt") -> list[int]:
     return out
 
 
-def sampling(*, max_new_tokens, temperature_, top_p_, top_k, seed_, logprobs, stop, stop_token_ids) -> None:
-    """The generation arguments of ``Engine.stream``."""
+def sampling(*, max_new_tokens, temperature_, top_p_, top_k, seed_, logprobs, stop, stop_token_ids,
+             flags: dict | None = None) -> None:
+    """The generation arguments of ``Engine.stream`` (``flags``: name -> a value that must be a bool)."""
+    for name, value in (flags or {}).items():
+        boolean(value, name)
     integer(max_new_tokens, "max_new_tokens", lo=1)
     temperature(temperature_)
     top_p(top_p_)

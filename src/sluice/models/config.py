@@ -109,7 +109,7 @@ class RawConfig:
         k, v, _ = self._find(key, list(default), ())
         if not isinstance(v, list) or any(isinstance(x, builtins.bool) or not isinstance(x, builtins.int)
                                           or x < lo or (hi is not None and x > hi) for x in v):
-            raise self.bad(k, v, f"a list of integers in {_int_range(lo, hi, bare=True)}")
+            raise self.bad(k, v, f"a list of integers {_int_range(lo, hi, bare=True)}")
         return v
 
     def top_k(self, key: str, n_experts: int, default=REQUIRED, *aliases: str) -> int:
@@ -208,14 +208,14 @@ def check_layer_count(n_layers: int, names, extra: int = 0, where: str = "config
 
 def _int_range(lo, hi, bare: bool = False) -> str:
     if lo is not None and hi is not None:
-        r = f"{lo}..{hi}"
+        r = f"in {lo}..{hi}"
     elif lo is not None:
         r = f">= {lo}"
     elif hi is not None:
         r = f"<= {hi}"
     else:
-        return "integers" if bare else "an integer"
-    return r if bare else f"an integer {'in ' if '..' in r else ''}{r}"
+        return "" if bare else "an integer"
+    return r if bare else f"an integer {r}"
 
 
 def _show(v) -> str:
