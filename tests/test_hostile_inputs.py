@@ -14,7 +14,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -108,12 +107,10 @@ CONFIG_CASES = {
 def test_hostile_config_cli(case, text_model, tmp_path, capsys):
     edits, expected = CONFIG_CASES[case]
     model = edited_copy(text_model, tmp_path / "m", edits)
-    t0 = time.perf_counter()
     rc, out, err = cli(capsys, "run", model, "-p", PROMPT, *RUN)
     assert rc == 1 and out == ""
     assert err.startswith("sluice: error: ") and err.count("\n") == 1
     assert_names(err, "config.json", *expected)
-    assert time.perf_counter() - t0 < 10  # refused before anything is sized by the bad value
 
 
 def test_config_not_an_object(text_model, tmp_path, capsys):

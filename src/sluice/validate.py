@@ -157,7 +157,7 @@ _OPTION_CHECKS = {
     "prefetch": _opt_bool(),
     "huge_pages": _opt_bool(),
     "direct_io": _opt_bool(none=True),
-    "verify_reads": _opt_bool(),
+    "verify_reads": _opt_bool(none=True),
     "prefill_chunk": _opt_int(1, none=False),
     "progress": _opt_bool(),
     "trace_routing": _path,

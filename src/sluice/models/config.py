@@ -57,8 +57,12 @@ class RawConfig:
     def get(self, key: str, default=REQUIRED, *aliases: str):
         return self._find(key, default, aliases)[1]
 
-    def int(self, key: str, default=REQUIRED, *aliases: str, lo: int | None = None, hi: int | None = None):
-        """An integer (``None`` only as an explicit default), within ``lo..hi`` if given."""
+    def int(self, key: str, default=REQUIRED, *aliases: str, lo: int | None = None, hi: int | None = None,
+            null=REQUIRED):
+        """An integer (``None`` only as an explicit default), within ``lo..hi`` if given; ``null``: the
+        value of an explicit JSON null (by default a null counts as absent and gets ``default``)."""
+        if null is not REQUIRED and key in self.raw and self.raw[key] is None:
+            return null
         k, v, found = self._find(key, default, aliases)
         if v is None and not found:
             return None

@@ -121,8 +121,7 @@ def parse_config(raw: dict) -> Config:
         if k > topk_group * (n_experts // n_group):
             raise UnsupportedModelError(f"config.json: num_experts_per_tok={k} exceeds the {topk_group} x "
                                         f"{n_experts // n_group} experts of the selected groups")
-    first_dense = c.int("first_k_dense_replace", _DEFAULTS["first_k_dense_replace"], lo=0) \
-        if "first_k_dense_replace" in c or "first_k_dense_replace" not in raw else 0
+    first_dense = c.int("first_k_dense_replace", _DEFAULTS["first_k_dense_replace"], lo=0, null=0)
     freq = c.int("moe_layer_freq", 1)
     if freq < 1:
         raise UnsupportedModelError(f"config.json: moe_layer_freq={freq} is not supported")
@@ -155,8 +154,7 @@ def parse_config(raw: dict) -> Config:
         scale = scale * m * m
     qc = raw.get("quantization_config")
     block = parse_quantization_config(qc)
-    n_shared = c.int("n_shared_experts", _DEFAULTS["n_shared_experts"], lo=0, hi=MAX_EXPERTS) \
-        if "n_shared_experts" in c or "n_shared_experts" not in raw else 0
+    n_shared = c.int("n_shared_experts", _DEFAULTS["n_shared_experts"], lo=0, hi=MAX_EXPERTS, null=0)
     return Config(
         vocab_size=c.pos_int("vocab_size"),
         hidden_size=c.pos_int("hidden_size"),
