@@ -325,15 +325,16 @@ LOAD_CASES = {
     "prefetch_string": (dict(prefetch="no"), InvalidArgumentError, "prefetch must be True or False, got 'no'"),
     "prefer_cached_negative": (dict(prefer_cached=-1), InvalidArgumentError, "prefer_cached must be a finite"),
     "unknown_option": (dict(cache_size=3), UnknownOptionError, "unknown option(s) ['cache_size']"),
+    "path_not_a_path": (dict(path=42), InvalidArgumentError, "path must be a model directory"),
 }
 
 
 @pytest.mark.parametrize("case", list(LOAD_CASES))
 def test_hostile_load_argument(case, text_model):
     kwargs, error, message = LOAD_CASES[case]
-    kwargs = {"memory": "2GiB", "progress": False, **kwargs}
+    kwargs = {"path": text_model, "memory": "2GiB", "progress": False, **kwargs}
     with pytest.raises(error) as e:
-        sluice.load(text_model, **kwargs)
+        sluice.load(**kwargs)
     assert isinstance(e.value, sluice.SluiceError) and isinstance(e.value, ValueError)
     assert message in str(e.value)
     if error is UnknownOptionError:

@@ -67,6 +67,7 @@ class Options:
 
 def load(path: str | os.PathLike, memory: int | str | None = None, **options) -> "Engine":
     """Open a model directory under a memory budget (``"8GiB"``, bytes, or None for a safe default)."""
+    validate.model_path(path)
     validate.options(options, Options.__dataclass_fields__)
     if memory is not None:
         validate.warn_if_over_machine(parse_size(memory, "memory"))

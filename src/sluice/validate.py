@@ -167,6 +167,11 @@ _OPTION_CHECKS = {
 }
 
 
+def model_path(path) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(f"path must be a model directory (a str or os.PathLike), got {_show(path)}")
+
+
 def options(opts, known) -> None:
     """Check ``load()``'s keyword options: unknown names, then each known option's value."""
     unknown = set(opts) - set(known)
