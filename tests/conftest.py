@@ -104,11 +104,11 @@ def text_model(tmp_path_factory):
 
 
 def _child_baseline() -> int:
-    """RSS of a fresh Python process that has imported sluice (and so torch). It varies by
+    """RSS of a fresh Python process that has imported sluice's engine (and so torch). It varies by
     installation: libraries that pip has just written are fully in the page cache, and the
     kernel maps more of their pages per fault (measured 227 MiB in an old environment, 296 MiB
     right after a fresh install), so budgets in the memory tests are set above it."""
-    out = subprocess.run([sys.executable, "-c", "import sluice; from sluice.sysmem import current_rss; "
+    out = subprocess.run([sys.executable, "-c", "import sluice.engine; from sluice.sysmem import current_rss; "
                           "print(current_rss())"], capture_output=True, text=True, timeout=300)
     return int(out.stdout.strip()) if out.returncode == 0 else 300 << 20
 

@@ -23,7 +23,6 @@ elif "OMP_WAIT_POLICY" not in _os.environ:
                    "machine multi-threaded prefill can run many times slower. Import sluice first, or set "
                    "OMP_WAIT_POLICY=PASSIVE in the environment.", RuntimeWarning, stacklevel=2)
 
-from .engine import Engine, Options, Result, Step, load
 from .errors import (
     BudgetError,
     ChatTemplateError,
@@ -38,6 +37,26 @@ from .errors import (
 from .units import format_size, parse_size
 
 __version__ = "0.1.0"
+
+# The engine (and with it torch, a second or more to import) loads on first use of one of these
+# names, so `import sluice`, `sluice --help` and `sluice --version` stay fast
+# (benchmarks/cli_startup.py). The OMP_WAIT_POLICY default above is set before that happens.
+_ENGINE_EXPORTS = ("Engine", "Options", "Result", "Step", "load")
+
+
+def __getattr__(name: str):
+    if name in _ENGINE_EXPORTS:
+        from . import engine
+
+        value = getattr(engine, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sluice' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_ENGINE_EXPORTS))
+
 
 __all__ = [
     "BudgetError", "ChatTemplateError", "CheckpointError", "ConfigError", "Engine", "ExpertReadError",

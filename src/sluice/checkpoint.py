@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,12 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
 
 DTYPE_NAMES = {v[0]: k for k, v in DTYPES.items()}
 
-_MAX_HEADER = 256 << 20
+# As the reference implementation (the ``safetensors`` library): a header over 100 MB is refused
+# before it is read. The format nests three deep ({name: {"shape": [..]}}); deeper JSON is
+# refused before parsing, so a hostile header can neither recurse nor balloon in memory.
+MAX_HEADER_BYTES = 100_000_000
+MAX_HEADER_DEPTH = 3
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,10 @@ class TensorInfo:
 def read_safetensors_header(path: str | Path, reader: LocalFile | None = None) -> tuple[dict[str, TensorInfo], dict]:
     """Parse one safetensors file's header; returns (tensors, metadata).
 
-    Checks the header length, the JSON, every dtype, and that every tensor's byte range
-    lies inside the file and matches its shape.
+    As strict as the reference implementation: the header length (at most 100 MB, inside the
+    file), UTF-8 JSON starting with ``{`` and nested no deeper than the format needs, no
+    duplicate names, every dtype and shape, and the tensors' byte ranges sorted by offset
+    exactly tiling the data region (no gap, no overlap, nothing outside it or after it).
     """
     path = str(path)
     f = reader or LocalFile(path, direct=False)
@@ -76,14 +84,30 @@ def read_safetensors_header(path: str | Path, reader: LocalFile | None = None) -
         if size < 8:
             raise CheckpointError(f"{path}: file is {size} bytes, too short to be safetensors (truncated or empty?)")
         (hlen,) = struct.unpack("<Q", f.pread(8, 0))
-        if hlen == 0 or hlen > _MAX_HEADER or 8 + hlen > size:
+        if hlen > MAX_HEADER_BYTES:
+            raise CheckpointError(
+                f"{path}: safetensors header length {hlen} is impossible: headers are at most {MAX_HEADER_BYTES} "
+                "bytes (corrupt or hostile file; re-download or re-save the checkpoint)")
+        if hlen == 0 or 8 + hlen > size:
             raise CheckpointError(
                 f"{path}: safetensors header length {hlen} is impossible for a file of {size} bytes "
                 "(corrupt header or truncated file; re-download or re-save the checkpoint)"
             )
         raw = f.pread(hlen, 8)
+        if len(raw) != hlen:
+            raise CheckpointError(f"{path}: short read of the {hlen}-byte safetensors header (file truncated?)")
+        if not raw.startswith(b"{"):
+            raise CheckpointError(f"{path}: safetensors header is not valid JSON (it does not start with "
+                                  "'{'); the file is corrupt")
+        depth = _nesting(raw)
+        if depth > MAX_HEADER_DEPTH:
+            raise CheckpointError(
+                f"{path}: safetensors header nests JSON {depth} levels deep; the format needs {MAX_HEADER_DEPTH} "
+                "(corrupt or hostile file)")
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        except _DuplicateKey as e:
+            raise CheckpointError(f"{path}: safetensors header names {e.args[0]!r} twice; the file is corrupt") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt") from None
         if not isinstance(header, dict):
@@ -91,13 +115,64 @@ def read_safetensors_header(path: str | Path, reader: LocalFile | None = None) -
         data_start = 8 + hlen
         data_size = size - data_start
         metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise CheckpointError(f"{path}: safetensors __metadata__ must map names to strings; the file is corrupt")
         tensors: dict[str, TensorInfo] = {}
         for name, entry in header.items():
             tensors[name] = _tensor_info(path, name, entry, data_start, data_size)
+        _check_tiling(path, tensors, data_start, data_size)
         return tensors, metadata
     finally:
         if reader is None:
             f.close()
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _nesting(raw: bytes) -> int:
+    """Deepest bracket nesting of a JSON text, strings skipped (without parsing it; in chunks, so
+    memory stays small whatever the header's size)."""
+    import numpy as np
+
+    bare = np.frombuffer(_STRINGS.sub(b"", raw), dtype=np.uint8)
+    depth = deepest = 0
+    for i in range(0, len(bare), 1 << 20):
+        c = bare[i : i + (1 << 20)]
+        step = ((c == 123) | (c == 91)).astype(np.int8) - ((c == 125) | (c == 93)).astype(np.int8)
+        running = np.cumsum(step, dtype=np.int64) + depth
+        deepest = max(deepest, int(running.max(initial=depth)))
+        depth = int(running[-1]) if len(running) else depth
+    return deepest
+
+
+def _check_tiling(path: str, tensors: dict[str, TensorInfo], data_start: int, data_size: int) -> None:
+    """Sorted by offset, each tensor starts where the previous ends, and the last ends at the
+    end of the file (the reference's rule): no gaps, no overlaps, no trailing bytes."""
+    end = 0
+    prev = None
+    for t in sorted(tensors.values(), key=lambda t: (t.offset, t.offset + t.nbytes)):
+        begin = t.offset - data_start
+        if begin < end:
+            raise CheckpointError(f"{path}: tensor {t.name!r} (bytes {begin}..{begin + t.nbytes} of the data) "
+                                  f"overlaps tensor {prev!r}, which ends at {end}; the file is corrupt")
+        if begin > end:
+            raise CheckpointError(f"{path}: tensor {t.name!r} starts at data byte {begin}, leaving a gap after "
+                                  f"byte {end}; the tensors must be contiguous (the file is corrupt)")
+        end, prev = begin + t.nbytes, t.name
+    if end != data_size:
+        raise CheckpointError(f"{path}: the tensors end at data byte {end} but the data region holds {data_size} "
+                              "bytes; the file is corrupt or was appended to")
 
 
 def _tensor_info(path: str, name: str, entry, data_start: int, data_size: int) -> TensorInfo:
@@ -110,22 +185,22 @@ def _tensor_info(path: str, name: str, entry, data_start: int, data_size: int) -
         raise CheckpointError(
             f"{path}: tensor {name!r} has unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})"
         )
-    if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+    if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
         raise CheckpointError(f"{path}: tensor {name!r} has a malformed shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
         raise CheckpointError(f"{path}: tensor {name!r} has malformed data_offsets {offsets!r}")
     begin, end = offsets
     nbytes = math.prod(shape) * DTYPES[dtype][1]
     if not (0 <= begin <= end):
         raise CheckpointError(f"{path}: tensor {name!r} has data_offsets {offsets} out of order")
-    if end - begin != nbytes:
-        raise CheckpointError(
-            f"{path}: tensor {name!r} spans {end - begin} bytes but dtype {dtype} shape {shape} needs {nbytes}"
-        )
     if end > data_size:
         raise CheckpointError(
             f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has only "
             f"{data_start + data_size} bytes: the file is truncated (re-download or re-save it)"
+        )
+    if end - begin != nbytes:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} spans {end - begin} bytes but dtype {dtype} shape {shape} needs {nbytes}"
         )
     return TensorInfo(name, path, data_start + begin, nbytes, dtype, tuple(shape))
 
@@ -223,6 +298,10 @@ class Checkpoint:
             except OSError as e:
                 raise CheckpointError(f"{info.file}: reading tensor {name!r} failed: {e}") from None
         return out
+
+    def read_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Several tensors (no checksums to check in a Hugging Face directory)."""
+        return {name: self.read(name) for name in names}
 
     def close(self) -> None:
         for f in self._files.values():

@@ -34,8 +34,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reader-threads", type=int_arg(1, 1024), default=4, metavar="N", help="parallel expert reads (default 4)")
     g.add_argument("--no-prefetch", action="store_true",
                    help="disable router lookahead (reading the next layer's predicted experts early)")
-    g.add_argument("--verify-reads", action="store_true",
-                   help="check the CRC32 of every expert record read from a container (costs CPU)")
+    g.add_argument("--verify-reads", dest="verify_reads", action="store_true", default=True,
+                   help="check the CRC32 of every expert record and streamed spine layer read from a container "
+                        "(the default)")
+    g.add_argument("--no-verify-reads", dest="verify_reads", action="store_false",
+                   help="skip those CRC32 checks (saves a little CPU; corruption then goes undetected)")
     g.add_argument("--no-huge-pages", action="store_true",
                    help="do not ask for transparent huge pages for the expert cache and read buffers")
     g.add_argument("--buffered-io", action="store_true",
@@ -139,13 +142,13 @@ def cmd_inspect(args) -> int:
 def cmd_convert(args) -> int:
     from .convert import convert
 
-    out = convert(args.model, args.output, experts=args.experts, progress=not args.no_progress)
+    out = convert(args.model, args.output, experts=args.experts, progress=not args.no_progress, force=args.force)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
 
 def cmd_check(args) -> int:
-    from .container import check_container
+    from .check import check_container
 
     report = check_container(args.model, progress=not args.no_progress)
     if args.json:
@@ -186,7 +189,7 @@ def cmd_bench(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(args)
+    return run_demo(args, _engine_options(args), generate_and_print)
 
 
 def _sampling_kwargs(args) -> dict:
@@ -262,7 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Reads the source tensor by tensor (small memory); writes to OUTPUT.partial "
                                    "and renames when complete.")
     c.add_argument("model", help="Hugging Face model directory")
-    c.add_argument("output", help="container directory to write (replaced if it exists)")
+    c.add_argument("output", help="container directory to write (an existing container there is replaced only "
+                                  "with --force; any other existing path is refused)")
+    c.add_argument("--force", action="store_true", help="replace an existing Sluice container at OUTPUT")
     c.add_argument("--experts", default=None, metavar="FORMAT",
                    help="expert format (default: the checkpoint's own, exact): f32, bf16, f16 (casts); "
                         "LOSSY quantized formats: int8 (8 bits/weight, per-row scales), q4 (4.5 bits, groups "

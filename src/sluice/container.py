@@ -14,16 +14,22 @@ gate, up and down, each 64-byte aligned), zero-padded to ``record_bytes``::
     8  layer u32             12 expert u32    16 payload offset u32   20 part count u32
     24 payload bytes u64     32 CRC32 of the payload u32             36 reserved
 
-Everything read back is untrusted: the manifest is bounds-checked against the files at
-open, and each record's header is checked (magic, layer, expert, length) on every read;
-``verify_reads`` also checks the payload CRC.
+Everything read back is untrusted: the manifest carries a SHA-256 of its canonical JSON
+(checked at open) and is bounds-checked against the files; every spine group's CRC32 is
+checked when the group is loaded (and, with ``verify_reads``, each time a streamed layer is
+read); each record's header is checked (magic, layer, expert, length) on every read and,
+with ``verify_reads`` (the default), its payload CRC32 too, on the reader thread.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
+import threading
+import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +38,7 @@ import torch
 
 from .checkpoint import DTYPES, TensorInfo
 from .errors import CheckpointError, ExpertReadError
-from .experts.layout import ExpertLayout, Read, View
-from .experts.source import ExpertSource
-from .storage import ALIGN, LocalFile, ReadStats, align_up
+from .storage import ALIGN, AlignedBuffer, LocalFile, ReadStats, align_up
 
 MAGIC = b"SLXR"
 FORMAT_NAME = "sluice-container"
@@ -46,6 +50,22 @@ assert HEADER.size == HEADER_BYTES
 
 # expert format name <-> id stored in record headers
 FORMAT_IDS = {"f32": 1, "bf16": 2, "f16": 3, "int8": 4, "q4": 5, "mxfp4": 6, "rvq3": 7, "fp8": 8}
+
+
+CHECKSUM_KEY = "manifest_sha256"
+_GROUP_CHUNK = 8 << 20  # spine groups are read and CRC-checked through a buffer of this size
+
+
+def manifest_digest(m: dict) -> str:
+    """SHA-256 of the manifest's canonical JSON (sorted keys, no spaces) without its checksum field."""
+    body = {k: v for k, v in m.items() if k != CHECKSUM_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def seal_manifest(m: dict) -> dict:
+    """Store the manifest's checksum in it (after any edit); returns ``m``."""
+    m[CHECKSUM_KEY] = manifest_digest(m)
+    return m
 
 
 def is_container(path: str | Path) -> bool:
@@ -88,6 +108,24 @@ def pack_header(fmt: str, layer: int, expert: int, nparts: int, payload: bytes |
                        zlib.crc32(payload))
 
 
+def check_record(where: str, record: memoryview, fmt: str, layer: int, expert: int, payload: int,
+                 verify_crc: bool) -> None:
+    """Check an expert record just read: header (magic, place, length, format), and with
+    ``verify_crc`` the payload's CRC32. Raises ``ExpertReadError`` starting with ``where``."""
+    magic, version, fid, lay, exp, poff, nparts, plen, crc = HEADER.unpack(record[:HEADER_BYTES])
+    if magic != MAGIC:
+        raise ExpertReadError(f"{where}: bad record magic {magic!r} (corrupt bank or wrong offset)")
+    if lay != layer or exp != expert:
+        raise ExpertReadError(f"{where}: record header says layer {lay} expert {exp} (records out of place)")
+    if poff != HEADER_BYTES or plen != payload or version != VERSION or fid != FORMAT_IDS[fmt]:
+        raise ExpertReadError(f"{where}: record header does not match the manifest (payload {plen} bytes, "
+                              f"expected {payload}; format id {fid})")
+    if verify_crc:
+        got = zlib.crc32(record[HEADER_BYTES : HEADER_BYTES + plen])
+        if got != crc:
+            raise ExpertReadError(f"{where}: CRC mismatch (stored {crc:08x}, computed {got:08x}): the record is corrupt")
+
+
 class Container:
     """An opened container; offers the same tensor-store interface as ``Checkpoint``."""
 
@@ -111,13 +149,25 @@ class Container:
                 f"{mpath}: container version {m.get('version')!r} is not supported (this Sluice reads version "
                 f"{VERSION}); convert the model again"
             )
+        stored = m.get(CHECKSUM_KEY)
+        self.manifest_checksum: bool | None = None  # None: an older container without one
+        if stored is None:
+            warnings.warn(f"{mpath}: the container was written by an older Sluice and its manifest has no checksum, "
+                          "so edits to it cannot be detected; convert the model again", stacklevel=3)
+        else:
+            got = manifest_digest(m)
+            if stored != got:
+                raise CheckpointError(
+                    f"{mpath}: manifest checksum mismatch (stored {str(stored)[:16]!r}..., computed {got[:16]}...): "
+                    "the manifest was edited or is corrupt; convert the model again")
+            self.manifest_checksum = True
         self.config = _obj(m, "config", mpath)
         self.generation_config = m.get("generation_config") or {}
         self.expert_format = m.get("expert_format")
         if self.expert_format not in FORMAT_IDS:
             raise CheckpointError(f"{mpath}: unknown expert_format {self.expert_format!r}")
         spine = _obj(m, "spine", mpath)
-        self.spine_file = str(self.path / _name(spine.get("file"), mpath))
+        self.spine_file = str(self.path / member_file(spine.get("file"), mpath))
         sfile = self.file(self.spine_file)
         self.tensors: dict[str, TensorInfo] = {}
         for name, t in _obj(spine, "tensors", mpath).items():
@@ -128,9 +178,22 @@ class Container:
                 off, n, crc = (int(x) for x in v)
             except (TypeError, ValueError):
                 raise CheckpointError(f"{mpath}: spine group {k!r} entry is malformed") from None
-            if off < 0 or off % ALIGN or off + n > sfile.size:
+            if off < 0 or n < 0 or off % ALIGN or off + n > sfile.size:
                 raise CheckpointError(f"{self.spine_file}: spine group {k!r} lies outside the file or is unaligned")
             self.spine_groups[k] = (off, n, crc)
+        # every spine tensor lies inside its CRC-protected group
+        self.group_of: dict[str, str] = {}
+        for name, t in spine["tensors"].items():
+            g = t.get("group")
+            info = self.tensors[name]
+            if g not in self.spine_groups:
+                raise CheckpointError(f"{mpath}: spine tensor {name!r} names group {g!r}, which the spine table "
+                                      "does not have (its bytes would not be CRC-checked)")
+            off, n, _ = self.spine_groups[g]
+            if not off <= info.offset <= info.offset + info.nbytes <= off + n:
+                raise CheckpointError(f"{mpath}: spine tensor {name!r} ({info.nbytes} bytes at {info.offset}) lies "
+                                      f"outside its group {g!r} ({n} bytes at {off})")
+            self.group_of[name] = g
         self.banks = _obj(m, "experts", mpath)
 
     def file(self, path: str) -> LocalFile:
@@ -153,115 +216,56 @@ class Container:
         return t
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        info = self.info(name)
-        if out is None:
-            out = torch.empty(info.shape, dtype=info.torch_dtype)
-        if info.nbytes:
+        """One spine tensor; its whole group is read to check the group's CRC."""
+        return self.read_tensors([name], {name: out} if out is not None else None)[name]
+
+    def read_tensors(self, names: list[str], out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Spine tensors, one pass per group: the group's bytes are read in chunks, CRC-checked, and
+        each requested tensor is copied from the very bytes checked. Raises ``CheckpointError`` on
+        a CRC mismatch (nothing returned) or a failed read."""
+        result: dict[str, torch.Tensor] = {}
+        by_group: dict[str, list[str]] = {}
+        for name in names:
+            info = self.info(name)
+            t = (out or {}).get(name)
+            result[name] = t if t is not None else torch.empty(info.shape, dtype=info.torch_dtype)
+            by_group.setdefault(self.group_of[name], []).append(name)
+        for g, members in by_group.items():
+            self._read_group(g, {n: result[n] for n in members})
+        return result
+
+    def _read_group(self, g: str, dest: dict[str, torch.Tensor]) -> None:
+        off, n, stored = self.spine_groups[g]
+        f = self.file(self.spine_file)
+        spans = sorted((self.tensors[name].offset - off, self.tensors[name].nbytes,
+                        memoryview(t.reshape(-1).view(torch.uint8).numpy())) for name, t in dest.items())
+        buf = AlignedBuffer(min(_GROUP_CHUNK, align_up(max(n, 1))))
+        crc, pos = 0, 0
+        while pos < n:
+            want = min(buf.nbytes, n - pos)
             try:
-                self.file(info.file).read_into(memoryview(out.reshape(-1).view(torch.uint8).numpy()), info.offset)
+                got = f.read_aligned(buf.view(0, align_up(want)), off + pos)
             except OSError as e:
-                raise CheckpointError(f"{info.file}: reading tensor {name!r} failed: {e}") from None
-        return out
+                raise CheckpointError(f"{self.spine_file}: reading spine group {g!r} failed: {e}") from None
+            if got < want:
+                raise CheckpointError(f"{self.spine_file}: short read in spine group {g!r} at offset {off + pos} "
+                                      "(file truncated or storage error)")
+            chunk = buf.view(0, want)
+            crc = zlib.crc32(chunk, crc)
+            for start, length, mv in spans:  # the part of each tensor inside this chunk
+                a, b = max(start, pos), min(start + length, pos + want)
+                if a < b:
+                    mv[a - start : b - start] = chunk[a - pos : b - pos]
+            pos += want
+        if crc != stored:
+            raise CheckpointError(
+                f"{self.spine_file}: spine group {g!r} CRC mismatch (stored {stored:08x}, computed {crc:08x}): "
+                "the spine is corrupt; convert the model again (sluice check lists all damage)")
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
-
-
-class ContainerExperts(ExpertSource):
-    """Experts of a container: one aligned read per expert, header checked on every read."""
-
-    def __init__(self, container: Container, layers: list[int], n_experts: int, roles: dict[str, tuple[int, ...]]):
-        self.container = container
-        self.format = container.expert_format
-        src = container.manifest.get("source")
-        # quantized records copied bit for bit from a natively quantized checkpoint (not requantized)
-        self.native_quant = isinstance(src, dict) and src.get("expert_dtype") == self.format \
-            and self.format not in ("f32", "bf16", "f16")
-        mpath = container.path / "manifest.json"
-        banks = container.banks.get("layers")
-        if not isinstance(banks, dict):
-            raise CheckpointError(f"{mpath}: 'experts.layers' must be an object keyed by layer")
-        self._banks: dict[int, tuple[str, int, tuple[View, ...], int]] = {}
-        payload = 0
-        for layer in layers:
-            b = banks.get(str(layer))
-            if not isinstance(b, dict):
-                raise CheckpointError(f"{mpath}: no expert bank for MoE layer {layer}")
-            fname = str(container.path / _name(b.get("file"), mpath))
-            count, rec = b.get("count"), b.get("record_bytes")
-            if count != n_experts:
-                raise CheckpointError(f"{mpath}: layer {layer} bank holds {count!r} experts, config says {n_experts}")
-            if not isinstance(rec, int) or rec <= HEADER_BYTES or rec % ALIGN:
-                raise CheckpointError(f"{mpath}: layer {layer} record_bytes {rec!r} is not a positive multiple of {ALIGN}")
-            parts = [_part(p, mpath, layer) for p in b.get("parts") or []]
-            end = max((p.offset + p.nbytes for p in parts), default=0)
-            if end + HEADER_BYTES > rec:
-                raise CheckpointError(f"{mpath}: layer {layer} parts end at {end} bytes, beyond the {rec}-byte record")
-            names = {p.name for p in parts}
-            for role, shape in roles.items():
-                if role not in names and not any(n.startswith(role + ".") for n in names):
-                    raise CheckpointError(f"{mpath}: layer {layer} records have no part for {role!r}")
-                p = next((p for p in parts if p.name == role), None)
-                if p is not None and p.shape != tuple(shape):
-                    raise CheckpointError(
-                        f"{mpath}: layer {layer} part {role!r} has shape {list(p.shape)}, config implies {list(shape)}"
-                    )
-            f = container.file(fname)
-            if f.size < count * rec:
-                raise CheckpointError(
-                    f"{fname}: expert bank is {f.size} bytes, {count} records of {rec} bytes need {count * rec}: "
-                    "the file is truncated (convert again)"
-                )
-            views = tuple(View(p.name, HEADER_BYTES + p.offset, DTYPES[p.dtype][0], p.shape) for p in parts)
-            self._banks[layer] = (fname, rec, views, end)
-            payload = end
-        # quantized records: the cache assembles "<role>.<part>" views into matrices
-        # dense records hold the matrices; FP8 records hold "<role>" + "<role>_scale_inv", paired by
-        # quant.fp8.assemble; the quant registry's formats hold "<role>.<part>" views
-        self._quant = {} if self.format in ("f32", "bf16", "f16", "fp8") else dict(
-            format=self.format, shapes=tuple((r, *s) for r, s in roles.items()), exact=self.native_quant)
-        self.slot_bytes = max((b[1] for b in self._banks.values()), default=ALIGN)
-        self._payload = payload
-
-    def layout(self, layer: int, expert: int) -> ExpertLayout:
-        fname, rec, views, end = self._banks[layer]
-        return ExpertLayout((Read(fname, expert * rec, rec, 0, HEADER_BYTES + end),), views, rec, **self._quant)
-
-    def validate(self, layer: int, expert: int, record: memoryview, verify_crc: bool) -> None:
-        fname, rec, views, end = self._banks[layer]
-        magic, version, fmt, lay, exp, poff, nparts, plen, crc = HEADER.unpack(record[:HEADER_BYTES])
-        where = f"{fname}: layer {layer} expert {expert}"
-        if magic != MAGIC:
-            raise ExpertReadError(f"{where}: bad record magic {magic!r} (corrupt bank or wrong offset)")
-        if lay != layer or exp != expert:
-            raise ExpertReadError(f"{where}: record header says layer {lay} expert {exp} (records out of place)")
-        if poff != HEADER_BYTES or plen != end or version != VERSION or fmt != FORMAT_IDS[self.format]:
-            raise ExpertReadError(f"{where}: record header does not match the manifest (payload {plen} bytes, "
-                                  f"expected {end}; format id {fmt})")
-        if verify_crc:
-            got = zlib.crc32(record[HEADER_BYTES : HEADER_BYTES + plen])
-            if got != crc:
-                raise ExpertReadError(f"{where}: CRC mismatch (stored {crc:08x}, computed {got:08x}): the record is corrupt")
-
-    def file(self, path: str) -> LocalFile:
-        return self.container.file(path)
-
-    @property
-    def direct_io(self) -> bool:
-        return self.container.direct_io
-
-    @property
-    def record_bytes(self) -> int:
-        return self._payload
-
-    def records(self):
-        """(layer, expert) of every record, bank by bank (for ``sluice check``)."""
-        for layer in sorted(self._banks):
-            fname, rec, _, _ = self._banks[layer]
-            for e in range(self.container.file(fname).size // rec):
-                yield layer, e
 
 
 def _obj(m: dict, key: str, where) -> dict:
@@ -271,7 +275,8 @@ def _obj(m: dict, key: str, where) -> dict:
     return v
 
 
-def _name(v, where) -> str:
+def member_file(v, where) -> str:
+    """A file name from the manifest: a plain name inside the container directory."""
     if not isinstance(v, str) or not v or "/" in v or v.startswith("."):
         raise CheckpointError(f"{where}: invalid file name {v!r}")
     return v
@@ -293,7 +298,7 @@ def _spine_tensor(name: str, t, file: str, size: int, where) -> TensorInfo:
     return TensorInfo(name, file, off, nbytes, dtype, shape)
 
 
-def _part(p, where, layer) -> Part:
+def parse_part(p, where, layer) -> Part:
     try:
         part = Part(str(p["name"]), int(p["offset"]), str(p["dtype"]), tuple(int(s) for s in p["shape"]))
     except (KeyError, TypeError, ValueError):
@@ -301,41 +306,3 @@ def _part(p, where, layer) -> Part:
     if part.dtype not in DTYPES or part.offset < 0 or part.offset % PART_ALIGN or any(s < 0 for s in part.shape):
         raise CheckpointError(f"{where}: layer {layer} part {part.name!r} has bad dtype/offset/shape")
     return part
-
-
-def check_container(path: str | Path, progress: bool = True) -> dict:
-    """Verify every spine group and expert record CRC; returns a report (``ok``, ``errors``)."""
-    from .engine import ModelInfo
-    from .progress import Progress
-    from .storage import AlignedBuffer
-
-    info = ModelInfo(path)
-    c, src = info.checkpoint, info.experts
-    if not isinstance(c, Container):
-        raise CheckpointError(f"{path}: not a Sluice container (sluice check verifies containers)")
-    errors: list[str] = []
-    spine = c.file(c.spine_file)
-    records = list(src.records())
-    bar = Progress(sum(n for _, n, _ in c.spine_groups.values()) + len(records) * src.slot_bytes,
-                   f"checking {c.path.name}", enabled=progress)
-    for g, (off, n, crc) in c.spine_groups.items():
-        buf = bytearray(n)
-        try:
-            spine.read_into(memoryview(buf), off)
-        except OSError as e:
-            errors.append(f"{c.spine_file}: spine group {g}: {e}")
-            continue
-        if zlib.crc32(buf) != crc:
-            errors.append(f"{c.spine_file}: spine group {g}: CRC mismatch (corrupt spine)")
-        bar.update(n)
-    buf = AlignedBuffer(src.slot_bytes)
-    for layer, e in records:
-        try:
-            src.read(layer, e, buf, 0, verify_crc=True)
-        except ExpertReadError as err:
-            errors.append(str(err))
-        bar.update(src.slot_bytes)
-    bar.close()
-    c.close()
-    return {"path": str(path), "spine_groups": len(c.spine_groups), "records": len(records),
-            "errors": errors, "ok": not errors}

@@ -1,16 +1,27 @@
 """``sluice convert``: a Hugging Face directory -> a packed container, tensor by tensor.
 
 Peak memory stays at one tensor or one expert whatever the model size. The container is
-written under ``<dst>.partial`` and renamed when complete, so an interrupted conversion
-never leaves a directory that loads; rerunning replaces it.
+written under ``<dst>.partial``, fsynced, and renamed when complete, so an interrupted
+conversion never leaves a directory that loads.
+
+Convert never deletes anything that is not a Sluice container: an output that is the
+source, lies inside it or contains it is refused, an existing path that is not a container
+is refused, and an existing container is replaced only with ``force=True``. Replacing swaps
+the new directory in with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file system
+offer it (no moment without a container at ``dst``); elsewhere the old container is renamed
+aside, the new one renamed in and the old one deleted (a window of two renames in which
+``dst`` does not exist). A failed write (e.g. ENOSPC) removes the partial output.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
 import zlib
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -27,9 +38,10 @@ from .container import (
     pack_header,
     plan_parts,
     record_bytes_for,
+    seal_manifest,
 )
 from .engine import ModelInfo
-from .errors import CheckpointError
+from .errors import CheckpointError, SluiceError
 from .experts.fused import canonical_layout, canonical_weights
 from .experts.source import views
 from .progress import Progress
@@ -112,12 +124,166 @@ def _group_order(g: str) -> tuple[int, int]:
     return (2, 0)
 
 
+class ConvertError(SluiceError, OSError):
+    """``sluice convert`` refused its output path or could not write it (nothing was deleted)."""
+
+
+PARTIAL_MARK = ".sluice-partial"  # inside DST.partial / DST.old: a directory convert made and may delete
+
+
+def _looks_like_container(path: Path) -> bool:
+    """A directory whose manifest.json says it is a Sluice container (the only thing convert replaces)."""
+    try:
+        m = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(m, dict) and m.get("format") == FORMAT_NAME
+
+
+def _related(a: Path, b: Path) -> str | None:
+    """How path ``a`` relates to ``b``: "is", "inside" or "contains" (resolved), or None."""
+    if a == b:
+        return "is"
+    if b in a.parents:
+        return "inside"
+    if a in b.parents:
+        return "contains"
+    return None
+
+
+def check_destination(src: Path, dst: Path, force: bool) -> None:
+    """Refuse an output convert may not write: the source (or inside/around it), a path that is
+    not a Sluice container, or an existing container without ``force``."""
+    s, d = src.resolve(), dst.resolve()
+    for path, what in ((d, str(dst)), (d.with_name(d.name + ".partial"), f"{dst}.partial"),
+                       (d.with_name(d.name + ".old"), f"{dst}.old")):
+        rel = _related(path, s)
+        if rel == "is":
+            raise ConvertError(f"{what}: the output is the source model directory {src}; choose another output")
+        if rel == "inside":
+            raise ConvertError(f"{what}: the output lies inside the source model directory {src}; "
+                               "choose an output outside it")
+        if rel == "contains":
+            raise ConvertError(f"{what}: the output contains the source model directory {src}; "
+                               "choose an output that does not")
+    if dst.is_symlink():
+        raise ConvertError(f"{dst}: exists and is a symbolic link; give the real path of the output")
+    if dst.exists():
+        if not dst.is_dir():
+            raise ConvertError(f"{dst}: exists and is not a directory; convert writes a container directory "
+                               "and never replaces other files (remove it or choose another output)")
+        if not _looks_like_container(dst):
+            raise ConvertError(f"{dst}: exists and is not a Sluice container; convert replaces only containers "
+                               "(remove it or choose another output)")
+        if not force:
+            raise ConvertError(f"{dst}: a Sluice container already exists there; pass --force (force=True) to "
+                               "replace it")
+    for leftover in (dst.with_name(dst.name + ".partial"), dst.with_name(dst.name + ".old")):
+        if (leftover.exists() or leftover.is_symlink()) and not (leftover.is_dir() and not leftover.is_symlink()
+                                                                  and (leftover / PARTIAL_MARK).exists()):
+            raise ConvertError(f"{leftover}: exists and was not left by sluice convert; convert needs this path "
+                               "for its work (remove or rename it)")
+
+
+def _writer(path: Path):
+    """Open an output file (a seam for tests that simulate a full disk)."""
+    return open(path, "wb")
+
+
+class _Naming:
+    """Attach ``path`` to an OSError raised without a file name (a failed write or fsync)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if isinstance(e, OSError) and not e.filename:
+            e.filename = str(self.path)
+        return False
+
+
+def _sync_close(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths with renameat2(RENAME_EXCHANGE); False where the C
+    library, kernel or file system does not offer it."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _remove_ours(path: Path) -> None:
+    """Delete a directory convert made (it carries the mark); anything else stays."""
+    if path.is_dir() and not path.is_symlink() and (path / PARTIAL_MARK).exists():
+        shutil.rmtree(path)
+
+
+def _install(tmp: Path, dst: Path) -> None:
+    """Move the finished ``tmp`` to ``dst``, replacing a container there (checked before)."""
+    parent = dst.parent
+    if not dst.exists():
+        os.rename(tmp, dst)
+    elif exchange(tmp, dst):  # dst is the new container now; the old one is at tmp
+        (tmp / PARTIAL_MARK).touch()
+        shutil.rmtree(tmp)
+    else:  # no atomic exchange: a short window between the two renames without dst
+        old = dst.with_name(dst.name + ".old")
+        _remove_ours(old)
+        (dst / PARTIAL_MARK).touch()
+        os.rename(dst, old)
+        try:
+            os.rename(tmp, dst)
+        except BaseException:
+            os.rename(old, dst)  # put the old container back
+            (dst / PARTIAL_MARK).unlink(missing_ok=True)
+            raise
+        shutil.rmtree(old)
+    (dst / PARTIAL_MARK).unlink(missing_ok=True)
+    _fsync_path(dst)
+    _fsync_path(parent)
+
+
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | None = None,
-            progress: bool = True) -> Path:
-    """Convert ``src`` (a Hugging Face directory) into a container at ``dst``; returns ``dst``."""
+            progress: bool = True, force: bool = False) -> Path:
+    """Convert ``src`` (a Hugging Face directory) into a container at ``dst``; returns ``dst``.
+
+    An existing container at ``dst`` is replaced only with ``force``; any other existing path,
+    and an output that is, lies inside or contains ``src``, is refused (``ConvertError``).
+    """
     src, dst = Path(src), Path(dst)
+    if not dst.name or dst.name == "..":
+        dst = dst.resolve()
     if is_container(src):
         raise CheckpointError(f"{src}: is already a Sluice container")
+    check_destination(src, dst, force)
     info = ModelInfo(src, direct_io=None)
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
     fmt = experts or source.format
@@ -138,20 +304,48 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     dst.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(dst.parent).free
     if free < total + (64 << 20):
-        raise OSError(f"not enough free disk at {dst.parent}: the container needs {total / 1e9:.2f} GB, "
-                      f"{free / 1e9:.2f} GB free")
+        raise ConvertError(f"not enough free disk at {dst.parent}: the container needs {total / 1e9:.2f} GB, "
+                           f"{free / 1e9:.2f} GB free")
     tmp = dst.with_name(dst.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove_ours(tmp)
     tmp.mkdir()
-    bar = Progress(spine_total + rec * desc.total_experts, f"converting to {dst.name}", enabled=progress)
+    (tmp / PARTIAL_MARK).touch()
+    writing = tmp
+    try:
+        writing = _write(src, tmp, info, fmt, parts, payload, rec, spine_total, progress, dst.name)
+        writing = dst
+        _install(tmp, dst)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, SluiceError):
+            where = e.filename or writing
+            if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+                err = ConvertError(f"{where}: no space left on the device while writing the container; the partial "
+                                   f"output {tmp} was removed (free some space and convert again)")
+            else:
+                err = ConvertError(f"{where}: writing the container failed ({e.strerror or e}); the partial "
+                                   f"output {tmp} was removed")
+            err.errno = e.errno
+            raise err from None
+        raise
+    finally:
+        ckpt.close()
+    return dst
+
+
+def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, spine_total: int,
+           progress: bool, label: str) -> Path:
+    ckpt, desc, source = info.checkpoint, info.desc, info.experts
+    shapes = desc.expert.matrix_shapes()
+    bar = Progress(spine_total + rec * desc.total_experts, f"converting to {label}", enabled=progress)
 
     # spine: grouped per layer, each group 4096-aligned, tensors 64-aligned inside
     groups: dict[str, list[str]] = {}
     for name in desc.spine:
         groups.setdefault(spine_group(name), []).append(name)
     tensors, group_table = {}, {}
-    with open(tmp / "spine.bin", "wb") as f:
+    f = _writer(tmp / "spine.bin")
+    with _Naming(tmp / "spine.bin"), closing(f):
         off = 0
         for g in sorted(groups, key=_group_order):
             start = align_up(off, ALIGN)
@@ -172,13 +366,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
                 bar.update(len(data))
             group_table[g] = [start, off - start, crc]
         f.write(b"\0" * (align_up(off, ALIGN) - off))
+        _sync_close(f)
 
     # expert banks: one record per expert
     bank_table = {}
     buf = AlignedBuffer(source.slot_bytes)
     record = AlignedBuffer(rec)
     for layer in desc.moe_layers:
-        with open(tmp / bank_name(layer), "wb") as f:
+        f = _writer(tmp / bank_name(layer))
+        with _Naming(tmp / bank_name(layer)), closing(f):
             for e in range(desc.n_experts):
                 layout = source.read(layer, e, buf)
                 record.tensor(0, torch.uint8, (rec,)).zero_()
@@ -190,6 +386,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
                 record.view(0, HEADER_BYTES)[:] = pack_header(fmt, layer, e, len(parts), payload_bytes)
                 f.write(record.view(0, rec))
                 bar.update(rec)
+            _sync_close(f)
         bank_table[str(layer)] = {
             "file": bank_name(layer), "count": desc.n_experts, "record_bytes": rec,
             "parts": [{"name": p.name, "offset": p.offset, "dtype": p.dtype, "shape": list(p.shape)} for p in parts],
@@ -200,6 +397,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy2(src / name, tmp / name)
+            _fsync_path(tmp / name)
             copied.append(name)
     manifest = {
         "format": FORMAT_NAME,
@@ -214,15 +412,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
         "experts": {"record_bytes": rec, "layers": bank_table},
         "tokenizer_files": copied,
     }
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    ckpt.close()
-    if dst.exists():
-        old = dst.with_name(dst.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(dst, old)
-        os.replace(tmp, dst)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, dst)
-    return dst
+    f = _writer(tmp / "manifest.json")
+    with _Naming(tmp / "manifest.json"), closing(f):
+        f.write(json.dumps(seal_manifest(manifest), indent=1).encode("utf-8"))
+        _sync_close(f)
+    _fsync_path(tmp)
+    return tmp

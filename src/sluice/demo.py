@@ -68,10 +68,10 @@ def demo_cache(path: Path, share: float = 0.25) -> tuple[int, int]:
     return slots, plan.budget_for_slots(slots)
 
 
-def run_demo(args) -> int:
-    from .cli import _engine_options, generate_and_print
-
-    options = _engine_options(args)
+def run_demo(args, options: dict, generate_and_print) -> int:
+    """``sluice demo``: ``options`` are the engine options from the command line;
+    ``generate_and_print(engine, prompt, args)`` is the CLI's streaming printer (passed in, as
+    the faces below the CLI never import it)."""
     if args.synthetic is None:
         path = shipped_model()
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))

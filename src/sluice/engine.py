@@ -19,13 +19,14 @@ import torch
 
 from . import generation, kernels, validate
 from .checkpoint import Checkpoint
-from .container import Container, ContainerExperts, is_container
+from .container import Container, is_container
 from .errors import CheckpointError, InvalidArgumentError, SluiceError
 from .experts.cache import ExpertCache
 from .experts.policy import make_policy
 from .experts.provider import ExpertProvider
-from .experts.source import CheckpointExperts
+from .experts.source import CheckpointExperts, ContainerExperts
 from .generation import Request, Result, Step
+from .layers.attention import SCORE_BLOCK_BYTES
 from .layers.sampling import SamplingParams
 from .models import get_family
 from .models.base import MoEBlock, check_tensor
@@ -56,13 +57,17 @@ class Options:
     prefetch: bool = True
     huge_pages: bool = True  # transparent huge pages for read buffers: ~1.7-2x O_DIRECT throughput here
     direct_io: bool | None = None  # None: probe O_DIRECT, fall back to buffered
-    verify_reads: bool = False
+    verify_reads: bool = True  # CRC32 of every expert record and streamed spine layer read from a container
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     progress: bool = True
     trace_routing: str | None = None  # write each decode token's routing to this JSONL file
     max_resident_layers: int | None = None  # stream the spine of the other layers (None: the planner decides)
     moe_top_k: int | None = None  # lossy
     prefer_cached: float = 0.0  # lossy
+    # test-only: fill the spine stream buffers with 0xFF bytes (NaN in every float dtype) before
+    # their first real fill, so a family that derives tensors from streamed weights at build time
+    # gives NaN logits (the rule in spine.py); costs the buffers' memory up front
+    poison_stream_buffers: bool = False
 
 
 def load(path: str | os.PathLike, memory: int | str | None = None, **options) -> "Engine":
@@ -72,6 +77,24 @@ def load(path: str | os.PathLike, memory: int | str | None = None, **options) ->
     if memory is not None:
         validate.warn_if_over_machine(parse_size(memory, "memory"))
     return Engine(path, memory, Options(**options))
+
+
+SPINE_DTYPES = ("F32", "BF16", "F16")
+
+
+def check_spine_dtype(name: str, info, spine: dict) -> None:
+    """Spine tensors are float32/bfloat16/float16; block-scaled FP8 (e4m3) only for a weight whose
+    ``_scale_inv`` companion the family reads too."""
+    if info.dtype in SPINE_DTYPES or (info.dtype == "F8_E4M3" and name + "_scale_inv" in spine):
+        return
+    if info.dtype == "F8_E4M3":
+        raise CheckpointError(
+            f"{info.file}: spine tensor {name!r} is F8_E4M3, but config.json declares no block-scaled "
+            "quantization for it (quantization_config / modules_to_not_convert)")
+    raise CheckpointError(
+        f"{info.file}: spine tensor {name!r} is stored as {info.dtype}; Sluice computes with spine tensors "
+        f"in {', '.join(SPINE_DTYPES)} (and block-scaled F8_E4M3 weights with their scales): re-save the "
+        "checkpoint in a float dtype")
 
 
 class ModelInfo:
@@ -96,7 +119,9 @@ class ModelInfo:
                 if name not in tensors and alt in tensors:
                     tensors[name] = tensors[alt]
         for name, shape in self.desc.spine.items():
-            check_tensor(name, self.checkpoint.info(name), shape)
+            info = self.checkpoint.info(name)
+            check_tensor(name, info, shape)
+            check_spine_dtype(name, info, self.desc.spine)
         if self.is_container:
             self.experts = ContainerExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
                                             self.desc.expert.matrix_shapes())
@@ -152,7 +177,8 @@ class ModelInfo:
             spine_global=glob, spine_layers=layers,
             stream_buffer=max((spine_buffer_bytes(r) for r in reads.values()), default=0),
             state_bytes=self.desc.state_bytes_per_token * max_ctx + self.desc.state_bytes_fixed,
-            activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx),
+            activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx,
+                                         score_block=SCORE_BLOCK_BYTES),
             slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set,
             total_experts=self.desc.total_experts, top_k=self.desc.top_k, max_context=max_ctx,
             prefill_chunk=chunk, cache_experts=options.cache_experts,
@@ -200,15 +226,21 @@ class Engine:
         if streamed:
             reads = self.info.layer_reads()
             self.spine = SpineStreamer(self.checkpoint, [reads[i] for i in sorted(streamed)],
-                                       huge_pages=self.options.huge_pages)
+                                       huge_pages=self.options.huge_pages, verify=self.options.verify_reads,
+                                       poison=self.options.poison_stream_buffers)
             for i in sorted(streamed):
                 out.update(self.spine.views(i))
         names = [n for n in self.desc.spine if n not in out]
         total = sum(self.checkpoint.info(n).nbytes for n in names)
         bar = Progress(total, "loading spine", enabled=self.options.progress and total > (64 << 20))
+        # per group: a container checks each spine group's CRC over the very bytes it loads
+        batches: dict[str, list[str]] = {}
+        group_of = getattr(self.checkpoint, "group_of", {})
         for n in names:
-            out[n] = self.checkpoint.read(n)
-            bar.update(self.checkpoint.info(n).nbytes)
+            batches.setdefault(group_of.get(n, n), []).append(n)
+        for batch in batches.values():
+            out.update(self.checkpoint.read_tensors(batch))
+            bar.update(sum(self.checkpoint.info(n).nbytes for n in batch))
         bar.close()
         return out
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .errors import BudgetError
-from .layers.attention import SCORE_BLOCK_BYTES
-from .spine import spread
 from .units import format_size
 
 _MARGIN_BYTES = 48 << 20  # allocator slack, Python objects, thread stacks
@@ -74,14 +72,29 @@ class Plan:
         return budget_for(self.fixed_bytes, slots * self.slot_bytes)
 
 
-def activation_bytes(hidden: int, intermediate: int, vocab: int, chunk: int, heads: int, max_ctx: int) -> int:
-    """Bound on transient tensors during a forward of ``chunk`` tokens."""
+def activation_bytes(hidden: int, intermediate: int, vocab: int, chunk: int, heads: int, max_ctx: int,
+                     score_block: int) -> int:
+    """Bound on transient tensors during a forward of ``chunk`` tokens.
+
+    ``score_block``: the most bytes of attention scores the attention layers hold at once
+    (``layers.attention.SCORE_BLOCK_BYTES``; the engine passes it, the planner knows no layers).
+    """
     per_token = 4 * (24 * hidden + 4 * intermediate)
-    scores = 3 * min(SCORE_BLOCK_BYTES, 4 * max(heads, 1) * chunk * max_ctx)
+    scores = 3 * min(score_block, 4 * max(heads, 1) * chunk * max_ctx)
     logits = 4 * 4 * vocab
     upcast = 2 * (16 << 20)  # bounded half->fp32 weight chunks
     staging = 8 << 20  # aligned staging buffer for spine reads
     return chunk * per_token + scores + logits + upcast + staging
+
+
+def spread(layers: list[int], count: int) -> list[int]:
+    """``count`` of ``layers`` spread evenly (streamed layers alternate with resident ones)."""
+    if count <= 0:
+        return []
+    if count >= len(layers):
+        return list(layers)
+    step = len(layers) / count
+    return sorted({layers[int(i * step)] for i in range(count)})
 
 
 def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: dict[int, int],

@@ -1,14 +1,26 @@
 """The spine in memory, or streamed layer by layer when it does not fit.
 
-Global tensors (embeddings, head, final norm) and every 1-D tensor (norms, biases) are
-always resident. A layer's matrices are either resident or *streamed*: before the layer
-runs they are read into one of a small ring of reusable buffers by a background reader,
-which meanwhile fills the next buffer, so reading layer L+1 overlaps computing layer L.
+Global tensors (embeddings, head, final norm) and every 1-D tensor of a layer (norms,
+biases, per-head scalars) are always resident. Every other tensor of a layer, *every
+tensor of two or more dimensions* (projections, routers, conv kernels, block scales,
+KDA's 4-D ``A_log``), is either resident or *streamed*, as the whole layer is: before the
+layer runs they are read into one of a small ring of reusable buffers by a background
+reader, which meanwhile fills the next buffer, so reading layer L+1 overlaps computing
+layer L.
 
 The layer objects of a streamed layer are built once, over views into "its" buffer
 (streamed layer of rank r uses buffer r % n), so no tensor is allocated per layer or per
-token: refilling a buffer changes what the views see. Families must therefore not derive
-new tensors from 2-D weights at build time.
+token: refilling a buffer changes what the views see. The rule for families and layers:
+**never derive a tensor at build time from a tensor of two or more dimensions** (no
+``.float()`` of a half-precision weight, no concatenation, no arithmetic, no
+``.contiguous()`` copy); keep the tensor as given and derive inside the forward (views
+such as ``.view``/``.reshape`` of a contiguous tensor are fine: they see every refill).
+1-D tensors may be converted once at build time.
+
+The rule is enforced by the test-only load option ``poison_stream_buffers``: it fills
+every stream buffer with 0xFF bytes (NaN in f32, bf16, f16 and FP8 e4m3) before the first
+real fill, so anything derived at build time from a streamed tensor is NaN and the
+streamed spine stops being bit-identical to the resident one (tests/test_contracts.py).
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ class LayerReads:
     reads: list[tuple[str, int, int, int]]
     views: dict[str, tuple[int, torch.dtype, tuple[int, ...]]]  # name -> (buffer offset, dtype, shape)
     nbytes: int  # bytes actually read per fill
+    crc: tuple[int, int] | None = None  # a container group: (its byte length, its CRC32), checked per fill
 
 
 @dataclass
@@ -68,11 +81,12 @@ def layer_reads(store, layer: int, names: list[str]) -> LayerReads:
     groups = getattr(store, "spine_groups", {})
     group = groups.get(f"layer.{layer}")
     if group is not None:
-        start, length, _ = group
+        start, length, crc = group
         if all(i.file == store.spine_file and start <= i.offset and i.offset + i.nbytes <= start + length
                for i in infos):
             views = {i.name: (i.offset - start, i.torch_dtype, tuple(i.shape)) for i in infos}
-            return LayerReads(layer, [(store.spine_file, start, align_up(length), 0)], views, align_up(length))
+            return LayerReads(layer, [(store.spine_file, start, align_up(length), 0)], views, align_up(length),
+                              (length, crc))
     reads, views, off = [], {}, 0
     for i in infos:
         off = align_up(off, TENSOR_ALIGN)
@@ -82,6 +96,18 @@ def layer_reads(store, layer: int, names: list[str]) -> LayerReads:
     return LayerReads(layer, reads, views, sum(r[2] for r in reads))
 
 
+def check_group_crc(plan: LayerReads, buf: AlignedBuffer, file: str) -> None:
+    import zlib
+
+    from .errors import CheckpointError
+
+    length, stored = plan.crc
+    got = zlib.crc32(buf.view(0, length))
+    if got != stored:
+        raise CheckpointError(f"{file}: spine group 'layer.{plan.layer}' CRC mismatch when streamed (stored "
+                              f"{stored:08x}, computed {got:08x}): the spine is corrupt; convert the model again")
+
+
 def buffer_bytes(lr: LayerReads) -> int:
     return align_up(max((r[3] + r[2] for r in lr.reads), default=0), ALIGN)
 
@@ -89,13 +115,18 @@ def buffer_bytes(lr: LayerReads) -> int:
 class SpineStreamer:
     """Double (or n-) buffered background reads of streamed layers' matrices."""
 
-    def __init__(self, store, plans: list[LayerReads], n_buffers: int = 2, huge_pages: bool = True):
+    def __init__(self, store, plans: list[LayerReads], n_buffers: int = 2, huge_pages: bool = True,
+                 verify: bool = True, poison: bool = False):
         self.store = store
+        self.verify = verify  # check a container group's CRC32 after each fill
         self.plans = plans
         self.rank = {p.layer: r for r, p in enumerate(plans)}
         self.n = max(1, min(n_buffers, len(plans)))
         size = max((buffer_bytes(p) for p in plans), default=ALIGN)
         self.buffers = [AlignedBuffer(size, huge=huge_pages) for _ in range(self.n)]
+        if poison:  # test-only: NaN bytes until the first real fill (see the module docstring)
+            for buf in self.buffers:
+                buf.tensor(0, torch.uint8, (buf.nbytes,)).fill_(0xFF)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-spine")
         self.pending: list[Future | None] = [None] * self.n
         self.loaded: list[int | None] = [None] * self.n  # rank held by each buffer
@@ -121,6 +152,8 @@ class SpineStreamer:
                     raise OSError(f"short read of layer {plan.layer}'s spine from {file}")
             else:
                 f.read_into(buf.view(boff, length), offset)
+        if self.verify and plan.crc is not None:
+            check_group_crc(plan, buf, self.store.spine_file)
         self.stats.read_s += time.perf_counter() - t0
         self.stats.bytes_read += plan.nbytes
         self.stats.fills += 1
@@ -212,13 +245,3 @@ class SpineLayout:
     @property
     def streamed_bytes(self) -> int:
         return sum(self.layer_bytes[layer] for layer in self.streamed)
-
-
-def spread(layers: list[int], count: int) -> list[int]:
-    """``count`` of ``layers`` spread evenly (streamed layers alternate with resident ones)."""
-    if count <= 0:
-        return []
-    if count >= len(layers):
-        return list(layers)
-    step = len(layers) / count
-    return sorted({layers[int(i * step)] for i in range(count)})

@@ -164,6 +164,7 @@ _OPTION_CHECKS = {
     "max_resident_layers": _opt_int(0),
     "moe_top_k": _opt_int(1),
     "prefer_cached": lambda v, n: number(v, n, lo=0.0),
+    "poison_stream_buffers": _opt_bool(),
 }
 
 

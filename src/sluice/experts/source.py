@@ -1,22 +1,25 @@
 """Expert sources: where each (layer, expert) record is and how to read it.
 
 ``CheckpointExperts`` indexes routed experts inside the original Hugging Face safetensors
-shards (no copy); a packed container provides the same interface with one record per
+shards (no copy); ``ContainerExperts`` reads a packed container's banks, one record per
 expert. The expert path sees only ``layout(layer, expert)`` and ``file(path)``.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
 from ..checkpoint import DTYPE_NAMES, DTYPES, Checkpoint
+from ..container import HEADER_BYTES, Container, check_record, member_file, parse_part
 from ..errors import CheckpointError, ExpertReadError
 from ..quant.fp8 import FORMAT as FP8_FORMAT
 from ..quant.fp8 import SCALE_SUFFIX
-from ..storage import AlignedBuffer, LocalFile
-from .layout import ExpertLayout, Span, layout_from_spans
+from ..storage import ALIGN, AlignedBuffer, LocalFile
+from .layout import ExpertLayout, Read, Span, View, layout_from_spans
 
 
 def views(buf: AlignedBuffer, base: int, layout: ExpertLayout) -> dict:
@@ -181,3 +184,95 @@ class CheckpointExperts(ExpertSource):
     @property
     def record_bytes(self) -> int:
         return self._payload
+
+
+class ContainerExperts(ExpertSource):
+    """Experts of a container: one aligned read per expert, header checked on every read."""
+
+    def __init__(self, container: Container, layers: list[int], n_experts: int, roles: dict[str, tuple[int, ...]]):
+        self.container = container
+        self.format = container.expert_format
+        src = container.manifest.get("source")
+        # quantized records copied bit for bit from a natively quantized checkpoint (not requantized)
+        self.native_quant = isinstance(src, dict) and src.get("expert_dtype") == self.format \
+            and self.format not in ("f32", "bf16", "f16")
+        mpath = container.path / "manifest.json"
+        banks = container.banks.get("layers")
+        if not isinstance(banks, dict):
+            raise CheckpointError(f"{mpath}: 'experts.layers' must be an object keyed by layer")
+        self._banks: dict[int, tuple[str, int, tuple[View, ...], int]] = {}
+        payload = 0
+        for layer in layers:
+            b = banks.get(str(layer))
+            if not isinstance(b, dict):
+                raise CheckpointError(f"{mpath}: no expert bank for MoE layer {layer}")
+            fname = str(container.path / member_file(b.get("file"), mpath))
+            count, rec = b.get("count"), b.get("record_bytes")
+            if count != n_experts:
+                raise CheckpointError(f"{mpath}: layer {layer} bank holds {count!r} experts, config says {n_experts}")
+            if not isinstance(rec, int) or rec <= HEADER_BYTES or rec % ALIGN:
+                raise CheckpointError(f"{mpath}: layer {layer} record_bytes {rec!r} is not a positive multiple of {ALIGN}")
+            parts = [parse_part(p, mpath, layer) for p in b.get("parts") or []]
+            end = max((p.offset + p.nbytes for p in parts), default=0)
+            if end + HEADER_BYTES > rec:
+                raise CheckpointError(f"{mpath}: layer {layer} parts end at {end} bytes, beyond the {rec}-byte record")
+            names = {p.name for p in parts}
+            for role, shape in roles.items():
+                if role not in names and not any(n.startswith(role + ".") for n in names):
+                    raise CheckpointError(f"{mpath}: layer {layer} records have no part for {role!r}")
+                p = next((p for p in parts if p.name == role), None)
+                if p is not None and p.shape != tuple(shape):
+                    raise CheckpointError(
+                        f"{mpath}: layer {layer} part {role!r} has shape {list(p.shape)}, config implies {list(shape)}"
+                    )
+            f = container.file(fname)
+            if f.size < count * rec:
+                raise CheckpointError(
+                    f"{fname}: expert bank is {f.size} bytes, {count} records of {rec} bytes need {count * rec}: "
+                    "the file is truncated (convert again)"
+                )
+            views = tuple(View(p.name, HEADER_BYTES + p.offset, DTYPES[p.dtype][0], p.shape) for p in parts)
+            self._banks[layer] = (fname, rec, views, end)
+            payload = end
+        # quantized records: the cache assembles "<role>.<part>" views into matrices
+        # dense records hold the matrices; FP8 records hold "<role>" + "<role>_scale_inv", paired by
+        # quant.fp8.assemble; the quant registry's formats hold "<role>.<part>" views
+        self._quant = {} if self.format in ("f32", "bf16", "f16", "fp8") else dict(
+            format=self.format, shapes=tuple((r, *s) for r, s in roles.items()), exact=self.native_quant)
+        self.slot_bytes = max((b[1] for b in self._banks.values()), default=ALIGN)
+        self._payload = payload
+        self.crc_bytes = 0  # payload bytes CRC-checked so far, and the reader-thread seconds it took
+        self.crc_s = 0.0
+        self._crc_lock = threading.Lock()
+
+    def layout(self, layer: int, expert: int) -> ExpertLayout:
+        fname, rec, views, end = self._banks[layer]
+        return ExpertLayout((Read(fname, expert * rec, rec, 0, HEADER_BYTES + end),), views, rec, **self._quant)
+
+    def validate(self, layer: int, expert: int, record: memoryview, verify_crc: bool) -> None:
+        fname, rec, views, end = self._banks[layer]
+        t0 = time.thread_time() if verify_crc else 0.0
+        check_record(f"{fname}: layer {layer} expert {expert}", record, self.format, layer, expert, end, verify_crc)
+        if verify_crc:
+            dt = time.thread_time() - t0
+            with self._crc_lock:
+                self.crc_bytes += end
+                self.crc_s += dt
+
+    def file(self, path: str) -> LocalFile:
+        return self.container.file(path)
+
+    @property
+    def direct_io(self) -> bool:
+        return self.container.direct_io
+
+    @property
+    def record_bytes(self) -> int:
+        return self._payload
+
+    def records(self):
+        """(layer, expert) of every record, bank by bank (for ``sluice check``)."""
+        for layer in sorted(self._banks):
+            fname, rec, _, _ = self._banks[layer]
+            for e in range(self.container.file(fname).size // rec):
+                yield layer, e

@@ -14,6 +14,11 @@ one state update per chunk). The two agree to fp32 rounding.
 State tensors are never updated in place: every forward builds new ones, so a snapshot of
 a layer state is a pair of references (see ``LinearState``).
 
+Weights of two or more dimensions (the projections, the conv kernels, KDA's 4-D ``A_log``)
+may be views into a spine stream buffer that is refilled before every forward (see
+``spine.py``): the layers keep them as given and derive from them (fp32 conv kernels,
+``-exp(A_log)``) inside each call. Only 1-D tensors, always resident, are converted once.
+
 Shape legend: T tokens, H heads (value heads), Dk key head dim, Dv value head dim,
 C convolution channels, K convolution kernel width.
 """
@@ -194,16 +199,19 @@ def delta_rule(q, k, v, g, beta, S):
 class _LinearAttention:
     """What Gated DeltaNet and KDA share: conv window, state bookkeeping, output."""
 
-    conv_weight: torch.Tensor
     act = None
 
     def new_cache(self, max_ctx: int) -> LinearState:
         return LinearState()
 
+    def conv_weight(self) -> torch.Tensor:
+        """The depthwise conv kernel over the concatenated q/k/v channels, fp32 [C, K]."""
+        raise NotImplementedError
+
     def _mix(self, qkv: torch.Tensor, state: LinearState, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal conv + activation over the concatenated q/k/v [T, C]; (y, new window)."""
         state.check(start)
-        return causal_conv(qkv, state.conv, self.conv_weight, self.act)
+        return causal_conv(qkv, state.conv, self.conv_weight(), self.act)
 
 
 class GatedDeltaNet(_LinearAttention):
@@ -215,13 +223,17 @@ class GatedDeltaNet(_LinearAttention):
     def __init__(self, *, w_qkvz, w_ba, conv_weight, a_log, dt_bias, norm_weight, w_out,
                  n_k: int, n_v: int, dk: int, dv: int, act: str, eps: float):
         self.w_qkvz, self.w_ba, self.w_out = w_qkvz, w_ba, w_out
-        self.conv_weight = conv_weight.float().reshape(conv_weight.shape[0], -1)
-        self.neg_a = -a_log.float().exp()
+        self.conv = conv_weight  # [C, 1, K], possibly streamed: used as stored
+        self.neg_a = -a_log.float().exp()  # a_log is 1-D [H]: resident
         self.dt_bias = dt_bias.float()
         self.norm_weight = norm_weight.float()
         self.n_k, self.n_v, self.dk, self.dv = n_k, n_v, dk, dv
         self.act = activation(act)
         self.eps = eps
+
+    def conv_weight(self) -> torch.Tensor:
+        w = self.conv
+        return w.float().reshape(w.shape[0], -1)  # a view for fp32 weights, an upcast per call otherwise
 
     def __call__(self, x: torch.Tensor, start: int, state: LinearState, cos=None, sin=None) -> torch.Tensor:
         t = x.shape[0]
@@ -253,17 +265,21 @@ class KimiDeltaAttention(_LinearAttention):
     per-channel decay ``g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)``,
     ``beta = sigmoid(b(x))``, gated RMSNorm with sigmoid(g_b(g_a(x))), output projection."""
 
-    def __init__(self, *, wq, wk, wv, conv_weight, f_a, f_b, a_log, dt_bias, w_b, g_a, g_b, norm_weight, w_out,
-                 n_heads: int, head_dim: int, act: str, eps: float):
+    def __init__(self, *, wq, wk, wv, q_conv, k_conv, v_conv, f_a, f_b, a_log, dt_bias, w_b, g_a, g_b, norm_weight,
+                 w_out, n_heads: int, head_dim: int, act: str, eps: float):
         self.wq, self.wk, self.wv, self.w_out = wq, wk, wv, w_out
-        self.conv_weight = conv_weight.float().reshape(conv_weight.shape[0], -1)
+        self.convs = (q_conv, k_conv, v_conv)  # each [C, 1, K], possibly streamed: used as stored
         self.f_a, self.f_b, self.w_b, self.g_a, self.g_b = f_a, f_b, w_b, g_a, g_b
-        self.neg_a = -a_log.float().exp().reshape(n_heads, 1)
+        self.a_log = a_log  # [1, 1, H, 1], possibly streamed: -exp(A_log) is taken per call
         self.dt_bias = dt_bias.float().reshape(n_heads, head_dim)
         self.norm_weight = norm_weight.float()
         self.n_heads, self.head_dim = n_heads, head_dim
         self.act = activation(act)
         self.eps = eps
+
+    def conv_weight(self) -> torch.Tensor:
+        w = torch.cat(self.convs, dim=0)
+        return w.float().reshape(w.shape[0], -1)
 
     def __call__(self, x: torch.Tensor, start: int, state: LinearState, cos=None, sin=None) -> torch.Tensor:
         t = x.shape[0]
@@ -275,7 +291,7 @@ class KimiDeltaAttention(_LinearAttention):
         k = l2norm(mixed[:, 1])
         v = mixed[:, 2]
         f = linear(linear(x, self.f_a), self.f_b).view(t, h, d) + self.dt_bias
-        g = self.neg_a * F.softplus(f)  # [T, H, D]
+        g = -self.a_log.float().exp().reshape(h, 1) * F.softplus(f)  # [T, H, D]
         beta = torch.sigmoid(linear(x, self.w_b))  # [T, H]
         o, rec = delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.transpose(0, 1), beta.t(),
                             state.rec)

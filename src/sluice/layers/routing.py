@@ -1,11 +1,55 @@
-"""Routers: router logits -> (expert ids [T, K], mixing weights [T, K]).
+"""Routers: hidden states -> (expert ids [T, K], mixing weights [T, K]).
 
-Shape legend: T tokens, E experts, K experts per token.
+Every MoE layer routes through a ``Router``: it owns its weight tensors (a spine tensor,
+possibly a view into a stream buffer that is refilled per forward, so nothing is derived
+from it at build time) and does its own linear projection. One call signature for all::
+
+    ids, weights = router(x, bias=None)
+
+``bias`` [E] (optional, the lossy ``prefer_cached`` switch) is added to the scores used to
+*select* experts only, never to the mixing weights. ``ids`` come out sorted by descending
+selection score, ties by ascending expert id, so the first j columns are always the best j
+experts (what ``moe_top_k`` keeps). The weights are computed in the order the reference
+implementation computes them (the sum of a renormalisation in that order), then put in
+the same order as the ids; the expert fold sums in ascending expert id (see
+``experts/provider.py``), so this reordering never changes a result.
+
+Kinds: ``SoftmaxRouter`` (Mixtral, Qwen3-MoE, OLMoE, Qwen3-Next), ``GroupedRouter``
+(DeepSeek-V3, Kimi K2, Kimi Linear: sigmoid scores, ``e_score_correction_bias``, expert
+groups, ``routed_scaling_factor``), ``TopKSoftmaxRouter`` (GPT-OSS: a biased linear,
+top-k of the logits, softmax over those k).
+
+Shape legend: T tokens, H hidden, E experts, K experts per token.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..quant import linear
+
+
+def descending(ids: torch.Tensor, selection: torch.Tensor, weights: torch.Tensor,
+               presorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reorder each row of (ids, weights) by descending ``selection`` score [T, K], ties by
+    ascending expert id. ``presorted``: the scores already descend (a sorted top-k), so only
+    rows with tied scores need work (the common case costs one comparison)."""
+    if ids.shape[-1] < 2:
+        return ids, weights
+    if presorted and not _adjacent_ties(selection):
+        return ids, weights
+    by_id = ids.argsort(dim=-1)
+    ids, selection, weights = ids.gather(-1, by_id), selection.gather(-1, by_id), weights.gather(-1, by_id)
+    order = selection.argsort(dim=-1, descending=True, stable=True)
+    return ids.gather(-1, order), weights.gather(-1, order)
+
+
+def _adjacent_ties(sel: torch.Tensor) -> bool:
+    """Whether some row of ``sel`` [T, K] has two equal neighbours (a decode step's few rows
+    are compared in Python: a quarter of the cost of the tensor ops)."""
+    if sel.shape[0] <= 16:
+        return any(r[i] == r[i + 1] for r in sel.tolist() for i in range(len(r) - 1))
+    return bool((sel[..., 1:] == sel[..., :-1]).any())
 
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool,
@@ -17,13 +61,30 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool,
     """
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     if bias is None:
-        weights, ids = torch.topk(probs, k, dim=-1)  # [T, K]
+        weights, ids = torch.topk(probs, k, dim=-1)  # [T, K], descending
+        selection = weights
     else:
-        ids = torch.topk(probs + bias, k, dim=-1).indices
+        selection, ids = torch.topk(probs + bias, k, dim=-1)
         weights = probs.gather(-1, ids)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights
+    return descending(ids, selection, weights, presorted=True)
+
+
+def topk_softmax(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS routing: top-k of the raw logits, softmax over those k only (fp32).
+
+    ``bias`` [E] is added to the logits for choosing experts only; the weights are the
+    softmax of the chosen experts' own logits.
+    """
+    logits = logits.float()
+    if bias is None:
+        values, ids = torch.topk(logits, k, dim=-1)
+        selection = values
+    else:
+        selection, ids = torch.topk(logits + bias, k, dim=-1)
+        values = logits.gather(-1, ids)
+    return descending(ids, selection, torch.softmax(values, dim=-1), presorted=True)
 
 
 def margin(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -47,11 +108,13 @@ def grouped_topk(
     """Group-limited top-k routing (DeepSeek-V3 style), all in fp32.
 
     ``scores = sigmoid(logits)`` (or softmax); the selection uses ``scores + bias`` (the
-    ``e_score_correction_bias``, never part of the weights): experts are split into
-    ``n_group`` equal groups, each group is scored (``"top2_sum"``: sum of its two best
-    experts; ``"max"``: its best expert), only the ``topk_group`` best groups stay eligible,
-    and the top ``k`` eligible experts are chosen. The weights are their unbiased scores,
-    optionally renormalised to sum to one (+1e-20), times ``scale`` (routed_scaling_factor).
+    ``e_score_correction_bias``, plus any cache bias; never part of the weights): experts
+    are split into ``n_group`` equal groups, each group is scored (``"top2_sum"``: sum of its
+    two best experts; ``"max"``: its best expert), only the ``topk_group`` best groups stay
+    eligible, and the top ``k`` eligible experts are chosen. The weights are their unbiased
+    scores, optionally renormalised to sum to one (+1e-20), times ``scale``
+    (routed_scaling_factor). As transformers does, the top-k is unsorted and the weights
+    are summed in that order; the result is then sorted by descending selection score.
     """
     logits = logits.float()
     if scoring == "sigmoid":
@@ -74,8 +137,98 @@ def grouped_topk(
         keep.scatter_(1, torch.topk(gs, topk_group, dim=-1, sorted=False).indices, True)
         mask = keep[:, :, None].expand(t, n_group, e // n_group).reshape(t, e)
         choice = choice.masked_fill(~mask, float("-inf"))
-    ids = torch.topk(choice, k, dim=-1, sorted=False).indices
+    selection, ids = torch.topk(choice, k, dim=-1, sorted=False)
     weights = scores.gather(1, ids)
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, weights * scale
+    return descending(ids, selection, weights * scale)
+
+
+class Router:
+    """A routing rule over a linear projection ``logits = x @ weight.T (+ linear_bias)``.
+
+    ``weight`` [E, H] (f32/bf16/f16) is the checkpoint's tensor as loaded (the spine streamer
+    refills a streamed weight in place, so it is used as is, never copied or converted);
+    1-D tensors (``linear_bias`` [E], a correction bias) are always resident and may be
+    converted to fp32 here. ``top_k`` is the model's experts per token. Subclasses
+    implement ``select(logits, bias)``.
+    """
+
+    kind = "router"
+
+    def __init__(self, weight: torch.Tensor, top_k: int, linear_bias: torch.Tensor | None = None):
+        if len(weight.shape) != 2:
+            raise ValueError(f"router weight must be 2-D [experts, hidden], got shape {list(weight.shape)}")
+        if not 1 <= top_k <= weight.shape[0]:
+            raise ValueError(f"top_k={top_k} with {weight.shape[0]} experts")
+        self.weight, self.top_k = weight, int(top_k)
+        self.linear_bias = linear_bias.float() if linear_bias is not None else None
+
+    @property
+    def n_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] (fp32) for hidden states x [T, H]."""
+        return linear(x, self.weight, self.linear_bias)
+
+    def select(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [T, K], weights [T, K]), ids by descending selection score; ``bias`` [E] selects only."""
+        return self.select(self.logits(x), bias)
+
+
+class SoftmaxRouter(Router):
+    """Softmax over all experts, top-k, optional renormalisation over the chosen ones."""
+
+    kind = "softmax"
+
+    def __init__(self, weight: torch.Tensor, top_k: int, normalize: bool):
+        super().__init__(weight, top_k)
+        self.normalize = bool(normalize)
+
+    def select(self, logits, bias=None):
+        return softmax_topk(logits, self.top_k, self.normalize, bias)
+
+
+class GroupedRouter(Router):
+    """Group-limited top-k (DeepSeek-V3): see ``grouped_topk``. ``correction`` [E] is the
+    ``e_score_correction_bias`` (selection only); a cache bias is added to it."""
+
+    kind = "grouped"
+
+    def __init__(self, weight: torch.Tensor, top_k: int, *, correction: torch.Tensor | None = None,
+                 scoring: str = "sigmoid", n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
+                 normalize: bool = True, scale: float = 1.0):
+        super().__init__(weight, top_k)
+        if scoring not in ("sigmoid", "softmax"):
+            raise ValueError(f"unknown scoring function {scoring!r}")
+        if group_score not in ("top2_sum", "max"):
+            raise ValueError(f"unknown group score {group_score!r}")
+        if n_group < 1 or weight.shape[0] % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"{weight.shape[0]} experts cannot be routed in {n_group} groups keeping {topk_group}")
+        self.correction = correction.float() if correction is not None else None
+        self.scoring, self.n_group, self.topk_group, self.group_score = scoring, n_group, topk_group, group_score
+        self.normalize, self.scale = bool(normalize), float(scale)
+
+    def select(self, logits, bias=None):
+        sel = self.correction
+        if bias is not None:
+            sel = bias.float() if sel is None else sel + bias.float()
+        return grouped_topk(logits, self.top_k, scoring=self.scoring, bias=sel, n_group=self.n_group,
+                            topk_group=self.topk_group, group_score=self.group_score, normalize=self.normalize,
+                            scale=self.scale)
+
+
+class TopKSoftmaxRouter(Router):
+    """GPT-OSS: ``logits = x @ W.T + b``, top-k of the logits, softmax over those k."""
+
+    kind = "topk_softmax"
+
+    def __init__(self, weight: torch.Tensor, top_k: int, linear_bias: torch.Tensor | None = None):
+        super().__init__(weight, top_k, linear_bias)
+
+    def select(self, logits, bias=None):
+        return topk_softmax(logits, self.top_k, bias)

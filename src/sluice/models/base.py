@@ -7,7 +7,10 @@ A family module (``models/<model_type>.py``) provides:
 - ``describe(cfg) -> ModelDescription``: every spine tensor with its shape, the MoE layers,
   routing width and the checkpoint names of each expert's matrices;
 - ``build(cfg, weights, experts) -> CausalLM``: wires shared layers from ``layers/`` and
-  routes MoE layers through the expert interface (it never reads files);
+  routes MoE layers through the expert interface (it never reads files). Every MoE layer is
+  a ``MoEBlock`` over a ``layers.routing.Router`` (families keep no routing code of their
+  own), and nothing is derived at build time from a tensor of two or more dimensions
+  (it may be a stream buffer's view, filled only before its forward: see ``spine.py``);
 - optionally ``tensor_aliases(cfg) -> {name: other name}``: spine tensors that some
   checkpoints store under another name (looked up there when ``name`` is absent).
 
@@ -25,6 +28,7 @@ from ..errors import CheckpointError
 from ..experts.spec import ExpertSpec, ExpertTensors, TensorRef
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary
+from ..layers.routing import Router
 from ..quant import linear
 
 
@@ -123,14 +127,17 @@ class DecoderLayer:
 class MoEBlock:
     """Routes tokens and hands them to the expert interface; adds shared experts if any.
 
-    ``router(x, bias=None) -> (ids [T, K], weights [T, K])`` is the family's routing rule; it
-    returns experts in descending score order and adds ``bias`` [E] (if given) to the scores
-    used for *selection* only. Two opt-in lossy switches act here: ``top_k`` keeps only the
-    first experts (weights rescaled to the original total) and ``prefer_cached`` biases
+    ``router`` is a ``layers.routing.Router`` (nothing else is accepted):
+    ``router(x, bias=None) -> (ids [T, K], weights [T, K])`` returns experts in descending
+    selection-score order and adds ``bias`` [E] (if given) to the scores used for
+    *selection* only. Two opt-in lossy switches act here: ``top_k`` keeps only the first
+    (best) experts (weights rescaled to the original total) and ``prefer_cached`` biases
     selection toward experts already in memory.
     """
 
-    def __init__(self, layer: int, router: Callable, experts, shared=None, shared_gate: torch.Tensor | None = None):
+    def __init__(self, layer: int, router: Router, experts, shared=None, shared_gate: torch.Tensor | None = None):
+        if not isinstance(router, Router):
+            raise TypeError(f"MoEBlock needs a sluice.layers.routing.Router, got {type(router).__name__}")
         self.layer, self.router, self.experts = layer, router, experts
         self.shared, self.shared_gate = shared, shared_gate
         self.top_k: int | None = None  # lossy: fewer experts than trained
@@ -138,7 +145,7 @@ class MoEBlock:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.prefer_cached:
-            ids, weights = self.router(x, self.experts.resident_mask(self.layer) * self.prefer_cached)
+            ids, weights = self.router(x, bias=self.experts.resident_mask(self.layer) * self.prefer_cached)
         else:
             ids, weights = self.router(x)
         if self.top_k is not None and self.top_k < ids.shape[1]:
@@ -176,6 +183,8 @@ class CausalLM:
         if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, MoEBlock):
             return None
         target = self.layers[layer]
+        if not isinstance(target.mlp.router, Router):
+            raise TypeError(f"layer {layer}'s router is a {type(target.mlp.router).__name__}, not a Router")
         ids, _ = target.mlp.route(target.post_norm(h))
         return ids
 

@@ -24,8 +24,7 @@ from ..layers.mla import MLA, LatentCache
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, rope_parameters
-from ..layers.routing import grouped_topk
-from ..quant import linear
+from ..layers.routing import GroupedRouter
 from ..quant.fp8 import SCALE_SUFFIX, BlockFP8, not_converted, parse_quantization_config, scale_shape
 from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
 from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
@@ -308,17 +307,14 @@ def build(cfg: Config, w, experts) -> CausalLM:
             norm_eps=1e-6,  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
         )
         if i in cfg.moe_layers:
-            router_w = w(p + "mlp.gate.weight")
-            corr = w(p + "mlp.gate.e_score_correction_bias").float()
+            router = GroupedRouter(w(p + "mlp.gate.weight"), cfg.num_experts_per_tok,
+                                   correction=w(p + "mlp.gate.e_score_correction_bias"), scoring="sigmoid",
+                                   n_group=cfg.n_group, topk_group=cfg.topk_group, normalize=cfg.norm_topk_prob,
+                                   scale=cfg.routed_scaling_factor)
             shared = None
             if cfg.n_shared_experts:
                 s = p + "mlp.shared_experts."
                 shared = GatedMLP(lin(s + "gate_proj"), lin(s + "up_proj"), lin(s + "down_proj"), cfg.hidden_act)
-
-            def router(x, rw=router_w, corr=corr):
-                return grouped_topk(linear(x, rw), cfg.num_experts_per_tok, scoring="sigmoid", bias=corr,
-                                    n_group=cfg.n_group, topk_group=cfg.topk_group, normalize=cfg.norm_topk_prob,
-                                    scale=cfg.routed_scaling_factor)
 
             mlp = MoEBlock(i, router, experts, shared=shared)
         else:

@@ -15,14 +15,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import UnsupportedModelError
 from ..experts.spec import ExpertSpec
 from ..layers.attention import Attention, KVCache
 from ..layers.norm import RMSNorm
 from ..layers.rotary import SUPPORTED_ROPE_TYPES, Rotary, rope_parameters
-from ..quant import linear
+from ..layers.routing import TopKSoftmaxRouter
 from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
 from .config import MAX_EXPERTS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
 
@@ -229,12 +227,6 @@ def _mxfp4_tensors(p: str, e: int, h: int, inter: int) -> dict[str, TensorRef]:
     }
 
 
-def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPT-OSS routing: top-k of the raw logits, softmax over those k only (fp32)."""
-    values, ids = torch.topk(logits.float(), k, dim=-1)
-    return ids, torch.softmax(values, dim=-1)
-
-
 def build(cfg: Config, w, experts) -> CausalLM:
     layers = []
     for i in range(cfg.num_hidden_layers):
@@ -248,9 +240,8 @@ def build(cfg: Config, w, experts) -> CausalLM:
             window=cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None,
             sinks=w(p + "self_attn.sinks"),
         )
-        router_w, router_b = w(p + "mlp.router.weight"), w(p + "mlp.router.bias").float()
-        k = cfg.num_experts_per_tok
-        mlp = MoEBlock(i, lambda x, rw=router_w, rb=router_b: topk_softmax(linear(x, rw, rb), k), experts)
+        router = TopKSoftmaxRouter(w(p + "mlp.router.weight"), cfg.num_experts_per_tok, w(p + "mlp.router.bias"))
+        mlp = MoEBlock(i, router, experts)
         layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), cfg.rms_norm_eps), attn,
                                    RMSNorm(w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps), mlp))
     embed = w("model.embed_tokens.weight")

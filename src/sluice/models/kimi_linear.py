@@ -14,16 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import UnsupportedModelError
 from ..experts.spec import ExpertSpec
 from ..layers.gated_delta import DECAY_BLOCK_BYTES, SNAPSHOTS, KimiDeltaAttention, LinearState
 from ..layers.mla import MLA, LatentCache
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
-from ..layers.routing import grouped_topk
-from ..quant import linear
+from ..layers.routing import GroupedRouter
 from ..units import format_size
 from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
 from .config import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_POSITIONS, RawConfig
@@ -314,9 +311,9 @@ def build(cfg: Config, w, experts) -> CausalLM:
         p = _prefix(i)
         a = p + "self_attn."
         if cfg.layer_types[i] == "linear_attention":
-            conv = torch.cat([w(a + f"{n}_conv1d.weight").float() for n in ("q", "k", "v")], dim=0)
             attn = KimiDeltaAttention(
-                wq=w(a + "q_proj.weight"), wk=w(a + "k_proj.weight"), wv=w(a + "v_proj.weight"), conv_weight=conv,
+                wq=w(a + "q_proj.weight"), wk=w(a + "k_proj.weight"), wv=w(a + "v_proj.weight"),
+                q_conv=w(a + "q_conv1d.weight"), k_conv=w(a + "k_conv1d.weight"), v_conv=w(a + "v_conv1d.weight"),
                 f_a=w(a + "f_a_proj.weight"), f_b=w(a + "f_b_proj.weight"), a_log=w(a + "A_log"),
                 dt_bias=w(a + "dt_bias"), w_b=w(a + "b_proj.weight"), g_a=w(a + "g_a_proj.weight"),
                 g_b=w(a + "g_b_proj.weight"), norm_weight=w(a + "o_norm.weight"), w_out=w(a + "o_proj.weight"),
@@ -338,15 +335,12 @@ def build(cfg: Config, w, experts) -> CausalLM:
             )
         if cfg.mlp_layer_types[i] == "sparse":
             m = p + "block_sparse_moe."
-            rw = w(m + "gate.weight")
-            corr = w(m + "gate.e_score_correction_bias").float()
+            router = GroupedRouter(w(m + "gate.weight"), cfg.num_experts_per_tok,
+                                   correction=w(m + "gate.e_score_correction_bias"), scoring="sigmoid",
+                                   n_group=cfg.n_group, topk_group=cfg.topk_group, group_score="top2_sum",
+                                   normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
             shared = GatedMLP(w(m + "shared_experts.gate_proj.weight"), w(m + "shared_experts.up_proj.weight"),
                               w(m + "shared_experts.down_proj.weight"), cfg.hidden_act)
-
-            def router(x, rw=rw, corr=corr):
-                return grouped_topk(linear(x, rw), cfg.num_experts_per_tok, scoring="sigmoid", bias=corr,
-                                    n_group=cfg.n_group, topk_group=cfg.topk_group, group_score="top2_sum",
-                                    normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
 
             mlp = MoEBlock(i, router, experts, shared=shared)
         else:

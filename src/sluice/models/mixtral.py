@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 from ..experts.spec import ExpertSpec
 from ..layers.rotary import Rotary, rope_parameters
+from ..layers.routing import SoftmaxRouter
 from .base import CausalLM, ModelDescription, MoEBlock
 from .config import REQUIRED, MAX_EXPERTS, MAX_POSITIONS, RawConfig, check_rope
 from .standard import (AttnShape, attention_spine, build_attention, causal_lm, decoder_layer, expert_refs,
-                       global_spine, kv_bytes_per_token, prefix, softmax_router)
+                       global_spine, kv_bytes_per_token, prefix)
 
 MODEL_TYPE = "mixtral"
 _ROLE_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
@@ -89,7 +90,7 @@ def build(cfg: Config, w, experts) -> CausalLM:
     for i in range(cfg.num_hidden_layers):
         p = prefix(i)
         attn = build_attention(w, p, a, eps, window=cfg.sliding_window)
-        router = softmax_router(w(p + "block_sparse_moe.gate.weight"), cfg.num_experts_per_tok, True)
+        router = SoftmaxRouter(w(p + "block_sparse_moe.gate.weight"), cfg.num_experts_per_tok, normalize=True)
         layers.append(decoder_layer(w, p, eps, attn, MoEBlock(i, router, experts)))
     return causal_lm(w, layers, cfg.tie_word_embeddings, eps,
                      Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings))

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from ..experts.spec import ExpertSpec
 from ..layers.mlp import GatedMLP
 from ..layers.rotary import Rotary, rope_parameters
+from ..layers.routing import SoftmaxRouter
 from .base import CausalLM, ModelDescription, MoEBlock
 from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
 from .standard import (AttnShape, attention_spine, build_attention, causal_lm, decoder_layer, expert_refs,
-                       global_spine, kv_bytes_per_token, prefix, softmax_router)
+                       global_spine, kv_bytes_per_token, prefix)
 
 MODEL_TYPE = "qwen3_moe"
 
@@ -111,7 +112,7 @@ def build(cfg: Config, w, experts) -> CausalLM:
         p = prefix(i)
         attn = build_attention(w, p, a, eps, window=cfg.sliding_window)
         if i in cfg.moe_layers:
-            router = softmax_router(w(p + "mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            router = SoftmaxRouter(w(p + "mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob)
             mlp = MoEBlock(i, router, experts)
         else:
             mlp = GatedMLP(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"), w(p + "mlp.down_proj.weight"),

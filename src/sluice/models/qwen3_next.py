@@ -18,8 +18,7 @@ from ..layers.gated_delta import SNAPSHOTS, GatedDeltaNet, LinearState
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, rope_parameters
-from ..layers.routing import softmax_topk
-from ..quant import linear
+from ..layers.routing import SoftmaxRouter
 from ..units import format_size
 from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
 from .config import MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
@@ -250,11 +249,10 @@ def build(cfg: Config, w, experts) -> CausalLM:
                 q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight"), norm_eps=eps, norm_offset=1.0,
             )
         if i in cfg.moe_layers:
-            router_w = w(p + "mlp.gate.weight")
-            k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
+            router = SoftmaxRouter(w(p + "mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob)
             shared = GatedMLP(w(p + "mlp.shared_expert.gate_proj.weight"), w(p + "mlp.shared_expert.up_proj.weight"),
                               w(p + "mlp.shared_expert.down_proj.weight"), cfg.hidden_act)
-            mlp = MoEBlock(i, lambda x, rw=router_w: softmax_topk(linear(x, rw), k, norm), experts, shared=shared,
+            mlp = MoEBlock(i, router, experts, shared=shared,
                            shared_gate=w(p + "mlp.shared_expert_gate.weight"))
         else:
             mlp = GatedMLP(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"), w(p + "mlp.down_proj.weight"),

@@ -1,5 +1,5 @@
 """Pieces shared by families built on standard GQA attention (Mixtral, Qwen3-MoE, OLMoE, ...):
-the spine tensor tables and the wiring of attention, norms, routers and the head."""
+the spine tensor tables and the wiring of attention, norms and the head."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from ..experts.spec import ExpertSpec, TensorRef
 from ..layers.attention import Attention, KVCache
 from ..layers.norm import RMSNorm
-from ..layers.routing import softmax_topk
-from ..quant import linear
 from .base import CausalLM, DecoderLayer
 
 
@@ -71,11 +69,6 @@ def build_attention(w, p: str, a: AttnShape, eps: float, **extra) -> Attention:
 
 def kv_bytes_per_token(a: AttnShape, layers: int) -> int:
     return KVCache.nbytes(a.n_kv, 1, a.head_dim) * layers
-
-
-def softmax_router(router_w, k: int, normalize: bool):
-    """x -> (ids, weights): softmax over all experts, top-k, optional renormalisation."""
-    return lambda x, bias=None: softmax_topk(linear(x, router_w), k, normalize, bias)
 
 
 def expert_refs(spec: ExpertSpec, template: str, names: dict[str, str]):

@@ -1,4 +1,8 @@
-"""fp32 activations x {f32, bf16, f16} weights (or a ``QuantMatrix``), fp32 results."""
+"""fp32 activations x {f32, bf16, f16} weights, fp32 results.
+
+The plain-dtype path under every format: it knows no format. A weight that is not a tensor
+(``formats.QuantMatrix``, ``fp8.BlockFP8``) multiplies itself through its ``.linear(x, bias)``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from .formats import QuantMatrix
 
 _CHUNK_ELEMS = 4 << 20  # bound on the fp32 temporary when upcasting a weight (16 MiB)
 SMALL_BATCH = 8  # f32 weights: up to this many rows the C kernel; beyond, sgemm is as fast or faster
@@ -16,8 +19,9 @@ SMALL_BATCH = 8  # f32 weights: up to this many rows the C kernel; beyond, sgemm
 HALF_SMALL_BATCH = 32
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` in fp32. x: [T, K] fp32, weight: [N, K] f32/bf16/f16 or a ``QuantMatrix``.
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in fp32. x: [T, K] fp32, weight: [N, K] f32/bf16/f16 tensor, or a
+    ``QuantMatrix`` / ``BlockFP8`` (anything with ``.linear(x, bias)``).
 
     Small batches go through the C kernel for every dtype: no fp32 copy of a half-precision
     weight, and a summation order that depends neither on the weight's address alignment nor
@@ -25,8 +29,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantMatrix, bias: torch.Tens
     half-precision weights in bounded row chunks (16 MiB at most). A ``QuantMatrix`` does the
     same with its format's kernels; another wrapper (``quant.fp8.BlockFP8``) multiplies itself.
     """
-    if isinstance(weight, QuantMatrix):
-        return weight.matmul(x, bias)
     if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
     if bias is not None and bias.dtype != torch.float32:  # e.g. bf16 biases next to f32 weights

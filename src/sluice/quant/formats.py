@@ -15,12 +15,12 @@ record. ``quant.linear`` accepts a ``QuantMatrix`` wherever it accepts a dense w
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from .dense import linear
 
 PartSpec = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
@@ -30,7 +30,7 @@ PartSpec = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 # The reference path (``dequantize`` + matmul) is always fp32.
 ACTIVATIONS = ("f32", "q8")
 _DEFAULT_ACT = {"int8": "f32", "q4": "q8", "mxfp4": "q8"}
-_act_override: str | None = os.environ.get("SLUICE_QUANT_ACTIVATIONS") or None
+_act_override: str | None = None  # set_activations(): one mode for every format, for measurements
 
 
 _act_code: dict[tuple[str, bool], int] = {}  # (format, exact) -> C activation mode, refreshed by set_activations
@@ -177,8 +177,6 @@ class DenseFormat(Format):
         return parts["weight"][r0:r1].float()
 
     def matmul(self, x, parts, n, k, bias=None, exact=False):
-        from .dense import linear
-
         return linear(x.float(), parts["weight"], bias)
 
 
@@ -224,6 +222,8 @@ class QuantMatrix:
         lead = x.shape[:-1]
         y = self.format.matmul(x.reshape(-1, self.k), self.parts, self.n, self.k, bias, self.exact)
         return y.reshape(*lead, self.n)
+
+    linear = matmul  # what ``quant.linear`` calls on a weight that is not a tensor
 
     def dequantize(self) -> torch.Tensor:
         return self.format.dequantize(self.parts, self.n, self.k)

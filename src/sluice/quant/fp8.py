@@ -80,7 +80,7 @@ def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, in
 class BlockFP8:
     """An [N, K] weight as FP8 values plus per-block fp32 scales (see the module docstring)."""
 
-    __slots__ = ("weight", "scale_inv", "block")
+    __slots__ = ("weight", "stored_scale", "block")
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str = "weight"):
         if weight.dtype != FP8 or weight.dim() != 2:
@@ -95,11 +95,18 @@ class BlockFP8:
         if not scale_inv.dtype.is_floating_point:
             raise CheckpointError(f"{name}: weight_scale_inv has dtype {scale_inv.dtype}; expected floating-point "
                                   "block scales (f32, bf16, f16 or e8m0)")
-        if scale_inv.dtype != torch.float32:
-            scale_inv = scale_inv.float()
+        # both may be views into a spine stream buffer, refilled per forward: kept as given (a
+        # streamed view is contiguous), the scales converted to fp32 per use (see spine.py)
         self.weight = weight if weight.is_contiguous() else weight.contiguous()
-        self.scale_inv = scale_inv if scale_inv.is_contiguous() else scale_inv.contiguous()
+        self.stored_scale = scale_inv if scale_inv.is_contiguous() else scale_inv.contiguous()
         self.block = (int(block[0]), int(block[1]))
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        """The block scales in fp32 (an upcast per use when stored as bf16/f16/e8m0: 1/(bn*bk)
+        of the weight's elements)."""
+        s = self.stored_scale
+        return s if s.dtype == torch.float32 else s.float()
 
     @property
     def shape(self) -> torch.Size:
@@ -107,7 +114,7 @@ class BlockFP8:
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() + 4 * self.scale_inv.numel()
+        return self.weight.numel() + 4 * self.stored_scale.numel()
 
     def __repr__(self) -> str:
         return f"BlockFP8({list(self.weight.shape)}, block={list(self.block)})"

@@ -40,6 +40,7 @@ def serve_command(args, engine_options: dict) -> int:
     name = args.model_name or model_name_for(args.model)
     print(f"sluice: serving '{name}' on http://{args.host}:{args.port}/v1 (context {engine.max_context} tokens, "
           f"queue {args.max_queue})", file=sys.stderr)
+    print(f"sluice: chat in a browser at http://{args.host}:{args.port}/", file=sys.stderr)
     try:
         serve(engine, host=args.host, port=args.port, model_name=name, api_key=args.api_key,
               max_queue=args.max_queue, max_body_bytes=args.max_body, log_level=args.log_level)

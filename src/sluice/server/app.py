@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..engine import Step
 from . import protocol as P
+from . import webchat
 from .serving import (APIError, Cancelled, Failed, GenParams, Job, Metrics, QueueFull, Scheduler, ShuttingDown,
                       error_for_exception)
 
@@ -423,6 +424,12 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
             raise
 
     # -- routes --
+
+    @app.get("/")
+    async def chat_page():
+        """The browser chat page; it needs no API key (it asks for one when the API answers 401)."""
+        body, headers = webchat.page()
+        return Response(body, media_type="text/html; charset=utf-8", headers=headers)
 
     @app.get("/health")
     async def health():

@@ -212,7 +212,8 @@ class Metrics:
         lookups = t["expert_lookups"]
         metric("sluice_expert_cache_hit_rate", "gauge", "Expert cache hit rate over all completed generations.",
                [({}, t["expert_hits"] / lookups if lookups else 0.0)])
-        metric("sluice_bytes_read_total", "counter", "Bytes of experts read from storage.", [({}, t["bytes_read"])])
+        metric("sluice_bytes_read_total", "counter", "Bytes read from storage: experts (on demand and "
+               "prefetched) and streamed spine layers.", [({}, t["bytes_read"])])
         return "\n".join(out) + "\n"
 
 

@@ -1,0 +1,229 @@
+"""The browser chat page at ``/``, driven in a real headless Chromium by Selenium.
+
+``sluice serve`` runs as a user runs it (a subprocess on a free loopback port, with an API
+key); the page asks for the key, streams replies from ``/v1/chat/completions``, shows each
+reply's stats, trims the oldest turn when the context is full, and its Stop button cancels
+the generation on the server (counted in ``/metrics``). Model text is rendered without ever
+becoming markup. Skips, saying why, when Selenium, Chromium or its driver is missing
+(``apt-get install chromium chromium-driver``; ``pip install selenium``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium: pip install selenium")
+
+KEY = "page-test-key"
+CTX = 2048
+HOSTILE = '<img src=x onerror="window.__pwned=1"> <script>window.__pwned=2</script> **not bold here**'
+
+
+def _browser() -> tuple[str, str]:
+    """Paths of Chromium and its driver, or skip with the reason."""
+    browser = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    driver = shutil.which("chromedriver")
+    if browser is None or driver is None:
+        pytest.skip("needs Chromium and chromedriver: apt-get install chromium chromium-driver")
+
+    def major(cmd: str) -> str:
+        out = subprocess.run([cmd, "--version"], capture_output=True, text=True, timeout=30).stdout
+        m = re.search(r"(\d+)\.\d+\.\d+", out)
+        return m.group(1) if m else "?"
+
+    if major(browser) != major(driver):
+        pytest.skip(f"Chromium {major(browser)} and chromedriver {major(driver)} do not match")
+    return browser, driver
+
+
+def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
+    """Poll ``pred`` until it is true (a bounded wait on an observable state)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def endless_model(chat_model, tmp_path_factory):
+    """``chat_model`` whose end-of-sequence id is outside the vocabulary: every reply runs until the
+    context is full, so a generation is long enough to stop and a second turn must trim the first."""
+    path = tmp_path_factory.mktemp("webchat") / "endless-chat"
+    shutil.copytree(chat_model, path)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    for name, extra in (("config.json", {"max_position_embeddings": CTX}), ("generation_config.json", {})):
+        cfg = json.loads((path / name).read_text())
+        cfg.update(extra, eos_token_id=vocab)
+        (path / name).write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(endless_model):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "SLUICE_API_KEY"}
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", str(endless_model), "--port", str(port),
+                             "--memory", "2GiB", "--threads", "1", "--max-context", str(CTX), "--no-progress",
+                             "--model-name", "endless", "--api-key", KEY, "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_for(up, timeout=90, what="sluice serve to answer")
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium.webdriver.chrome.service import Service
+
+    binary, driver_path = _browser()
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage",
+                 "--window-size=1100,800", f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    drv = webdriver.Chrome(options=opts, service=Service(executable_path=driver_path))
+    try:
+        yield drv
+    finally:
+        drv.quit()
+
+
+def metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+
+
+def counter(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, flags=re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+CANCELLED = 'sluice_generations_total{outcome="cancelled"}'
+CLOSED = 'sluice_requests_total{endpoint="chat_completions",status="499"}'
+
+
+def test_page_needs_no_key_and_is_locked_down(server):
+    r = httpx.get(server + "/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "<title>Sluice chat</title>" in r.text
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp and "'unsafe-inline'" not in csp
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", r.text), "the page must load nothing from elsewhere"
+    assert httpx.get(server + "/v1/models").status_code == 401  # the API itself still needs the key
+
+
+def test_chat_in_the_browser(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    d = browser
+    find = d.find_element
+    d.get(server + "/")
+
+    # the key prompt: the API answered 401; the key entered is kept in local storage
+    wait_for(lambda: find(By.ID, "overlay").is_displayed(), what="the API key prompt")
+    find(By.ID, "key-input").send_keys("wrong", Keys.ENTER)
+    wait_for(lambda: "refused" in find(By.ID, "key-why").text, what="the prompt to say the key was refused")
+    assert find(By.ID, "overlay").is_displayed()
+    find(By.ID, "key-input").send_keys(KEY, Keys.ENTER)
+    wait_for(lambda: find(By.ID, "model").text.startswith("endless"), what="the model id")
+    assert f"context {CTX} tokens" in find(By.ID, "model").text
+    d.refresh()
+    wait_for(lambda: find(By.ID, "model").text.startswith("endless"), what="the model id after a reload")
+    assert not find(By.ID, "overlay").is_displayed()
+    assert d.execute_script("return localStorage.getItem('sluice.apiKey')") == KEY
+
+    # a reply streams in (text while Stop is still showing), then gets its stats line
+    find(By.ID, "input").send_keys("Hello there", Keys.ENTER)
+    reply = wait_for(lambda: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"), what="a reply")[0]
+    wait_for(lambda: find(By.ID, "stop").is_displayed() and reply.find_element(By.CLASS_NAME, "body").text,
+             what="streamed text while the generation runs")
+    stats = wait_for(lambda: reply.find_elements(By.CLASS_NAME, "stats"), timeout=60, what="the stats line")[0].text
+    m = re.search(r"^(\d+) tokens · [\d.]+ tok/s · hit rate [\d.]+% · read [\d.]+ [kMG]?B · prompt (\d+) tokens",
+                  stats)
+    assert m and int(m[1]) + int(m[2]) == CTX, stats  # the reply filled the context
+    assert "cut by the token limit" in stats  # this model never ends a reply by itself
+    assert find(By.ID, "send").is_displayed() and not find(By.ID, "stop").is_displayed()
+
+    # the context is full: the next turn drops the first one, with a notice; Stop cancels on the server
+    m0 = metrics(server)
+    before, closed = counter(m0, CANCELLED), counter(m0, CLOSED)
+    find(By.ID, "input").send_keys(HOSTILE, Keys.ENTER)
+    wait_for(lambda: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 2
+             and d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[1].text.count("\n") >= 1,
+             what="the second reply to stream")
+    find(By.ID, "stop").click()
+    second = d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[1]
+    assert wait_for(lambda: second.find_elements(By.CLASS_NAME, "stats"), what="the stopped reply's line")[0] \
+        .text.endswith("stopped")
+    wait_for(lambda: counter(metrics(server), CANCELLED) > before, what="the server to count a cancellation")
+    wait_for(lambda: counter(metrics(server), CLOSED) == closed + 1, what="the request counted as 499 (client gone)")
+    notice = find(By.CLASS_NAME, "notice").text
+    assert notice.startswith("Context full: the oldest turn is no longer sent"), notice
+    assert len(d.find_elements(By.CSS_SELECTOR, ".msg.dropped")) == 2  # the first question and its reply
+
+    # the hostile user message is shown as text: no element made from it, no script run
+    user = d.find_elements(By.CSS_SELECTOR, ".msg.user .body")[1]
+    assert user.text == HOSTILE
+    assert not d.find_elements(By.CSS_SELECTOR, ".msg.user .body *, #messages img, #messages script")
+
+    # model text goes through the same renderer: markdown subset, everything else literal
+    counts = d.execute_script("""
+        const box = document.createElement('div');
+        window.sluiceChat.renderMarkdown(arguments[0], box);
+        document.getElementById('messages').appendChild(box);
+        const n = (s) => box.querySelectorAll(s).length;
+        return {img: n('img'), script: n('script'), pre: n('pre > code'), code: n('p > code'), strong: n('strong'),
+                em: n('em'), p: n('p'), text: box.textContent, code_text: box.querySelector('pre code').textContent,
+                pwned: window.__pwned === undefined ? null : window.__pwned};
+    """, "Some **bold** and *it* with `<b>x</b>`.\n\n" + HOSTILE.replace("**not bold here**", "") +
+        "\n\n```html\n<script>window.__pwned=3</script>\n<img src=x onerror=\"window.__pwned=4\">\n```\nafter")
+    assert counts["img"] == counts["script"] == 0 and counts["pwned"] is None, counts
+    assert (counts["pre"], counts["code"], counts["strong"], counts["em"], counts["p"]) == (1, 1, 1, 1, 3), counts
+    assert counts["code_text"] == '<script>window.__pwned=3</script>\n<img src=x onerror="window.__pwned=4">'
+    assert "<b>x</b>" in counts["text"] and '<img src=x onerror="window.__pwned=1">' in counts["text"]
+
+    # Clear empties the conversation
+    find(By.ID, "clear").click()
+    assert not d.find_elements(By.CSS_SELECTOR, ".msg")
+    # no script error, no CSP violation (the 401 that asked for the key is the one failed load)
+    errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE"
+              and not (e["source"] == "network" and "status of 401" in e["message"])]
+    assert not errors, errors
