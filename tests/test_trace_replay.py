@@ -447,14 +447,16 @@ def test_cli_text_pins_and_errors(tmp_path, capsys):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tok": 1, "layers": [[1, 2]]}\n{"tok": 2, "layers": [[1, "x"]]}\n')
-    for args, message in [
-        ((bad,), "bad.jsonl:2: layer 0: expert id 'x' is not an integer"),
-        ((trace, "--policy", "mru"), "unknown cache policy 'mru'"),
-        ((trace, "--write-pins", pins), "--pin-count"),
-        ((trace, "--pin-count", "3"), "--pin-count goes with --write-pins"),
-        ((), "give a trace file or --synthetic"),
-        ((trace, "--capacity", "4,x"), "'x' is not a whole number"),
-        ((trace, "--tokens", "100:"), "selects no tokens"),
+    for args, message, status in [  # 1: a bad trace file; 2: a bad flag
+        ((bad,), "bad.jsonl:2: layer 0: expert id 'x' is not an integer", 1),
+        ((trace, "--policy", "mru"), "--policy: unknown cache policy 'mru'", 2),
+        ((trace, "--write-pins", pins), "--pin-count", 2),
+        ((trace, "--pin-count", "3"), "--pin-count goes with --write-pins", 2),
+        ((), "give a trace file or --synthetic", 2),
+        ((trace, "--capacity", "4,x"), "'x' is not a whole number", 2),
+        ((trace, "--tokens", "100:"), "selects no tokens", 2),
+        (("--synthetic", "tokens=abc"), "--synthetic: tokens='abc' is not an integer", 2),
+        (("--synthetic", "tokens=1000000000"), "is too large", 2),
     ]:
         rc, out, err = run_main(capsys, "trace-replay", *args)
-        assert rc == 1 and message in err and "Traceback" not in err, (args, err)
+        assert rc == status and message in err and "Traceback" not in err, (args, err)

@@ -8,25 +8,13 @@ import os
 import sys
 
 from . import __version__
+from .cli_args import float_arg, int_arg, positive_size_arg, seed_arg, temperature_arg, top_p_arg
 from .errors import SluiceError
 from .units import format_size, parse_size
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return n
+_size = positive_size_arg
+_count = int_arg(0)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -35,15 +23,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="peak memory budget, e.g. 8GiB (binary) or 8GB (decimal). Covers the Python/torch "
                         "baseline, spine, KV cache, buffers and expert cache. Default: 85%% of available memory "
                         "(cgroup limits respected). Below the model's floor Sluice refuses to start and says why.")
-    g.add_argument("--cache-experts", type=int, default=None, metavar="N",
+    g.add_argument("--cache-experts", type=int_arg(1), default=None, metavar="N",
                    help="expert cache size in experts (overrides the size derived from --memory)")
     g.add_argument("--cache-policy", choices=["lfru", "lru"], default="lfru",
                    help="expert cache eviction: lfru (decayed hotness, default) or lru")
-    g.add_argument("--max-context", type=int, default=None, metavar="N",
+    g.add_argument("--max-context", type=int_arg(1), default=None, metavar="N",
                    help="longest sequence (prompt + output); the KV cache is reserved for it "
                         "(default: min(model limit, 4096))")
-    g.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (default: all cores)")
-    g.add_argument("--reader-threads", type=int, default=4, metavar="N", help="parallel expert reads (default 4)")
+    g.add_argument("--threads", type=int_arg(1, 1024), default=None, metavar="N", help="compute threads (default: all cores)")
+    g.add_argument("--reader-threads", type=int_arg(1, 1024), default=4, metavar="N", help="parallel expert reads (default 4)")
     g.add_argument("--no-prefetch", action="store_true",
                    help="disable router lookahead (reading the next layer's predicted experts early)")
     g.add_argument("--verify-reads", dest="verify_reads", action="store_true", default=True,
@@ -60,9 +48,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="write every decode token's expert routing to FILE (JSONL, the format sluice trace-replay "
                         "reads)")
     lossy = p.add_argument_group("lossy speed switches (outputs differ from the model's; off by default)")
-    lossy.add_argument("--moe-top-k", type=int, default=None, metavar="N",
+    lossy.add_argument("--moe-top-k", type=int_arg(1), default=None, metavar="N",
                        help="LOSSY: route each token to only N experts (fewer than the model was trained with)")
-    lossy.add_argument("--prefer-cached", type=float, default=0.0, metavar="BIAS",
+    lossy.add_argument("--prefer-cached", type=float_arg(0.0), default=0.0, metavar="BIAS",
                        help="LOSSY: add BIAS to the router scores of experts already in memory when choosing "
                             "experts (mixing weights stay the model's own), trading fidelity for fewer reads")
 
@@ -85,11 +73,11 @@ def _add_model_arg(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, exact (default 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
-    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--max-new-tokens", type=int_arg(1), default=128, metavar="N", help="tokens to generate (default 128)")
+    g.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 = greedy, exact (default 0)")
+    g.add_argument("--top-p", type=top_p_arg, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    g.add_argument("--top-k", type=int_arg(0), default=0, help="sample among the k most likely tokens (default 0: off)")
+    g.add_argument("--seed", type=seed_arg, default=None, help="random seed for sampling")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text is generated (repeatable); it is not included in the output")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
@@ -253,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "transformers token for token.",
     )
     p.add_argument("--version", action="version", version=f"sluice {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     r = sub.add_parser("run", help="generate text from a model",
@@ -329,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["io", "lossy", "spec"], help="what to measure")
     b.add_argument("model", help="Hugging Face model directory or container")
     b.add_argument("--prompt", "-p", default="def fibonacci(n):\n", help="prompt (lossy, spec)")
-    b.add_argument("--tokens", type=int, default=64, help="tokens to generate per arm (default 64)")
+    b.add_argument("--tokens", type=int_arg(1), default=64, help="tokens to generate per arm (default 64)")
     b.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
@@ -337,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="describe a model: family, sizes, memory floor, cache per budget")
     _add_model_arg(i)
     i.add_argument("--memory", type=_size, default=None, metavar="SIZE", help="also show the plan for this budget")
-    i.add_argument("--max-context", type=int, default=None, metavar="N", help="context the KV cache is sized for")
+    i.add_argument("--max-context", type=int_arg(1), default=None, metavar="N", help="context the KV cache is sized for")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=cmd_inspect)
 
@@ -348,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "its previous turn. Needs the server extra: pip install 'sluice[server]'.")
     _add_model_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--port", type=int_arg(0, 65535), default=8000, help="port (default 8000)")
     s.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $SLUICE_API_KEY, which keeps the key out of the process list)")
@@ -403,32 +392,52 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also replay each policy with these experts pinned (a sluice-pins-v1 file)")
     t.add_argument("--write-pins", default=None, metavar="FILE",
                    help="write the trace's --pin-count most used experts as a pin list")
-    t.add_argument("--pin-count", type=int, default=None, metavar="N", help="how many experts --write-pins keeps")
+    t.add_argument("--pin-count", type=int_arg(1), default=None, metavar="N", help="how many experts --write-pins keeps")
     t.add_argument("--json", action="store_true", help="print the results as one JSON object")
     t.set_defaults(func=cmd_trace_replay)
+    for sp in sub.choices.values():
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the Python traceback of an error")
     return p
 
 
+EXIT_ERROR = 1  # the run failed: a bad model, file or budget, an I/O error
+EXIT_USAGE = 2  # the command line is wrong: a bad flag value (argparse's status too)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status. A user error prints ``sluice: error: ...`` (no
+    traceback; ``--debug`` shows one): status 2 for an invalid argument, 1 for anything else."""
     import warnings
+
+    from .errors import InvalidArgumentError
 
     warnings.formatwarning = lambda msg, *a, **k: f"sluice: warning: {msg}\n"
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: usage errors (status 2, message printed), --help, --version
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
     if not getattr(args, "command", None):
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     try:
         return args.func(args)
-    except SluiceError as e:
-        print(f"sluice: error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as e:
-        print(f"sluice: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("\nsluice: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - every error ends as one line (the traceback with --debug)
+        if args.debug:
+            raise
+        if isinstance(e, InvalidArgumentError):
+            print(f"sluice: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(e, (SluiceError, ValueError, OSError)):
+            print(f"sluice: error: {e}", file=sys.stderr)
+            return EXIT_ERROR
+        print(f"sluice: internal error: {type(e).__name__}: {e} (a bug in sluice, not in your input: "
+              "rerun with --debug for the traceback and report it)", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover
