@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InvalidArgumentError
 from .stats import EngineCounters, EngineInfo
 
 TORCH_SERIAL_TOKENS = 64
@@ -106,7 +107,7 @@ class ModelRunner:
         seen: set[int] = set()
         for w in work:
             if id(w.seq) in seen:
-                raise ValueError(f"state slot {w.seq.slot} appears twice in one step")
+                raise InvalidArgumentError(f"state slot {w.seq.slot} appears twice in one step")
             seen.add(id(w.seq))
             self._check(w)
         with torch.inference_mode():
@@ -120,12 +121,12 @@ class ModelRunner:
     @staticmethod
     def _check(w: SeqWork) -> None:
         if w.start != w.seq.length:
-            raise ValueError(f"tokens at position {w.start}, but the state holds {w.seq.length} positions "
+            raise InvalidArgumentError(f"tokens at position {w.start}, but the state holds {w.seq.length} positions "
                              "(rewind the state first)")
         if w.start + len(w.tokens) > w.seq.max_context:
-            raise ValueError(f"positions up to {w.start + len(w.tokens)} exceed max_context {w.seq.max_context}")
+            raise InvalidArgumentError(f"positions up to {w.start + len(w.tokens)} exceed max_context {w.seq.max_context}")
         if not 0 <= w.last_n <= len(w.tokens):
-            raise ValueError(f"last_n={w.last_n} with {len(w.tokens)} tokens")
+            raise InvalidArgumentError(f"last_n={w.last_n} with {len(w.tokens)} tokens")
 
     def _run(self, w: SeqWork) -> SeqResult:
         """Forward the tokens in prefill chunks; logits [last_n, V] of the last positions."""
