@@ -239,3 +239,21 @@ def test_the_engine_hands_the_generator_its_runner():
     assert len(calls) == 1
     args = [ast.unparse(a) for a in calls[0].args]
     assert args[0] == "self.runner" and "self" not in args
+
+
+def test_a_verify_step_returns_the_routing_of_every_row_on_a_recurrent_model(engines):
+    """On a recurrent model a draft is verified as two forwards (the pending token, then the draft
+    after a snapshot): the routing trace needs both, one row per position, in order."""
+    eng = engines["qwen3_next"]
+    runner, seq = eng.runner, eng.slot
+    ids, draft = prompt_ids(9, seed=11).tolist(), [17, 18, 19]
+    seq.rewind(0)
+    runner.run(seq, ids[:-1], 0, last_n=0)
+    r = generation._verify(runner, seq, ids[-1:], draft, len(ids) - 1, True, True)
+    assert r.logits.shape[0] == 1 + len(draft)
+    seq.rewind(0)
+    runner.run(seq, ids[:-1], 0, last_n=0)
+    one = runner.step([SeqWork(seq, ids[-1:], len(ids) - 1, record_routing=True)])[0].routing
+    rest = runner.step([SeqWork(seq, draft, len(ids), last_n=len(draft), record_routing=True)])[0].routing
+    for layer in runner.moe_layers:
+        assert torch.equal(r.routing[layer], torch.cat([one[layer], rest[layer]]))
