@@ -121,10 +121,11 @@ class ModelRunner:
     @staticmethod
     def _check(w: SeqWork) -> None:
         if w.start != w.seq.length:
-            raise InvalidArgumentError(f"tokens at position {w.start}, but the state holds {w.seq.length} positions "
-                             "(rewind the state first)")
+            raise InvalidArgumentError(f"tokens at position {w.start}, but the state holds {w.seq.length} "
+                                       "positions (rewind the state first)")
         if w.start + len(w.tokens) > w.seq.max_context:
-            raise InvalidArgumentError(f"positions up to {w.start + len(w.tokens)} exceed max_context {w.seq.max_context}")
+            raise InvalidArgumentError(
+                f"positions up to {w.start + len(w.tokens)} exceed max_context {w.seq.max_context}")
         if not 0 <= w.last_n <= len(w.tokens):
             raise InvalidArgumentError(f"last_n={w.last_n} with {len(w.tokens)} tokens")
 
