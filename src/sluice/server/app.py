@@ -17,10 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..engine import Step
+from . import limits as L
 from . import protocol as P
+from .render import RenderError, TemplateWorker
 from .serving import (APIError, Cancelled, Failed, GenParams, Job, Metrics, QueueFull, Scheduler, ShuttingDown,
                       error_for_exception)
 
@@ -30,11 +33,20 @@ DEFAULT_MAX_BODY = 4 << 20
 CLIENT_CLOSED = 499  # status recorded (never sent) when the client went away first
 
 
+PROBE = [{"role": "user", "content": "Hello!"}]  # rendered once at start-up: a template must take it
+TEMPLATE_TIMEOUT = 5.0  # seconds one render may take before its worker is killed
+
+
+class ClientGone(Exception):
+    """The client went away before its request was read."""
+
+
 class Service:
     """Everything the routes share: the engine, its scheduler, metrics, limits."""
 
     def __init__(self, engine, *, model_name: str, api_key: str | None = None, max_queue: int = 8,
-                 max_body_bytes: int = DEFAULT_MAX_BODY, reuse_prefix: bool = True):
+                 max_body_bytes: int = DEFAULT_MAX_BODY, reuse_prefix: bool = True,
+                 template_timeout: float = TEMPLATE_TIMEOUT, request_memory: int | None = None):
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key or None
@@ -43,6 +55,53 @@ class Service:
         self.scheduler = Scheduler(engine, max_queue, self.metrics, reuse_prefix=reuse_prefix)
         self.token_text = P.TokenText(engine.tokenizer)
         self.created = P.now()
+        self.template_timeout = template_timeout
+        ctx = engine.max_context
+        self.vocab = engine.desc.vocab
+        tok = engine.tokenizer
+        self.longest_token = L.longest_token_chars(tok) if tok is not None else 0
+        self.max_prompt_chars = ctx * self.longest_token
+        self.max_values = L.MIN_VALUES + ctx
+        if request_memory is None:  # half the engine's safety margin under the budget
+            plan = getattr(engine, "plan", None)
+            request_memory = max(plan.margin_bytes // 2, 16 << 20) if plan is not None else 64 << 20
+        self.memory = L.RequestMemory(request_memory)
+        self.renderer: TemplateWorker | None = None
+        self.chat_refused: str | None = None
+        if tok is not None and tok.chat_template:
+            self._probe_template(tok)
+
+    def _probe_template(self, tok) -> None:
+        """Render a one-message conversation: a template that fails it, runs past the time limit or
+        leaves no room in the context is refused (chat answers 400 ``chat_template_refused``)."""
+        from ..chat_template import special_tokens
+
+        self.renderer = TemplateWorker(tok.chat_template, special_tokens(tok.config))
+        why = None
+        try:
+            text = self.renderer.render(PROBE, limit=self.max_prompt_chars, timeout=self.template_timeout)
+            n = len(tok.encode(text, add_special_tokens=False))
+            if n >= self.engine.max_context:
+                why = (f"it renders a one-message conversation to {n} tokens, which leaves no room in the "
+                       f"context of {self.engine.max_context} tokens")
+        except RenderError as e:
+            why = {"too_long": f"it renders a one-message conversation to more than {self.max_prompt_chars} "
+                               "characters, more than the context can hold"}.get(e.kind, str(e))
+        if why is not None:
+            self.chat_refused = f"this model's chat template was refused at start-up: {why}"
+            self.renderer.close()
+            self.renderer = None
+
+    def begin_shutdown(self) -> None:
+        """Stop taking work (callable from a signal handler): streams end with an error event."""
+        self.scheduler.stop()
+        if self.renderer is not None:
+            self.renderer.interrupt()
+
+    def close(self) -> None:
+        self.scheduler.close()
+        if self.renderer is not None:
+            self.renderer.close()
 
     def record(self, endpoint: str, status: int, job: Job | None = None) -> None:
         """Count one answered request (once per job, however its end was noticed)."""
@@ -54,6 +113,50 @@ class Service:
 
     # -- request preparation --
 
+    def cost(self, body_bytes: int) -> int:
+        """Estimated peak bytes of reading, parsing, rendering and tokenizing a body of this size."""
+        ctx = self.engine.max_context
+        values = min(self.max_values, body_bytes // 2 + 1)
+        text = min(body_bytes, self.max_prompt_chars)
+        tokenize = L.TOKENIZER_BYTES_PER_CHAR * max(min(text, L.COUNT_CHUNK_CHARS), 2 * ctx) + 32 * text
+        return L.BODY_FACTOR * body_bytes + L.VALUE_BYTES * values + tokenize
+
+    async def read_body(self, request: Request) -> tuple[bytes, int]:
+        """The body, read after its estimated cost is reserved; returns (body, bytes reserved)."""
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes (--max-body)",
+                           code="request_too_large")
+        expect = int(length) if length is not None and length.isdigit() else limit
+        need = self.cost(expect)
+        if need > self.memory.capacity:
+            raise APIError(413, f"a request body of {expect} bytes would take ~{need >> 20} MiB to prepare; "
+                                f"this server sets aside {self.memory.capacity >> 20} MiB of its --memory budget "
+                                "for requests: send a smaller one", code="request_too_large")
+        await self.memory.acquire(need)
+        try:
+            chunks, n = [], 0
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes (--max-body)",
+                                   code="request_too_large")
+                chunks.append(chunk)
+            body = b"".join(chunks)
+            del chunks
+            values = L.json_values(body, self.max_values)
+            if values > self.max_values:
+                raise APIError(413, f"request body holds more than {self.max_values} JSON values (strings, numbers, "
+                                    "arrays, objects); this server takes at most that many", code="too_many_values")
+        except ClientDisconnect:
+            self.memory.release(need)
+            raise ClientGone() from None
+        except BaseException:
+            self.memory.release(need)
+            raise
+        return body, need
+
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
@@ -64,39 +167,67 @@ class Service:
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def check_ids(self, ids: list[int], param: str) -> None:
+        bad = next((i for i in ids if not 0 <= i < self.vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} in '{param}' is outside the vocabulary (0..{self.vocab - 1})",
+                           param=param, code="invalid_value")
+
+    def _too_long(self, what: str, param: str) -> APIError:
+        return APIError(400, f"{what}, more than this server's context of {self.engine.max_context} tokens can "
+                             "hold (prompt + completion); shorten it", param=param, code="context_length_exceeded")
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of ``text``, computed in a thread; text clearly over the context is refused first."""
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids",
-                           param="prompt", code="no_tokenizer")
-        return tok.encode(text, add_special_tokens=add_special_tokens)
+                           param=param, code="no_tokenizer")
+        if len(text) > self.max_prompt_chars:
+            raise self._too_long(f"the prompt has {len(text)} characters (no token of this vocabulary is longer "
+                                 f"than {self.longest_token})", param)
+        ctx = self.engine.max_context
+        if len(text) > L.COUNT_CHUNK_CHARS:
+            n = await asyncio.to_thread(L.count_tokens_over, tok, text, 2 * ctx)
+            if n > 2 * ctx:
+                raise self._too_long(f"the prompt has more than {2 * ctx} tokens", param)
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        from ..errors import CheckpointError
-
+    async def render_chat(self, messages: list[dict]) -> str:
         tok = self.engine.tokenizer
         if tok is None or not tok.chat_template:
             raise APIError(400, f"the model '{self.model_name}' has no chat template (tokenizer_config.json has no "
                                 "chat_template): use /v1/completions instead", param="messages",
                            code="no_chat_template")
+        if self.chat_refused is not None or self.renderer is None:
+            raise APIError(400, f"{self.chat_refused or 'the chat template is not available'}: use /v1/completions "
+                                "instead", param="messages", code="chat_template_refused")
         try:
-            text = tok.render_chat(messages, add_generation_prompt=True)
-        except CheckpointError as e:
-            raise APIError(400, str(e), param="messages", code="no_chat_template") from None
-        except Exception as e:  # jinja2 errors, raise_exception() in the template
+            return await asyncio.to_thread(self.renderer.render, messages, limit=self.max_prompt_chars,
+                                           timeout=self.template_timeout)
+        except RenderError as e:
+            if e.kind == "too_long":
+                raise self._too_long(f"the conversation renders to more than {self.max_prompt_chars} characters",
+                                     "messages") from None
+            if e.kind == "closed":
+                raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+            if e.kind == "worker":
+                raise APIError(500, str(e), "server_error", code="chat_template_worker") from None
+            code = "chat_template_timeout" if e.kind == "timeout" else "chat_template_error"
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages",
-                           code="chat_template_error") from None
-        return tok.encode(text, add_special_tokens=False)
+                           code=code) from None
 
     def params(self, req, prompt_ids: list[int], max_tokens: int | None, n_logprobs: int | None) -> GenParams:
         ctx = self.engine.max_context
+        param = "messages" if hasattr(req, "messages") else "prompt"
         if not prompt_ids:
-            raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
+            raise APIError(400, "the prompt is empty", param=param, code="empty_prompt")
         if len(prompt_ids) >= ctx:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens, which leaves no room in this server's "
-                                f"context of {ctx} tokens (prompt + completion); shorten it",
-                           param="messages" if hasattr(req, "messages") else "prompt",
+                                f"context of {ctx} tokens (prompt + completion); shorten it", param=param,
                            code="context_length_exceeded")
+        if req.stop_token_ids:
+            self.check_ids(req.stop_token_ids, "stop_token_ids")
         room = ctx - len(prompt_ids)
         return GenParams(
             prompt_ids=prompt_ids,
@@ -259,12 +390,17 @@ async def _watch_disconnect(request: Request, job: Job, service: Service) -> Non
 
 
 def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue: int = 8,
-               max_body_bytes: int = DEFAULT_MAX_BODY, reuse_prefix: bool = True) -> FastAPI:
-    """The ASGI app serving ``engine``. Starts its engine worker on startup, stops it on shutdown."""
+               max_body_bytes: int = DEFAULT_MAX_BODY, reuse_prefix: bool = True,
+               template_timeout: float = TEMPLATE_TIMEOUT, request_memory: int | None = None) -> FastAPI:
+    """The ASGI app serving ``engine``. Starts its engine worker on startup, stops it on shutdown.
+
+    A chat template is probed here (``app.state.service.chat_refused`` says why it was refused).
+    """
     from contextlib import asynccontextmanager
 
     service = Service(engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
-                      max_body_bytes=max_body_bytes, reuse_prefix=reuse_prefix)
+                      max_body_bytes=max_body_bytes, reuse_prefix=reuse_prefix, template_timeout=template_timeout,
+                      request_memory=request_memory)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -272,7 +408,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, service.scheduler.close)
+            await asyncio.get_running_loop().run_in_executor(None, service.close)
 
     app = FastAPI(title="Sluice", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -302,19 +438,6 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            "authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
-
-    async def read_body(request: Request) -> bytes:
-        limit = service.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
-                           code="request_too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        return bytes(body)
 
     def parse(model_cls, body: bytes):
         try:
@@ -415,6 +538,9 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
         """Record errors answered before a generation starts."""
         try:
             return await handler()
+        except ClientGone:  # left mid-upload: nobody to answer
+            service.record(endpoint, CLIENT_CLOSED, getattr(request.state, "job", None))
+            return Response(status_code=CLIENT_CLOSED)
         except APIError as e:
             service.record(endpoint, e.status, getattr(request.state, "job", None))
             raise
@@ -454,46 +580,60 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
         service.check_model(model_id)
         return model_card()
 
+    async def prepare(request: Request, model_cls, build):
+        """Read and parse the body under its memory reservation; ``build(req)`` -> (params, format, stream)."""
+        authorize(request)
+        body, reserved = await service.read_body(request)
+        try:
+            req = parse(model_cls, body)
+            del body
+            service.check_model(req.model)
+            service.check_supported(req)
+            return await build(req)
+        finally:
+            service.memory.release(reserved)
+
+    async def build_completion(req):
+        try:
+            prompt = req.single_prompt()
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt", code="unsupported_parameter") from None
+        if isinstance(prompt, str):
+            ids = await service.tokenize(prompt, add_special_tokens=True, param="prompt") if prompt else []
+            echo = prompt
+        else:
+            ids = list(prompt)
+            service.check_ids(ids, "prompt")
+            echo = service.engine.decode(ids) if req.echo and len(ids) < service.engine.max_context else ""
+        params = service.params(req, ids, req.max_tokens, req.logprobs)
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        return params, CompletionFormat(service, params, include_usage, echo if req.echo else ""), req.stream
+
+    async def build_chat(req):
+        try:
+            messages = [m.for_template() for m in req.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages", code="unsupported_parameter") from None
+        text = await service.render_chat(messages)
+        del messages
+        ids = await service.tokenize(text, add_special_tokens=False, param="messages")
+        params = service.params(req, ids, req.max_new_tokens(), req.n_logprobs())
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        return params, ChatFormat(service, params, "chatcmpl", include_usage), req.stream
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         async def handle():
-            authorize(request)
-            req = parse(P.CompletionRequest, await read_body(request))
-            service.check_model(req.model)
-            service.check_supported(req)
-            try:
-                prompt = req.single_prompt()
-            except ValueError as e:
-                raise APIError(400, str(e), param="prompt", code="unsupported_parameter") from None
-            if isinstance(prompt, str):
-                ids = service.encode(prompt) if prompt else []
-                echo = prompt
-            else:
-                ids = list(prompt)
-                echo = service.engine.decode(ids) if req.echo else ""
-            params = service.params(req, ids, req.max_tokens, req.logprobs)
-            include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-            fmt = CompletionFormat(service, params, include_usage, echo if req.echo else "")
-            return await run(request, "completions", params, fmt, req.stream)
+            params, fmt, stream = await prepare(request, P.CompletionRequest, build_completion)
+            return await run(request, "completions", params, fmt, stream)
 
         return await guarded(request, "completions", handle)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         async def handle():
-            authorize(request)
-            req = parse(P.ChatCompletionRequest, await read_body(request))
-            service.check_model(req.model)
-            service.check_supported(req)
-            try:
-                messages = [m.for_template() for m in req.messages]
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages", code="unsupported_parameter") from None
-            ids = service.render_chat(messages)
-            params = service.params(req, ids, req.max_new_tokens(), req.n_logprobs())
-            include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-            fmt = ChatFormat(service, params, "chatcmpl", include_usage)
-            return await run(request, "chat_completions", params, fmt, req.stream)
+            params, fmt, stream = await prepare(request, P.ChatCompletionRequest, build_chat)
+            return await run(request, "chat_completions", params, fmt, stream)
 
         return await guarded(request, "chat_completions", handle)
 
@@ -510,9 +650,21 @@ def model_name_for(path) -> str:
 def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str, api_key: str | None = None,
           max_queue: int = 8, max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "info") -> None:
     """Serve ``engine`` until interrupted (blocking)."""
+    import sys
+
     import uvicorn
 
     app = create_app(engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      max_body_bytes=max_body_bytes)
+    service: Service = app.state.service
+    if service.chat_refused:
+        print(f"sluice: warning: {service.chat_refused}; /v1/chat/completions answers 400 "
+              "(chat_template_refused), /v1/completions works", file=sys.stderr)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: end open streams (error event, [DONE]) at once
+            service.begin_shutdown()
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+    Server(config).run()
