@@ -667,4 +667,22 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str,
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    Server(config).run()
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again: stop here instead of dying by it
+    import signal
+    import threading
+
+    class _Terminated(BaseException):
+        pass
+
+    def _terminated(sig, frame):
+        raise _Terminated()
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    try:
+        Server(config).run()
+    except _Terminated:
+        pass
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)

@@ -181,6 +181,8 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
         return f"request body is not valid JSON: {e['msg']}", None
     loc = [str(x) for x in e["loc"] if not (isinstance(x, str) and ("[" in x or x in ("str", "int", "bool")))]
     if not loc:
+        if e["type"] == "model_type":
+            return "the request body must be a JSON object", None
         return f"request body: {e['msg']}", None
     where = loc[0] + "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in loc[1:])
     if e["type"] == "missing":
