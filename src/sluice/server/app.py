@@ -118,7 +118,8 @@ class Service:
         ctx = self.engine.max_context
         values = min(self.max_values, body_bytes // 2 + 1)
         text = min(body_bytes, self.max_prompt_chars)
-        tokenize = L.TOKENIZER_BYTES_PER_CHAR * max(min(text, L.COUNT_CHUNK_CHARS), 2 * ctx) + 32 * text
+        counting = (L.TOKENIZER_BYTES_PER_CHAR + L.TOKENIZER_BYTES_PER_TOKEN) * min(text, L.COUNT_CHUNK_CHARS)
+        tokenize = max(counting, L.TOKENIZER_BYTES_PER_CHAR * text + L.TOKENIZER_BYTES_PER_TOKEN * min(text, 2 * ctx))
         return L.BODY_FACTOR * body_bytes + L.VALUE_BYTES * values + tokenize
 
     async def read_body(self, request: Request) -> tuple[bytes, int]:

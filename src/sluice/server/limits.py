@@ -19,13 +19,15 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-# Measured (tests/test_hostile_server.py prints the server's peak RSS): the body, its decoded
-# text and the copies made while parsing cost ~4x the body; a parsed JSON value (a message
-# object, a token id in a list) up to ~800 bytes; the tokenizer ~300 bytes per character of
-# the text it is given (offsets and alignments per byte, a string per token).
+# Measured (the tokenizer: tokenizers 0.23; tests/test_hostile_server.py prints the server's
+# peak RSS): the body, its decoded text and the copies made while parsing cost ~4x the body;
+# a parsed JSON value (a message object, a token id in a list) up to ~800 bytes; the
+# tokenizer ~120 bytes per character of its input (alignments and copies per byte) plus
+# ~270 per token it makes.
 BODY_FACTOR = 4
 VALUE_BYTES = 800
-TOKENIZER_BYTES_PER_CHAR = 300
+TOKENIZER_BYTES_PER_CHAR = 128
+TOKENIZER_BYTES_PER_TOKEN = 300
 COUNT_CHUNK_CHARS = 16 << 10  # a long prompt is first counted in pieces of this many characters
 MIN_VALUES = 4096  # JSON values a request may hold beyond its prompt's token ids
 
