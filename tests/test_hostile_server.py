@@ -31,7 +31,7 @@ from conftest import BASELINE, MiB
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from test_server import LiveServer, error_of, parse_metrics, req_key, wait_for  # noqa: E402
+from test_server import LiveServer, error_of, req_key, wait_for  # noqa: E402
 
 MODEL = "tiny-chat"
 CTX = 256
@@ -253,6 +253,14 @@ def test_huge_prompt_does_not_block_health(srv, post):
                                   check=lambda r: expect_error(r, 400, param="prompt", code="context_length_exceeded",
                                                                words=("characters", "context")))
     assert worst < 1.0, f"/health took {worst:.2f} s during a 4 MB prompt"
+
+
+def test_long_prompt_is_counted_in_pieces(post, monkeypatch):
+    import sluice.server.limits as limits
+
+    monkeypatch.setattr(limits, "COUNT_CHUNK_CHARS", 1024)  # so a prompt within the character bound is counted
+    r = post("/v1/completions", json_body=completion(prompt=random_text(5000, seed=2)))
+    expect_error(r, 400, param="prompt", code="context_length_exceeded", words=(f"more than {2 * CTX} tokens",))
 
 
 def test_huge_chat_message(post):

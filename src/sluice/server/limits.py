@@ -63,8 +63,9 @@ def longest_token_chars(tokenizer) -> int:
     return max(16, max((len(t) for t in vocab), default=16))
 
 
-def split_for_counting(text: str, size: int = COUNT_CHUNK_CHARS):
-    """Pieces of about ``size`` characters, cut after whitespace where there is some."""
+def split_for_counting(text: str, size: int | None = None):
+    """Pieces of about ``size`` characters (``COUNT_CHUNK_CHARS``), cut after whitespace where there is some."""
+    size = size or COUNT_CHUNK_CHARS
     start, n = 0, len(text)
     while start < n:
         end = min(n, start + size)

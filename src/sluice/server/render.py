@@ -53,9 +53,8 @@ class TemplateWorker:
         if sys.version_info >= (3, 11):
             args.append("-P")  # not the script's folder on sys.path: nothing of Sluice shadows the stdlib
         args.append(str(WORKER))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHONSTARTUP")}
         proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                env=env, close_fds=True)
+                                close_fds=True)
         self._proc = proc
         try:
             reply = self._exchange({"template": self.template, "special": self.special,
