@@ -344,6 +344,42 @@ def test_client_leaves_mid_upload_is_499(srv, post):
     assert after.get(req_key("completions", 500), 0) == before.get(req_key("completions", 500), 0)
 
 
+def test_body_that_never_arrives_is_408(srv):
+    service = srv.app.state.service
+    service.body_timeout = 0.5
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{")
+            reply = b""
+            while b"}}" not in reply:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                reply += data
+    finally:
+        service.body_timeout = 60.0
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_timeout" and "did not arrive" in err["message"]
+
+
+def test_request_memory_exhausted_is_429(srv, post):
+    pool = srv.app.state.service.memory
+    service = srv.app.state.service
+    service.wait_timeout = 0.3
+    pool.used = pool.capacity  # as if other requests held all of it
+    try:
+        r = post("/v1/completions", json_body=completion())
+    finally:
+        pool.release(pool.capacity)
+        service.wait_timeout = 60.0
+    err = expect_error(r, 429, code="server_busy", words=("request memory", "retry later"))
+    assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+    assert pool.used == 0
+
+
 # -- the start-up probe --------------------------------------------------------------------------
 
 

@@ -94,9 +94,22 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _die_with_parent() -> None:
+    """Linux: be killed when the server goes, even in the middle of a render that never ends."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def _worker_main() -> int:
     import sys
 
+    if sys.platform.startswith("linux"):
+        _die_with_parent()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     template, special = None, {}
     while True:

@@ -23,6 +23,8 @@ from .serving import APIError, GenParams, Job, Metrics, Scheduler
 DEFAULT_MAX_BODY = 4 << 20
 PROBE = [{"role": "user", "content": "Hello!"}]  # rendered once at start-up: a template must take it
 TEMPLATE_TIMEOUT = 5.0  # seconds one render may take before its worker is killed
+BODY_TIMEOUT = 60.0  # seconds a request body may take to arrive (408 beyond)
+WAIT_TIMEOUT = 60.0  # seconds a request may wait for request memory (429 beyond)
 
 
 class ClientGone(Exception):
@@ -44,6 +46,8 @@ class Service:
         self.token_text = P.TokenText(engine.tokenizer)
         self.created = P.now()
         self.template_timeout = template_timeout
+        self.body_timeout = BODY_TIMEOUT
+        self.wait_timeout = WAIT_TIMEOUT
         ctx = engine.max_context
         self.vocab = engine.desc.vocab
         tok = engine.tokenizer
@@ -126,8 +130,14 @@ class Service:
             raise APIError(413, f"a request body of {expect} bytes would take ~{need >> 20} MiB to prepare; "
                                 f"this server sets aside {self.memory.capacity >> 20} MiB of its --memory budget "
                                 "for requests: send a smaller one", code="request_too_large")
-        await self.memory.acquire(need)
         try:
+            await asyncio.wait_for(self.memory.acquire(need), self.wait_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(429, f"the server is busy preparing other requests ({self.memory.used >> 20} of "
+                                f"{self.memory.capacity >> 20} MiB of request memory in use); retry later",
+                           "rate_limit_error", code="server_busy", headers={"Retry-After": "1"}) from None
+
+        async def read() -> bytes:
             chunks, n = [], 0
             async for chunk in request.stream():
                 n += len(chunk)
@@ -135,8 +145,14 @@ class Service:
                     raise APIError(413, f"request body exceeds the limit of {limit} bytes (--max-body)",
                                    code="request_too_large")
                 chunks.append(chunk)
-            body = b"".join(chunks)
-            del chunks
+            return b"".join(chunks)
+
+        try:
+            try:
+                body = await asyncio.wait_for(read(), self.body_timeout)
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                               code="request_timeout") from None
             values = L.json_values(body, self.max_values)
             if values > self.max_values:
                 raise APIError(413, f"request body holds more than {self.max_values} JSON values (strings, numbers, "
