@@ -111,6 +111,9 @@ def _worker_main() -> int:
     if sys.platform.startswith("linux"):
         _die_with_parent()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    import jinja2  # noqa: F401  (imported before saying ready: the parent's time limits are the template's)
+
+    _write_frame(stdout, {"ready": True})
     template, special = None, {}
     while True:
         try:

@@ -22,7 +22,7 @@ from pathlib import Path
 from .. import chat_template
 
 WORKER = Path(chat_template.__file__)
-START_TIMEOUT = 30.0  # seconds for a new worker to answer its set-up (python + jinja2 + compiling)
+START_TIMEOUT = 30.0  # seconds for a new worker to be ready (python + jinja2 imported)
 WORKER_MEMORY = 256 << 20  # the worker's address-space cap (its resident size stays far below)
 
 
@@ -48,24 +48,24 @@ class TemplateWorker:
 
     # -- process management --
 
-    def _start(self) -> subprocess.Popen:
+    def _start(self, timeout: float) -> None:
+        """A new worker: started (``START_TIMEOUT``), then set up with the template (``timeout``:
+        compiling is the template's work too)."""
         args = [sys.executable]
         if sys.version_info >= (3, 11):
             args.append("-P")  # not the script's folder on sys.path: nothing of Sluice shadows the stdlib
         args.append(str(WORKER))
-        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                close_fds=True)
-        self._proc = proc
+        self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, close_fds=True)
         try:
-            reply = self._exchange({"template": self.template, "special": self.special,
-                                    "max_memory": self.max_memory}, START_TIMEOUT)
+            self._receive(START_TIMEOUT, "starting the chat template worker")  # {"ready": true}
         except RenderError as e:
-            self._kill()
             raise RenderError(f"the chat template worker did not start: {e}", "worker") from None
+        reply = self._exchange({"template": self.template, "special": self.special, "max_memory": self.max_memory},
+                               timeout, "compiling the chat template")
         if "error" in reply:
             self._kill()
             raise RenderError(reply["error"], reply.get("kind", "template_error"))
-        return proc
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None
@@ -100,7 +100,7 @@ class TemplateWorker:
 
     # -- one exchange --
 
-    def _exchange(self, job: dict, timeout: float) -> dict:
+    def _exchange(self, job: dict, timeout: float, what: str = "rendering the chat template") -> dict:
         import json
 
         proc = self._proc
@@ -110,7 +110,13 @@ class TemplateWorker:
             proc.stdin.flush()
         except (OSError, ValueError, AttributeError):
             raise self._lost() from None
-        fd = proc.stdout.fileno()
+        return self._receive(timeout, what)
+
+    def _receive(self, timeout: float, what: str) -> dict:
+        """The worker's next reply; kills it past ``timeout`` seconds."""
+        import json
+
+        fd = self._proc.stdout.fileno()
         deadline = time.monotonic() + timeout
         buf = bytearray()
         need = 4
@@ -120,7 +126,9 @@ class TemplateWorker:
             if left <= 0:
                 self.restarts += 1
                 self._kill()
-                raise RenderError(f"rendering the chat template took more than {timeout:g} s; stopped", "timeout")
+                if self._closed:
+                    raise RenderError("the server is shutting down", "closed")
+                raise RenderError(f"{what} took more than {timeout:g} s; stopped", "timeout")
             ready, _, _ = select.select([fd], [], [], left)
             if not ready:
                 continue
@@ -152,7 +160,7 @@ class TemplateWorker:
                 raise RenderError("the server is shutting down", "closed")
             if self._proc is None or self._proc.poll() is not None:
                 self._kill()
-                self._start()
+                self._start(timeout)
             reply = self._exchange({"messages": messages, "add_generation_prompt": add_generation_prompt,
                                     "limit": limit}, timeout)
         if "error" in reply:
