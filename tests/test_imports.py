@@ -34,11 +34,12 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "models": ("one module per model family", ("models",)),
     "planner": ("memory budget -> spine residency, KV cache, buffers, expert cache", ("plan",)),
     "runtime": ("the engine's moving parts: generation, model runner, stats, speculation, spine streaming, "
-                "tokenizer, traces",
-                ("generation", "runner", "speculative", "spine", "stats", "text", "tokenizer", "trace")),
-    "api": ("sluice.load, Engine, ModelInfo", ("", "engine")),
+                "tokenizer, chat templates, traces",
+                ("generation", "runner", "speculative", "spine", "stats", "text", "tokenizer", "chat_template",
+                 "trace")),
+    "api": ("sluice.load, Engine, ModelInfo, the checks of their arguments", ("", "engine", "validate")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "inspect", "bench")),
-    "faces": ("what users run: the command line, terminal chat, demo, HTTP server", ("cli", "chat", "demo", "server")),
+    "faces": ("what users run: the command line, terminal chat, demo, HTTP server", ("cli", "cli_args", "chat", "demo", "server")),
 }
 
 # layer -> the other layers its modules may import (modules of the same layer may import each other)
