@@ -35,9 +35,10 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "planner": ("memory budget -> spine residency, KV cache, buffers, expert cache", ("plan",)),
     "runtime": ("the engine's moving parts: generation, speculation, spine streaming, tokenizer, traces",
                 ("generation", "speculative", "spine", "text", "tokenizer", "trace")),
-    "api": ("sluice.load, Engine, ModelInfo", ("", "engine")),
+    "api": ("sluice.load, Engine, ModelInfo, checks of their arguments", ("", "engine", "validate")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "inspect", "bench")),
-    "faces": ("what users run: the command line, terminal chat, demo, HTTP server", ("cli", "chat", "demo", "server")),
+    "faces": ("what users run: the command line, terminal chat, demo, HTTP server",
+              ("cli", "cli_args", "chat", "demo", "server")),
 }
 
 # layer -> the other layers its modules may import (modules of the same layer may import each other)
