@@ -1,4 +1,4 @@
-"""Trace replay: Belady is optimal, the shared trace's reference figures, the CLI, trace and pin files."""
+"""Trace replay: Belady is optimal, the OLMoE trace's reference figures (tests/data), the CLI, trace and pin files."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ from sluice.trace import (
     write_trace,
 )
 
-SHARED_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "olmoe-1b-7b_299tok.jsonl"
+# a real OLMoE routing trace kept in the repository (tests/data/README.md: source, licence, sha256)
+OLMOE_TRACE = Path(__file__).resolve().parent / "data" / "olmoe-1b-7b_299tok.jsonl"
+OLMOE_SHA256 = "7d8e7f63551aa24ddab98134b267b6bdf1b4f55d72a6fa7589042f54a4a4383b"
 
 
 def random_trace(rng: random.Random, tokens: int, layers: int, experts: int, k: int, skew: float = 1.0) -> Trace:
@@ -140,15 +142,15 @@ def test_engine_semantics_pin_the_layer():
         replay(trace, "lru", 1, "layer", "engine")
 
 
-# -- the shared OLMoE trace -----------------------------------------------------------------
+# -- the OLMoE trace (tests/data) -----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def olmoe():
-    if not SHARED_TRACE.exists():
-        print(f"shared trace not found at {SHARED_TRACE}: skipping the reference figures")
-        pytest.skip(f"shared trace {SHARED_TRACE.name} is absent (expected at ../shared/traces/ from the repo root)")
-    return read_trace(SHARED_TRACE)
+    import hashlib
+
+    assert hashlib.sha256(OLMOE_TRACE.read_bytes()).hexdigest() == OLMOE_SHA256, f"{OLMOE_TRACE} was modified"
+    return read_trace(OLMOE_TRACE)
 
 
 def test_reference_figures(olmoe):

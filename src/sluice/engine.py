@@ -33,6 +33,7 @@ from .models.base import MoEBlock, check_tensor
 from .models.config import check_layer_count, eos_ids
 from .plan import Plan, activation_bytes, make_plan
 from .progress import Progress
+from .resolve import resolve_model
 from .spine import LayerReads, SpineStreamer, layer_reads, streamable
 from .spine import buffer_bytes as spine_buffer_bytes
 from .sysmem import current_rss, default_budget
@@ -70,13 +71,18 @@ class Options:
     poison_stream_buffers: bool = False
 
 
-def load(path: str | os.PathLike, memory: int | str | None = None, **options) -> "Engine":
-    """Open a model directory under a memory budget (``"8GiB"``, bytes, or None for a safe default)."""
+def load(path: str | os.PathLike, memory: int | str | None = None, *, revision: str | None = None,
+         **options) -> "Engine":
+    """Open a model under a memory budget (``"8GiB"``, bytes, or None for a safe default).
+
+    ``path`` is a model directory, a container, ``"demo"`` or a repo id in the local Hugging Face
+    cache (at ``revision``, default main); see ``sluice.resolve``.
+    """
     validate.model_path(path)
     validate.options(options, Options.__dataclass_fields__)
     if memory is not None:
         validate.warn_if_over_machine(parse_size(memory, "memory"))
-    return Engine(path, memory, Options(**options))
+    return Engine(path, memory, Options(**options), revision=revision)
 
 
 SPINE_DTYPES = ("F32", "BF16", "F16")
@@ -100,8 +106,8 @@ def check_spine_dtype(name: str, info, spine: dict) -> None:
 class ModelInfo:
     """An opened, validated model directory: config, family, tensor tables. Nothing loaded yet."""
 
-    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None):
+        self.path, self.model_id = resolve_model(path, revision)
         self.is_container = is_container(self.path)
         if self.is_container:
             self.checkpoint = Container(self.path, direct=direct_io)
@@ -187,14 +193,15 @@ class ModelInfo:
 
 
 class Engine:
-    def __init__(self, path: str | os.PathLike, memory: int | str | None, options: Options):
+    def __init__(self, path: str | os.PathLike, memory: int | str | None, options: Options,
+                 revision: str | None = None):
         t_load = time.perf_counter()
         self.options = options
-        self.path = Path(path)
         baseline = current_rss()
         self.threads = options.threads or os.cpu_count() or 1
         kernels.set_threads(self.threads)
-        self.info = info = ModelInfo(self.path, options.direct_io)
+        self.info = info = ModelInfo(path, options.direct_io, revision)
+        self.path, self.model_id = info.path, info.model_id  # model_id: what a server reports
         self.checkpoint, self.raw_config, self.family = info.checkpoint, info.raw_config, info.family
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts
         self.tokenizer, self.eos_token_ids = info.tokenizer, info.eos_token_ids
