@@ -249,6 +249,15 @@ def test_hostile_flag(case, tmp_path, capsys):
     assert_names(err, "error: argument", *expected)
 
 
+def test_prompt_file_errors_name_the_file(text_model, tmp_path, capsys):
+    bad = tmp_path / "prompt.txt"
+    bad.write_bytes(b"def f():\xff\xfe\n")
+    rc, _, err = cli(capsys, "run", text_model, "--prompt-file", bad, *RUN)
+    assert rc == 2 and f"--prompt-file {bad}: not UTF-8 text" in err
+    rc, _, err = cli(capsys, "run", text_model, "--prompt-file", tmp_path / "absent.txt", *RUN)
+    assert rc == 2 and "absent.txt: No such file or directory" in err
+
+
 def test_flags_checked_against_the_model(text_model, capsys):
     rc, _, err = cli(capsys, "run", text_model, "-p", PROMPT, *RUN, "--max-context", "100000")
     assert rc == 2 and "--max-context" in err and "100000" in err and "limit of 512" in err
