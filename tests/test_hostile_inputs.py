@@ -258,6 +258,12 @@ def test_prompt_file_errors_name_the_file(text_model, tmp_path, capsys):
     assert rc == 2 and "absent.txt: No such file or directory" in err
 
 
+def test_convert_unknown_expert_format(text_model, tmp_path, capsys):
+    rc, _, err = cli(capsys, "convert", text_model, tmp_path / "out", "--experts", "q3", "--no-progress")
+    assert rc == 2 and "--experts" in err and "'q3'" in err and "choose from" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_flags_checked_against_the_model(text_model, capsys):
     rc, _, err = cli(capsys, "run", text_model, "-p", PROMPT, *RUN, "--max-context", "100000")
     assert rc == 2 and "--max-context" in err and "100000" in err and "limit of 512" in err
