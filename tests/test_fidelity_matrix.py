@@ -167,10 +167,21 @@ def test_rows_cover_every_pair():
 # -- baseline -----------------------------------------------------------------------------------
 
 
-def _tolerance(kind: str, ref_logits: torch.Tensor) -> float:
-    """f32 and FP8 (fp32 compute on fp32-dequantized weights): 1e-4; bf16 and MXFP4 checkpoints
-    against their fp32-upcast reference: 1e-4 x max|logit|."""
-    return 1e-4 if kind in ("f32", "fp8") else 1e-4 * max(1.0, ref_logits.abs().max().item())
+# Linear-attention families: Sluice runs the gated delta rule as its recurrence at every chunk
+# size (batch invariance); transformers runs the chunked form in fp32 (even in an fp64 model),
+# whose cumulative decays lose precision. On qwen3_next's tiny f32 config the delta rule in
+# fp64 lands 1.06e-4 from transformers' logits and Sluice's fp32 recurrence 1.15e-4 (the fp32
+# chunked form, which shares transformers' rounding, 1.1e-5): the reference's own error.
+LINEAR_ATTENTION = ("qwen3_next", "kimi_linear")
+
+
+def _tolerance(family: str, kind: str, ref_logits: torch.Tensor) -> float:
+    """f32 and FP8 (fp32 compute on fp32-dequantized weights): 1e-4 (2e-4 with linear attention,
+    see ``LINEAR_ATTENTION``); bf16 and MXFP4 checkpoints against their fp32-upcast reference:
+    1e-4 x max|logit|."""
+    if kind in ("f32", "fp8"):
+        return 2e-4 if family in LINEAR_ATTENTION else 1e-4
+    return 1e-4 * max(1.0, ref_logits.abs().max().item())
 
 
 class Baselines:
@@ -190,7 +201,7 @@ class Baselines:
             ref_tokens = ref_out[len(IDS):].tolist()
             with sluice.load(self.models.hf(family, kind), memory=MEMORY, progress=False) as eng:
                 logits = eng.forward(IDS)
-                tol = _tolerance(kind, ref_logits)
+                tol = _tolerance(family, kind, ref_logits)
                 diff = (logits - ref_logits).abs().max().item()
                 assert diff <= tol, f"default run: max |logit diff| {diff:.3e} > {tol:.1e} against transformers"
                 spec = eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True, logprobs=0)

@@ -61,6 +61,8 @@ class _Lib:
         lib.sk_swiglu.restype = None
         self.invariant = hasattr(lib, "sk_attend")  # the batch-invariant kernels (attention, swiglu rows)
         if self.invariant:
+            lib.sk_allow_avx512.argtypes = [i]
+            lib.sk_allow_avx512.restype = i
             lib.sk_swiglu_rows.argtypes = [p, p, p, p, p, p, i, i, i, i, ctypes.c_float, i]
             lib.sk_swiglu_rows.restype = None
             lib.sk_attend.argtypes = [p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, p, i]
@@ -115,6 +117,12 @@ def batch_invariant() -> bool:
     return _batch_invariant and _lib.lib is not None and _lib.invariant and _lib.chain
 
 
+def allow_avx512(on: bool) -> bool:
+    """Tests and benchmarks: let the tiled product use AVX-512 where the CPU has it (default),
+    or keep it on AVX2 (the same bits); returns whether the CPU has AVX-512F."""
+    return bool(_lib.lib.sk_allow_avx512(int(on))) if _lib.invariant else False
+
+
 def set_batch_invariant(on: bool) -> bool:
     """Turn batch-invariant kernels on (default) or off (benchmarks); returns the previous setting."""
     global _batch_invariant
@@ -127,7 +135,9 @@ def set_threads(n: int) -> None:
 
 
 def info() -> dict:
+    avx512 = bool(_lib.lib.sk_allow_avx512(-1)) if available() and _lib.invariant else False
     return {"available": available(), "avx2": bool(_lib.lib.sk_has_avx2()) if available() else False,
+            "avx512": avx512 and bool(_lib.lib.sk_has_avx2()),
             "threads": _lib.threads, "error": _lib.error}
 
 

@@ -192,6 +192,94 @@ AVX2 static void dense_tiled_avx2(const dense_args *a, int n0, int n1) {
         for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, 1);
 }
 
+/*
+ * AVX-512 form of the same tile, chosen at run time where the CPU has AVX-512F: one zmm
+ * accumulator per output holds dense_rows_avx2's two chains side by side (lanes 0-7 are a0,
+ * lanes 8-15 are b0: the same fma chain per lane), and the final hsum8(low + high) is
+ * dense_rows_avx2's hsum8(a0 + b0). 32 registers fit a tile of 4 rows x 6 tokens.
+ */
+#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+AVX512 static inline __m512 load16z(const void *w, size_t idx, int wtype) {
+    if (wtype == WT_BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + idx));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else if (wtype == WT_F16) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + idx)));
+    }
+    return _mm512_loadu_ps((const float *)w + idx);
+}
+
+__attribute__((always_inline)) AVX512 static inline void dense_tile512(const dense_args *a, int n, int nr, int t0,
+                                                                       const int NT) {
+    const int K = a->K, wt = a->wtype;
+    const int K16 = K & ~15;
+    __m512 acc[4][6];
+    for (int r = 0; r < 4; r++)
+        for (int t = 0; t < 6; t++) acc[r][t] = _mm512_setzero_ps();
+    size_t wr[4];
+    for (int r = 0; r < 4; r++) wr[r] = (size_t)(n + (r < nr ? r : 0)) * K;
+    const float *x0 = a->x + (size_t)t0 * K;
+    for (int k = 0; k < K16; k += 16) {
+        const __m512 w0 = load16z(a->w, wr[0] + k, wt), w1 = load16z(a->w, wr[1] + k, wt);
+        const __m512 w2 = load16z(a->w, wr[2] + k, wt), w3 = load16z(a->w, wr[3] + k, wt);
+        for (int t = 0; t < NT; t++) {
+            const __m512 xv = _mm512_loadu_ps(x0 + (size_t)t * K + k);
+            acc[0][t] = _mm512_fmadd_ps(w0, xv, acc[0][t]);
+            acc[1][t] = _mm512_fmadd_ps(w1, xv, acc[1][t]);
+            acc[2][t] = _mm512_fmadd_ps(w2, xv, acc[2][t]);
+            acc[3][t] = _mm512_fmadd_ps(w3, xv, acc[3][t]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < NT; t++) {
+            const float *x = x0 + (size_t)t * K;
+            const __m256 lo = _mm512_castps512_ps256(acc[r][t]);
+            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][t]), 1));
+            float s = sk_hsum8(_mm256_add_ps(lo, hi));
+            s = dense_tail(x, a->w, wr[r], K16, K, wt, s);
+            a->y[(size_t)(t0 + t) * a->N + n + r] = s + (a->bias ? a->bias[n + r] : 0.0f);
+        }
+}
+
+AVX512 static void dense_tiled_avx512(const dense_args *a, int n0, int n1) {
+    const int T = a->T;
+    int t0 = 0;
+#define SK_TILE_ROWS(NT_) for (int n = n0; n < n1; n += 4) dense_tile512(a, n, n1 - n < 4 ? n1 - n : 4, t0, NT_)
+    for (; t0 + 6 <= T; t0 += 6) SK_TILE_ROWS(6);
+    switch (T - t0) {
+    case 5: SK_TILE_ROWS(5); break;
+    case 4: SK_TILE_ROWS(4); break;
+    case 3: SK_TILE_ROWS(3); break;
+    case 2: SK_TILE_ROWS(2); break;
+    case 1: SK_TILE_ROWS(1); break;
+    default: break;
+    }
+#undef SK_TILE_ROWS
+}
+
+static int g_have_avx512 = -1;
+static int g_allow_avx512 = 1;
+
+static int sk_avx512(void) {
+    if (g_have_avx512 < 0) {
+        __builtin_cpu_init();
+        const char *off = getenv("SLUICE_KERNELS_NO_AVX512");
+        g_have_avx512 = __builtin_cpu_supports("avx512f") && !(off && off[0] == '1');
+    }
+    return g_have_avx512 && g_allow_avx512;
+}
+
+/* Tests and benchmarks: 0 keeps the tiled kernel on AVX2 (same bits), 1 allows AVX-512 (default), -1 asks;
+ * returns whether the CPU has AVX-512F (and SLUICE_KERNELS_NO_AVX512 is not 1). */
+EXPORT int sk_allow_avx512(int on) { /* on < 0: only ask */
+    int keep = g_allow_avx512;
+    g_allow_avx512 = 1;
+    int have = sk_avx512();
+    g_allow_avx512 = on < 0 ? keep : on ? 1 : 0;
+    return have;
+}
+
 static int g_have_avx2 = -1;
 
 int sk_avx2(void) {
@@ -380,7 +468,8 @@ int sk_chunk_rows(size_t row_bytes, int nrows) {
 static void dense_task(void *ctx, int n0, int n1) {
     const dense_args *a = (const dense_args *)ctx;
     if (sk_avx2()) {
-        if (a->T > 1) dense_tiled_avx2(a, n0, n1);
+        if (a->T > 1 && sk_avx512()) dense_tiled_avx512(a, n0, n1);
+        else if (a->T > 1) dense_tiled_avx2(a, n0, n1);
         else dense_rows_avx2(a, n0, n1);
     } else dense_rows_c(a, n0, n1);
 }
