@@ -12,8 +12,13 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .errors import CheckpointError
+from .errors import ChatTemplateError, CheckpointError
 from .storage import Store, open_store
+
+
+def _json_kind(v) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(v), "number")
 
 
 def _token_text(v) -> str | None:
@@ -39,12 +44,28 @@ class Tokenizer:
                 self.config = json.loads(store.read_text("tokenizer_config.json"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+            if not isinstance(self.config, dict):
+                raise CheckpointError(f"{cfg_path}: must be a JSON object, got a JSON {_json_kind(self.config)}")
+        # As transformers does: a chat_template.jinja file wins over "chat_template" in
+        # tokenizer_config.json (a string, or a list of named templates of which "default" is used).
         self.chat_template = self.config.get("chat_template")
-        if self.chat_template is None and store.exists("chat_template.jinja"):
-            self.chat_template = store.read_text("chat_template.jinja")
+        if store.exists("chat_template.jinja"):
+            try:
+                self.chat_template = store.read_text("chat_template.jinja")
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{store.locate('chat_template.jinja')}: not UTF-8 text ({e})") from None
         if isinstance(self.chat_template, list):  # named templates: use "default"
             named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
             self.chat_template = named.get("default") or next(iter(named.values()), None)
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise CheckpointError(f"{cfg_path}: chat_template must be a string (or a list of named templates), got "
+                                  f"a JSON {_json_kind(self.chat_template)}")
+        # Text that ends an assistant reply in this chat format, for models whose replies do not
+        # end with an end-of-sequence token (the demo model). Chat generation stops there.
+        stops = self.config.get("chat_stop_strings", [])
+        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+            raise CheckpointError(f"{cfg_path}: chat_stop_strings must be a list of non-empty strings")
+        self.chat_stop_strings: list[str] = stops
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
@@ -83,6 +104,15 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special
-        )
+        try:
+            template = env.from_string(self.chat_template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"the model's chat template has a syntax error at line {e.lineno}: {e.message}") \
+                from None
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        except jinja2.exceptions.TemplateError as e:  # undefined names, raise_exception(), sandbox refusals
+            raise ChatTemplateError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError,
+                RecursionError) as e:  # Python errors inside template expressions
+            raise ChatTemplateError(f"the model's chat template failed: {type(e).__name__}: {e}") from None

@@ -7,7 +7,10 @@ A family module (``models/<model_type>.py``) provides:
 - ``describe(cfg) -> ModelDescription``: every spine tensor with its shape, the MoE layers,
   routing width and the checkpoint names of each expert's matrices;
 - ``build(cfg, weights, experts) -> CausalLM``: wires shared layers from ``layers/`` and
-  routes MoE layers through the expert interface (it never reads files);
+  routes MoE layers through the expert interface (it never reads files). Every MoE layer is
+  a ``MoEBlock`` over a ``layers.routing.Router`` (families keep no routing code of their
+  own), and nothing is derived at build time from a tensor of two or more dimensions
+  (it may be a stream buffer's view, filled only before its forward: see ``spine.py``);
 - optionally ``tensor_aliases(cfg) -> {name: other name}``: spine tensors that some
   checkpoints store under another name (looked up there when ``name`` is absent).
 

@@ -498,6 +498,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
                 raise APIError(400, str(e), param="messages", code="unsupported_parameter") from None
             ids = service.render_chat(messages)
             params = service.params(req, ids, req.max_new_tokens(), req.n_logprobs())
+            # the chat format's own end-of-reply text (tokenizer_config.json "chat_stop_strings")
+            params.stop += [x for x in service.engine.tokenizer.chat_stop_strings if x not in params.stop]
             include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
             fmt = ChatFormat(service, params, "chatcmpl", include_usage)
             return await run(request, "chat_completions", params, fmt, req.stream)
