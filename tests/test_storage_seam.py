@@ -16,6 +16,7 @@ import torch
 import sluice
 from sluice.checkpoint import Checkpoint
 from sluice.errors import CheckpointError
+from sluice.resolve import resolve_model
 from sluice.storage import (AlignedBuffer, ByteSource, LocalDir, LocalFile, ReadStats, RemoteUnavailableError,
                             Sources, Store, WrappedSource, open_source, open_store, url_scheme)
 from sluice.storage.faults import FaultPlan, FaultySource
@@ -178,15 +179,19 @@ def test_locations_and_the_precedence_rule(tmp_path, monkeypatch):
             with pytest.raises(RemoteUnavailableError, match=rf"{url}: remote model stores .* are not available"):
                 opener(url)
         with pytest.raises(RemoteUnavailableError):
+            resolve_model(url)  # before the demo and repo-id rules
+        with pytest.raises(RemoteUnavailableError):
             sluice.load(url, memory="1GiB", progress=False)
-    with pytest.raises(CheckpointError, match="unknown URL scheme 'ftp'"):
-        open_store("ftp://host/m")
+    for opener in (open_store, resolve_model):
+        with pytest.raises(CheckpointError, match="unknown URL scheme 'ftp'"):
+            opener("ftp://host/m")
     # an existing local path wins, whatever it looks like
     monkeypatch.chdir(tmp_path)
     (tmp_path / "s3:" / "bucket" / "m").mkdir(parents=True)
     (tmp_path / "s3:" / "bucket" / "m" / "config.json").write_text("{}")
     store = open_store("s3://bucket/m")
     assert isinstance(store, LocalDir) and store.read_text("config.json") == "{}"
+    assert resolve_model("s3://bucket/m") == (Path("s3:/bucket/m"), "m")
 
 
 def test_local_dir_store(text_model):

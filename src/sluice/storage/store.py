@@ -41,6 +41,7 @@ class Store:
         raise NotImplementedError
 
     def exists(self, name: str) -> bool:
+        """True when member ``name`` is there (a file; a directory of that name is not a member)."""
         raise NotImplementedError
 
     def is_directory(self) -> bool:
@@ -92,7 +93,7 @@ class LocalDir(Store):
         return str(self.path / name)
 
     def exists(self, name: str) -> bool:
-        return (self.path / name).exists()
+        return (self.path / name).is_file()
 
     def is_directory(self) -> bool:
         return self.path.is_dir()
