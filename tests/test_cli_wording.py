@@ -19,8 +19,7 @@ RUN = ["--memory", "2GiB", "--threads", "1", "--no-progress"]
 
 @pytest.mark.parametrize("command", ["run", "inspect", "serve", "chat"])
 def test_help_names_every_kind_of_model(command, capsys):
-    with pytest.raises(SystemExit):
-        main([command, "--help"])
+    assert main([command, "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     for kind in ("Hugging Face model directory", "Sluice container", "'demo'", "repo id", "Hugging Face cache",
                  "--revision"):

@@ -68,10 +68,15 @@ def turn_stats_line(stats: dict, finish_reason: str | None = None, max_new_token
     return f"{line} | {cut}" if cut else line
 
 
-def chat_loop(engine, *, system: str | None = None, gen_kwargs: dict | None = None, stdin: TextIO = sys.stdin,
-              stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr, prompt: str | None = None,
+def chat_loop(engine, *, system: str | None = None, gen_kwargs: dict | None = None, stdin: TextIO | None = None,
+              stdout: TextIO | None = None, stderr: TextIO | None = None, prompt: str | None = None,
               show_stats: bool = True, name: str | None = None) -> int:
-    """Run the conversation until ``/exit`` or end of input. ``prompt`` is shown before each user line."""
+    """Run the conversation until ``/exit`` or end of input. ``prompt`` is shown before each user line.
+
+    ``stdin``/``stdout``/``stderr`` default to the process's streams as they are at the call."""
+    stdin = sys.stdin if stdin is None else stdin
+    stdout = sys.stdout if stdout is None else stdout
+    stderr = sys.stderr if stderr is None else stderr
     tok = engine.tokenizer
     if tok is None or not tok.chat_template:
         raise SluiceError(f"{engine.path}: this model has no chat template (no chat_template.jinja, and "

@@ -7,7 +7,6 @@ store provides (the file itself for a local directory)."""
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -77,7 +76,8 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it: seconds for a long text)
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids
@@ -93,24 +93,17 @@ class Tokenizer:
         """Render ``messages`` with the model's own chat template (as transformers does)."""
         if not self.chat_template:
             raise CheckpointError("this model has no chat template (tokenizer_config.json has no chat_template)")
+        from .chat_template import compile_template, render, special_tokens
+
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(msg):
-            raise jinja2.exceptions.TemplateError(msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
         try:
-            template = env.from_string(self.chat_template)
+            template = compile_template(self.chat_template)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ChatTemplateError(f"the model's chat template has a syntax error at line {e.lineno}: {e.message}") \
                 from None
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+            return render(template, messages, add_generation_prompt, special_tokens(self.config))
         except jinja2.exceptions.TemplateError as e:  # undefined names, raise_exception(), sandbox refusals
             raise ChatTemplateError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError,
