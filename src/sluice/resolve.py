@@ -23,7 +23,6 @@ import os
 from pathlib import Path
 
 from .errors import CheckpointError
-from .storage.location import local_path, url_scheme
 
 DEMO_NAME = "demo"
 DEMO_MODEL_ID = "sluice-demo"
@@ -61,6 +60,8 @@ def resolve_model(spec: str | os.PathLike, revision: str | None = None,
             raise ModelNotFoundError(f"{text}: --revision applies to a Hugging Face repo id in the local cache, "
                                      "not to a local path")
         return path, model_id_for(path)
+    from .storage.location import local_path, url_scheme  # here: `sluice --help` imports this module, not torch
+
     if url_scheme(text) is not None:
         local_path(text)  # raises: a remote store (not available yet) or an unknown scheme
     if text == DEMO_NAME:
