@@ -37,7 +37,7 @@ import pytest
 import torch
 
 import sluice
-from conftest import UNLISTED_SKIPS, fp32_noise, prompt_ids
+from conftest import UNLISTED_SKIPS, prompt_ids
 from families import FAMILY_NAMES, REGISTRY, assert_decisive_model, kinds, reference, selection_scores
 
 N_NEW = 32
@@ -69,27 +69,13 @@ SKIP_REASONS = {
                    "buffered and passed, only the O_DIRECT assertion is skipped",
 }
 
-# Known bugs, fixed on another branch: each cell or switch that hits one is expected to fail
-# (strict: it must fail). Remove an entry when its fix lands, and the cells must pass.
-KNOWN_BUGS: dict[str, str] = {
-    "prefer_cached_router": "bug: prefer_cached passes the cache bias into family router closures that take "
-                            "no bias (deepseek_v3, gpt_oss, qwen3_next, kimi_linear) (router branch)",
-    "grouped_topk_order": "bug: grouped routers return top-k ids unsorted, moe_top_k keeps arbitrary experts "
-                          "(router branch)",
-    "streamed_derivation": "bug: derived tensors built at load time from still-empty streamed spine buffers "
-                           "(kimi_linear conv/A_log, qwen3_next conv weight of bf16 checkpoints) (router branch)",
-}
+# Known bugs: each cell or switch that hits one is expected to fail (strict: it must fail).
+# Add an entry while a fix is pending elsewhere; remove it when the fix lands.
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def _known_bug(family: str, kind: str, row: dict | None = None, switch: str | None = None) -> str | None:
-    """The KNOWN_BUGS key a cell or lossy switch hits, or None."""
-    if switch == "prefer_cached" and family in ("deepseek_v3", "gpt_oss", "qwen3_next", "kimi_linear"):
-        return "prefer_cached_router"
-    if switch == "moe_top_k" and family in ("deepseek_v3", "kimi_linear"):
-        return "grouped_topk_order"
-    if row is not None and row["spine"] == "streamed" and (
-            family == "kimi_linear" or (family == "qwen3_next" and kind == "bf16")):
-        return "streamed_derivation"
+    """The KNOWN_BUGS key a cell or lossy switch hits, or None (none today)."""
     return None
 
 
@@ -204,13 +190,41 @@ class Baselines:
                                        top_k=eng.desc.top_k, layers=len(eng.model.layers))
         return self._runs[key]
 
-    def noise(self, family: str, kind: str) -> float:
-        """transformers' fp32 vs fp64 logits on the prompt: the size of fp32 rounding here."""
+    def stepwise_bound(self, family: str, kind: str) -> float:
+        """How far token-by-token logits may be from one-chunk logits: twice the fp32 rounding of
+        this model (transformers' fp32 vs fp64 logits, over the whole prompt at once and token by
+        token through its cache, on this prompt and on a 40-token one: the largest), plus how
+        far transformers' own two forms are apart in fp64 on this prompt (linear attention: the
+        chunked and the recurrent delta rule)."""
         key = (family, kind)
         if key not in self._noise:
-            self._noise[key] = fp32_noise(self.models.reference_path(family, kind), IDS)
-            assert self._noise[key] < 1e-3
+            from transformers import AutoModelForCausalLM
+
+            path = self.models.reference_path(family, kind)
+            m32 = reference(path)
+            m64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                       experts_implementation="eager").eval()
+            noise, gap = 0.0, 0.0
+            for ids in (IDS, prompt_ids(40, seed=11)):
+                with torch.no_grad():
+                    full32, full64 = m32(ids[None]).logits[0].double(), m64(ids[None]).logits[0]
+                step32, step64 = _stepwise(m32, ids).double(), _stepwise(m64, ids)
+                noise = max(noise, (full32 - full64).abs().max().item(), (step32 - step64).abs().max().item())
+                gap = gap or (step64 - full64).abs().max().item()
+            assert noise < 1e-3 and gap < 1e-3
+            self._noise[key] = 2 * noise + gap
         return self._noise[key]
+
+
+def _stepwise(model, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits for ``ids`` fed one token at a time through its cache."""
+    out, past = [], None
+    with torch.no_grad():
+        for i in range(len(ids)):
+            o = model(ids[None, i : i + 1], past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            out.append(o.logits[0, -1])
+    return torch.stack(out)
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +236,8 @@ def _options(row: dict, base: dict) -> dict:
     opts = dict(reader_threads=row["readers"], prefetch=row["prefetch"], threads=row["threads"],
                 direct_io=None if row["io"] == "direct" else False,
                 prefill_chunk=1 if row["prefill"] == "stepwise" else 512)
-    if row["spine"] == "streamed":
-        opts["max_resident_layers"] = 1
+    if row["spine"] == "streamed":  # NaN in the stream buffers until their first fill: nothing derives early
+        opts.update(max_resident_layers=1, poison_stream_buffers=True)
     if row["cache"] == "working_set":
         opts["cache_experts"] = base["working_set"]
     return opts
@@ -263,9 +277,9 @@ def test_cell(family_models, baselines, family, kind, row):
             assert eng.plan.cache_slots == base["working_set"]
         direct = eng.experts_source.direct_io
     if row["prefill"] == "stepwise":
-        noise = baselines.noise(family, kind)
+        bound = baselines.stepwise_bound(family, kind)
         diff = (logits - base["logits"]).abs().max().item()
-        assert diff <= 2 * noise, f"max |logit diff| {diff:.3e} vs the baseline, fp32 noise {noise:.1e}"
+        assert diff <= bound, f"max |logit diff| {diff:.3e} vs the baseline > {bound:.1e} (2 x fp32 noise + form gap)"
     else:
         assert torch.equal(logits, base["logits"]), \
             f"logits differ from the baseline by up to {(logits - base['logits']).abs().max().item():.3e}"
@@ -334,7 +348,12 @@ def _check_top1_routing(ref_path: Path, seq: list[int], trace: Path) -> None:
 
 # -- quantized containers -----------------------------------------------------------------------
 
-QUANT_FORMATS = ("int8", "q4", "mxfp4")
+# format -> the teacher-forced top-1 agreement it must reach with the bf16 container. On tiny
+# random-weight models 4-bit experts reach 0.81-1.00 (measured on the registry's "bf16-std"
+# checkpoints), so 0.75 there; on the trained demo model q4 and mxfp4 agree 99-100%
+# (docs/quantization.md)
+QUANT_MIN_AGREEMENT = {"int8": 0.9, "q4": 0.75, "mxfp4": 0.75}
+QUANT_FORMATS = tuple(QUANT_MIN_AGREEMENT)
 # (family, format) -> the words convert's refusal must contain; none today
 QUANT_REFUSED: dict[tuple[str, str], str] = {}
 
@@ -342,23 +361,24 @@ QUANT_REFUSED: dict[tuple[str, str], str] = {}
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_quantized_container(family_models, family, fmt):
-    """Finite logits and teacher-forced top-1 agreement >= 0.9 with the bf16 container."""
+    """Finite logits, and teacher-forced top-1 agreement with the bf16 container (on the bf16
+    container's greedy continuation) of at least ``QUANT_MIN_AGREEMENT``."""
     if (family, fmt) in QUANT_REFUSED:
         with pytest.raises((ValueError, sluice.SluiceError), match=QUANT_REFUSED[(family, fmt)]):
-            family_models.container(family, "bf16", fmt)
+            family_models.container(family, "bf16-std", fmt)
         return
-    ref_box = family_models.container(family, "bf16")
+    ref_box = family_models.container(family, "bf16-std")
     with sluice.load(ref_box, memory=MEMORY, progress=False) as eng:
         assert eng.experts_source.format == "bf16"
         seq = IDS.tolist() + eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True).token_ids
         want = eng.forward(seq)
-    with sluice.load(family_models.container(family, "bf16", fmt), memory=MEMORY, progress=False) as eng:
+    with sluice.load(family_models.container(family, "bf16-std", fmt), memory=MEMORY, progress=False) as eng:
         assert eng.experts_source.format == fmt
         got = eng.forward(seq)
         assert torch.isfinite(got).all()
         assert eng.generate(IDS.tolist(), max_new_tokens=4, ignore_eos=True).token_ids
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, f"teacher-forced top-1 agreement {agree:.2f} with the bf16 container"
+    assert agree >= QUANT_MIN_AGREEMENT[fmt], f"teacher-forced top-1 agreement {agree:.2f} with the bf16 container"
 
 
 # -- the skip rule ------------------------------------------------------------------------------
