@@ -31,6 +31,7 @@ import errno
 import itertools
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -219,7 +220,8 @@ class Baselines:
 def _stepwise(model, ids: torch.Tensor) -> torch.Tensor:
     """transformers' logits for ``ids`` fed one token at a time through its cache."""
     out, past = [], None
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
         for i in range(len(ids)):
             o = model(ids[None, i : i + 1], past_key_values=past, use_cache=True)
             past = o.past_key_values
