@@ -30,6 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from .errors import InvalidArgumentError
 from .experts.policy import LFRU, POLICIES, Pinned, Policy, make_policy
 from .trace import Trace
 
@@ -38,6 +39,7 @@ SCOPES = ("layer", "global")
 SEMANTICS = ("engine", "sequential")
 DEFAULT_MULTIPLES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # of one layer's top-k: 8,12,16,24,32,48 for top-8
 DEFAULT_POLICIES = ("lru", "lfru")
+MAX_SYNTHETIC_LOOKUPS = 1 << 28  # expert lookups in a synthetic trace (~tokens x layers x top-k)
 
 
 # -- Belady ----------------------------------------------------------------------------------
@@ -327,14 +329,15 @@ def replay(trace: Trace, policy: str | Callable[[], Policy], capacity: int, scop
     ``Pinned`` (pinned keys are never evicted once resident).
     """
     if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        raise InvalidArgumentError(f"scope must be one of {SCOPES}, got {scope!r}")
     if semantics not in SEMANTICS:
-        raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+        raise InvalidArgumentError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     layers, k = trace.layers, trace.top_k
     if capacity < 1:
-        raise ValueError("capacity must be at least 1 expert per layer")
+        raise InvalidArgumentError("capacity must be at least 1 expert per layer")
     if semantics == "engine" and capacity < k:
-        raise ValueError(f"capacity {capacity} per layer cannot hold one layer's {k} experts (engine semantics)")
+        raise InvalidArgumentError(f"capacity {capacity} per layer cannot hold one layer's {k} experts "
+                                   "(engine semantics)")
     uses = None
     if isinstance(policy, str):
         spec = policy
@@ -354,7 +357,7 @@ def replay(trace: Trace, policy: str | Callable[[], Policy], capacity: int, scop
     if pin_set:
         why = pins_fit(trace, pins, capacity, scope)
         if why:
-            raise ValueError(f"pins do not fit at {capacity} experts per layer ({scope} scope): {why}")
+            raise InvalidArgumentError(f"pins do not fit at {capacity} experts per layer ({scope} scope): {why}")
     n_caches = layers if scope == "layer" else 1
     per_cache = capacity if scope == "layer" else capacity * layers
     caches = []
@@ -481,13 +484,20 @@ class SyntheticSpec:
             key, sep, value = part.partition("=")
             key = key.strip()
             if not sep or key not in names:
-                raise ValueError(f"bad synthetic trace field {part!r} (fields: {', '.join(names)})")
-            kw[key] = float(value) if names[key] == "float" else int(value)
+                raise InvalidArgumentError(f"bad synthetic trace field {part!r} (fields: {', '.join(names)})")
+            try:
+                kw[key] = float(value) if names[key] == "float" else int(value)
+            except ValueError:
+                kind = "an integer" if names[key] == "int" else "a number"
+                raise InvalidArgumentError(f"--synthetic: {key}={value.strip()!r} is not {kind}") from None
         spec = cls(**kw)
         if not 1 <= spec.top_k <= spec.experts or spec.layers < 1 or spec.tokens < 1:
-            raise ValueError("synthetic trace needs layers >= 1, tokens >= 1 and 1 <= top_k <= experts")
+            raise InvalidArgumentError("synthetic trace needs layers >= 1, tokens >= 1 and 1 <= top_k <= experts")
+        if spec.tokens * spec.layers * spec.top_k > MAX_SYNTHETIC_LOOKUPS:
+            raise InvalidArgumentError(f"synthetic trace of {spec.tokens} tokens x {spec.layers} layers x top-k "
+                                       f"{spec.top_k} is too large (at most {MAX_SYNTHETIC_LOOKUPS} lookups)")
         if not (0 <= spec.reuse <= 1 and 0 <= spec.drift <= 1 and spec.segment >= 1):
-            raise ValueError("synthetic trace needs 0 <= reuse, drift <= 1 and segment >= 1")
+            raise InvalidArgumentError("synthetic trace needs 0 <= reuse, drift <= 1 and segment >= 1")
         return spec
 
     def label(self) -> str:
@@ -610,12 +620,12 @@ def parse_capacities(text: str) -> list[int]:
         try:
             v = int(part)
         except ValueError:
-            raise ValueError(f"--capacity: {part!r} is not a whole number of experts per layer") from None
+            raise InvalidArgumentError(f"--capacity: {part!r} is not a whole number of experts per layer") from None
         if v < 1:
-            raise ValueError(f"--capacity: {v} must be at least 1")
+            raise InvalidArgumentError(f"--capacity: {v} must be at least 1")
         out.append(v)
     if not out:
-        raise ValueError("--capacity: give at least one capacity, e.g. 8,16,32")
+        raise InvalidArgumentError("--capacity: give at least one capacity, e.g. 8,16,32")
     return sorted(set(out))
 
 
@@ -623,11 +633,11 @@ def parse_slice(text: str) -> tuple[int | None, int | None]:
     """``"150:"``, ``":150"``, ``"10:20"`` -> python slice bounds over tokens."""
     a, sep, b = text.partition(":")
     if not sep:
-        raise ValueError(f"--tokens {text!r}: expected START:STOP (either may be empty)")
+        raise InvalidArgumentError(f"--tokens {text!r}: expected START:STOP (either may be empty)")
     try:
         return (int(a) if a.strip() else None, int(b) if b.strip() else None)
     except ValueError:
-        raise ValueError(f"--tokens {text!r}: START and STOP must be integers") from None
+        raise InvalidArgumentError(f"--tokens {text!r}: START and STOP must be integers") from None
 
 
 def run_cli(args) -> int:
@@ -635,19 +645,19 @@ def run_cli(args) -> int:
     from .trace import hottest, read_pins, read_trace, write_pins
 
     if (args.trace is None) == (args.synthetic is None):
-        raise ValueError("give a trace file or --synthetic SPEC (one of the two)")
+        raise InvalidArgumentError("give a trace file or --synthetic SPEC (one of the two)")
     trace = read_trace(args.trace) if args.trace else synthetic_trace(SyntheticSpec.parse(args.synthetic))
     if args.tokens:
         start, stop = parse_slice(args.tokens)
         trace = trace.slice(start, stop)
         trace.source += f" [tokens {args.tokens}]"
         if not trace.steps:
-            raise ValueError(f"--tokens {args.tokens} selects no tokens")
+            raise InvalidArgumentError(f"--tokens {args.tokens} selects no tokens")
     if args.pin_count is not None and not args.write_pins:
-        raise ValueError("--pin-count goes with --write-pins FILE")
+        raise InvalidArgumentError("--pin-count goes with --write-pins FILE")
     if args.write_pins:
         if not args.pin_count or args.pin_count < 1:
-            raise ValueError("--write-pins needs --pin-count N (N >= 1)")
+            raise InvalidArgumentError("--write-pins needs --pin-count N (N >= 1)")
         pins = hottest(trace, args.pin_count)
         counts = trace.counts()
         write_pins(args.write_pins, pins, source=trace.source, tokens=trace.tokens,
@@ -660,7 +670,10 @@ def run_cli(args) -> int:
     policies = args.policy or list(DEFAULT_POLICIES)
     for spec in policies:
         if spec != "belady":
-            make_policy(spec, STUDY_POLICIES)
+            try:
+                make_policy(spec, STUDY_POLICIES)
+            except ValueError as e:
+                raise InvalidArgumentError(f"--policy: {e}") from None
     scopes = SCOPES if args.scope == "both" else (args.scope,)
     rep = build_report(trace, [p for p in policies if p != "belady"], caps, scopes, args.semantics, pins,
                        args.pins or "")
