@@ -636,3 +636,19 @@ def test_no_verify_reads_opts_out(box):
     with sluice.load(box, memory=MEM, progress=False, verify_reads=False) as eng:
         assert len(eng.generate(PROMPT, max_new_tokens=2, ignore_eos=True).token_ids) == 2
         assert eng.experts_source.crc_bytes == 0
+
+
+def test_fast_crc_equals_zlib():
+    """The CRC records are checked with is zlib's CRC-32 exactly (the C kernel only computes it faster)."""
+    import os
+    import random
+    import zlib
+
+    from sluice.storage.crc import crc32
+
+    rng = random.Random(0)
+    for n in [0, 1, 15, 16, 63, 64, 65, 255, 256, 257, 1000, 4096, 65_537, 1 << 20, (1 << 20) + 13]:
+        data = os.urandom(n)
+        start = rng.randrange(1 << 32)
+        assert crc32(data, start) == zlib.crc32(data, start), n
+        assert crc32(memoryview(bytearray(data)), start) == zlib.crc32(data, start), n

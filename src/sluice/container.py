@@ -30,7 +30,6 @@ import struct
 import threading
 import time
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from .errors import CheckpointError, ExpertReadError
 from .experts.layout import ExpertLayout, Read, View
 from .experts.source import ExpertSource
 from .storage import ALIGN, AlignedBuffer, LocalFile, ReadStats, align_up
+from .storage.crc import crc32
 
 MAGIC = b"SLXR"
 FORMAT_NAME = "sluice-container"
@@ -107,7 +107,7 @@ def record_bytes_for(payload: int) -> int:
 
 def pack_header(fmt: str, layer: int, expert: int, nparts: int, payload: bytes | memoryview) -> bytes:
     return HEADER.pack(MAGIC, VERSION, FORMAT_IDS[fmt], layer, expert, HEADER_BYTES, nparts, len(payload),
-                       zlib.crc32(payload))
+                       crc32(payload))
 
 
 class Container:
@@ -235,7 +235,7 @@ class Container:
                 raise CheckpointError(f"{self.spine_file}: short read in spine group {g!r} at offset {off + pos} "
                                       "(file truncated or storage error)")
             chunk = buf.view(0, want)
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             for start, length, mv in spans:  # the part of each tensor inside this chunk
                 a, b = max(start, pos), min(start + length, pos + want)
                 if a < b:
@@ -328,7 +328,7 @@ class ContainerExperts(ExpertSource):
                                   f"expected {end}; format id {fmt})")
         if verify_crc:
             t0 = time.thread_time()
-            got = zlib.crc32(record[HEADER_BYTES : HEADER_BYTES + plen])
+            got = crc32(record[HEADER_BYTES : HEADER_BYTES + plen])
             dt = time.thread_time() - t0
             with self._crc_lock:
                 self.crc_bytes += plen

@@ -20,7 +20,6 @@ import errno
 import json
 import os
 import shutil
-import zlib
 from contextlib import closing
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from .progress import Progress
 from .quant.fp8 import FORMAT as FP8_FORMAT
 from .quant import QuantMatrix, assemble
 from .storage import ALIGN, AlignedBuffer, align_up
+from .storage.crc import crc32
 
 MATRIX_ROLES = ("gate", "up", "down")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -355,12 +355,12 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
             for name in groups[g]:
                 pad = b"\0" * (align_up(off, 64) - off)
                 f.write(pad)
-                crc = zlib.crc32(pad, crc)
+                crc = crc32(pad, crc)
                 off += len(pad)
                 t = ckpt.read(name)
                 data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                 f.write(data)
-                crc = zlib.crc32(data, crc)
+                crc = crc32(data, crc)
                 tensors[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "offset": off, "group": g}
                 off += len(data)
                 bar.update(len(data))
