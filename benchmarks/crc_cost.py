@@ -50,11 +50,13 @@ def decode(eng, ids: list[int], tokens: int, verify: bool, seed: int) -> dict:
     src = eng.experts_source
     drop_cache(eng)
     b0, s0 = src.crc_bytes, src.crc_s
+    c0 = time.process_time()
     r = eng.generate(ids, max_new_tokens=tokens, ignore_eos=True, speculate=False, temperature=1.0, seed=seed,
                      reuse_prefix=True)
+    cpu = time.process_time() - c0
     st = r.stats
     n = max(1, st["generated_tokens"])
-    return {"verify": verify, "decode_tok_s": st["decode_tok_s"], "tokens": n,
+    return {"verify": verify, "decode_tok_s": st["decode_tok_s"], "tokens": n, "cpu_s_per_token": cpu / n,
             "expert_bytes_per_token": st["bytes_read"] / n,
             "crc_bytes_per_token": (src.crc_bytes - b0) / n, "crc_cpu_s_per_token": (src.crc_s - s0) / n}
 
@@ -89,17 +91,27 @@ def main(argv=None) -> int:
                 runs.append(decode(eng, ids, args.tokens, verify, seed=r))
                 print(json.dumps(runs[-1]), file=sys.stderr)
         eng.close()
-        on = [x["decode_tok_s"] for x in runs if x["verify"]]
-        off = [x["decode_tok_s"] for x in runs if not x["verify"]]
-        ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in
-                  zip([x for x in runs if x["verify"]], [x for x in runs if not x["verify"]])]
+        a = [x for x in runs if x["verify"]]
+        b = [x for x in runs if not x["verify"]]
+        on, off = [x["decode_tok_s"] for x in a], [x["decode_tok_s"] for x in b]
+        ratios = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(a, b)]  # the pair of each round
+        cpu_on = statistics.median(x["cpu_s_per_token"] for x in a)
+        cpu_off = statistics.median(x["cpu_s_per_token"] for x in b)
+        crc_cpu = statistics.median(x["crc_cpu_s_per_token"] for x in a)
+        q = statistics.quantiles(on + off, n=4)
         out.update({
             "model_bytes": model_bytes(cfg), "experts": cfg["num_experts"], "rounds": args.rounds,
             "tokens": args.tokens, "cache_share": args.cache_share,
             "median_tok_s_verify": statistics.median(on), "median_tok_s_no_verify": statistics.median(off),
             "overhead_of_medians": 1 - statistics.median(on) / statistics.median(off),
             "median_paired_overhead": 1 - statistics.median(ratios),
-            "crc_cpu_s_per_token": statistics.median(x["crc_cpu_s_per_token"] for x in runs if x["verify"]),
+            "tok_s_quartiles_all_runs": q,
+            "median_cpu_s_per_token_verify": cpu_on, "median_cpu_s_per_token_no_verify": cpu_off,
+            "cpu_overhead_of_medians": cpu_on / cpu_off - 1,
+            # the CRC's own CPU time against the time of a token: the most it can add to a decode
+            # if it ran entirely on the critical path
+            "crc_share_of_token_time": crc_cpu * statistics.median(off),
+            "crc_cpu_s_per_token": crc_cpu,
             "crc_bytes_per_token": statistics.median(x["crc_bytes_per_token"] for x in runs if x["verify"]),
             "expert_bytes_per_token": statistics.median(x["expert_bytes_per_token"] for x in runs),
             "runs": runs,
