@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="A/B pairs (default 7)")
     ap.add_argument("--tokens", type=int, default=32, help="decoded tokens per measurement (default 32)")
     ap.add_argument("--cache-share", type=float, default=0.25, help="expert cache as a share of all experts")
+    ap.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     ap.add_argument("--workdir", default=None, help="where the model is written (default: a temporary directory)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
         cfg = scaled_config(parse_size(args.size), DEMO_CONFIG)
         hf = write_model(Path(tmp) / "hf", cfg, progress=False, tokenizer=False)
         box = convert(hf, Path(tmp) / "box.sluice", progress=False)
-        eng = sluice.load(box, memory="8GiB", progress=False,
+        eng = sluice.load(box, memory="8GiB", progress=False, threads=args.threads,
                           cache_experts=max(1, int(args.cache_share * cfg["num_experts"] * len(eng_layers(cfg)))))
         ids = [(i * 7919) % (eng.desc.vocab - 3) + 3 for i in range(32)]
         ids += eng.generate(ids, max_new_tokens=1, ignore_eos=True, speculate=False).token_ids
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
         q = statistics.quantiles(on + off, n=4)
         out.update({
             "model_bytes": model_bytes(cfg), "experts": cfg["num_experts"], "rounds": args.rounds,
-            "tokens": args.tokens, "cache_share": args.cache_share,
+            "tokens": args.tokens, "cache_share": args.cache_share, "threads": args.threads,
             "median_tok_s_verify": statistics.median(on), "median_tok_s_no_verify": statistics.median(off),
             "overhead_of_medians": 1 - statistics.median(on) / statistics.median(off),
             "median_paired_overhead": 1 - statistics.median(ratios),
