@@ -112,7 +112,8 @@ def read_safetensors_header(path: str | Path, reader: ByteSource | None = None) 
         try:
             header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
         except _DuplicateKey as e:
-            raise CheckpointError(f"{path}: safetensors header names {e.args[0]!r} twice; the file is corrupt") from None
+            raise CheckpointError(
+                f"{path}: safetensors header names {e.args[0]!r} twice; the file is corrupt") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt") from None
         if not isinstance(header, dict):

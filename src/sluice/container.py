@@ -35,7 +35,6 @@ import struct
 import threading
 import time
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +43,7 @@ import torch
 from .checkpoint import DTYPES, TensorInfo
 from .errors import CheckpointError, ExpertReadError
 from .storage import AlignedBuffer, ByteSource, ReadStats, Sources, Store, align_up, open_store
+from .storage.crc import crc32
 
 MAGIC = b"SLXR"
 FORMAT_NAME = "sluice-container"
@@ -111,7 +111,7 @@ def record_bytes_for(payload: int) -> int:
 
 def pack_header(fmt: str, layer: int, expert: int, nparts: int, payload: bytes | memoryview) -> bytes:
     return HEADER.pack(MAGIC, VERSION, FORMAT_IDS[fmt], layer, expert, HEADER_BYTES, nparts, len(payload),
-                       zlib.crc32(payload))
+                       crc32(payload))
 
 
 def check_record(where: str, record: memoryview, fmt: str, layer: int, expert: int, payload: int,
@@ -127,7 +127,7 @@ def check_record(where: str, record: memoryview, fmt: str, layer: int, expert: i
         raise ExpertReadError(f"{where}: record header does not match the manifest (payload {plen} bytes, "
                               f"expected {payload}; format id {fid})")
     if verify_crc:
-        got = zlib.crc32(record[HEADER_BYTES : HEADER_BYTES + plen])
+        got = crc32(record[HEADER_BYTES : HEADER_BYTES + plen])
         if got != crc:
             raise ExpertReadError(f"{where}: CRC mismatch (stored {crc:08x}, computed {got:08x}): the record is corrupt")
 
@@ -264,7 +264,7 @@ class Container:
                 raise CheckpointError(f"{self.spine_file}: short read in spine group {g!r} at offset {off + pos} "
                                       "(file truncated or storage error)")
             chunk = buf.view(0, want)
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             for start, length, mv in spans:  # the part of each tensor inside this chunk
                 a, b = max(start, pos), min(start + length, pos + want)
                 if a < b:

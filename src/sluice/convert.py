@@ -20,7 +20,6 @@ import errno
 import json
 import os
 import shutil
-import zlib
 from contextlib import closing
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from .progress import Progress
 from .resolve import resolve_model
 from .quant.fp8 import FORMAT as FP8_FORMAT
 from .quant import QuantMatrix, assemble
+from .storage.crc import crc32
 from .storage import AlignedBuffer, align_up
 
 MATRIX_ROLES = ("gate", "up", "down")
@@ -362,12 +362,12 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
             for name in groups[g]:
                 pad = b"\0" * (align_up(off, 64) - off)
                 f.write(pad)
-                crc = zlib.crc32(pad, crc)
+                crc = crc32(pad, crc)
                 off += len(pad)
                 t = ckpt.read(name)
                 data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                 f.write(data)
-                crc = zlib.crc32(data, crc)
+                crc = crc32(data, crc)
                 tensors[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "offset": off, "group": g}
                 off += len(data)
                 bar.update(len(data))

@@ -98,12 +98,11 @@ def layer_reads(store, layer: int, names: list[str]) -> LayerReads:
 
 
 def check_group_crc(plan: LayerReads, buf: AlignedBuffer, file: str) -> None:
-    import zlib
-
     from .errors import CheckpointError
+    from .storage.crc import crc32
 
     length, stored = plan.crc
-    got = zlib.crc32(buf.view(0, length))
+    got = crc32(buf.view(0, length))
     if got != stored:
         raise CheckpointError(f"{file}: spine group 'layer.{plan.layer}' CRC mismatch when streamed (stored "
                               f"{stored:08x}, computed {got:08x}): the spine is corrupt; convert the model again")
