@@ -243,10 +243,10 @@ class Container:
             result[name] = t if t is not None else torch.empty(info.shape, dtype=info.torch_dtype)
             by_group.setdefault(self.group_of[name], []).append(name)
         for g, members in by_group.items():
-            self._read_group(g, {n: result[n] for n in members})
+            self.read_group(g, {n: result[n] for n in members})
         return result
 
-    def _read_group(self, g: str, dest: dict[str, torch.Tensor]) -> None:
+    def read_group(self, g: str, dest: dict[str, torch.Tensor]) -> None:
         off, n, stored = self.spine_groups[g]
         f = self.file(self.spine_file)
         spans = sorted((self.tensors[name].offset - off, self.tensors[name].nbytes,
