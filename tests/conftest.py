@@ -19,27 +19,18 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
-from families import FamilyModels  # noqa: E402
+from families import BASE, LOGIT_MARGIN, REGISTRY, ROUTER_MARGIN, FamilyModels  # noqa: E402,F401
 
-# family -> extra config: each exercises what its family has (dense layers, sliding window, clip_qkv)
-FAMILY_CONFIGS = {
-    "qwen3_moe": dict(mlp_only_layers=[1], norm_topk_prob=True),
-    "mixtral": dict(sliding_window=8),
-    "olmoe": dict(clip_qkv=2.0),
-}
+# the softmax-router families' extra config, from the registry (tests/families.py): each
+# exercises what its family has (dense layers, sliding window, clip_qkv)
+FAMILY_CONFIGS = {f: REGISTRY[f].overrides for f in ("qwen3_moe", "mixtral", "olmoe")}
 FAMILIES = list(FAMILY_CONFIGS)
-
-LOGIT_MARGIN = 1e-3  # top-1 minus top-2 logit, far above fp32 error (~1e-6)
-ROUTER_MARGIN = 1e-5  # k-th minus (k+1)-th router probability
 
 
 def tiny_config(model_type: str, **overrides):
     from transformers import AutoConfig
 
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                num_local_experts=8, num_experts_per_tok=2, initializer_range=0.2, max_position_embeddings=512,
-                bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    base = dict(BASE)
     base.update(FAMILY_CONFIGS.get(model_type, {}))
     base.update(overrides)
     return AutoConfig.for_model(model_type, **base)

@@ -67,27 +67,13 @@ SKIP_REASONS = {
                    "buffered and passed, only the O_DIRECT assertion is skipped",
 }
 
-# Known bugs, fixed on another branch: each cell or switch that hits one is expected to fail
-# (strict: it must fail). Remove an entry when its fix lands, and the cells must pass.
-KNOWN_BUGS: dict[str, str] = {
-    "prefer_cached_router": "bug: prefer_cached passes the cache bias into family router closures that take "
-                            "no bias (deepseek_v3, gpt_oss, qwen3_next, kimi_linear) (router branch)",
-    "grouped_topk_order": "bug: grouped routers return top-k ids unsorted, moe_top_k keeps arbitrary experts "
-                          "(router branch)",
-    "streamed_derivation": "bug: derived tensors built at load time from still-empty streamed spine buffers "
-                           "(kimi_linear conv/A_log, qwen3_next conv weight of bf16 checkpoints) (router branch)",
-}
+# Known bugs: each cell or switch that hits one is expected to fail (strict: it must fail).
+# Add an entry while a fix is pending elsewhere; remove it when the fix lands.
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def _known_bug(family: str, kind: str, row: dict | None = None, switch: str | None = None) -> str | None:
-    """The KNOWN_BUGS key a cell or lossy switch hits, or None."""
-    if switch == "prefer_cached" and family in ("deepseek_v3", "gpt_oss", "qwen3_next", "kimi_linear"):
-        return "prefer_cached_router"
-    if switch == "moe_top_k" and family in ("deepseek_v3", "kimi_linear"):
-        return "grouped_topk_order"
-    if row is not None and row["spine"] == "streamed" and (
-            family == "kimi_linear" or (family == "qwen3_next" and kind == "bf16")):
-        return "streamed_derivation"
+    """The KNOWN_BUGS key a cell or lossy switch hits, or None (none today)."""
     return None
 
 
@@ -224,8 +210,8 @@ def _options(row: dict, base: dict) -> dict:
     opts = dict(reader_threads=row["readers"], prefetch=row["prefetch"], threads=row["threads"],
                 direct_io=None if row["io"] == "direct" else False,
                 prefill_chunk=1 if row["prefill"] == "stepwise" else 512)
-    if row["spine"] == "streamed":
-        opts["max_resident_layers"] = 1
+    if row["spine"] == "streamed":  # NaN in the stream buffers until their first fill: nothing derives early
+        opts.update(max_resident_layers=1, poison_stream_buffers=True)
     if row["cache"] == "working_set":
         opts["cache_experts"] = base["working_set"]
     return opts
@@ -333,7 +319,12 @@ def _check_top1_routing(ref_path: Path, seq: list[int], trace: Path) -> None:
 
 # -- quantized containers -----------------------------------------------------------------------
 
-QUANT_FORMATS = ("int8", "q4", "mxfp4")
+# format -> the teacher-forced top-1 agreement it must reach with the bf16 container. On tiny
+# random-weight models 4-bit experts reach 0.81-1.00 (measured on the registry's "bf16-std"
+# checkpoints), so 0.75 there; on the trained demo model q4 and mxfp4 agree 99-100%
+# (docs/quantization.md)
+QUANT_MIN_AGREEMENT = {"int8": 0.9, "q4": 0.75, "mxfp4": 0.75}
+QUANT_FORMATS = tuple(QUANT_MIN_AGREEMENT)
 # (family, format) -> the words convert's refusal must contain; none today
 QUANT_REFUSED: dict[tuple[str, str], str] = {}
 
@@ -341,23 +332,24 @@ QUANT_REFUSED: dict[tuple[str, str], str] = {}
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_quantized_container(family_models, family, fmt):
-    """Finite logits and teacher-forced top-1 agreement >= 0.9 with the bf16 container."""
+    """Finite logits, and teacher-forced top-1 agreement with the bf16 container (on the bf16
+    container's greedy continuation) of at least ``QUANT_MIN_AGREEMENT``."""
     if (family, fmt) in QUANT_REFUSED:
         with pytest.raises((ValueError, sluice.SluiceError), match=QUANT_REFUSED[(family, fmt)]):
-            family_models.container(family, "bf16", fmt)
+            family_models.container(family, "bf16-std", fmt)
         return
-    ref_box = family_models.container(family, "bf16")
+    ref_box = family_models.container(family, "bf16-std")
     with sluice.load(ref_box, memory=MEMORY, progress=False) as eng:
         assert eng.experts_source.format == "bf16"
         seq = IDS.tolist() + eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True).token_ids
         want = eng.forward(seq)
-    with sluice.load(family_models.container(family, "bf16", fmt), memory=MEMORY, progress=False) as eng:
+    with sluice.load(family_models.container(family, "bf16-std", fmt), memory=MEMORY, progress=False) as eng:
         assert eng.experts_source.format == fmt
         got = eng.forward(seq)
         assert torch.isfinite(got).all()
         assert eng.generate(IDS.tolist(), max_new_tokens=4, ignore_eos=True).token_ids
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, f"teacher-forced top-1 agreement {agree:.2f} with the bf16 container"
+    assert agree >= QUANT_MIN_AGREEMENT[fmt], f"teacher-forced top-1 agreement {agree:.2f} with the bf16 container"
 
 
 # -- the skip rule ------------------------------------------------------------------------------

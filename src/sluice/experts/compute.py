@@ -23,9 +23,8 @@ def _gate_up(spec: ExpertSpec, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, 
         if chain_rows(x.shape[0]):  # one call: each output's sum as apart
             y = linear_chain(x, gu, b, input_major=True)
             return y[:, 0::2], y[:, 1::2]
-        om = gu.t().contiguous()  # [2I, H] output-major, rows interleaving gate and up: as a container's
-        return (linear_chain(x, om[0::2], None if b is None else b[0::2]),
-                linear_chain(x, om[1::2], None if b is None else b[1::2]))
+        return (linear_chain(x, gu[:, 0::2], None if b is None else b[0::2], input_major=True),
+                linear_chain(x, gu[:, 1::2], None if b is None else b[1::2], input_major=True))
     if "gate_up" in w:  # [2I, H] output-major (quantized), gate/up interleaved rows
         gu = linear(x, w["gate_up"], w.get("gate_up_bias"))
         return gu[:, 0::2], gu[:, 1::2]
@@ -38,9 +37,7 @@ def _down(spec: ExpertSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
     h = h.contiguous()
     if "down_t" in w:
         d = w["down_t"]
-        if chain_rows(h.shape[0]):
-            return linear_chain(h, d, w.get("down_bias"), input_major=True)
-        return linear_chain(h, d.t().contiguous(), w.get("down_bias"))
+        return linear_chain(h, d, w.get("down_bias"), input_major=True)
     if spec.input_major and isinstance(w["down"], torch.Tensor):
         return linear_chain(h, w["down"], w.get("down_bias"))
     return linear(h, w["down"], w.get("down_bias"))

@@ -57,6 +57,8 @@ class _Lib:
         if self.chain:
             lib.sk_dense_chain.argtypes = [p, p, p, p, i, i, i, i, i]
             lib.sk_dense_chain.restype = None
+            lib.sk_transpose_f32.argtypes = [p, p, i, i, ctypes.c_longlong, ctypes.c_longlong, i, i]
+            lib.sk_transpose_f32.restype = None
         lib.sk_swiglu.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float, i]
         lib.sk_swiglu.restype = None
         self.invariant = hasattr(lib, "sk_attend")  # the batch-invariant kernels (attention, swiglu rows)
@@ -218,6 +220,15 @@ def dense_chain(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     _lib.lib.sk_dense_chain(x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None,
                             y.data_ptr(), t, n, k, _WTYPE[w.dtype], _lib.threads)
     return y
+
+
+def transpose_f32(w: torch.Tensor) -> torch.Tensor:
+    """w [K, N] f32/bf16/f16 (any strides) -> its transpose [N, K] as a new contiguous fp32 tensor."""
+    k, n = w.shape
+    out = torch.empty(n, k, dtype=torch.float32)
+    _lib.lib.sk_transpose_f32(w.data_ptr(), out.data_ptr(), k, n, w.stride(0), w.stride(1), _WTYPE[w.dtype],
+                              _lib.threads)
+    return out
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, scale: float) -> torch.Tensor:

@@ -760,6 +760,71 @@ EXPORT void sk_dense_chain(const float *x, const void *w, const float *bias, flo
     sk_parallel(dense_chain_task, &a, N, chunk < N ? chunk : N, nthreads);
 }
 
+/* dst[N, K] fp32 = src[K, N]^T, src element (k, n) at src[k * ld + n * cs] in f32 / bf16 / f16:
+ * (a strided view of) an input-major matrix as an output-major fp32 copy, in 64 x 64 tiles
+ * (8 x 8 register transposes with AVX2 when cs == 1). Exact: a conversion and a move, so the
+ * result does not depend on the path taken. */
+static inline float sval(const void *src, size_t k, size_t n, size_t ld, size_t cs, int wt) {
+    return wval(src, k * ld + n * cs, wt);
+}
+
+/* 8 elements src[idx + 2i] (i < 8) as fp32: f32 and bf16 (even elements of 16 loaded). */
+AVX2 static inline __m256 load8_even(const void *w, size_t idx, int wtype) {
+    if (wtype == WT_BF16) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + idx));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    }
+    __m256 lo = _mm256_loadu_ps((const float *)w + idx), hi = _mm256_loadu_ps((const float *)w + idx + 8);
+    __m256 e = _mm256_shuffle_ps(lo, hi, 0x88); /* lo0 lo2 hi0 hi2 | lo4 lo6 hi4 hi6 */
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
+}
+
+AVX2 static void transpose_tile_avx2(const void *src, int wt, size_t ld, size_t cs, float *dst, int K, int N,
+                                     int k0, int k1, int n0, int n1) {
+    int k = k0;
+    for (; k + 8 <= k1; k += 8) {
+        int n = n0;
+        for (; n + 8 <= n1 && (cs == 1 || n + 9 <= N); n += 8) { /* cs 2: 16 loaded, none past the last */
+            __m256 r[8];
+            for (int j = 0; j < 8; j++)
+                r[j] = cs == 1 ? load8(src, (size_t)(k + j) * ld + n, wt) : load8_even(src, (size_t)(k + j) * ld + 2 * (size_t)n, wt);
+            transpose8(r); /* r[j] = src[k..k+8, n+j] */
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(dst + (size_t)(n + j) * K + k, r[j]);
+        }
+        for (; n < n1; n++)
+            for (int j = 0; j < 8; j++) dst[(size_t)n * K + k + j] = sval(src, k + j, n, ld, cs, wt);
+    }
+    for (; k < k1; k++)
+        for (int n = n0; n < n1; n++) dst[(size_t)n * K + k] = sval(src, k, n, ld, cs, wt);
+}
+
+typedef struct { const void *src; float *dst; size_t ld, cs; int K, N, wtype; } transpose_args;
+
+static void transpose_task(void *ctx, int n0, int n1) { /* a range of output rows (input columns) */
+    const transpose_args *a = (const transpose_args *)ctx;
+    for (int k0 = 0; k0 < a->K; k0 += 64) {
+        int k1 = k0 + 64 < a->K ? k0 + 64 : a->K;
+        for (int c0 = n0; c0 < n1; c0 += 64) {
+            int c1 = c0 + 64 < n1 ? c0 + 64 : n1;
+            if ((a->cs == 1 || (a->cs == 2 && a->wtype != WT_F16)) && sk_avx2()) {
+                transpose_tile_avx2(a->src, a->wtype, a->ld, a->cs, a->dst, a->K, a->N, k0, k1, c0, c1);
+                continue;
+            }
+            for (int k = k0; k < k1; k++)
+                for (int n = c0; n < c1; n++) a->dst[(size_t)n * a->K + k] = sval(a->src, k, n, a->ld, a->cs, a->wtype);
+        }
+    }
+}
+
+EXPORT void sk_transpose_f32(const void *src, float *dst, int K, int N, long long ld, long long cs, int wtype,
+                             int nthreads) {
+    transpose_args a = {src, dst, (size_t)ld, (size_t)cs, K, N, wtype};
+    if ((size_t)N * K < (64u << 10)) nthreads = 1;
+    int chunk = (N + (nthreads > 0 ? nthreads : 1) - 1) / (nthreads > 0 ? nthreads : 1);
+    chunk = (chunk + 63) & ~63;
+    sk_parallel(transpose_task, &a, N, chunk < N ? chunk : N, nthreads);
+}
+
 EXPORT int sk_has_avx2(void) { return sk_avx2(); }
 
 EXPORT int sk_version(void) { return 4; }

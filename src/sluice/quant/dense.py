@@ -105,12 +105,13 @@ def linear_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``x @ W (+ bias)`` summed in one order whichever way W is stored: ``weight`` is W [K, N]
     (``input_major``, e.g. a strided view into a fused GPT-OSS slice) or W.T [N, K] (canonical).
 
-    Batches up to ``CHAIN_BATCH`` rows (decode, speculation, most experts' share of a prefill)
+    Every batch with batch-invariant kernels (the default), else batches up to ``CHAIN_BATCH`` rows
     go through the C kernels: each output is one fused multiply-add chain over k in ascending
     order (``kernels.dense_t`` on input-major, ``kernels.dense_chain`` on output-major weights:
     the same bits, whatever the batch, tiling or thread count). Larger batches, or no C kernels:
-    sgemm on a fresh fp32 copy of W.T in bounded row blocks, the same call for both layouts
-    (sgemm on W vs W.T gives other bits: measured). So a family whose checkpoints store experts
+    sgemm on a fresh fp32 input-major copy of W in bounded column blocks (from output-major
+    weights: made by a tiled C transpose), the same call for both layouts (sgemm on W and on
+    W.T gives other bits, and input-major B measured 2x faster at T=64). So a family whose checkpoints store experts
     input-major gives the same logits from its Hugging Face directory and from a container.
     """
     if bias is not None and bias.dtype != torch.float32:
@@ -120,15 +121,21 @@ def linear_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.dim() == 2 and x.shape[0] <= CHAIN_BATCH and weight.is_contiguous() and kernels.chain_available():
         kernel = kernels.dense_t if input_major else kernels.dense_chain
         return kernel(x.contiguous(), weight, bias)
-    w = weight.t() if input_major else weight  # [N, K]
-    n, k = w.shape
-    rows = max(1, _CHUNK_ELEMS // max(k, 1))
+    n = weight.shape[1] if input_major else weight.shape[0]
+    k = weight.shape[0] if input_major else weight.shape[1]
+    cols = max(1, _CHUNK_ELEMS // max(k, 1))
     out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        block = torch.empty((r1 - r0, k), dtype=torch.float32)
-        block.copy_(w[r0:r1])
-        torch.matmul(x, block.t(), out=out[..., r0:r1])
+    for c0 in range(0, n, cols):
+        c1 = min(n, c0 + cols)
+        if input_major:  # W's columns as they are (a strided gather for a fused slice), upcast
+            block = torch.empty((k, c1 - c0), dtype=torch.float32)
+            block.copy_(weight[:, c0:c1])
+        elif kernels.chain_available():  # W.T's rows, transposed by the C kernel (torch's is slow)
+            block = kernels.transpose_f32(weight[c0:c1])
+        else:
+            block = torch.empty((k, c1 - c0), dtype=torch.float32)
+            block.copy_(weight[c0:c1].t())
+        torch.matmul(x, block, out=out[..., c0:c1])
     if bias is not None:
         out += bias
     return out
