@@ -3,10 +3,11 @@
 Kernel level: random inputs computed in batches of 1, 3, 8, 17, 64 and 300 rows give the
 same bits (``torch.equal``) for every product (f32/bf16/f16 weights, output- and input-major,
 each quantized format, block FP8), attention (chunks of queries at their positions, GQA,
-sliding window, sinks), the one-call SwiGLU expert, grouped routing and element-wise math;
+sliding window, sinks), the one-call SwiGLU expert, the gated delta rule's recurrence, grouped
+routing and element-wise math;
 also on the portable (non-AVX2) kernels, in a subprocess. Model level: every family of the
 registry (``tests/families.py``) gives the same logits with ``prefill_chunk`` 1, 7 and 512,
-linear-attention families included (their prefill takes the recurrent step per token).
+linear-attention families included (their prefill runs the recurrence token by token, in C).
 """
 
 from __future__ import annotations
@@ -140,6 +141,36 @@ def test_routing_and_pointwise():
     assert torch.equal(pointwise(torch.sigmoid, big)[2990:], pointwise(torch.sigmoid, big[2990:]))
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+def test_delta_rule_recurrence(per_channel):
+    """The gated delta rule in chunks of any size (carrying the state) gives the bits of one
+    token at a time, and the fp64 chunked form's values (rounding apart)."""
+    from sluice.layers.gated_delta import delta_rule, delta_rule_chunked
+
+    g_ = gen(14)
+    h, t, dk, dv = 3, 60, 16, 12
+    q = torch.nn.functional.normalize(torch.randn(h, t, dk, generator=g_), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(h, t, dk, generator=g_), dim=-1)
+    v = torch.randn(h, t, dv, generator=g_)
+    g = -torch.rand(h, t, dk, generator=g_) if per_channel else -torch.rand(h, t, generator=g_)
+    beta = torch.rand(h, t, generator=g_)
+
+    def chunked(size):
+        outs, S = [], None
+        for i in range(0, t, size):
+            o, S = delta_rule(q[:, i : i + size], k[:, i : i + size], v[:, i : i + size], g[:, i : i + size],
+                              beta[:, i : i + size], S)
+            outs.append(o)
+        return torch.cat(outs, dim=1), S
+
+    ref, ref_s = chunked(1)
+    for size in (3, 8, 17, 64):
+        o, S = chunked(size)
+        assert torch.equal(o, ref) and torch.equal(S, ref_s), f"chunks of {size}"
+    o64, _ = delta_rule_chunked(q.double(), k.double(), v.double(), g.double(), beta.double(), None)
+    assert (ref.double() - o64).abs().max() < 1e-5
+
+
 def test_fast_path_still_close():
     """With batch invariance off (benchmarks), the sgemm / torch paths agree to rounding."""
     g = gen(12)
@@ -171,6 +202,7 @@ def test_portable_kernels_invariant():
         "t.test_swiglu_expert_rows()\n"
         "t.test_quantized_products('q4')\n"
         "t.test_block_fp8_products()\n"
+        "t.test_delta_rule_recurrence(True)\n"
     )
     env = dict(os.environ, SLUICE_KERNELS_PORTABLE="1")
     root = Path(__file__).resolve().parent.parent

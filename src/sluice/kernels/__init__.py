@@ -69,6 +69,8 @@ class _Lib:
             lib.sk_swiglu_rows.restype = None
             lib.sk_attend.argtypes = [p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, p, i]
             lib.sk_attend.restype = None
+            lib.sk_delta_rule.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i]
+            lib.sk_delta_rule.restype = None
         lib.sk_set_threads.argtypes = [i]
         lib.sk_set_threads.restype = i
         lib.sk_has_avx2.restype = i
@@ -332,3 +334,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scal
     _lib.lib.sk_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if sinks is None else sinks.data_ptr(),
                        out.data_ptr(), t, hq, hkv, d, dv, q_start, window or 0, scale, strides, _lib.threads)
     return out
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, beta: torch.Tensor,
+               S: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule's recurrence over T tokens, token by token (batch-invariant).
+
+    q, k [T, H, Dk]; v [T, H, Dv]; a = exp(g): [T, H] or [T, H, Dk]; beta [T, H]; S [H, Dk, Dv]
+    or None (zeros), all fp32 -> (o [T, H, Dv], new S). S is not modified."""
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    S = torch.zeros(h, dk, dv, dtype=torch.float32) if S is None else S.float().clone()
+    q, k, v, a, beta = (x.float().contiguous() for x in (q, k, v, a, beta))
+    o = torch.empty(t, h, dv, dtype=torch.float32)
+    _lib.lib.sk_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), a.data_ptr(), beta.data_ptr(), S.data_ptr(),
+                           o.data_ptr(), t, h, dk, dv, int(a.dim() == 3), _lib.threads)
+    return o, S

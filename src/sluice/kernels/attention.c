@@ -106,3 +106,68 @@ EXPORT void sk_attend(const float *q, const float *k, const float *v, const floa
     if (work < 65536) nthreads = 1;
     sk_parallel(attend_task, &a, T * Hq, 1, nthreads);
 }
+
+/* ------------------------------------------------ gated delta rule, recurrent ---- */
+
+/*
+ * For each head h (in parallel) and token t in order, with the state S [Dk, Dv] (row i = key
+ * channel i) kept in cache across the tokens:
+ *   S[i, :] *= a[t, h, i]                      (a: one decay per head, or one per key channel)
+ *   u = beta[t, h] * (v[t, h] - sum_i k_i S[i, :])    ascending i
+ *   S[i, :] += k_i u
+ *   o[t, h] = sum_i q_i S[i, :]                ascending i
+ * Every token goes through the same arithmetic whatever T is, so prefill chunks of any size
+ * give the bits of token-by-token decoding. q, k [T, H, Dk], v [T, H, Dv], a [T, H, Dk] or
+ * [T, H] (per_channel 0), beta [T, H], S [H, Dk, Dv] (updated in place), o [T, H, Dv];
+ * all fp32 and contiguous. scratch: 2 * Dv floats per thread.
+ */
+typedef struct {
+    const float *q, *k, *v, *a, *beta;
+    float *S, *o;
+    int T, H, Dk, Dv, per_channel;
+} delta_args;
+
+static void delta_task(void *ctx, int h0, int h1) {
+    const delta_args *d = (const delta_args *)ctx;
+    const int Dk = d->Dk, Dv = d->Dv, H = d->H;
+    const int avx = sk_avx2();
+    float *kv = (float *)sk_scratch(4, sizeof(float) * 2 * (size_t)Dv);
+    float *u = kv + Dv;
+    for (int h = h0; h < h1; h++) {
+        float *S = d->S + (size_t)h * Dk * Dv;
+        for (int t = 0; t < d->T; t++) {
+            const size_t th = (size_t)t * H + h;
+            const float *q = d->q + th * Dk, *k = d->k + th * Dk, *v = d->v + th * Dv;
+            const float *a = d->per_channel ? d->a + th * Dk : d->a + th;
+            memset(kv, 0, sizeof(float) * (size_t)Dv);
+            for (int i = 0; i < Dk; i++) {
+                float *row = S + (size_t)i * Dv;
+                const float ai = d->per_channel ? a[i] : a[0];
+                for (int j = 0; j < Dv; j++) row[j] *= ai;
+                if (avx) axpy_avx2(k[i], row, kv, Dv);
+                else axpy_c(k[i], row, kv, Dv);
+            }
+            const float b = d->beta[th];
+            for (int j = 0; j < Dv; j++) u[j] = (v[j] - kv[j]) * b;
+            float *o = d->o + th * Dv;
+            memset(o, 0, sizeof(float) * (size_t)Dv);
+            for (int i = 0; i < Dk; i++) {
+                float *row = S + (size_t)i * Dv;
+                if (avx) {
+                    axpy_avx2(k[i], u, row, Dv);
+                    axpy_avx2(q[i], row, o, Dv);
+                } else {
+                    axpy_c(k[i], u, row, Dv);
+                    axpy_c(q[i], row, o, Dv);
+                }
+            }
+        }
+    }
+}
+
+EXPORT void sk_delta_rule(const float *q, const float *k, const float *v, const float *a, const float *beta, float *S,
+                          float *o, int T, int H, int Dk, int Dv, int per_channel, int nthreads) {
+    delta_args d = {q, k, v, a, beta, S, o, T, H, Dk, Dv, per_channel};
+    if ((long)T * H * Dk * Dv < 65536) nthreads = 1;
+    sk_parallel(delta_task, &d, H, 1, nthreads);
+}
