@@ -156,10 +156,11 @@ def run(engine, req: Request) -> Iterator[Step]:
         t1 = time.perf_counter()
         tracing = engine.trace is not None and not prefill
         if tracing:
-            engine.experts.routing = {}
+            engine.experts.routing, engine.experts.predicted_routing = {}, {}
         with torch.inference_mode():
             rows = _verify(engine, pending, draft, pos)  # [1 + d, V]
             routed, engine.experts.routing = engine.experts.routing, None
+            predicted, engine.experts.predicted_routing = engine.experts.predicted_routing, None
             a = 0
             if draft:
                 preds = rows.argmax(dim=-1).tolist()
@@ -179,8 +180,11 @@ def run(engine, req: Request) -> Iterator[Step]:
         else:
             forwards.append((1 + a, time.perf_counter() - t1))
         if tracing:
+            moe = engine.desc.moe_layers
             for i in range(len(pending) + a):  # the tokens this forward processed and kept
-                engine.trace.write(pos + i, [routed[layer][i].tolist() for layer in engine.desc.moe_layers])
+                engine.trace.write(pos + i, [routed[layer][0][i].tolist() for layer in moe],
+                                   [routed[layer][1][i].tolist() for layer in moe],
+                                   [predicted[layer][i].tolist() if layer in predicted else [] for layer in moe])
             engine.trace.flush()
         engine.experts.decoding = True
         for i in range(a + 1):

@@ -30,12 +30,20 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import torch
+
+from .experts.cache import ExpertCache
+from .experts.layout import ExpertLayout
 from .experts.policy import LFRU, POLICIES, Pinned, Policy, make_policy
+from .experts.provider import ExpertProvider
+from .experts.source import ExpertSource
+from .experts.spec import ExpertSpec
 from .trace import Trace
 
 NEVER = math.inf
 SCOPES = ("layer", "global")
 SEMANTICS = ("engine", "sequential")
+PREDICTIONS = ("off", "hint", "prefetch")
 DEFAULT_MULTIPLES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # of one layer's top-k: 8,12,16,24,32,48 for top-8
 DEFAULT_POLICIES = ("lru", "lfru")
 
@@ -86,8 +94,14 @@ class Belady(Policy):
             self._heap = [(n, i, k) for n, i, k in self._heap if self._next.get(k) == -n]
             heapq.heapify(self._heap)
 
-    def insert(self, key):
-        self._use(key)
+    def insert(self, key, speculative=False):
+        if not speculative:
+            self._use(key)
+            return
+        q = self._uses[key]  # a prediction read ahead: not a use, its next use is still ahead
+        self._next[key] = nxt = q[0] if q else NEVER
+        self._seq += 1
+        heapq.heappush(self._heap, (-nxt, self._seq, key))
 
     def access(self, key):
         self._use(key)
@@ -137,7 +151,7 @@ class TwoQ(Policy):
         self.am: OrderedDict = OrderedDict()
         self.a1out: OrderedDict = OrderedDict()
 
-    def insert(self, key):
+    def insert(self, key, speculative=False):
         if key in self.a1out:
             del self.a1out[key]
             self.am[key] = None
@@ -179,7 +193,7 @@ class ARC(Policy):
         self.p = 0.0
         self.c = 1
 
-    def insert(self, key):
+    def insert(self, key, speculative=False):
         self.c = max(self.c, len(self.t1) + len(self.t2) + 1)
         if key in self.b1:
             self.p = min(self.c, self.p + max(len(self.b2) / max(len(self.b1), 1), 1))
@@ -231,7 +245,7 @@ class ProbationLFRU(Policy):
     def tick(self):
         self.main.tick()
 
-    def insert(self, key):
+    def insert(self, key, speculative=False):
         self.prob[key] = None
 
     def access(self, key):
@@ -270,7 +284,7 @@ class LFU(Policy):
     def tick(self):
         self.inner.tick()
 
-    def insert(self, key):
+    def insert(self, key, speculative=False):
         self.inner.insert(key)
 
     def access(self, key):
@@ -300,6 +314,8 @@ class ReplayResult:
     hits: int
     lookups: int
     evictions: int
+    prefetch_reads: int = 0  # with predictions="prefetch": speculative reads ...
+    prefetch_used: int = 0  # ... and those the predicted layer used
 
     @property
     def hit_rate(self) -> float:
@@ -311,31 +327,122 @@ class ReplayResult:
         return d
 
 
-class _Cache:
-    __slots__ = ("capacity", "policy", "resident")
+class _Weightless(ExpertSource):
+    """Experts without bytes: every record is an empty one-byte slot and a read lands nothing."""
 
-    def __init__(self, capacity: int, policy: Policy):
-        self.capacity, self.policy, self.resident = capacity, policy, set()
+    format = "weightless"
+    slot_bytes = 1
+    _layout = ExpertLayout(reads=(), views=(), slot_bytes=1)
+
+    def layout(self, layer, expert):
+        return self._layout
+
+    def read(self, layer, expert, buf, base=0, verify_crc=False):
+        return self._layout
+
+    @property
+    def direct_io(self) -> bool:
+        return False
+
+    @property
+    def record_bytes(self) -> int:
+        return 0
+
+
+class _Done:
+    """A finished read: the part of ``concurrent.futures.Future`` the provider uses."""
+
+    __slots__ = ("_value", "_error")
+
+    def __init__(self, value, error):
+        self._value, self._error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def cancel(self) -> bool:
+        return False
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class _AtOnce:
+    """A reader pool whose reads complete inside ``submit`` (in issue order)."""
+
+    def submit(self, fn, *args, priority: int = 0) -> _Done:
+        try:
+            return _Done(fn(*args), None)
+        except Exception as e:
+            return _Done(None, e)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _no_output(spec, weights, x, scale):
+    return x
+
+
+def _no_forward(spec, weights, x):
+    return x
+
+
+_SPEC = ExpertSpec(hidden=1, intermediate=1)
+
+
+class CacheSim:
+    """The engine's own expert cache and lookup loop (``ExpertCache`` + ``ExpertProvider.moe``)
+    over weightless experts: reads complete at once, expert compute does nothing. Only the
+    bookkeeping runs: lookups, pins, evictions, the policy's events and the counters."""
+
+    def __init__(self, slots: int, policy: Policy, n_experts: int):
+        self.cache = ExpertCache(slots, _Weightless.slot_bytes, policy)
+        self.provider = ExpertProvider(_Weightless(), self.cache, _SPEC, n_experts, pool=_AtOnce(),
+                                       compute=(_no_output, _no_forward))
+        self.provider.decoding = True
+        self._x = torch.zeros(1, 1)
+
+    def tick(self) -> None:
+        self.cache.policy.tick()  # what Engine._run does before each forward
+
+    def predict(self, layer: int, experts: Sequence[int], read: bool) -> None:
+        """What the engine's lookahead does after the previous layer's attention."""
+        self.provider.prefetch(layer, list(experts), read=read)
+
+    def run_layer(self, layer: int, experts: Sequence[int]) -> None:
+        """One decode token's MoE call for ``layer``, routed to ``experts``."""
+        ids = torch.tensor([list(experts)])
+        self.provider.moe(layer, self._x, ids, torch.ones(ids.shape))
 
 
 def replay(trace: Trace, policy: str | Callable[[], Policy], capacity: int, scope: str = "layer",
-           semantics: str = "engine", pins: Sequence[tuple[int, int]] = ()) -> ReplayResult:
+           semantics: str = "engine", pins: Sequence[tuple[int, int]] = (),
+           predictions: str = "off") -> ReplayResult:
     """Replay ``trace`` through caches of ``capacity`` experts per layer.
 
     ``policy`` is a policy spec (``"lru"``, ``"lfru:half_life=8"``, ``"belady"``) or a factory
     of fresh ``Policy`` objects (one per cache). ``pins`` wraps each cache's policy in
-    ``Pinned`` (pinned keys are never evicted once resident).
+    ``Pinned`` (pinned keys are never evicted once resident). ``predictions`` (for traces
+    that record the lookahead's predictions): ``"off"``, ``"hint"`` (the policy hears them,
+    nothing is read) or ``"prefetch"`` (speculative reads, as the engine does; such a read
+    completes at once, so a used prediction counts as a hit).
     """
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+    if predictions not in PREDICTIONS:
+        raise ValueError(f"predictions must be one of {PREDICTIONS}, got {predictions!r}")
+    if predictions != "off" and trace.pred is None:
+        raise ValueError(f"{trace.source}: the trace records no predictions (record one with --trace-routing)")
     layers, k = trace.layers, trace.top_k
     if capacity < 1:
         raise ValueError("capacity must be at least 1 expert per layer")
     if semantics == "engine" and capacity < k:
         raise ValueError(f"capacity {capacity} per layer cannot hold one layer's {k} experts (engine semantics)")
-    uses = None
     if isinstance(policy, str):
         spec = policy
         if spec == "belady":
@@ -357,55 +464,44 @@ def replay(trace: Trace, policy: str | Callable[[], Policy], capacity: int, scop
             raise ValueError(f"pins do not fit at {capacity} experts per layer ({scope} scope): {why}")
     n_caches = layers if scope == "layer" else 1
     per_cache = capacity if scope == "layer" else capacity * layers
-    caches = []
+    n_experts = max(trace.experts, 1)
+    sims = []
     for _ in range(n_caches):
         p = factory()
-        caches.append(_Cache(per_cache, Pinned(p, pin_set) if pin_set else p))
-    label = caches[0].policy.name if not isinstance(policy, str) else (
-        policy if not pin_set else f"pinned({policy})")
-
-    hits = lookups = evictions = 0
-    everything = lambda key: True  # noqa: E731
-    for step in trace.steps:
-        for c in caches:
-            c.policy.tick()
-        for layer, ids in enumerate(step):
-            c = caches[layer if n_caches > 1 else 0]
-            res, pol = c.resident, c.policy
-            keys = [(layer, e) for e in ids]
-            lookups += len(keys)
-            if semantics == "engine":
-                missing = []
-                for key in keys:
-                    if key in res:
-                        hits += 1
-                        pol.access(key)
-                    else:
-                        missing.append(key)
-                if not missing:
-                    continue
-                pinned = set(keys)
-                evictable = lambda key: key not in pinned  # noqa: E731
-            else:
-                missing = keys
-                evictable = everything
-            for key in missing:
-                if semantics == "sequential" and key in res:
-                    hits += 1
-                    pol.access(key)
-                    continue
-                if len(res) >= c.capacity:
-                    v = pol.victim(evictable)
-                    if v is None:
-                        raise ValueError(f"{label}: no evictable expert in a cache of {c.capacity} slots "
-                                         f"(pins leave no room for layer {layer}'s experts)")
-                    res.remove(v)
-                    pol.remove(v)
-                    evictions += 1
-                res.add(key)
-                pol.insert(key)
-    return ReplayResult(label, scope, capacity, per_cache * n_caches, capacity / k if k else 0.0,
-                        hits, lookups, evictions)
+        sims.append(CacheSim(per_cache, Pinned(p, pin_set) if pin_set else p, n_experts))
+    pol = sims[0].cache.policy
+    label = pol.name if not isinstance(policy, str) else (policy if not pin_set else f"pinned({policy})")
+    if predictions != "off":
+        label += f" +{predictions}"
+    read = predictions == "prefetch"
+    pred = trace.pred if predictions != "off" else None
+    sequential = semantics == "sequential"
+    try:
+        for t, step in enumerate(trace.steps):
+            for sim in sims:
+                sim.tick()
+            for layer, ids in enumerate(step):
+                if pred is not None and layer + 1 < layers and pred[t][layer + 1]:
+                    sims[layer + 1 if n_caches > 1 else 0].predict(layer + 1, pred[t][layer + 1], read)
+                sim = sims[layer if n_caches > 1 else 0]
+                if sequential:  # one expert per call: only the expert being fetched is pinned
+                    for e in ids:
+                        sim.run_layer(layer, (e,))
+                else:
+                    sim.run_layer(layer, ids)
+    except RuntimeError as e:
+        raise ValueError(f"{label}: {e}") from None
+    hits = sum(s.provider.counters.hits for s in sims)
+    lookups = sum(s.provider.counters.lookups for s in sims)
+    evictions = sum(s.cache.evictions for s in sims)
+    for s in sims:
+        s.provider.close()
+    res = ReplayResult(label, scope, capacity, per_cache * n_caches, capacity / k if k else 0.0,
+                       hits, lookups, evictions)
+    if read:
+        res.prefetch_reads = sum(s.provider.counters.prefetch_reads for s in sims)
+        res.prefetch_used = sum(s.provider.counters.prefetch_used for s in sims)
+    return res
 
 
 def pins_fit(trace: Trace, pins: Sequence[tuple[int, int]], capacity: int, scope: str) -> str | None:
