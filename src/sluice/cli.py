@@ -372,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--semantics", choices=["engine", "sequential"], default="engine",
                    help="engine: a layer's experts are looked up, then pinned while its misses are fetched "
                         "(default); sequential: each access fetched on its own, nothing pinned")
+    t.add_argument("--predictions", choices=["off", "hint", "prefetch"], default="off",
+                   help="for traces that record the lookahead's predictions (--trace-routing writes them): also "
+                        "replay each policy with them: hint (the policy hears them, nothing is read ahead) or "
+                        "prefetch (read ahead, as the engine does; such a read completes at once in the replay)")
     t.add_argument("--tokens", default=None, metavar="START:STOP", help="replay only these tokens (0-based slice)")
     t.add_argument("--pins", default=None, metavar="FILE",
                    help="also replay each policy with these experts pinned (a sluice-pins-v1 file)")

@@ -528,16 +528,20 @@ def capacities_for(trace: Trace, multiples: Sequence[float] = DEFAULT_MULTIPLES)
 
 
 def sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[int], scopes: Sequence[str] = SCOPES,
-          semantics: str = "engine", belady: bool = True, pins: Sequence[tuple[int, int]] = ()) -> list[ReplayResult]:
-    """Every (scope, policy, capacity) combination; Belady last within each scope."""
+          semantics: str = "engine", belady: bool = True, pins: Sequence[tuple[int, int]] = (),
+          predictions: str = "off") -> list[ReplayResult]:
+    """Every (scope, policy, capacity) combination; Belady last within each scope. With
+    ``predictions`` other than ``"off"``, each policy is replayed without and with them."""
     out = []
     specs = list(policies) + (["belady"] if belady else [])
     for scope in scopes:
         for spec in specs:
-            for cap in capacities:
-                out.append(replay(trace, spec, cap, scope, semantics))
-                if pins and spec != "belady" and pins_fit(trace, pins, cap, scope) is None:
-                    out.append(replay(trace, spec, cap, scope, semantics, pins=pins))
+            modes = ["off"] if spec == "belady" or predictions == "off" else ["off", predictions]
+            for mode in modes:
+                for cap in capacities:
+                    out.append(replay(trace, spec, cap, scope, semantics, predictions=mode))
+                    if pins and spec != "belady" and pins_fit(trace, pins, cap, scope) is None:
+                        out.append(replay(trace, spec, cap, scope, semantics, pins=pins, predictions=mode))
     return out
 
 
@@ -641,9 +645,12 @@ def synthetic_trace(spec: SyntheticSpec) -> Trace:
 
 
 def describe(trace: Trace) -> dict:
-    return {"source": trace.source, "tokens": trace.tokens, "layers": trace.layers, "experts": trace.experts,
-            "top_k": trace.top_k, "working_set": trace.top_k * trace.layers, "lookups": trace.lookups,
-            "next_token_reuse": trace.reuse()}
+    d = {"source": trace.source, "tokens": trace.tokens, "layers": trace.layers, "experts": trace.experts,
+         "top_k": trace.top_k, "working_set": trace.top_k * trace.layers, "lookups": trace.lookups,
+         "next_token_reuse": trace.reuse()}
+    if trace.pred is not None:
+        d["prediction_recall"] = trace.prediction_recall()
+    return d
 
 
 @dataclass
@@ -660,10 +667,12 @@ class Report:
 
 
 def build_report(trace: Trace, policies: Sequence[str], capacities: Sequence[int], scopes: Sequence[str] = SCOPES,
-                 semantics: str = "engine", pins: Sequence[tuple[int, int]] = (), pins_source: str = "") -> Report:
+                 semantics: str = "engine", pins: Sequence[tuple[int, int]] = (), pins_source: str = "",
+                 predictions: str = "off") -> Report:
     k, layers = trace.top_k, trace.layers
     caps = [{"experts_per_layer": c, "multiple": c / k, "global_slots": c * layers} for c in capacities]
-    rep = Report(describe(trace), semantics, caps, sweep(trace, policies, capacities, scopes, semantics, pins=pins))
+    rep = Report(describe(trace), semantics, caps,
+                 sweep(trace, policies, capacities, scopes, semantics, pins=pins, predictions=predictions))
     if pins:
         rep.pins = {"count": len(pins), "source": pins_source}
     return rep
@@ -679,6 +688,9 @@ def render(rep: Report) -> str:
             " (a layer's experts are looked up, then pinned while its misses are fetched)"
             if rep.semantics == "engine" else " (each access fetched on demand in id order, nothing pinned)"),
     ]
+    if "prediction_recall" in t:
+        lines.append(f"  lookahead predictions recorded: recall {t['prediction_recall']:.3f} "
+                     "(+hint: the policy hears them; +prefetch: they are read ahead too)")
     if rep.pins:
         lines.append(f"  pins: {rep.pins['count']} keys from {rep.pins['source']}")
     caps = [c["experts_per_layer"] for c in rep.capacities]
@@ -758,8 +770,12 @@ def run_cli(args) -> int:
         if spec != "belady":
             make_policy(spec, STUDY_POLICIES)
     scopes = SCOPES if args.scope == "both" else (args.scope,)
+    predictions = getattr(args, "predictions", "off")
+    if predictions != "off" and trace.pred is None:
+        raise ValueError(f"--predictions {predictions}: {trace.source} records no lookahead predictions "
+                         "(traces written by --trace-routing do)")
     rep = build_report(trace, [p for p in policies if p != "belady"], caps, scopes, args.semantics, pins,
-                       args.pins or "")
+                       args.pins or "", predictions)
     print(json.dumps(rep.as_json(), indent=1) if args.json else render(rep))
     return 0
 
