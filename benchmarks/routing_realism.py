@@ -28,7 +28,7 @@ from sluice.replay import replay
 from sluice.trace import Trace, read_trace
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
-DEFAULT_OLMOE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "olmoe-1b-7b_299tok.jsonl"
+DEFAULT_OLMOE = Path(__file__).resolve().parents[1] / "tests" / "data" / "olmoe-1b-7b_299tok.jsonl"
 
 
 def sluice_trace(model: Path, tokens: int, out: Path) -> Trace:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row("same architecture, random weights",
                         sluice_trace(random_twin(tmp / "random"), args.tokens, tmp / "random.jsonl")))
     if args.olmoe.is_file():
-        rows.append(row("OLMoE-1B-7B (real trace, shared/traces)", read_trace(args.olmoe)))
+        rows.append(row("OLMoE-1B-7B (real trace, tests/data)", read_trace(args.olmoe)))
     else:
         print(f"[routing] no OLMoE trace at {args.olmoe}; pass --olmoe", file=sys.stderr)
     print(markdown(rows))

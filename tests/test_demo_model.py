@@ -40,12 +40,13 @@ def engine():
 
 def test_shipped_checkpoint_is_small_and_complete():
     files = {p.name: p.stat().st_size for p in SHIPPED_MODEL.iterdir()}
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert files.get(name, 0) > 0, name
     assert sum(files.values()) <= 50e6
     cfg = json.loads((SHIPPED_MODEL / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_moe" and cfg["num_experts"] >= 16
-    assert not (SHIPPED_MODEL / "chat_template.jinja").exists()  # a completion model
+    # a completion model with a chat template added after training (docs/demo-model.md)
+    assert json.loads((SHIPPED_MODEL / "tokenizer_config.json").read_text())["chat_stop_strings"]
 
 
 @pytest.mark.parametrize("speculate", [False, True])

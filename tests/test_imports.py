@@ -27,17 +27,17 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "base": ("errors, sizes, progress bars, system memory", ("errors", "units", "progress", "sysmem")),
     "kernels": ("C kernels and their ctypes bindings", ("kernels",)),
     "quant": ("weight formats and their matrix products", ("quant",)),
-    "storage": ("files and bytes: reads, buffers, safetensors tables, the container format",
-                ("storage", "checkpoint", "container")),
+    "storage": ("files and bytes: reads, buffers, safetensors tables, the container format, where a named model is",
+                ("storage", "checkpoint", "container", "resolve")),
     "layers": ("attention, MLA, linear attention, norms, rotary, routing, sampling", ("layers",)),
     "experts": ("the expert interface: sources, layouts, cache and policies, readers, compute", ("experts",)),
     "models": ("one module per model family", ("models",)),
     "planner": ("memory budget -> spine residency, KV cache, buffers, expert cache", ("plan",)),
-    "runtime": ("the engine's moving parts: generation, speculation, spine streaming, tokenizer, traces",
-                ("generation", "speculative", "spine", "text", "tokenizer", "trace")),
-    "api": ("sluice.load, Engine, ModelInfo", ("", "engine")),
+    "runtime": ("the engine's moving parts: generation, speculation, spine streaming, tokenizer, chat templates, traces",
+                ("generation", "speculative", "spine", "text", "tokenizer", "chat_template", "trace")),
+    "api": ("sluice.load, Engine, ModelInfo, the checks of their arguments", ("", "engine", "validate")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "inspect", "bench")),
-    "faces": ("what users run: the command line, terminal chat, demo, HTTP server", ("cli", "chat", "demo", "server")),
+    "faces": ("what users run: the command line, terminal chat, demo, HTTP server", ("cli", "cli_args", "chat", "demo", "server")),
 }
 
 # layer -> the other layers its modules may import (modules of the same layer may import each other)

@@ -68,7 +68,7 @@ def test_below_streaming_floor_is_refused(spine_model):
 
 def test_inspect_shows_streaming_plan(spine_model):
     out = subprocess.run([sys.executable, "-m", "sluice.cli", "inspect", str(spine_model), "--memory",
-                          str(SPINE_BUDGET), "--max-context", "256", "--json"], capture_output=True, text=True)
+                          f"{SPINE_BUDGET}B", "--max-context", "256", "--json"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["floor_bytes"] < r["floor_resident_bytes"]

@@ -1,4 +1,4 @@
-"""Trace replay: Belady is optimal, the shared trace's reference figures, the CLI, trace and pin files."""
+"""Trace replay: Belady is optimal, the OLMoE trace's reference figures (tests/data), the CLI, trace and pin files."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ from sluice.trace import (
     write_trace,
 )
 
-SHARED_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "olmoe-1b-7b_299tok.jsonl"
+# a real OLMoE routing trace kept in the repository (tests/data/README.md: source, licence, sha256)
+OLMOE_TRACE = Path(__file__).resolve().parent / "data" / "olmoe-1b-7b_299tok.jsonl"
+OLMOE_SHA256 = "7d8e7f63551aa24ddab98134b267b6bdf1b4f55d72a6fa7589042f54a4a4383b"
 
 
 def random_trace(rng: random.Random, tokens: int, layers: int, experts: int, k: int, skew: float = 1.0) -> Trace:
@@ -140,15 +142,15 @@ def test_engine_semantics_pin_the_layer():
         replay(trace, "lru", 1, "layer", "engine")
 
 
-# -- the shared OLMoE trace -----------------------------------------------------------------
+# -- the OLMoE trace (tests/data) -----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def olmoe():
-    if not SHARED_TRACE.exists():
-        print(f"shared trace not found at {SHARED_TRACE}: skipping the reference figures")
-        pytest.skip(f"shared trace {SHARED_TRACE.name} is absent (expected at ../shared/traces/ from the repo root)")
-    return read_trace(SHARED_TRACE)
+    import hashlib
+
+    assert hashlib.sha256(OLMOE_TRACE.read_bytes()).hexdigest() == OLMOE_SHA256, f"{OLMOE_TRACE} was modified"
+    return read_trace(OLMOE_TRACE)
 
 
 def test_reference_figures(olmoe):
@@ -445,17 +447,19 @@ def test_cli_text_pins_and_errors(tmp_path, capsys):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tok": 1, "layers": [[1, 2]]}\n{"tok": 2, "layers": [[1, "x"]]}\n')
-    for args, message in [
-        ((bad,), "bad.jsonl:2: layer 0: expert id 'x' is not an integer"),
-        ((trace, "--policy", "mru"), "unknown cache policy 'mru'"),
-        ((trace, "--write-pins", pins), "--pin-count"),
-        ((trace, "--pin-count", "3"), "--pin-count goes with --write-pins"),
-        ((), "give a trace file or --synthetic"),
-        ((trace, "--capacity", "4,x"), "'x' is not a whole number"),
-        ((trace, "--tokens", "100:"), "selects no tokens"),
+    for args, message, status in [  # 1: a bad trace file; 2: a bad flag
+        ((bad,), "bad.jsonl:2: layer 0: expert id 'x' is not an integer", 1),
+        ((trace, "--policy", "mru"), "--policy: unknown cache policy 'mru'", 2),
+        ((trace, "--write-pins", pins), "--pin-count", 2),
+        ((trace, "--pin-count", "3"), "--pin-count goes with --write-pins", 2),
+        ((), "give a trace file or --synthetic", 2),
+        ((trace, "--capacity", "4,x"), "'x' is not a whole number", 2),
+        ((trace, "--tokens", "100:"), "selects no tokens", 2),
+        (("--synthetic", "tokens=abc"), "--synthetic: tokens='abc' is not an integer", 2),
+        (("--synthetic", "tokens=1000000000"), "is too large", 2),
     ]:
         rc, out, err = run_main(capsys, "trace-replay", *args)
-        assert rc == 1 and message in err and "Traceback" not in err, (args, err)
+        assert rc == status and message in err and "Traceback" not in err, (args, err)
 
 
 # -- the engine's cache, begin_layer and predictions --------------------------------------------
@@ -577,7 +581,7 @@ def test_trace_weights_and_predictions_round_trip(tmp_path, capsys):
     plain = tmp_path / "plain.jsonl"
     write_trace(plain, Trace(t.steps, t.tok))
     rc, out, err = run_main(capsys, "trace-replay", plain, "--predictions", "prefetch")
-    assert rc == 1 and "records no lookahead predictions" in err
+    assert rc == 2 and "records no lookahead predictions" in err
 
 
 @pytest.mark.parametrize("line,message", [

@@ -17,11 +17,13 @@ def test_parse_size():
     assert parse_size("8GB") == 8 * 10**9
     assert parse_size("1.5 GiB") == 3 << 29
     assert parse_size("512MiB") == 512 << 20
-    assert parse_size("100") == 100
+    assert parse_size("100B") == 100
     assert parse_size(1234) == 1234
     for bad in ("eight", "8XB", "-1GB", ""):
         with pytest.raises(ValueError, match="cannot parse size"):
             parse_size(bad)
+    with pytest.raises(ValueError, match="has no unit"):
+        parse_size("100")  # a string needs a unit: 100 what?
     assert format_size(3 << 29) == "1.50 GiB"
 
 

@@ -25,9 +25,12 @@ elif "OMP_WAIT_POLICY" not in _os.environ:
 
 from .errors import (
     BudgetError,
+    ChatTemplateError,
     CheckpointError,
+    ConfigError,
     ExpertReadError,
     GenerationCancelled,
+    InvalidArgumentError,
     SluiceError,
     UnsupportedModelError,
 )
@@ -56,6 +59,7 @@ def __dir__():
 
 
 __all__ = [
-    "BudgetError", "CheckpointError", "Engine", "ExpertReadError", "GenerationCancelled", "Options", "Result",
+    "BudgetError", "ChatTemplateError", "CheckpointError", "ConfigError", "Engine", "ExpertReadError",
+    "GenerationCancelled", "InvalidArgumentError", "Options", "Result",
     "SluiceError", "Step", "UnsupportedModelError", "format_size", "load", "parse_size", "__version__",
 ]

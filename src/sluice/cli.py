@@ -8,25 +8,13 @@ import os
 import sys
 
 from . import __version__
+from .cli_args import float_arg, int_arg, positive_size_arg, seed_arg, temperature_arg, top_p_arg
 from .errors import SluiceError
 from .units import format_size, parse_size
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return n
+_size = positive_size_arg
+_count = int_arg(0)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -35,15 +23,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="peak memory budget, e.g. 8GiB (binary) or 8GB (decimal). Covers the Python/torch "
                         "baseline, spine, KV cache, buffers and expert cache. Default: 85%% of available memory "
                         "(cgroup limits respected). Below the model's floor Sluice refuses to start and says why.")
-    g.add_argument("--cache-experts", type=int, default=None, metavar="N",
+    g.add_argument("--cache-experts", type=int_arg(1), default=None, metavar="N",
                    help="expert cache size in experts (overrides the size derived from --memory)")
     g.add_argument("--cache-policy", choices=["lfru", "lru"], default="lfru",
                    help="expert cache eviction: lfru (decayed hotness, default) or lru")
-    g.add_argument("--max-context", type=int, default=None, metavar="N",
+    g.add_argument("--max-context", type=int_arg(1), default=None, metavar="N",
                    help="longest sequence (prompt + output); the KV cache is reserved for it "
                         "(default: min(model limit, 4096))")
-    g.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (default: all cores)")
-    g.add_argument("--reader-threads", type=int, default=4, metavar="N", help="parallel expert reads (default 4)")
+    g.add_argument("--threads", type=int_arg(1, 1024), default=None, metavar="N", help="compute threads (default: all cores)")
+    g.add_argument("--reader-threads", type=int_arg(1, 1024), default=4, metavar="N", help="parallel expert reads (default 4)")
     g.add_argument("--no-prefetch", action="store_true",
                    help="disable router lookahead (reading the next layer's predicted experts early)")
     g.add_argument("--verify-reads", dest="verify_reads", action="store_true", default=True,
@@ -60,9 +48,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="write every decode token's expert routing to FILE (JSONL, the format sluice trace-replay "
                         "reads)")
     lossy = p.add_argument_group("lossy speed switches (outputs differ from the model's; off by default)")
-    lossy.add_argument("--moe-top-k", type=int, default=None, metavar="N",
+    lossy.add_argument("--moe-top-k", type=int_arg(1), default=None, metavar="N",
                        help="LOSSY: route each token to only N experts (fewer than the model was trained with)")
-    lossy.add_argument("--prefer-cached", type=float, default=0.0, metavar="BIAS",
+    lossy.add_argument("--prefer-cached", type=float_arg(0.0), default=0.0, metavar="BIAS",
                        help="LOSSY: add BIAS to the router scores of experts already in memory when choosing "
                             "experts (mixing weights stay the model's own), trading fidelity for fewer reads")
 
@@ -75,13 +63,21 @@ def _engine_options(args) -> dict:
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress)
 
 
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    """The positional MODEL and --revision: a directory, a container, 'demo' or a cached repo id."""
+    from .resolve import MODEL_HELP, REVISION_HELP
+
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--revision", default=None, metavar="REV", help=REVISION_HELP)
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, exact (default 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
-    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--max-new-tokens", type=int_arg(1), default=128, metavar="N", help="tokens to generate (default 128)")
+    g.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 = greedy, exact (default 0)")
+    g.add_argument("--top-p", type=top_p_arg, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    g.add_argument("--top-k", type=int_arg(0), default=0, help="sample among the k most likely tokens (default 0: off)")
+    g.add_argument("--seed", type=seed_arg, default=None, help="random seed for sampling")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text is generated (repeatable); it is not included in the output")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
@@ -90,18 +86,24 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "it never changes the tokens, sampling never speculates)")
 
 
-def stats_line(stats: dict) -> str:
-    """The one-line summary printed after a run."""
-    return (
+def stats_line(stats: dict, finish_reason: str | None = None, max_new_tokens: int | None = None) -> str:
+    """The one-line summary printed after a run; says so when a limit cut the output."""
+    line = (
         f"[sluice] prefill {stats['prefill_tok_s']:.1f} tok/s | decode {stats['decode_tok_s']:.2f} tok/s | "
         f"hit rate {100 * stats['hit_rate']:.1f}% | read {stats['bytes_read'] / 1e9:.2f} GB | "
         f"peak RSS {format_size(stats['peak_rss_bytes'])} (budget {format_size(stats['budget_bytes'])}) | "
         f"cache {stats['cache_slots']}/{stats['total_experts']} experts | "
         f"{'O_DIRECT' if stats['direct_io'] else 'buffered I/O'}"
     )
+    from .text import limit_note
+
+    cut = limit_note(finish_reason, stats.get("generated_tokens"), max_new_tokens)
+    return f"{line} | {cut}" if cut else line
 
 
-def generate_and_print(engine, prompt, args) -> int:
+def generate_and_print(engine, prompt, args, echo: str | None = None) -> int:
+    """Stream the text to stdout (after ``echo``, the prompt, if given), ending with a newline,
+    then the stats line on stderr; with --json one JSON object instead."""
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
                   speculate=not args.no_speculate)
@@ -110,15 +112,17 @@ def generate_and_print(engine, prompt, args) -> int:
         print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
                           "stats": r.stats}))
         return 0
-    stats = {}
+    stats, finish = {}, None
+    if echo:
+        sys.stdout.write(echo)
     for step in engine.stream(prompt, **kwargs):
         sys.stdout.write(step.text_delta)
         sys.stdout.flush()
         if step.finish_reason:
-            stats = step.stats
+            stats, finish = step.stats, step.finish_reason
     sys.stdout.write("\n")
     sys.stdout.flush()
-    print(stats_line(stats), file=sys.stderr)
+    print(stats_line(stats, finish, args.max_new_tokens), file=sys.stderr)
     return 0
 
 
@@ -134,19 +138,22 @@ def cmd_run(args) -> int:
             prompt = f.read()
     else:
         prompt = args.prompt
-    engine = load(args.model, memory=args.memory, **_engine_options(args))
+    engine = load(args.model, memory=args.memory, revision=args.revision, **_engine_options(args))
+    echo = prompt if args.echo else None
     if args.chat:
         if engine.tokenizer is None:
             raise SluiceError(f"{args.model}: no tokenizer, so no chat template")
         text = engine.tokenizer.render_chat([{"role": "user", "content": prompt}])
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    return generate_and_print(engine, prompt, args)
+        echo = text if args.echo else None
+        args.stop = list(args.stop or []) + [x for x in engine.tokenizer.chat_stop_strings if x not in args.stop]
+    return generate_and_print(engine, prompt, args, echo=echo)
 
 
 def cmd_inspect(args) -> int:
     from .inspect import inspect_model, render_inspect
 
-    report = inspect_model(args.model, memory=args.memory, max_context=args.max_context)
+    report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision)
     print(json.dumps(report, indent=2) if args.json else render_inspect(report))
     return 0
 
@@ -234,17 +241,21 @@ def build_parser() -> argparse.ArgumentParser:
                     "transformers token for token.",
     )
     p.add_argument("--version", action="version", version=f"sluice {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    r = sub.add_parser("run", help="generate text from a model directory",
+    r = sub.add_parser("run", help="generate text from a model",
                        description="Generate text, streaming it as it is produced, then print a stats line "
                                    "(prefill and steady-state decode tok/s, expert cache hit rate, bytes read, "
                                    "peak RSS) on stderr. --json prints one JSON object instead.")
-    r.add_argument("model", help="Hugging Face model directory (config.json + safetensors + tokenizer.json) "
-                                 "or a Sluice container")
+    _add_model_arg(r)
     r.add_argument("--prompt", "-p", default=None, help="prompt text (or --prompt-file, or stdin)")
     r.add_argument("--prompt-file", default=None, help="read the prompt from this file")
-    r.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    r.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the chat template (and stop at the model's "
+                        "chat_stop_strings, if any)")
+    r.add_argument("--echo", action="store_true",
+                   help="print the prompt before the generated text (with --chat: the rendered template)")
     r.add_argument("--json", action="store_true",
                    help='print {"token_ids", "text", "finish_reason", "stats"} as one JSON object')
     _add_sampling_args(r)
@@ -275,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "4096-aligned, CRC-protected record per expert, so one expert is one read. "
                                    "Reads the source tensor by tensor (small memory); writes to OUTPUT.partial "
                                    "and renames when complete.")
-    c.add_argument("model", help="Hugging Face model directory")
+    c.add_argument("model", help="Hugging Face model directory ('demo' and repo ids in the local Hugging Face "
+                                 "cache are found too)")
     c.add_argument("output", help="container directory to write (an existing container there is replaced only "
                                   "with --force; any other existing path is refused)")
     c.add_argument("--force", action="store_true", help="replace an existing Sluice container at OUTPUT")
@@ -306,15 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["io", "lossy", "spec"], help="what to measure")
     b.add_argument("model", help="Hugging Face model directory or container")
     b.add_argument("--prompt", "-p", default="def fibonacci(n):\n", help="prompt (lossy, spec)")
-    b.add_argument("--tokens", type=int, default=64, help="tokens to generate per arm (default 64)")
+    b.add_argument("--tokens", type=int_arg(1), default=64, help="tokens to generate per arm (default 64)")
     b.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
 
     i = sub.add_parser("inspect", help="describe a model: family, sizes, memory floor, cache per budget")
-    i.add_argument("model", help="Hugging Face model directory")
+    _add_model_arg(i)
     i.add_argument("--memory", type=_size, default=None, metavar="SIZE", help="also show the plan for this budget")
-    i.add_argument("--max-context", type=int, default=None, metavar="N", help="context the KV cache is sized for")
+    i.add_argument("--max-context", type=int_arg(1), default=None, metavar="N", help="context the KV cache is sized for")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=cmd_inspect)
 
@@ -323,16 +335,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/health and /metrics. One generation runs at a time; requests wait in a "
                                    "bounded queue (429 beyond it); a growing conversation reuses the KV cache of "
                                    "its previous turn. Needs the server extra: pip install 'sluice[server]'.")
-    s.add_argument("model", help="Hugging Face model directory")
+    _add_model_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--port", type=int_arg(0, 65535), default=8000, help="port (default 8000)")
     s.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $SLUICE_API_KEY, which keeps the key out of the process list)")
     s.add_argument("--max-queue", type=_count, default=8, metavar="N",
                    help="requests that may wait while one generates; more get 429 (default 8)")
     s.add_argument("--model-name", default=None, metavar="NAME",
-                   help="the model id clients send (default: the directory name)")
+                   help="the model id clients send (default: the repo id, 'sluice-demo' for demo, "
+                        "else the directory name)")
     s.add_argument("--max-body", type=_size, default=parse_size("4MiB"), metavar="SIZE",
                    help="largest request body (default 4MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -343,8 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="chat with a model in the terminal",
                        description="An interactive chat using the model's own chat template. Replies stream as "
                                    "they are generated; each turn prefills only its new tokens (the previous "
-                                   "turn's KV cache is reused). Commands: /reset, /exit, /help.")
-    c.add_argument("model", help="Hugging Face model directory with a chat template")
+                                   "turn's KV cache is reused). When the conversation outgrows the context, the "
+                                   "oldest turns are dropped (with a notice). The model needs a chat template "
+                                   "(the demo model has one: sluice chat demo). Commands: /reset, /exit, /help.")
+    _add_model_arg(c)
     c.add_argument("--system", default=None, metavar="TEXT", help="system message")
     c.add_argument("--no-stats", action="store_true", help="no stats line after each reply")
     _add_sampling_args(c)
@@ -381,32 +396,52 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also replay each policy with these experts pinned (a sluice-pins-v1 file)")
     t.add_argument("--write-pins", default=None, metavar="FILE",
                    help="write the trace's --pin-count most used experts as a pin list")
-    t.add_argument("--pin-count", type=int, default=None, metavar="N", help="how many experts --write-pins keeps")
+    t.add_argument("--pin-count", type=int_arg(1), default=None, metavar="N", help="how many experts --write-pins keeps")
     t.add_argument("--json", action="store_true", help="print the results as one JSON object")
     t.set_defaults(func=cmd_trace_replay)
+    for sp in sub.choices.values():
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the Python traceback of an error")
     return p
 
 
+EXIT_ERROR = 1  # the run failed: a bad model, file or budget, an I/O error
+EXIT_USAGE = 2  # the command line is wrong: a bad flag value (argparse's status too)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status. A user error prints ``sluice: error: ...`` (no
+    traceback; ``--debug`` shows one): status 2 for an invalid argument, 1 for anything else."""
     import warnings
+
+    from .errors import InvalidArgumentError
 
     warnings.formatwarning = lambda msg, *a, **k: f"sluice: warning: {msg}\n"
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: usage errors (status 2, message printed), --help, --version
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
     if not getattr(args, "command", None):
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     try:
         return args.func(args)
-    except SluiceError as e:
-        print(f"sluice: error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as e:
-        print(f"sluice: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("\nsluice: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - every error ends as one line (the traceback with --debug)
+        if args.debug:
+            raise
+        if isinstance(e, InvalidArgumentError):
+            print(f"sluice: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(e, (SluiceError, ValueError, OSError)):
+            print(f"sluice: error: {e}", file=sys.stderr)
+            return EXIT_ERROR
+        print(f"sluice: internal error: {type(e).__name__}: {e} (a bug in sluice, not in your input: "
+              "rerun with --debug for the traceback and report it)", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

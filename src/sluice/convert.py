@@ -45,6 +45,7 @@ from .errors import CheckpointError, SluiceError
 from .experts.fused import canonical_layout, canonical_weights
 from .experts.source import views
 from .progress import Progress
+from .resolve import resolve_model
 from .quant.fp8 import FORMAT as FP8_FORMAT
 from .quant import QuantMatrix, assemble
 from .storage import ALIGN, AlignedBuffer, align_up
@@ -273,12 +274,13 @@ def _install(tmp: Path, dst: Path) -> None:
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | None = None,
             progress: bool = True, force: bool = False) -> Path:
-    """Convert ``src`` (a Hugging Face directory) into a container at ``dst``; returns ``dst``.
+    """Convert ``src`` (a Hugging Face directory, ``demo`` or a cached repo id) into a container at
+    ``dst``; returns ``dst``.
 
     An existing container at ``dst`` is replaced only with ``force``; any other existing path,
     and an output that is, lies inside or contains ``src``, is refused (``ConvertError``).
     """
-    src, dst = Path(src), Path(dst)
+    src, dst = resolve_model(src)[0], Path(dst)  # 'demo' or a cached repo id: its directory
     if not dst.name or dst.name == "..":
         dst = dst.resolve()
     if is_container(src):
@@ -337,7 +339,9 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
            progress: bool, label: str) -> Path:
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
     shapes = desc.expert.matrix_shapes()
-    bar = Progress(spine_total + rec * desc.total_experts, f"converting to {label}", enabled=progress)
+    # counts the bytes it writes as data (not alignment padding), so it ends at 100%
+    written = sum(ckpt.info(n).nbytes for n in desc.spine) + rec * desc.total_experts
+    bar = Progress(written, f"converting to {label}", enabled=progress)
 
     # spine: grouped per layer, each group 4096-aligned, tensors 64-aligned inside
     groups: dict[str, list[str]] = {}

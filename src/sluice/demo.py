@@ -3,18 +3,18 @@ cache that holds only a fraction of the experts, and print the streaming stats."
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 from .engine import ModelInfo, Options, load
+from .resolve import DEMO_DIR
 from .synthetic import DEMO_CONFIG, model_bytes, scaled_config, write_model
 from .units import format_size
 
 DEMO_VERSION = 1
-# The trained demo model that ships inside the package (see docs/demo-model.md).
-SHIPPED_MODEL = Path(__file__).resolve().parent / "demo_model"
+# The trained demo model that ships inside the package (see docs/demo-model.md); `demo` names it.
+SHIPPED_MODEL = DEMO_DIR
 SHIPPED_PROMPT = "def fibonacci(n):\n"
 SYNTHETIC_PROMPT = "The streaming engine reads only the experts each token needs, so"
 
@@ -87,8 +87,7 @@ def run_demo(args, options: dict, generate_and_print) -> int:
               f"docs/demo-model.md) with an expert cache of {engine.plan.cache_slots} of "
               f"{engine.plan.total_experts} experts: the others are read from disk when a token is routed to them.",
               file=sys.stderr)
-        if not args.json:
-            sys.stdout.write(prompt)
+        echo = None if args.json else prompt
     else:
         path = ensure_synthetic(args.synthetic, args.cache_dir, progress=not args.no_progress)
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -98,9 +97,16 @@ def run_demo(args, options: dict, generate_and_print) -> int:
               f"({100 * budget / size:.0f}% of the model). Random weights: the text is meaningless; "
               "the streaming numbers are the point.", file=sys.stderr)
         engine = load(path, memory=budget, **options)
-    rc = generate_and_print(engine, prompt, args)
-    if args.json:
-        return rc
-    print(f"[sluice demo] plan: {json.dumps({k: engine.plan.to_dict()[k] for k in ('cache_slots', 'total_experts', 'floor', 'budget')})}",
-          file=sys.stderr)
+        echo = None
+    rc = generate_and_print(engine, prompt, args, echo=echo)
+    if not args.json:
+        print(plan_summary(engine.plan, "demo" if args.synthetic is None else str(path)), file=sys.stderr)
     return rc
+
+
+def plan_summary(plan, model: str) -> str:
+    """The demo's closing line: what the budget bought, in words."""
+    return (f"[sluice demo] memory budget {format_size(plan.budget)} (the model's floor is "
+            f"{format_size(plan.floor)}): an expert cache of {plan.cache_slots} of {plan.total_experts} experts "
+            f"({100 * plan.cache_slots / max(plan.total_experts, 1):.0f}%). `sluice inspect {model}` shows what "
+            "other budgets buy.")

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from . import generation, kernels
+from . import generation, kernels, validate
 from .checkpoint import Checkpoint
 from .container import Container, is_container
-from .errors import CheckpointError, SluiceError
+from .errors import CheckpointError, InvalidArgumentError, SluiceError
 from .experts.cache import ExpertCache
 from .experts.policy import make_policy
 from .experts.provider import ExpertProvider
@@ -30,9 +30,10 @@ from .layers.attention import SCORE_BLOCK_BYTES
 from .layers.sampling import SamplingParams
 from .models import get_family
 from .models.base import MoEBlock, check_tensor
-from .models.config import eos_ids
+from .models.config import check_layer_count, eos_ids
 from .plan import Plan, activation_bytes, make_plan
 from .progress import Progress
+from .resolve import resolve_model
 from .spine import LayerReads, SpineStreamer, layer_reads, streamable
 from .spine import buffer_bytes as spine_buffer_bytes
 from .sysmem import current_rss, default_budget
@@ -70,12 +71,18 @@ class Options:
     poison_stream_buffers: bool = False
 
 
-def load(path: str | os.PathLike, memory: int | str | None = None, **options) -> "Engine":
-    """Open a model directory under a memory budget (``"8GiB"``, bytes, or None for a safe default)."""
-    unknown = set(options) - set(Options.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(Options.__dataclass_fields__)}")
-    return Engine(path, memory, Options(**options))
+def load(path: str | os.PathLike, memory: int | str | None = None, *, revision: str | None = None,
+         **options) -> "Engine":
+    """Open a model under a memory budget (``"8GiB"``, bytes, or None for a safe default).
+
+    ``path`` is a model directory, a container, ``"demo"`` or a repo id in the local Hugging Face
+    cache (at ``revision``, default main); see ``sluice.resolve``.
+    """
+    validate.model_path(path)
+    validate.options(options, Options.__dataclass_fields__)
+    if memory is not None:
+        validate.warn_if_over_machine(parse_size(memory, "memory"))
+    return Engine(path, memory, Options(**options), revision=revision)
 
 
 SPINE_DTYPES = ("F32", "BF16", "F16")
@@ -99,8 +106,8 @@ def check_spine_dtype(name: str, info, spine: dict) -> None:
 class ModelInfo:
     """An opened, validated model directory: config, family, tensor tables. Nothing loaded yet."""
 
-    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None):
+        self.path, self.model_id = resolve_model(path, revision)
         self.is_container = is_container(self.path)
         if self.is_container:
             self.checkpoint = Container(self.path, direct=direct_io)
@@ -109,6 +116,7 @@ class ModelInfo:
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
         self.config = self.family.parse_config(self.raw_config)
+        check_layer_count(self.config.num_hidden_layers, self.checkpoint.tensors, getattr(self.config, "mtp_layers", 0))
         self.desc = self.family.describe(self.config)
         aliases = getattr(self.family, "tensor_aliases", None)
         if aliases is not None:  # a tensor some checkpoints store under another name
@@ -163,8 +171,9 @@ class ModelInfo:
         limit = self.desc.max_position_embeddings
         max_ctx = options.max_context or min(limit, DEFAULT_MAX_CONTEXT)
         if max_ctx > limit:
-            raise ValueError(f"--max-context {max_ctx} exceeds the model's limit of {limit} positions")
-        budget = parse_size(memory) if memory is not None else default_budget()
+            raise InvalidArgumentError(f"max_context (--max-context) {max_ctx} exceeds the model's limit of {limit} "
+                                       "positions")
+        budget = parse_size(memory, "memory") if memory is not None else default_budget()
         chunk = max(1, min(options.prefill_chunk, max_ctx))
         ffn = max(self.desc.expert.intermediate, getattr(self.config, "intermediate_size", 0) or 0)
         glob, layers = self.spine_split()
@@ -184,14 +193,15 @@ class ModelInfo:
 
 
 class Engine:
-    def __init__(self, path: str | os.PathLike, memory: int | str | None, options: Options):
+    def __init__(self, path: str | os.PathLike, memory: int | str | None, options: Options,
+                 revision: str | None = None):
         t_load = time.perf_counter()
         self.options = options
-        self.path = Path(path)
         baseline = current_rss()
         self.threads = options.threads or os.cpu_count() or 1
         kernels.set_threads(self.threads)
-        self.info = info = ModelInfo(self.path, options.direct_io)
+        self.info = info = ModelInfo(path, options.direct_io, revision)
+        self.path, self.model_id = info.path, info.model_id  # model_id: what a server reports
         self.checkpoint, self.raw_config, self.family = info.checkpoint, info.raw_config, info.family
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts
         self.tokenizer, self.eos_token_ids = info.tokenizer, info.eos_token_ids
@@ -262,9 +272,9 @@ class Engine:
         bias to the router scores of experts already in memory when selecting.
         """
         if moe_top_k is not None and not 1 <= moe_top_k <= self.desc.top_k:
-            raise ValueError(f"--moe-top-k must be between 1 and the model's {self.desc.top_k}")
-        if prefer_cached < 0:
-            raise ValueError("--prefer-cached must be >= 0")
+            raise InvalidArgumentError(f"moe_top_k (--moe-top-k) must be between 1 and the model's {self.desc.top_k}, "
+                                       f"got {moe_top_k!r}")
+        validate.number(prefer_cached, "prefer_cached (--prefer-cached)", lo=0.0)
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.top_k = moe_top_k if moe_top_k != self.desc.top_k else None
@@ -319,11 +329,11 @@ class Engine:
 
     def forward(self, input_ids) -> torch.Tensor:
         """fp32 logits [T, V] for every position of a 1-D token sequence, from an empty cache."""
-        ids = [int(i) for i in (input_ids.tolist() if torch.is_tensor(input_ids) else input_ids)]
+        ids = validate.token_ids(input_ids.tolist() if torch.is_tensor(input_ids) else input_ids, "input_ids")
         if not ids:
-            raise ValueError("input_ids is empty")
+            raise InvalidArgumentError("input_ids is empty")
         if len(ids) > self.max_context:
-            raise ValueError(f"{len(ids)} tokens exceed max_context {self.max_context}")
+            raise InvalidArgumentError(f"input_ids: {len(ids)} tokens exceed max_context {self.max_context}")
         self._check_ids(ids)
         with self._lock, torch.inference_mode():
             self.state.rewind(0)
@@ -334,7 +344,7 @@ class Engine:
         v = self.desc.vocab
         bad = [i for i in ids if not 0 <= i < v]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{v - 1})")
+            raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary (0..{v - 1})")
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -368,20 +378,24 @@ class Engine:
         ``speculate`` (greedy only) verifies n-gram drafts several tokens per forward; the
         tokens are the same as without it. Sampling never speculates.
         """
+        validate.sampling(max_new_tokens=max_new_tokens, temperature_=temperature, top_p_=top_p, top_k=top_k,
+                          seed_=seed, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
+                          flags=dict(ignore_eos=ignore_eos, reuse_prefix=reuse_prefix, speculate=speculate))
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        elif torch.is_tensor(prompt) or isinstance(prompt, (list, tuple)):
+            ids = validate.token_ids(prompt.tolist() if torch.is_tensor(prompt) else prompt)
+        else:
+            raise InvalidArgumentError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise InvalidArgumentError("the prompt is empty: give at least one token")
         self._check_ids(ids)
         if len(ids) >= self.max_context:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"prompt of {len(ids)} tokens does not fit the context of {self.max_context} tokens "
                 "(raise --max-context or shorten the prompt)"
             )
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
-        if logprobs is not None and not 0 <= logprobs <= 20:
-            raise ValueError("logprobs must be between 0 and 20")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         req = Request(ids, params, max_new_tokens, stops, set(stop_token_ids or []), ignore_eos, logprobs,
                       reuse_prefix, cancel, speculate)

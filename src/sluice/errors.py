@@ -19,6 +19,22 @@ class UnsupportedModelError(SluiceError, ValueError):
     """The model family or one of its config options is not supported."""
 
 
+class ConfigError(CheckpointError, UnsupportedModelError):
+    """A config.json value is of the wrong type or out of range (the message names the key and value)."""
+
+
+class ChatTemplateError(CheckpointError):
+    """The model's chat template does not parse or fails to render."""
+
+
+class InvalidArgumentError(SluiceError, ValueError):
+    """An argument of the API or a command-line flag is invalid (the message names it and its value)."""
+
+
+class UnknownOptionError(InvalidArgumentError, TypeError):
+    """``load()`` was given an option it does not know."""
+
+
 class BudgetError(SluiceError, ValueError):
     """The memory budget is below the floor the model needs."""
 

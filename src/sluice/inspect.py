@@ -10,8 +10,17 @@ from .sysmem import current_rss
 from .units import format_size
 
 
-def inspect_model(path: str | Path, memory: int | None = None, max_context: int | None = None) -> dict:
-    info = ModelInfo(path)
+def format_params(n: int) -> str:
+    """A parameter count in K/M/B (10,414,080 -> '10.4 M', 30,532,122,624 -> '30.5 B')."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(n)
+
+
+def inspect_model(path: str | Path, memory: int | None = None, max_context: int | None = None,
+                  revision: str | None = None) -> dict:
+    info = ModelInfo(path, revision=revision)
     d = info.desc
     total, active = info.param_counts()
     opts = Options(max_context=max_context)
@@ -33,7 +42,8 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
             table.append({"budget_bytes": b, "cache_experts": 0, "ok": False, "cache_share": 0.0,
                           "streamed_layers": 0, "spine_read_per_token": 0})
     report = {
-        "path": str(path),
+        "path": str(info.path),
+        "model_id": info.model_id,
         "model_type": d.model_type,
         "layers": d.n_layers,
         "moe_layers": len(d.moe_layers),
@@ -73,11 +83,11 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
 
 def render_inspect(r: dict) -> str:
     lines = [
-        f"{r['path']}",
+        f"{r['model_id']} ({r['path']})",
         f"  family            {r['model_type']}: {r['layers']} layers ({r['moe_layers']} MoE), "
         f"{r['experts_per_layer']} experts/layer, top-{r['experts_per_token']}",
-        f"  parameters        {r['params_total'] / 1e9:.3f} B total, {r['params_active_per_token'] / 1e9:.3f} B "
-        "active per token",
+        f"  parameters        {format_params(r['params_total'])} total, "
+        f"{format_params(r['params_active_per_token'])} active per token",
         f"  expert format     {r['expert_format']}",
         f"  spine             {format_size(r['spine_bytes'])} ({format_size(r['spine_always_resident_bytes'])} always "
         f"resident, largest layer {format_size(r['spine_layer_bytes_max'])})",

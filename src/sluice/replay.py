@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .errors import InvalidArgumentError
 from .experts.cache import ExpertCache
 from .experts.layout import ExpertLayout
 from .experts.policy import LFRU, POLICIES, Pinned, Policy, make_policy
@@ -46,6 +47,7 @@ SEMANTICS = ("engine", "sequential")
 PREDICTIONS = ("off", "hint", "prefetch")
 DEFAULT_MULTIPLES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # of one layer's top-k: 8,12,16,24,32,48 for top-8
 DEFAULT_POLICIES = ("lru", "lfru")
+MAX_SYNTHETIC_LOOKUPS = 1 << 28  # expert lookups in a synthetic trace (~tokens x layers x top-k)
 
 
 # -- Belady ----------------------------------------------------------------------------------
@@ -431,18 +433,20 @@ def replay(trace: Trace, policy: str | Callable[[], Policy], capacity: int, scop
     completes at once, so a used prediction counts as a hit).
     """
     if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        raise InvalidArgumentError(f"scope must be one of {SCOPES}, got {scope!r}")
     if semantics not in SEMANTICS:
-        raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+        raise InvalidArgumentError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     if predictions not in PREDICTIONS:
-        raise ValueError(f"predictions must be one of {PREDICTIONS}, got {predictions!r}")
+        raise InvalidArgumentError(f"predictions must be one of {PREDICTIONS}, got {predictions!r}")
     if predictions != "off" and trace.pred is None:
-        raise ValueError(f"{trace.source}: the trace records no predictions (record one with --trace-routing)")
+        raise InvalidArgumentError(f"{trace.source}: the trace records no predictions "
+                                   "(record one with --trace-routing)")
     layers, k = trace.layers, trace.top_k
     if capacity < 1:
-        raise ValueError("capacity must be at least 1 expert per layer")
+        raise InvalidArgumentError("capacity must be at least 1 expert per layer")
     if semantics == "engine" and capacity < k:
-        raise ValueError(f"capacity {capacity} per layer cannot hold one layer's {k} experts (engine semantics)")
+        raise InvalidArgumentError(f"capacity {capacity} per layer cannot hold one layer's {k} experts "
+                                   "(engine semantics)")
     if isinstance(policy, str):
         spec = policy
         if spec == "belady":
@@ -461,7 +465,7 @@ def replay(trace: Trace, policy: str | Callable[[], Policy], capacity: int, scop
     if pin_set:
         why = pins_fit(trace, pins, capacity, scope)
         if why:
-            raise ValueError(f"pins do not fit at {capacity} experts per layer ({scope} scope): {why}")
+            raise InvalidArgumentError(f"pins do not fit at {capacity} experts per layer ({scope} scope): {why}")
     n_caches = layers if scope == "layer" else 1
     per_cache = capacity if scope == "layer" else capacity * layers
     n_experts = max(trace.experts, 1)
@@ -581,13 +585,20 @@ class SyntheticSpec:
             key, sep, value = part.partition("=")
             key = key.strip()
             if not sep or key not in names:
-                raise ValueError(f"bad synthetic trace field {part!r} (fields: {', '.join(names)})")
-            kw[key] = float(value) if names[key] == "float" else int(value)
+                raise InvalidArgumentError(f"bad synthetic trace field {part!r} (fields: {', '.join(names)})")
+            try:
+                kw[key] = float(value) if names[key] == "float" else int(value)
+            except ValueError:
+                kind = "an integer" if names[key] == "int" else "a number"
+                raise InvalidArgumentError(f"--synthetic: {key}={value.strip()!r} is not {kind}") from None
         spec = cls(**kw)
         if not 1 <= spec.top_k <= spec.experts or spec.layers < 1 or spec.tokens < 1:
-            raise ValueError("synthetic trace needs layers >= 1, tokens >= 1 and 1 <= top_k <= experts")
+            raise InvalidArgumentError("synthetic trace needs layers >= 1, tokens >= 1 and 1 <= top_k <= experts")
+        if spec.tokens * spec.layers * spec.top_k > MAX_SYNTHETIC_LOOKUPS:
+            raise InvalidArgumentError(f"synthetic trace of {spec.tokens} tokens x {spec.layers} layers x top-k "
+                                       f"{spec.top_k} is too large (at most {MAX_SYNTHETIC_LOOKUPS} lookups)")
         if not (0 <= spec.reuse <= 1 and 0 <= spec.drift <= 1 and spec.segment >= 1):
-            raise ValueError("synthetic trace needs 0 <= reuse, drift <= 1 and segment >= 1")
+            raise InvalidArgumentError("synthetic trace needs 0 <= reuse, drift <= 1 and segment >= 1")
         return spec
 
     def label(self) -> str:
@@ -718,12 +729,12 @@ def parse_capacities(text: str) -> list[int]:
         try:
             v = int(part)
         except ValueError:
-            raise ValueError(f"--capacity: {part!r} is not a whole number of experts per layer") from None
+            raise InvalidArgumentError(f"--capacity: {part!r} is not a whole number of experts per layer") from None
         if v < 1:
-            raise ValueError(f"--capacity: {v} must be at least 1")
+            raise InvalidArgumentError(f"--capacity: {v} must be at least 1")
         out.append(v)
     if not out:
-        raise ValueError("--capacity: give at least one capacity, e.g. 8,16,32")
+        raise InvalidArgumentError("--capacity: give at least one capacity, e.g. 8,16,32")
     return sorted(set(out))
 
 
@@ -731,11 +742,11 @@ def parse_slice(text: str) -> tuple[int | None, int | None]:
     """``"150:"``, ``":150"``, ``"10:20"`` -> python slice bounds over tokens."""
     a, sep, b = text.partition(":")
     if not sep:
-        raise ValueError(f"--tokens {text!r}: expected START:STOP (either may be empty)")
+        raise InvalidArgumentError(f"--tokens {text!r}: expected START:STOP (either may be empty)")
     try:
         return (int(a) if a.strip() else None, int(b) if b.strip() else None)
     except ValueError:
-        raise ValueError(f"--tokens {text!r}: START and STOP must be integers") from None
+        raise InvalidArgumentError(f"--tokens {text!r}: START and STOP must be integers") from None
 
 
 def run_cli(args) -> int:
@@ -743,19 +754,19 @@ def run_cli(args) -> int:
     from .trace import hottest, read_pins, read_trace, write_pins
 
     if (args.trace is None) == (args.synthetic is None):
-        raise ValueError("give a trace file or --synthetic SPEC (one of the two)")
+        raise InvalidArgumentError("give a trace file or --synthetic SPEC (one of the two)")
     trace = read_trace(args.trace) if args.trace else synthetic_trace(SyntheticSpec.parse(args.synthetic))
     if args.tokens:
         start, stop = parse_slice(args.tokens)
         trace = trace.slice(start, stop)
         trace.source += f" [tokens {args.tokens}]"
         if not trace.steps:
-            raise ValueError(f"--tokens {args.tokens} selects no tokens")
+            raise InvalidArgumentError(f"--tokens {args.tokens} selects no tokens")
     if args.pin_count is not None and not args.write_pins:
-        raise ValueError("--pin-count goes with --write-pins FILE")
+        raise InvalidArgumentError("--pin-count goes with --write-pins FILE")
     if args.write_pins:
         if not args.pin_count or args.pin_count < 1:
-            raise ValueError("--write-pins needs --pin-count N (N >= 1)")
+            raise InvalidArgumentError("--write-pins needs --pin-count N (N >= 1)")
         pins = hottest(trace, args.pin_count)
         counts = trace.counts()
         write_pins(args.write_pins, pins, source=trace.source, tokens=trace.tokens,
@@ -768,12 +779,15 @@ def run_cli(args) -> int:
     policies = args.policy or list(DEFAULT_POLICIES)
     for spec in policies:
         if spec != "belady":
-            make_policy(spec, STUDY_POLICIES)
+            try:
+                make_policy(spec, STUDY_POLICIES)
+            except ValueError as e:
+                raise InvalidArgumentError(f"--policy: {e}") from None
     scopes = SCOPES if args.scope == "both" else (args.scope,)
     predictions = getattr(args, "predictions", "off")
     if predictions != "off" and trace.pred is None:
-        raise ValueError(f"--predictions {predictions}: {trace.source} records no lookahead predictions "
-                         "(traces written by --trace-routing do)")
+        raise InvalidArgumentError(f"--predictions {predictions}: {trace.source} records no lookahead "
+                                   "predictions (traces written by --trace-routing do)")
     rep = build_report(trace, [p for p in policies if p != "belady"], caps, scopes, args.semantics, pins,
                        args.pins or "", predictions)
     print(json.dumps(rep.as_json(), indent=1) if args.json else render(rep))

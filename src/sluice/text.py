@@ -63,3 +63,15 @@ class StopStrings:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def limit_note(finish_reason: str | None, generated_tokens: int | None, max_new_tokens: int | None) -> str:
+    """Why a generation that ran out of room stopped, for a stats line; '' when it was not cut.
+
+    'length' is either the ``max_new_tokens`` limit or the end of the context (whichever came first).
+    """
+    if finish_reason != "length":
+        return ""
+    if max_new_tokens is not None and generated_tokens == max_new_tokens:
+        return f"stopped at --max-new-tokens {max_new_tokens}"
+    return "stopped at the end of the context (--max-context)"

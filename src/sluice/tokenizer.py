@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .errors import CheckpointError
+from .errors import ChatTemplateError, CheckpointError
+
+
+def _json_kind(v) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(v), "number")
 
 
 def _token_text(v) -> str | None:
@@ -34,13 +38,29 @@ class Tokenizer:
                 self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+            if not isinstance(self.config, dict):
+                raise CheckpointError(f"{cfg_path}: must be a JSON object, got a JSON {_json_kind(self.config)}")
+        # As transformers does: a chat_template.jinja file wins over "chat_template" in
+        # tokenizer_config.json (a string, or a list of named templates of which "default" is used).
         self.chat_template = self.config.get("chat_template")
         tmpl_file = d / "chat_template.jinja"
-        if self.chat_template is None and tmpl_file.exists():
-            self.chat_template = tmpl_file.read_text(encoding="utf-8")
+        if tmpl_file.is_file():
+            try:
+                self.chat_template = tmpl_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{tmpl_file}: not UTF-8 text ({e})") from None
         if isinstance(self.chat_template, list):  # named templates: use "default"
             named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
             self.chat_template = named.get("default") or next(iter(named.values()), None)
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise CheckpointError(f"{cfg_path}: chat_template must be a string (or a list of named templates), got "
+                                  f"a JSON {_json_kind(self.chat_template)}")
+        # Text that ends an assistant reply in this chat format, for models whose replies do not
+        # end with an end-of-sequence token (the demo model). Chat generation stops there.
+        stops = self.config.get("chat_stop_strings", [])
+        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+            raise CheckpointError(f"{cfg_path}: chat_stop_strings must be a list of non-empty strings")
+        self.chat_stop_strings: list[str] = stops
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
@@ -52,7 +72,8 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it: seconds for a long text)
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids
@@ -68,17 +89,19 @@ class Tokenizer:
         """Render ``messages`` with the model's own chat template (as transformers does)."""
         if not self.chat_template:
             raise CheckpointError("this model has no chat template (tokenizer_config.json has no chat_template)")
+        from .chat_template import compile_template, render, special_tokens
+
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(msg):
-            raise jinja2.exceptions.TemplateError(msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special
-        )
+        try:
+            template = compile_template(self.chat_template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"the model's chat template has a syntax error at line {e.lineno}: {e.message}") \
+                from None
+        try:
+            return render(template, messages, add_generation_prompt, special_tokens(self.config))
+        except jinja2.exceptions.TemplateError as e:  # undefined names, raise_exception(), sandbox refusals
+            raise ChatTemplateError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError,
+                RecursionError) as e:  # Python errors inside template expressions
+            raise ChatTemplateError(f"the model's chat template failed: {type(e).__name__}: {e}") from None

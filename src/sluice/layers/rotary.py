@@ -6,13 +6,16 @@ import math
 
 import torch
 
-from ..errors import UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(cfg: dict) -> dict:
     """The RoPE parameters of a raw config.json, in the transformers >= 5 shape."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ConfigError(f"config.json: {key}={cfg[key]!r} is invalid: expected an object")
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     params.setdefault("rope_type", params.get("type", "default"))
     if "rope_theta" not in params:

@@ -21,13 +21,13 @@ import torch
 from ..errors import CheckpointError, UnsupportedModelError
 from ..experts.spec import ExpertSpec
 from ..layers.mla import MLA, LatentCache
-from ..layers.mlp import GatedMLP, activation
+from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, rope_parameters
 from ..layers.routing import GroupedRouter
 from ..quant.fp8 import SCALE_SUFFIX, BlockFP8, not_converted, parse_quantization_config, scale_shape
 from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
-from .config import RawConfig
+from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
 
 MODEL_TYPE = "deepseek_v3"
 
@@ -89,9 +89,8 @@ def _positive_int(c: RawConfig, key: str, value) -> int:
 
 def parse_config(raw: dict) -> Config:
     c = RawConfig(raw)
-    n_layers = c.int("num_hidden_layers")
-    heads = c.int("num_attention_heads")
-    kv_heads = c.int("num_key_value_heads", heads)
+    n_layers = c.layers()
+    heads, kv_heads, _ = c.heads(0, head_dim=False)
     if kv_heads != heads:
         raise UnsupportedModelError(
             f"config.json: num_key_value_heads={kv_heads} with num_attention_heads={heads} is not supported (MLA "
@@ -103,8 +102,8 @@ def parse_config(raw: dict) -> Config:
     for key in ("use_sliding_window", "sliding_window"):
         c.refuse(key, (False,), "DeepSeek-V3 attends to the whole context")
 
-    n_experts = c.int("n_routed_experts", None, "num_local_experts") or 0
-    k = c.int("num_experts_per_tok")
+    n_experts = c.int("n_routed_experts", 0, "num_local_experts", lo=0, hi=MAX_EXPERTS)
+    k = c.top_k("num_experts_per_tok", n_experts) if n_experts else c.int("num_experts_per_tok", 0)
     n_group = raw.get("n_group", _DEFAULTS["n_group"]) or 1
     topk_group = raw.get("topk_group", _DEFAULTS["topk_group"]) or 1
     n_group = _positive_int(c, "n_group", n_group)
@@ -121,7 +120,7 @@ def parse_config(raw: dict) -> Config:
         if k > topk_group * (n_experts // n_group):
             raise UnsupportedModelError(f"config.json: num_experts_per_tok={k} exceeds the {topk_group} x "
                                         f"{n_experts // n_group} experts of the selected groups")
-    first_dense = raw.get("first_k_dense_replace", _DEFAULTS["first_k_dense_replace"]) or 0
+    first_dense = c.int("first_k_dense_replace", _DEFAULTS["first_k_dense_replace"], lo=0, null=0)
     freq = c.int("moe_layer_freq", 1)
     if freq < 1:
         raise UnsupportedModelError(f"config.json: moe_layer_freq={freq} is not supported")
@@ -135,8 +134,8 @@ def parse_config(raw: dict) -> Config:
     if dr % 2:
         raise UnsupportedModelError(f"config.json: qk_rope_head_dim={dr} must be even")
     dv = _positive_int(c, "v_head_dim", _raw_or_default(raw, "v_head_dim"))
-    max_pos = c.int("max_position_embeddings", 4096)
-    rope = rope_parameters(raw)
+    max_pos = c.pos_int("max_position_embeddings", 4096, hi=MAX_POSITIONS)
+    rope = check_rope(rope_parameters(raw))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(
             f"config.json: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported (DeepSeek-V3 "
@@ -145,8 +144,7 @@ def parse_config(raw: dict) -> Config:
         raise UnsupportedModelError(f"config.json: RoPE type {rope.get('rope_type')!r} without a 'factor' is not "
                                     "supported (transformers requires it too)")
     Rotary(dr, rope, max_pos)  # refuses unsupported RoPE types now, at load
-    act = c.get("hidden_act", "silu")
-    activation(act)
+    act = c.act()
     scale = (dn + dr) ** -0.5
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
         # the YaRN attention-temperature correction, applied to the softmax scale (squared)
@@ -155,19 +153,19 @@ def parse_config(raw: dict) -> Config:
         scale = scale * m * m
     qc = raw.get("quantization_config")
     block = parse_quantization_config(qc)
-    n_shared = raw.get("n_shared_experts", _DEFAULTS["n_shared_experts"]) or 0
+    n_shared = c.int("n_shared_experts", _DEFAULTS["n_shared_experts"], lo=0, hi=MAX_EXPERTS, null=0)
     return Config(
-        vocab_size=c.int("vocab_size"),
-        hidden_size=c.int("hidden_size"),
-        intermediate_size=c.int("intermediate_size"),
-        moe_intermediate_size=c.int("moe_intermediate_size"),
+        vocab_size=c.pos_int("vocab_size"),
+        hidden_size=c.pos_int("hidden_size"),
+        intermediate_size=c.pos_int("intermediate_size"),
+        moe_intermediate_size=c.pos_int("moe_intermediate_size"),
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         hidden_act=act,
-        rms_norm_eps=c.float("rms_norm_eps", 1e-6),
+        rms_norm_eps=c.eps(1e-6),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        attention_bias=bool(c.get("attention_bias", False)),
+        tie_word_embeddings=c.bool("tie_word_embeddings", False),
+        attention_bias=c.bool("attention_bias", False),
         q_lora_rank=q_lora,
         kv_lora_rank=_positive_int(c, "kv_lora_rank", _raw_or_default(raw, "kv_lora_rank")),
         qk_nope_head_dim=dn,
@@ -180,9 +178,9 @@ def parse_config(raw: dict) -> Config:
         n_group=n_group,
         topk_group=topk_group,
         norm_topk_prob=bool(raw.get("norm_topk_prob", _DEFAULTS["norm_topk_prob"])),
-        routed_scaling_factor=c.float("routed_scaling_factor", _DEFAULTS["routed_scaling_factor"]),
+        routed_scaling_factor=c.float("routed_scaling_factor", _DEFAULTS["routed_scaling_factor"], positive=True),
         moe_layers=moe,
-        mtp_layers=c.int("num_nextn_predict_layers", 0, "num_mtp_layers"),
+        mtp_layers=c.int("num_nextn_predict_layers", 0, "num_mtp_layers", lo=0, hi=MAX_LAYERS),
         rope=rope,
         softmax_scale=scale,
         block=block,

@@ -22,7 +22,7 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import SUPPORTED_ROPE_TYPES, Rotary, rope_parameters
 from ..layers.routing import TopKSoftmaxRouter
 from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
-from .config import RawConfig
+from .config import MAX_EXPERTS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
 
 MODEL_TYPE = "gpt_oss"
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -105,57 +105,52 @@ def _skips(pattern: str, module: str) -> bool:
 
 def parse_config(raw: dict) -> Config:
     c = RawConfig(raw)
-    n_layers = c.int("num_hidden_layers")
-    heads = c.int("num_attention_heads")
-    hidden = c.int("hidden_size")
-    kv = c.int("num_key_value_heads", heads)
-    if heads % kv:
-        raise UnsupportedModelError(f"config.json: num_attention_heads={heads} is not a multiple of "
-                                    f"num_key_value_heads={kv}")
+    n_layers = c.layers()
+    hidden = c.pos_int("hidden_size")
+    heads, kv, head_dim = c.heads(hidden)
     layer_types = c.get("layer_types", None)
     if layer_types is None:
         layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
     if not isinstance(layer_types, list) or len(layer_types) != n_layers:
         raise UnsupportedModelError(
             f"config.json: layer_types must list one type per layer ({n_layers}), got {layer_types!r}")
-    bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    bad = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
     if bad:
         raise UnsupportedModelError(
             f"config.json: layer_types {bad} are not supported (supported: {', '.join(LAYER_TYPES)})")
     window = raw["sliding_window"] if "sliding_window" in raw else 128  # an explicit null is not the default
-    if "sliding_attention" in layer_types and not (isinstance(window, int) and window >= 1):
+    positive = isinstance(window, int) and not isinstance(window, bool) and window >= 1
+    if "sliding_attention" in layer_types and not positive:
         raise UnsupportedModelError(
             f"config.json: sliding_window={window!r} with sliding_attention layers is not supported "
             "(need a positive integer)")
-    n_experts = c.int("num_local_experts", None, "num_experts")
-    k = c.int("num_experts_per_tok", 4)
-    if not n_experts or not 1 <= k <= n_experts:
-        raise UnsupportedModelError(f"config.json: num_experts_per_tok={k} with {n_experts} experts is not supported")
+    n_experts = c.pos_int("num_local_experts", REQUIRED, "num_experts", hi=MAX_EXPERTS)
+    k = c.top_k("num_experts_per_tok", n_experts, 4)
     mxfp4 = _quantization(raw)
-    inter = c.int("intermediate_size")
+    inter = c.pos_int("intermediate_size")
     if mxfp4 and (hidden % 32 or inter % 32):
         raise UnsupportedModelError(
             f"config.json: MXFP4 experts need hidden_size ({hidden}) and intermediate_size ({inter}) to be "
             "multiples of 32 (the MXFP4 block)")
     return Config(
-        vocab_size=c.int("vocab_size"),
+        vocab_size=c.pos_int("vocab_size"),
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
-        head_dim=c.int("head_dim", hidden // heads),
-        rms_norm_eps=c.float("rms_norm_eps", 1e-5),
-        max_position_embeddings=c.int("max_position_embeddings", 131072),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        attention_bias=bool(c.get("attention_bias", True)),
+        head_dim=head_dim,
+        rms_norm_eps=c.eps(1e-5),
+        max_position_embeddings=c.pos_int("max_position_embeddings", 131072, hi=MAX_POSITIONS),
+        tie_word_embeddings=c.bool("tie_word_embeddings", False),
+        attention_bias=c.bool("attention_bias", True),
         sliding_window=window if "sliding_attention" in layer_types else None,
         layer_types=list(layer_types),
         num_experts=n_experts,
         num_experts_per_tok=k,
         swiglu_alpha=c.float("swiglu_alpha", 1.702),
-        swiglu_limit=c.float("swiglu_limit", 7.0),
-        rope=_rope(raw),
+        swiglu_limit=c.float("swiglu_limit", 7.0, positive=True),
+        rope=check_rope(_rope(raw)),
         mxfp4=mxfp4,
     )
 

@@ -18,12 +18,12 @@ from ..errors import UnsupportedModelError
 from ..experts.spec import ExpertSpec
 from ..layers.gated_delta import DECAY_BLOCK_BYTES, SNAPSHOTS, KimiDeltaAttention, LinearState
 from ..layers.mla import MLA, LatentCache
-from ..layers.mlp import GatedMLP, activation
+from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.routing import GroupedRouter
 from ..units import format_size
 from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
-from .config import RawConfig
+from .config import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_POSITIONS, RawConfig
 
 MODEL_TYPE = "kimi_linear"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -109,9 +109,8 @@ def parse_config(raw: dict) -> Config:
     for key in ("gate_lower_bound",):
         if raw.get(key) is not None or (raw.get("linear_attn_config") or {}).get(key) is not None:
             raise UnsupportedModelError(f"config.json: {key} is not supported (transformers' KDA has no gate bound)")
-    n_layers = c.int("num_hidden_layers")
-    heads = c.int("num_attention_heads")
-    kv_heads = c.int("num_key_value_heads", heads)
+    n_layers = c.layers()
+    heads, kv_heads, _ = c.heads(0, head_dim=False)
     if kv_heads != heads:
         raise UnsupportedModelError(f"config.json: num_key_value_heads={kv_heads} differs from num_attention_heads="
                                     f"{heads} (MLA has no key/value head groups)")
@@ -137,13 +136,13 @@ def parse_config(raw: dict) -> Config:
     layer_types = _types(layer_types, n_layers, LAYER_TYPES, "layer_types")
     mlp_types = raw.get("mlp_layer_types")
     if mlp_types is None:
-        first_dense = c.int("first_k_dense_replace", 1)
+        first_dense = c.int("first_k_dense_replace", 1, lo=0)
         mlp_types = ["dense" if i < first_dense else "sparse" for i in range(n_layers)]
     mlp_types = _types(mlp_types, n_layers, MLP_TYPES, "mlp_layer_types")
-    n_experts = c.int("num_experts", 256, "num_local_experts", "n_routed_experts")
+    n_experts = c.pos_int("num_experts", 256, "num_local_experts", "n_routed_experts", hi=MAX_EXPERTS)
     n_group = c.int("num_expert_group", 1, "n_group")
     topk_group = c.int("topk_group", 1)
-    k = c.int("num_experts_per_token", 8, "num_experts_per_tok")
+    k = c.top_k("num_experts_per_token", n_experts, 8, "num_experts_per_tok")
     if n_group < 1 or n_experts % n_group or not 1 <= topk_group <= n_group:
         raise UnsupportedModelError(f"config.json: {n_experts} experts cannot be routed in {n_group} groups "
                                     f"keeping {topk_group}")
@@ -152,49 +151,46 @@ def parse_config(raw: dict) -> Config:
     if raw.get("use_grouped_topk") is False and 1 < n_group and topk_group < n_group:
         raise UnsupportedModelError("config.json: use_grouped_topk=false with expert groups is not supported "
                                     "(transformers always limits routing to the top groups)")
-    n_shared = c.int("num_shared_experts", 1, "n_shared_experts")
+    n_shared = c.int("num_shared_experts", 1, "n_shared_experts", hi=MAX_EXPERTS)
     if n_shared < 1:
         raise UnsupportedModelError(f"config.json: num_shared_experts={n_shared} is not supported "
                                     "(transformers' Kimi Linear always has a shared expert)")
-    q_lora = raw.get("q_lora_rank")
+    lin_cfg = RawConfig(lin, "config.json: linear_attn_config")
     cfg = Config(
-        vocab_size=c.int("vocab_size"),
-        hidden_size=c.int("hidden_size"),
-        intermediate_size=c.int("intermediate_size"),
-        moe_intermediate_size=c.int("moe_intermediate_size", 1024),
+        vocab_size=c.pos_int("vocab_size"),
+        hidden_size=c.pos_int("hidden_size"),
+        intermediate_size=c.pos_int("intermediate_size"),
+        moe_intermediate_size=c.pos_int("moe_intermediate_size", 1024),
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
-        hidden_act=c.get("hidden_act", "silu"),
-        rms_norm_eps=c.float("rms_norm_eps", 1e-5),
-        max_position_embeddings=c.int("model_max_length", 1048576, "max_position_embeddings"),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        attention_bias=bool(c.get("attention_bias", False)),
-        q_lora_rank=int(q_lora) if q_lora is not None else None,
-        kv_lora_rank=c.int("kv_lora_rank", 512),
-        qk_nope_head_dim=c.int("qk_nope_head_dim", 128),
-        qk_rope_head_dim=c.int("qk_rope_head_dim", 64),
-        v_head_dim=c.int("v_head_dim", 128),
+        hidden_act=c.act(),
+        rms_norm_eps=c.eps(1e-5),
+        max_position_embeddings=c.pos_int("model_max_length", 1048576, "max_position_embeddings", hi=MAX_POSITIONS),
+        tie_word_embeddings=c.bool("tie_word_embeddings", False),
+        attention_bias=c.bool("attention_bias", False),
+        q_lora_rank=c.pos_int("q_lora_rank", None),
+        kv_lora_rank=c.pos_int("kv_lora_rank", 512),
+        qk_nope_head_dim=c.pos_int("qk_nope_head_dim", 128, hi=MAX_HEAD_DIM),
+        qk_rope_head_dim=c.pos_int("qk_rope_head_dim", 64, hi=MAX_HEAD_DIM),
+        v_head_dim=c.pos_int("v_head_dim", 128, hi=MAX_HEAD_DIM),
         num_experts=n_experts,
         num_experts_per_tok=k,
         n_shared_experts=n_shared,
         n_group=n_group,
         topk_group=topk_group,
-        norm_topk_prob=bool(c.get("moe_renormalize", True, "norm_topk_prob")),
-        routed_scaling_factor=c.float("routed_scaling_factor", 2.446),
+        norm_topk_prob=c.bool("moe_renormalize", True, "norm_topk_prob"),
+        routed_scaling_factor=c.float("routed_scaling_factor", 2.446, positive=True),
         layer_types=layer_types,
         mlp_layer_types=mlp_types,
-        linear_head_dim=int(lin.get("head_dim", c.int("linear_head_dim", 128))),
-        linear_num_heads=int(lin.get("num_heads", c.int("linear_num_heads", 32))),
-        linear_conv_kernel_dim=int(lin.get("short_conv_kernel_size", c.int("linear_conv_kernel_dim", 4))),
+        linear_head_dim=lin_cfg.pos_int("head_dim", c.pos_int("linear_head_dim", 128, hi=MAX_HEAD_DIM),
+                                        hi=MAX_HEAD_DIM),
+        linear_num_heads=lin_cfg.pos_int("num_heads", c.pos_int("linear_num_heads", 32, hi=MAX_HEADS), hi=MAX_HEADS),
+        linear_conv_kernel_dim=lin_cfg.pos_int("short_conv_kernel_size", c.pos_int("linear_conv_kernel_dim", 4,
+                                                                                   hi=MAX_HEAD_DIM), hi=MAX_HEAD_DIM),
         raw=raw,
     )
     if not cfg.moe_layers:
         raise UnsupportedModelError("config.json: no MoE layer (a dense model) is not supported by the MoE engine")
-    if not 1 <= k <= n_experts:
-        raise UnsupportedModelError(f"config.json: {k} experts per token out of {n_experts}")
-    if cfg.linear_conv_kernel_dim < 1:
-        raise UnsupportedModelError(f"config.json: short conv kernel size {cfg.linear_conv_kernel_dim} must be >= 1")
-    activation(cfg.hidden_act)
     return cfg
 
 

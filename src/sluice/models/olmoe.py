@@ -9,7 +9,7 @@ from ..experts.spec import ExpertSpec
 from ..layers.rotary import Rotary, rope_parameters
 from ..layers.routing import SoftmaxRouter
 from .base import CausalLM, ModelDescription, MoEBlock
-from .config import RawConfig
+from .config import REQUIRED, MAX_EXPERTS, MAX_POSITIONS, RawConfig, check_rope
 from .standard import (AttnShape, attention_spine, build_attention, causal_lm, decoder_layer, expert_refs,
                        global_spine, kv_bytes_per_token, prefix)
 
@@ -39,27 +39,30 @@ class Config:
 
 def parse_config(raw: dict) -> Config:
     c = RawConfig(raw)
-    heads = c.int("num_attention_heads")
-    hidden = c.int("hidden_size")
-    clip = c.get("clip_qkv", None)
+    n_layers = c.layers()
+    hidden = c.pos_int("hidden_size")
+    heads, kv, head_dim = c.heads(hidden)
+    clip = c.float("clip_qkv", None, positive=True) if "clip_qkv" in c else None
+    n_experts = c.pos_int("num_experts", REQUIRED, "num_local_experts", hi=MAX_EXPERTS)
+    act = c.act()
     return Config(
-        vocab_size=c.int("vocab_size"),
+        vocab_size=c.pos_int("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=c.int("intermediate_size"),
-        num_hidden_layers=c.int("num_hidden_layers"),
+        intermediate_size=c.pos_int("intermediate_size"),
+        num_hidden_layers=n_layers,
         num_attention_heads=heads,
-        num_key_value_heads=c.int("num_key_value_heads", heads),
-        head_dim=c.int("head_dim", hidden // heads),
-        hidden_act=c.get("hidden_act", "silu"),
-        rms_norm_eps=c.float("rms_norm_eps", 1e-5),
-        max_position_embeddings=c.int("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        attention_bias=bool(c.get("attention_bias", False)),
-        clip_qkv=float(clip) if clip is not None else None,
-        num_experts=c.int("num_experts", None, "num_local_experts"),
-        num_experts_per_tok=c.int("num_experts_per_tok"),
-        norm_topk_prob=bool(c.get("norm_topk_prob", False)),
-        rope=rope_parameters(raw),
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        hidden_act=act,
+        rms_norm_eps=c.eps(1e-5),
+        max_position_embeddings=c.pos_int("max_position_embeddings", 4096, hi=MAX_POSITIONS),
+        tie_word_embeddings=c.bool("tie_word_embeddings", False),
+        attention_bias=c.bool("attention_bias", False),
+        clip_qkv=clip,
+        num_experts=n_experts,
+        num_experts_per_tok=c.top_k("num_experts_per_tok", n_experts),
+        norm_topk_prob=c.bool("norm_topk_prob", False),
+        rope=check_rope(rope_parameters(raw)),
     )
 
 

@@ -11,7 +11,7 @@ from ..layers.mlp import GatedMLP
 from ..layers.rotary import Rotary, rope_parameters
 from ..layers.routing import SoftmaxRouter
 from .base import CausalLM, ModelDescription, MoEBlock
-from .config import RawConfig
+from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
 from .standard import (AttnShape, attention_spine, build_attention, causal_lm, decoder_layer, expert_refs,
                        global_spine, kv_bytes_per_token, prefix)
 
@@ -44,33 +44,35 @@ class Config:
 
 def parse_config(raw: dict) -> Config:
     c = RawConfig(raw)
-    n_layers = c.int("num_hidden_layers")
-    heads = c.int("num_attention_heads")
-    hidden = c.int("hidden_size")
-    n_experts = c.int("num_experts", None, "num_local_experts") or 0
-    step = c.int("decoder_sparse_step", 1)
-    mlp_only = c.get("mlp_only_layers", []) or []
+    n_layers = c.layers()
+    hidden = c.pos_int("hidden_size")
+    heads, kv, head_dim = c.heads(hidden)
+    n_experts = c.int("num_experts", 0, "num_local_experts", lo=0, hi=MAX_EXPERTS)
+    step = c.pos_int("decoder_sparse_step", 1, hi=MAX_LAYERS)
+    mlp_only = set(c.int_list("mlp_only_layers", (), lo=0))
     moe = [i for i in range(n_layers) if i not in mlp_only and n_experts > 0 and (i + 1) % step == 0]
+    top_k = c.top_k("num_experts_per_tok", n_experts) if n_experts else c.int("num_experts_per_tok", 0)
+    act = c.act()
     return Config(
-        vocab_size=c.int("vocab_size"),
+        vocab_size=c.pos_int("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=c.int("intermediate_size"),
-        moe_intermediate_size=c.int("moe_intermediate_size"),
+        intermediate_size=c.pos_int("intermediate_size"),
+        moe_intermediate_size=c.pos_int("moe_intermediate_size"),
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
-        num_key_value_heads=c.int("num_key_value_heads", heads),
-        head_dim=c.int("head_dim", hidden // heads),
-        hidden_act=c.get("hidden_act", "silu"),
-        rms_norm_eps=c.float("rms_norm_eps", 1e-6),
-        max_position_embeddings=c.int("max_position_embeddings", 32768),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        attention_bias=bool(c.get("attention_bias", False)),
-        sliding_window=c.get("sliding_window", None) if c.get("use_sliding_window", False) else None,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        hidden_act=act,
+        rms_norm_eps=c.eps(1e-6),
+        max_position_embeddings=c.pos_int("max_position_embeddings", 32768, hi=MAX_POSITIONS),
+        tie_word_embeddings=c.bool("tie_word_embeddings", False),
+        attention_bias=c.bool("attention_bias", False),
+        sliding_window=c.sliding_window() if c.bool("use_sliding_window", False) else None,
         num_experts=n_experts,
-        num_experts_per_tok=c.int("num_experts_per_tok"),
-        norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+        num_experts_per_tok=top_k,
+        norm_topk_prob=c.bool("norm_topk_prob", False),
         moe_layers=moe,
-        rope=rope_parameters(raw),
+        rope=check_rope(rope_parameters(raw)),
         raw=raw,
     )
 

@@ -15,13 +15,13 @@ from ..experts.spec import ExpertSpec
 from ..layers.attention import KVCache
 from ..layers.gated_attention import GatedAttention
 from ..layers.gated_delta import SNAPSHOTS, GatedDeltaNet, LinearState
-from ..layers.mlp import GatedMLP, activation
+from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, rope_parameters
 from ..layers.routing import SoftmaxRouter
 from ..units import format_size
 from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
-from .config import RawConfig
+from .config import MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
 
 MODEL_TYPE = "qwen3_next"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -77,75 +77,68 @@ def parse_config(raw: dict) -> Config:
             else None
         raise UnsupportedModelError(f"config.json: quantized checkpoints (quantization_config, quant_method="
                                     f"{method!r}) are not supported for {MODEL_TYPE}; use the bf16/fp16/fp32 weights")
-    n_layers = c.int("num_hidden_layers")
-    heads = c.int("num_attention_heads")
-    hidden = c.int("hidden_size")
+    n_layers = c.layers()
+    hidden = c.pos_int("hidden_size")
+    heads, kv, head_dim = c.heads(hidden)
     layer_types = c.get("layer_types", None)
     if layer_types is None:
-        interval = c.int("full_attention_interval", 4)
-        if interval < 1:
-            raise UnsupportedModelError(f"config.json: full_attention_interval={interval} must be at least 1")
+        interval = c.pos_int("full_attention_interval", 4, hi=MAX_LAYERS)
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
     if not isinstance(layer_types, list) or len(layer_types) != n_layers:
         raise UnsupportedModelError(f"config.json: layer_types must list {n_layers} layer types, got {layer_types!r}")
-    bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    bad = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
     if bad:
         raise UnsupportedModelError(f"config.json: layer type(s) {bad} are not supported (supported: "
                                     f"{', '.join(LAYER_TYPES)})")
-    n_experts = c.int("num_experts", 512)
+    n_experts = c.int("num_experts", 512, lo=0, hi=MAX_EXPERTS)
     if n_experts <= 0:
         raise UnsupportedModelError("config.json: num_experts=0 (a dense model) is not supported by the MoE engine")
-    step = c.int("decoder_sparse_step", 1)
-    if step < 1:
-        raise UnsupportedModelError(f"config.json: decoder_sparse_step={step} must be at least 1")
-    mlp_only = c.get("mlp_only_layers", []) or []
+    step = c.pos_int("decoder_sparse_step", 1, hi=MAX_LAYERS)
+    mlp_only = set(c.int_list("mlp_only_layers", (), lo=0))
     moe = [i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0]
     if not moe:
         raise UnsupportedModelError("config.json: no MoE layer (a dense model) is not supported by the MoE engine")
-    nk, nv = c.int("linear_num_key_heads", 16), c.int("linear_num_value_heads", 32)
-    if nk <= 0 or nv % nk:
+    nk = c.pos_int("linear_num_key_heads", 16, hi=MAX_HEADS)
+    nv = c.pos_int("linear_num_value_heads", 32, hi=MAX_HEADS)
+    if nv % nk:
         raise UnsupportedModelError(
             f"config.json: linear_num_value_heads={nv} must be a multiple of linear_num_key_heads={nk}")
-    shared = c.int("shared_expert_intermediate_size", 512)
+    shared = c.int("shared_expert_intermediate_size", 512, hi=MAX_DIM)
     if shared <= 0:
         raise UnsupportedModelError(f"config.json: shared_expert_intermediate_size={shared} is not supported "
                                     "(Qwen3-Next always has a shared expert)")
     rope = rope_parameters(raw)
     rope.setdefault("partial_rotary_factor", 0.25)  # transformers' default for this family
+    check_rope(rope)
     cfg = Config(
-        vocab_size=c.int("vocab_size"),
+        vocab_size=c.pos_int("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=c.int("intermediate_size"),
-        moe_intermediate_size=c.int("moe_intermediate_size", 512),
+        intermediate_size=c.pos_int("intermediate_size"),
+        moe_intermediate_size=c.pos_int("moe_intermediate_size", 512),
         shared_expert_intermediate_size=shared,
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
-        num_key_value_heads=c.int("num_key_value_heads", heads),
-        head_dim=c.int("head_dim", hidden // heads),
-        hidden_act=c.get("hidden_act", "silu"),
-        rms_norm_eps=c.float("rms_norm_eps", 1e-6),
-        max_position_embeddings=c.int("max_position_embeddings", 32768),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        attention_bias=bool(c.get("attention_bias", False)),
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        hidden_act=c.act(),
+        rms_norm_eps=c.eps(1e-6),
+        max_position_embeddings=c.pos_int("max_position_embeddings", 32768, hi=MAX_POSITIONS),
+        tie_word_embeddings=c.bool("tie_word_embeddings", False),
+        attention_bias=c.bool("attention_bias", False),
         num_experts=n_experts,
-        num_experts_per_tok=c.int("num_experts_per_tok", 10),
-        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        num_experts_per_tok=c.top_k("num_experts_per_tok", n_experts, 10),
+        norm_topk_prob=c.bool("norm_topk_prob", True),
         moe_layers=moe,
         layer_types=list(layer_types),
-        linear_conv_kernel_dim=c.int("linear_conv_kernel_dim", 4),
-        linear_key_head_dim=c.int("linear_key_head_dim", 128),
-        linear_value_head_dim=c.int("linear_value_head_dim", 128),
+        linear_conv_kernel_dim=c.pos_int("linear_conv_kernel_dim", 4, hi=MAX_HEAD_DIM),
+        linear_key_head_dim=c.pos_int("linear_key_head_dim", 128, hi=MAX_HEAD_DIM),
+        linear_value_head_dim=c.pos_int("linear_value_head_dim", 128, hi=MAX_HEAD_DIM),
         linear_num_key_heads=nk,
         linear_num_value_heads=nv,
         rope=rope,
         raw=raw,
     )
-    if cfg.linear_conv_kernel_dim < 1:
-        raise UnsupportedModelError(f"config.json: linear_conv_kernel_dim={cfg.linear_conv_kernel_dim} must be >= 1")
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise UnsupportedModelError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
-    activation(cfg.hidden_act)  # refuse an unknown activation or RoPE type at load, not at build
-    Rotary(cfg.head_dim, rope, cfg.max_position_embeddings)
+    Rotary(cfg.head_dim, rope, cfg.max_position_embeddings)  # refuse an unknown RoPE type at load, not at build
     return cfg
 
 

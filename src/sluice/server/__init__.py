@@ -31,13 +31,13 @@ def serve_command(args, engine_options: dict) -> int:
 
     require_dependencies()
     from .. import load
-    from .app import model_name_for, serve
+    from .app import serve
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"sluice: warning: serving on {args.host} without --api-key: anyone who can reach this port "
               "can use the model", file=sys.stderr)
-    engine = load(args.model, memory=args.memory, **engine_options)
-    name = args.model_name or model_name_for(args.model)
+    engine = load(args.model, memory=args.memory, revision=args.revision, **engine_options)
+    name = args.model_name or engine.model_id
     print(f"sluice: serving '{name}' on http://{args.host}:{args.port}/v1 (context {engine.max_context} tokens, "
           f"queue {args.max_queue})", file=sys.stderr)
     print(f"sluice: chat in a browser at http://{args.host}:{args.port}/", file=sys.stderr)

@@ -22,95 +22,12 @@ from .. import __version__
 from ..engine import Step
 from . import protocol as P
 from . import webchat
-from .serving import (APIError, Cancelled, Failed, GenParams, Job, Metrics, QueueFull, Scheduler, ShuttingDown,
-                      error_for_exception)
+from .serving import APIError, Failed, GenParams, Job, QueueFull, ShuttingDown, error_for_exception
+from .service import DEFAULT_MAX_BODY, TEMPLATE_TIMEOUT, ClientGone, Service
 
 log = logging.getLogger("sluice.server")
 
-DEFAULT_MAX_BODY = 4 << 20
 CLIENT_CLOSED = 499  # status recorded (never sent) when the client went away first
-
-
-class Service:
-    """Everything the routes share: the engine, its scheduler, metrics, limits."""
-
-    def __init__(self, engine, *, model_name: str, api_key: str | None = None, max_queue: int = 8,
-                 max_body_bytes: int = DEFAULT_MAX_BODY, reuse_prefix: bool = True):
-        self.engine = engine
-        self.model_name = model_name
-        self.api_key = api_key or None
-        self.max_body_bytes = max_body_bytes
-        self.metrics = Metrics(model_name)
-        self.scheduler = Scheduler(engine, max_queue, self.metrics, reuse_prefix=reuse_prefix)
-        self.token_text = P.TokenText(engine.tokenizer)
-        self.created = P.now()
-
-    def record(self, endpoint: str, status: int, job: Job | None = None) -> None:
-        """Count one answered request (once per job, however its end was noticed)."""
-        if job is not None:
-            if job.recorded:
-                return
-            job.recorded = True
-        self.metrics.request(endpoint, status)
-
-    # -- request preparation --
-
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
-
-    def check_supported(self, req) -> None:
-        bad = req.unsupported()
-        if bad:
-            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids",
-                           param="prompt", code="no_tokenizer")
-        return tok.encode(text, add_special_tokens=add_special_tokens)
-
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        from ..errors import CheckpointError
-
-        tok = self.engine.tokenizer
-        if tok is None or not tok.chat_template:
-            raise APIError(400, f"the model '{self.model_name}' has no chat template (tokenizer_config.json has no "
-                                "chat_template): use /v1/completions instead", param="messages",
-                           code="no_chat_template")
-        try:
-            text = tok.render_chat(messages, add_generation_prompt=True)
-        except CheckpointError as e:
-            raise APIError(400, str(e), param="messages", code="no_chat_template") from None
-        except Exception as e:  # jinja2 errors, raise_exception() in the template
-            raise APIError(400, f"the chat template refused these messages: {e}", param="messages",
-                           code="chat_template_error") from None
-        return tok.encode(text, add_special_tokens=False)
-
-    def params(self, req, prompt_ids: list[int], max_tokens: int | None, n_logprobs: int | None) -> GenParams:
-        ctx = self.engine.max_context
-        if not prompt_ids:
-            raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
-        if len(prompt_ids) >= ctx:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens, which leaves no room in this server's "
-                                f"context of {ctx} tokens (prompt + completion); shorten it",
-                           param="messages" if hasattr(req, "messages") else "prompt",
-                           code="context_length_exceeded")
-        room = ctx - len(prompt_ids)
-        return GenParams(
-            prompt_ids=prompt_ids,
-            max_new_tokens=min(max_tokens, room) if max_tokens is not None else room,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            seed=req.seed,
-            stop=req.stop_list(),
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos,
-            logprobs=n_logprobs,
-        )
 
 
 # -- response formatting -----------------------------------------------------------------------
@@ -260,12 +177,17 @@ async def _watch_disconnect(request: Request, job: Job, service: Service) -> Non
 
 
 def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue: int = 8,
-               max_body_bytes: int = DEFAULT_MAX_BODY, reuse_prefix: bool = True) -> FastAPI:
-    """The ASGI app serving ``engine``. Starts its engine worker on startup, stops it on shutdown."""
+               max_body_bytes: int = DEFAULT_MAX_BODY, reuse_prefix: bool = True,
+               template_timeout: float = TEMPLATE_TIMEOUT, request_memory: int | None = None) -> FastAPI:
+    """The ASGI app serving ``engine``. Starts its engine worker on startup, stops it on shutdown.
+
+    A chat template is probed here (``app.state.service.chat_refused`` says why it was refused).
+    """
     from contextlib import asynccontextmanager
 
     service = Service(engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
-                      max_body_bytes=max_body_bytes, reuse_prefix=reuse_prefix)
+                      max_body_bytes=max_body_bytes, reuse_prefix=reuse_prefix, template_timeout=template_timeout,
+                      request_memory=request_memory)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -273,7 +195,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, service.scheduler.close)
+            await asyncio.get_running_loop().run_in_executor(None, service.close)
 
     app = FastAPI(title="Sluice", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -303,19 +225,6 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            "authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
-
-    async def read_body(request: Request) -> bytes:
-        limit = service.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
-                           code="request_too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        return bytes(body)
 
     def parse(model_cls, body: bytes):
         try:
@@ -416,6 +325,9 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
         """Record errors answered before a generation starts."""
         try:
             return await handler()
+        except ClientGone:  # left mid-upload: nobody to answer
+            service.record(endpoint, CLIENT_CLOSED, getattr(request.state, "job", None))
+            return Response(status_code=CLIENT_CLOSED)
         except APIError as e:
             service.record(endpoint, e.status, getattr(request.state, "job", None))
             raise
@@ -461,46 +373,62 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
         service.check_model(model_id)
         return model_card()
 
+    async def prepare(request: Request, model_cls, build):
+        """Read and parse the body under its memory reservation; ``build(req)`` -> (params, format, stream)."""
+        authorize(request)
+        body, reserved = await service.read_body(request)
+        try:
+            req = parse(model_cls, body)
+            del body
+            service.check_model(req.model)
+            service.check_supported(req)
+            return await build(req)
+        finally:
+            service.memory.release(reserved)
+
+    async def build_completion(req):
+        try:
+            prompt = req.single_prompt()
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt", code="unsupported_parameter") from None
+        if isinstance(prompt, str):
+            ids = await service.tokenize(prompt, add_special_tokens=True, param="prompt") if prompt else []
+            echo = prompt
+        else:
+            ids = list(prompt)
+            service.check_ids(ids, "prompt")
+            echo = service.engine.decode(ids) if req.echo and len(ids) < service.engine.max_context else ""
+        params = service.params(req, ids, req.max_tokens, req.logprobs)
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        return params, CompletionFormat(service, params, include_usage, echo if req.echo else ""), req.stream
+
+    async def build_chat(req):
+        try:
+            messages = [m.for_template() for m in req.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages", code="unsupported_parameter") from None
+        text = await service.render_chat(messages)
+        del messages
+        ids = await service.tokenize(text, add_special_tokens=False, param="messages")
+        params = service.params(req, ids, req.max_new_tokens(), req.n_logprobs())
+        # the chat format's own end-of-reply text (tokenizer_config.json "chat_stop_strings")
+        params.stop += [x for x in service.engine.tokenizer.chat_stop_strings if x not in params.stop]
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        return params, ChatFormat(service, params, "chatcmpl", include_usage), req.stream
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         async def handle():
-            authorize(request)
-            req = parse(P.CompletionRequest, await read_body(request))
-            service.check_model(req.model)
-            service.check_supported(req)
-            try:
-                prompt = req.single_prompt()
-            except ValueError as e:
-                raise APIError(400, str(e), param="prompt", code="unsupported_parameter") from None
-            if isinstance(prompt, str):
-                ids = service.encode(prompt) if prompt else []
-                echo = prompt
-            else:
-                ids = list(prompt)
-                echo = service.engine.decode(ids) if req.echo else ""
-            params = service.params(req, ids, req.max_tokens, req.logprobs)
-            include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-            fmt = CompletionFormat(service, params, include_usage, echo if req.echo else "")
-            return await run(request, "completions", params, fmt, req.stream)
+            params, fmt, stream = await prepare(request, P.CompletionRequest, build_completion)
+            return await run(request, "completions", params, fmt, stream)
 
         return await guarded(request, "completions", handle)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         async def handle():
-            authorize(request)
-            req = parse(P.ChatCompletionRequest, await read_body(request))
-            service.check_model(req.model)
-            service.check_supported(req)
-            try:
-                messages = [m.for_template() for m in req.messages]
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages", code="unsupported_parameter") from None
-            ids = service.render_chat(messages)
-            params = service.params(req, ids, req.max_new_tokens(), req.n_logprobs())
-            include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-            fmt = ChatFormat(service, params, "chatcmpl", include_usage)
-            return await run(request, "chat_completions", params, fmt, req.stream)
+            params, fmt, stream = await prepare(request, P.ChatCompletionRequest, build_chat)
+            return await run(request, "chat_completions", params, fmt, stream)
 
         return await guarded(request, "chat_completions", handle)
 
@@ -517,9 +445,39 @@ def model_name_for(path) -> str:
 def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str, api_key: str | None = None,
           max_queue: int = 8, max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "info") -> None:
     """Serve ``engine`` until interrupted (blocking)."""
+    import sys
+
     import uvicorn
 
     app = create_app(engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      max_body_bytes=max_body_bytes)
+    service: Service = app.state.service
+    if service.chat_refused:
+        print(f"sluice: warning: {service.chat_refused}; /v1/chat/completions answers 400 "
+              "(chat_template_refused), /v1/completions works", file=sys.stderr)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: end open streams (error event, [DONE]) at once
+            service.begin_shutdown()
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again: stop here instead of dying by it
+    import signal
+    import threading
+
+    class _Terminated(BaseException):
+        pass
+
+    def _terminated(sig, frame):
+        raise _Terminated()
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    try:
+        Server(config).run()
+    except _Terminated:
+        pass
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)

@@ -17,7 +17,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # per stop string: held-back text is matched against it at every token
+MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-3  # below it (but not 0) logits / temperature overflows and sampling has no distribution
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what the sampler's generator accepts
 
 
 class _Strict(BaseModel):
@@ -52,6 +56,30 @@ class _SamplingRequest(_Strict):
     def _stop(cls, v):
         if isinstance(v, list) and len(v) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop strings")
+        for s in [v] if isinstance(v, str) else (v or []):
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string of {len(s)} characters; at most {MAX_STOP_CHARS}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        if v is not None and 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"{v!r} is too small to sample with: use 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        if v is not None and not SEED_MIN <= v <= SEED_MAX:
+            raise ValueError(f"{v} is out of range: a seed is between -2**63 and 2**64 - 1")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v):
+        if v is not None and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"{len(v)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
         return v
 
     def stop_list(self) -> list[str]:
@@ -153,6 +181,8 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
         return f"request body is not valid JSON: {e['msg']}", None
     loc = [str(x) for x in e["loc"] if not (isinstance(x, str) and ("[" in x or x in ("str", "int", "bool")))]
     if not loc:
+        if e["type"] == "model_type":
+            return "the request body must be a JSON object", None
         return f"request body: {e['msg']}", None
     where = loc[0] + "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in loc[1:])
     if e["type"] == "missing":

@@ -298,8 +298,8 @@ class Scheduler:
                     self.metrics.finished("cancelled", 0, 0, None)
                     job.post(Cancelled())
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Refuse new jobs, drop waiting ones, cancel the running one and wait for the worker."""
+    def stop(self) -> None:
+        """Refuse new jobs, drop waiting ones and cancel the running one; does not wait (signal-safe)."""
         with self._cond:
             self._closed = True
             dropped = list(self._waiting)
@@ -311,6 +311,10 @@ class Scheduler:
             job.state = "cancelled"
             job.cancel.set()
             job.post(Cancelled())
+
+    def close(self, timeout: float = 30.0) -> None:
+        """``stop``, then wait for the worker."""
+        self.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
