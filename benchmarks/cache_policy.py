@@ -3,13 +3,15 @@ every routing trace we have: the real OLMoE trace and the trained demo model's o
 on a few Python prompts, recorded here with ``--trace-routing`` (router weights and the
 engine's lookahead predictions included).
 
-    python benchmarks/cache_policy.py [--tokens 300] [--olmoe PATH] [--keep DIR] [--json OUT]
+    python benchmarks/cache_policy.py [--tokens 300] [--olmoe PATH] [--keep DIR] [--json OUT] [--oracle]
 
 For each trace and each cache size (1, 1.5, 2, 3 and 4 times one token's working set), the
 hit rate of LRU, of the default ``lfru``, of ``lfru`` hearing the lookahead's predictions
 (``--predictions hint``; demo traces only, the OLMoE trace has none) and of Belady, each
 with its fraction of Belady. Every replay is ``sluice trace-replay``'s, which drives the
-engine's own ``ExpertCache`` and ``ExpertProvider`` (docs/cache-policy.md).
+engine's own ``ExpertCache`` and ``ExpertProvider`` (docs/cache-policy.md). ``--oracle`` adds
+two bounds: ``lfru`` told the true experts of the next layer, and of every layer still to
+come in the token, before each layer runs (what a perfect lookahead could tell it).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import sluice
 from sluice.demo import SHIPPED_MODEL
-from sluice.replay import replay
+from sluice.experts.policy import make_policy
+from sluice.replay import CacheSim, replay
 from sluice.trace import Trace, read_trace
 
 PROMPTS = {
@@ -47,18 +50,40 @@ def record(prompt: str, tokens: int, out: Path) -> Trace:
     return read_trace(out)
 
 
-def rows(name: str, trace: Trace) -> list[dict]:
+def oracle(trace: Trace, spec: str, capacity: int, horizon: int) -> tuple[int, int]:
+    """(hits, lookups) of ``spec`` in a global cache when, before each layer runs, the policy is
+    told the true experts of the next ``horizon`` layers of the same token (a perfect lookahead;
+    an upper bound on what predictions within a token can give a policy)."""
+    sim = CacheSim(capacity * trace.layers, make_policy(spec), trace.experts)
+    for step in trace.steps:
+        sim.tick()
+        for layer, ids in enumerate(step):
+            for ahead in range(layer + 1, min(trace.layers, layer + 1 + horizon)):
+                sim.cache.policy.predict(ahead, step[ahead])
+            sim.run_layer(layer, ids)
+    return sim.provider.counters.hits, sim.provider.counters.lookups
+
+
+def rows(name: str, trace: Trace, with_oracle: bool) -> list[dict]:
     caps = [round(m * trace.top_k) for m in MULTIPLES]
     belady = [replay(trace, "belady", c, "global") for c in caps]
     runs = [("lru", "off"), ("lfru", "off")] + ([("lfru", "hint")] if trace.pred is not None else [])
+    if with_oracle:
+        runs += [("lfru", "oracle:1"), ("lfru", f"oracle:{trace.layers}")]
     out = []
     for spec, mode in runs + [("belady", "off")]:
         for c, b in zip(caps, belady):
-            r = b if spec == "belady" else replay(trace, spec, c, "global", predictions=mode)
-            out.append({"trace": name, "policy": r.policy, "multiple": c / trace.top_k, "slots": r.slots,
-                        "hits": r.hits, "lookups": r.lookups, "hit_rate": r.hit_rate,
-                        "of_belady": r.hits / b.hits if b.hits else 0.0})
-        print(f"  {name}: {spec}{' +' + mode if mode != 'off' else ''} done", file=sys.stderr, flush=True)
+            if mode.startswith("oracle"):
+                horizon = int(mode.split(":")[1])
+                hits, lookups = oracle(trace, spec, c, horizon)
+                label = f"{spec} + perfect lookahead, {'next layer' if horizon == 1 else 'rest of the token'}"
+            else:
+                r = b if spec == "belady" else replay(trace, spec, c, "global", predictions=mode)
+                hits, lookups, label = r.hits, r.lookups, r.policy
+            out.append({"trace": name, "policy": label, "multiple": c / trace.top_k, "slots": c * trace.layers,
+                        "hits": hits, "lookups": lookups, "hit_rate": hits / lookups,
+                        "of_belady": hits / b.hits if b.hits else 0.0})
+        print(f"  {name}: {spec} {mode} done", file=sys.stderr, flush=True)
     return out
 
 
@@ -85,6 +110,8 @@ def main() -> int:
     ap.add_argument("--olmoe", type=Path, default=None, help="the OLMoE routing trace (default: tests/data)")
     ap.add_argument("--keep", type=Path, default=None, help="write the demo traces here (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    ap.add_argument("--oracle", action="store_true",
+                    help="add lfru told the true experts of the next layer / of the rest of the token")
     args = ap.parse_args()
     olmoe = args.olmoe or next((p for p in OLMOE if p.exists()), None)
     traces: dict[str, Trace] = {}
@@ -97,7 +124,7 @@ def main() -> int:
         where.mkdir(parents=True, exist_ok=True)
         for name, prompt in PROMPTS.items():
             traces[name] = record(prompt, args.tokens, where / f"{name}.jsonl")
-    results = [r for name, trace in traces.items() for r in rows(name, trace)]
+    results = [r for name, trace in traces.items() for r in rows(name, trace, args.oracle)]
     print(table(results, traces))
     if args.json:
         args.json.write_text(json.dumps({"multiples": MULTIPLES, "results": results}, indent=1) + "\n")

@@ -170,14 +170,16 @@ def test_reference_figures(olmoe):
 
 
 def test_default_policy_beats_lru_on_olmoe(olmoe):
-    """The engine default is at least as good as LRU at every size, both scopes (docs/cache-policy.md)."""
-    for scope in ("layer", "global"):
-        for cap in (8, 12, 16, 24, 32, 48):
-            lru = replay(olmoe, "lru", cap, scope).hit_rate
-            lfru = replay(olmoe, "lfru", cap, scope).hit_rate
-            assert lfru >= lru - 0.001, (scope, cap, lfru, lru)
-            if cap in (12, 16):
-                assert lfru > lru + 0.02, (scope, cap, lfru, lru)
+    """The engine default never gets fewer hits than LRU in the engine's layout (one global cache)
+    at any size, not even at 1x where it used to lose a few (``begin_layer``), and is 2 points
+    ahead at 1.5x and 2x in both layouts (the full per-layer sweep: docs/cache-policy.md)."""
+    cases = [("global", cap) for cap in (8, 12, 16, 24, 32, 48)] + [("layer", cap) for cap in (12, 16)]
+    for scope, cap in cases:
+        lru = replay(olmoe, "lru", cap, scope)
+        lfru = replay(olmoe, "lfru", cap, scope)
+        assert lfru.hits >= lru.hits, (scope, cap, lfru.hits, lru.hits)
+        if cap in (12, 16):
+            assert lfru.hit_rate > lru.hit_rate + 0.02, (scope, cap, lfru.hit_rate, lru.hit_rate)
 
 
 # -- policies -------------------------------------------------------------------------------
