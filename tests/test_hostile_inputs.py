@@ -219,7 +219,7 @@ FLAG_CASES = {
     "top_p_above_one": (["run", "M", "--top-p", "2"], ["--top-p", "'2'"]),
     "top_p_zero": (["run", "M", "--top-p", "0"], ["--top-p", "'0'"]),
     "top_k_negative": (["run", "M", "--top-k", "-1"], ["--top-k", "'-1'"]),
-    "seed_negative": (["run", "M", "--seed", "-1"], ["--seed", "'-1'"]),
+    "seed_below_range": (["run", "M", "--seed", str(-2**63 - 1)], ["--seed", str(-2**63 - 1)]),
     "seed_overflow": (["run", "M", "--seed", str(2**64)], ["--seed", str(2**64)]),
     "max_new_tokens_zero": (["run", "M", "--max-new-tokens", "0"], ["--max-new-tokens", "'0'"]),
     "max_context_negative": (["run", "M", "--max-context", "-1"], ["--max-context", "'-1'"]),
@@ -249,6 +249,21 @@ def test_hostile_flag(case, tmp_path, capsys):
     assert_names(err, "error: argument", *expected)
 
 
+def test_prompt_file_errors_name_the_file(text_model, tmp_path, capsys):
+    bad = tmp_path / "prompt.txt"
+    bad.write_bytes(b"def f():\xff\xfe\n")
+    rc, _, err = cli(capsys, "run", text_model, "--prompt-file", bad, *RUN)
+    assert rc == 2 and f"--prompt-file {bad}: not UTF-8 text" in err
+    rc, _, err = cli(capsys, "run", text_model, "--prompt-file", tmp_path / "absent.txt", *RUN)
+    assert rc == 2 and "absent.txt: No such file or directory" in err
+
+
+def test_convert_unknown_expert_format(text_model, tmp_path, capsys):
+    rc, _, err = cli(capsys, "convert", text_model, tmp_path / "out", "--experts", "q3", "--no-progress")
+    assert rc == 2 and "--experts" in err and "'q3'" in err and "choose from" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_flags_checked_against_the_model(text_model, capsys):
     rc, _, err = cli(capsys, "run", text_model, "-p", PROMPT, *RUN, "--max-context", "100000")
     assert rc == 2 and "--max-context" in err and "100000" in err and "limit of 512" in err
@@ -270,11 +285,11 @@ GEN_CASES = {
     "max_new_tokens_zero": (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
     "max_new_tokens_float": (dict(max_new_tokens=2.5), "max_new_tokens must be an integer >= 1, got 2.5"),
     "temperature_nan": (dict(temperature=math.nan), "temperature must be a finite number >= 0, got nan"),
-    "temperature_tiny": (dict(temperature=1e-300), "temperature must be 0 (greedy) or at least"),
+    "temperature_tiny": (dict(temperature=1e-300), "temperature must be 0 (greedy) or at least 0.001, got 1e-300"),
     "top_p_above_one": (dict(top_p=2), "top_p must be a finite number in (0, 1], got 2"),
     "top_k_negative": (dict(top_k=-1), "top_k must be an integer >= 0, got -1"),
-    "seed_overflow": (dict(seed=2**64), f"seed must be an integer from 0 to {2**64 - 1}, got {2**64}"),
-    "seed_string": (dict(seed="7"), "seed must be an integer from 0 to"),
+    "seed_overflow": (dict(seed=2**64), f"seed must be an integer from {-2**63} to {2**64 - 1}, got {2**64}"),
+    "seed_string": (dict(seed="7"), "seed must be an integer from"),
     "logprobs_too_many": (dict(logprobs=21), "logprobs must be an integer from 0 to 20, got 21"),
     "stop_not_text": (dict(stop=5), "stop must be a string or a list of strings, got 5"),
     "stop_token_ids_text": (dict(stop_token_ids=["x"]), "stop_token_ids: token id 'x' is not an integer"),

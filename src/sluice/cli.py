@@ -9,7 +9,7 @@ import sys
 
 from . import __version__
 from .cli_args import float_arg, int_arg, positive_size_arg, seed_arg, temperature_arg, top_p_arg
-from .errors import SluiceError
+from .errors import InvalidArgumentError, SluiceError
 from .units import format_size, parse_size
 
 
@@ -134,8 +134,14 @@ def cmd_run(args) -> int:
             raise SluiceError("give a prompt with --prompt TEXT, --prompt-file FILE, or on stdin")
         prompt = sys.stdin.read()
     elif args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompt = f.read()
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        except UnicodeDecodeError as e:
+            raise InvalidArgumentError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason} at byte "
+                                       f"{e.start})") from None
+        except OSError as e:
+            raise InvalidArgumentError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
     else:
         prompt = args.prompt
     engine = load(args.model, memory=args.memory, revision=args.revision, **_engine_options(args))
@@ -413,8 +419,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status. A user error prints ``sluice: error: ...`` (no
     traceback; ``--debug`` shows one): status 2 for an invalid argument, 1 for anything else."""
     import warnings
-
-    from .errors import InvalidArgumentError
 
     warnings.formatwarning = lambda msg, *a, **k: f"sluice: warning: {msg}\n"
     parser = build_parser()

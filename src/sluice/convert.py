@@ -41,7 +41,7 @@ from .container import (
     seal_manifest,
 )
 from .engine import ModelInfo
-from .errors import CheckpointError, SluiceError
+from .errors import CheckpointError, InvalidArgumentError, SluiceError
 from .experts.fused import canonical_layout, canonical_weights
 from .experts.source import views
 from .progress import Progress
@@ -290,10 +290,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
     fmt = experts or source.format
     if fmt not in FORMAT_IDS:
-        raise ValueError(f"unknown expert format {fmt!r} (choose from: {', '.join(FORMAT_IDS)})")
+        raise InvalidArgumentError(f"experts (--experts): unknown expert format {fmt!r} (choose from: "
+                                   f"{', '.join(FORMAT_IDS)})")
     if (fmt == FP8_FORMAT) != (source.format == FP8_FORMAT):
-        raise ValueError(f"expert format {fmt!r} from {source.format!r} experts is not supported: block-scaled FP8 "
-                         "experts are stored as they are (fp8), and other experts are not quantized to fp8")
+        raise InvalidArgumentError(f"experts (--experts): format {fmt!r} from {source.format!r} experts is not "
+                                   "supported: block-scaled FP8 experts are stored as they are (fp8), and other "
+                                   "experts are not quantized to fp8")
     # sizes first: check free disk
     layer0 = desc.moe_layers[0] if desc.moe_layers else None
     # fused on-disk layouts (GPT-OSS) become canonical gate/up/down records here

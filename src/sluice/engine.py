@@ -34,8 +34,10 @@ from .models.config import check_layer_count, eos_ids
 from .plan import Plan, activation_bytes, make_plan
 from .progress import Progress
 from .resolve import resolve_model
+from .runner import ModelRunner, SeqState
 from .spine import LayerReads, SpineStreamer, layer_reads, streamable
 from .spine import buffer_bytes as spine_buffer_bytes
+from .stats import EngineCounters, EngineInfo, GenerationStats
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
 from .trace import TraceWriter
@@ -43,7 +45,6 @@ from .units import parse_size
 
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 512
-TORCH_SERIAL_TOKENS = 64
 
 
 @dataclass
@@ -218,11 +219,15 @@ class Engine:
         if options.prefetch or options.trace_routing:
             self.model.lookahead = self._lookahead
         self.set_lossy(moe_top_k=options.moe_top_k, prefer_cached=options.prefer_cached)
-        self.state = self.model.new_state(self.plan.max_context)
         self.trace = TraceWriter(options.trace_routing) if options.trace_routing else None
+        # the generator and the server reach the model only through the runner
+        self.runner = ModelRunner(self.model, self.experts, self.cache, self.checkpoint, self.spine,
+                                  max_context=self.plan.max_context, prefill_chunk=self.plan.prefill_chunk,
+                                  threads=self.threads, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+                                  moe_layers=self.desc.moe_layers, trace=self.trace, info=self._info)
         self._lock = threading.Lock()
         self.load_s = time.perf_counter() - t_load
-        self.last_stats: dict = {}
+        self.last_stats: GenerationStats | dict = {}
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -301,31 +306,36 @@ class Engine:
 
     # -- model access ------------------------------------------------------------------------
 
+    def _info(self) -> EngineInfo:
+        """What every generation's stats report about this engine."""
+        plan = self.plan
+        return EngineInfo(budget_bytes=plan.budget, cache_slots=plan.cache_slots, total_experts=plan.total_experts,
+                          direct_io=self.experts_source.direct_io, load_s=self.load_s, lossy=dict(self.lossy),
+                          spine_resident_bytes=plan.spine_bytes - plan.stream_buffer_bytes,
+                          spine_streamed_layers=len(plan.streamed_layers))
+
+    def totals(self) -> EngineCounters:
+        """The engine's counters since load (expert lookups and reads, bytes read, forwards): a read
+        shared by several generations counts once here, in full in each one's stats."""
+        return self.runner.counters()
+
+    @property
+    def slot(self) -> SeqState:
+        """The state slot generations run on (one today: one sequence at a time)."""
+        return self.runner.slots[0]
+
+    @property
+    def state(self):
+        """The model state of ``slot`` (KV caches, recurrent states, the tokens they hold)."""
+        return self.slot.model_state
+
     @property
     def max_context(self) -> int:
-        return self.state.max_ctx
+        return self.slot.max_context
 
     def _run(self, ids: list[int], start: int, last_n: int = 1) -> torch.Tensor | None:
-        """Forward ``ids`` at positions start.. in prefill chunks; logits [last_n, V] of the last positions."""
-        outs = []
-        chunk = self.plan.prefill_chunk
-        first_logit = len(ids) - last_n
-        for c0 in range(0, len(ids), chunk):
-            part = ids[c0 : c0 + chunk]
-            # steps of up to 64 tokens (decode, speculation, short prompts) run torch single-threaded:
-            # their ops are too small to share, and an OpenMP barrier stalls the whole step whenever
-            # another process holds the other core (measured: index_add_ on [15, 1024] took 76 ms);
-            # the C kernels split the large matrix products with their own work-claiming pool.
-            torch.set_num_threads(1 if len(part) <= TORCH_SERIAL_TOKENS else self.threads)
-            self.cache.policy.tick()
-            h = self.model.forward(torch.tensor(part, dtype=torch.long), self.state, start + c0)
-            self.state.length = start + c0 + len(part)
-            self.state.tokens[start + c0 :] = part
-            if c0 + len(part) > first_logit and last_n:
-                outs.append(self.model.logits(h[max(0, first_logit - c0) :]))
-        if not outs:
-            return None
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        """Forward ``ids`` at positions start.. on ``slot``; logits [last_n, V] of the last positions."""
+        return self.runner.run(self.slot, ids, start, last_n)
 
     def forward(self, input_ids) -> torch.Tensor:
         """fp32 logits [T, V] for every position of a 1-D token sequence, from an empty cache."""
@@ -336,9 +346,8 @@ class Engine:
             raise InvalidArgumentError(f"input_ids: {len(ids)} tokens exceed max_context {self.max_context}")
         self._check_ids(ids)
         with self._lock, torch.inference_mode():
-            self.state.rewind(0)
-            self.experts.decoding = False
-            return self._run(ids, 0, last_n=len(ids))
+            self.slot.rewind(0)
+            return self.runner.run(self.slot, ids, 0, last_n=len(ids))
 
     def _check_ids(self, ids: list[int]) -> None:
         v = self.desc.vocab
@@ -404,10 +413,14 @@ class Engine:
     def _locked(self, req: Request) -> Iterator[Step]:
         if not self._lock.acquire(blocking=False):
             raise SluiceError("the engine is already generating; one generation runs at a time")
+        gen = generation.run(self.runner, self.slot, req)
         try:
-            yield from generation.run(self, req)
+            for step in gen:
+                if step.finish_reason:
+                    self.last_stats = step.stats
+                yield step
         finally:
-            self.experts.decoding = False
+            gen.close()
             self._lock.release()
 
     def generate(self, prompt: str | list[int], **kwargs) -> Result:

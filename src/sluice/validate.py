@@ -14,10 +14,10 @@ import warnings
 
 from .errors import InvalidArgumentError, UnknownOptionError
 
-# A positive temperature below this divides the logits into infinities (NaN probabilities);
-# 0 is greedy decoding.
-MIN_TEMPERATURE = 1e-5
-MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
+# The smallest positive temperature (0 is greedy decoding): below it a sampled distribution is
+# one-hot up to rounding, and far below it logits / temperature overflow. The server uses it too.
+MIN_TEMPERATURE = 1e-3
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1  # what torch generators accept
 MAX_LOGPROBS = 20
 MAX_THREADS = 1024
 
@@ -73,7 +73,7 @@ def temperature(value, name: str = "temperature") -> float:
     t = number(value, name, lo=0.0)
     if 0 < t < MIN_TEMPERATURE:
         raise InvalidArgumentError(f"{name} must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {_show(value)} "
-                                   "(smaller temperatures overflow the logits)")
+                                   "(too small to sample with)")
     return t
 
 
@@ -82,7 +82,7 @@ def top_p(value, name: str = "top_p") -> float:
 
 
 def seed(value, name: str = "seed") -> int | None:
-    return None if value is None else integer(value, name, 0, MAX_SEED)
+    return None if value is None else integer(value, name, MIN_SEED, MAX_SEED)
 
 
 def boolean(value, name: str) -> bool:

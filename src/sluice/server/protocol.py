@@ -16,12 +16,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..validate import MAX_SEED as SEED_MAX  # the API's own limits: what the sampler's generator accepts
+from ..validate import MIN_SEED as SEED_MIN
+from ..validate import MIN_TEMPERATURE
+
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024  # per stop string: held-back text is matched against it at every token
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
-MIN_TEMPERATURE = 1e-3  # below it (but not 0) logits / temperature overflows and sampling has no distribution
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what the sampler's generator accepts
 
 
 class _Strict(BaseModel):
