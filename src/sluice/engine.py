@@ -282,9 +282,11 @@ class Engine:
             raise InvalidArgumentError(f"moe_top_k (--moe-top-k) must be between 1 and the model's {self.desc.top_k}, "
                                        f"got {moe_top_k!r}")
         validate.number(prefer_cached, "prefer_cached (--prefer-cached)", lo=0.0)
+        if moe_top_k == self.desc.top_k:
+            moe_top_k = None  # the model's own top-k: exact, nothing lossy
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoEBlock):
-                layer.mlp.top_k = moe_top_k if moe_top_k != self.desc.top_k else None
+                layer.mlp.top_k = moe_top_k
                 layer.mlp.prefer_cached = prefer_cached
         self.lossy = {k: v for k, v in (("moe_top_k", moe_top_k), ("prefer_cached", prefer_cached)) if v}
         if self.lossy and warn:
