@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 HOST = "127.0.0.1"
@@ -118,7 +118,8 @@ class S3Server:
         iam.put_user_policy(UserName="sluice-test", PolicyName="s3", PolicyDocument=json.dumps(policy))
         key = iam.create_access_key(UserName="sluice-test")["AccessKey"]
         self.access_key, self.secret_key = key["AccessKeyId"], key["SecretAccessKey"]
-        req = urllib.request.Request(f"{self.endpoint}/moto-api/reset-auth", data=b"0", method="POST")
+        req = urllib.request.Request(f"{self.endpoint}/moto-api/reset-auth", data=b"0", method="POST",
+                                     headers={"Content-Type": "text/plain"})
         urllib.request.urlopen(req, timeout=10).read()
 
     def put_dir(self, bucket: str, directory: Path, prefix: str = "") -> None:
@@ -499,9 +500,20 @@ class RemoteServers:
     s3: S3Server
     http: NginxServer
     docroot: Path
-    proxies: list = field(default_factory=list)
 
-    def proxy(self, upstream_port: int, **kw) -> FaultProxy:
-        p = FaultProxy(upstream_port, **kw)
-        self.proxies.append(p)
-        return p
+    bucket: str = "models"
+
+    def publish(self, name: str, source: Path) -> dict:
+        """Serve ``source`` (a file or a directory) as ``name`` from both servers; returns the
+        URLs: ``http``, ``https`` (verify against ``self.http.ca_path``) and ``s3``."""
+        source = Path(source)
+        dest = self.docroot / name
+        if source.is_dir():
+            shutil.copytree(source, dest, dirs_exist_ok=True)
+            self.s3.put_dir(self.bucket, source, prefix=name)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, dest)
+            self.s3.put_bytes(self.bucket, name, source.read_bytes())
+        return {"http": f"{self.http.url}/{name}", "https": f"{self.http.tls_url}/{name}",
+                "s3": f"s3://{self.bucket}/{name}"}
