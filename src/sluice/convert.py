@@ -29,6 +29,7 @@ import torch
 from . import __version__
 from .checkpoint import DTYPE_NAMES
 from .container import (
+    FORMAT_ALIGN,
     FORMAT_IDS,
     FORMAT_NAME,
     HEADER_BYTES,
@@ -48,7 +49,7 @@ from .progress import Progress
 from .resolve import resolve_model
 from .quant.fp8 import FORMAT as FP8_FORMAT
 from .quant import QuantMatrix, assemble
-from .storage import ALIGN, AlignedBuffer, align_up
+from .storage import AlignedBuffer, align_up
 
 MATRIX_ROLES = ("gate", "up", "down")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -303,7 +304,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     specs = part_specs(fmt, canonical_layout(source.layout(layer0, 0), shapes)) if layer0 is not None else []
     parts, payload = plan_parts(specs)
     rec = record_bytes_for(payload)
-    spine_total = sum(align_up(ckpt.info(n).nbytes, ALIGN) for n in desc.spine)
+    spine_total = sum(align_up(ckpt.info(n).nbytes, FORMAT_ALIGN) for n in desc.spine)
     total = spine_total + rec * desc.total_experts
     dst.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(dst.parent).free
@@ -354,7 +355,7 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
     with _Naming(tmp / "spine.bin"), closing(f):
         off = 0
         for g in sorted(groups, key=_group_order):
-            start = align_up(off, ALIGN)
+            start = align_up(off, FORMAT_ALIGN)
             f.write(b"\0" * (start - off))
             off = start
             crc = 0
@@ -371,7 +372,7 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
                 off += len(data)
                 bar.update(len(data))
             group_table[g] = [start, off - start, crc]
-        f.write(b"\0" * (align_up(off, ALIGN) - off))
+        f.write(b"\0" * (align_up(off, FORMAT_ALIGN) - off))
         _sync_close(f)
 
     # expert banks: one record per expert
@@ -401,8 +402,8 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
 
     copied = []
     for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy2(src / name, tmp / name)
+        if info.store.exists(name):
+            shutil.copy2(info.store.local_file(name), tmp / name)
             _fsync_path(tmp / name)
             copied.append(name)
     manifest = {
