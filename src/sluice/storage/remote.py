@@ -18,6 +18,7 @@ install.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from urllib.parse import urlsplit
 
@@ -156,6 +157,14 @@ class RemoteSource(ByteSource):
 
 
 def _reason(e: Exception) -> str:
-    """The first line of a client error (obstore appends a debug dump; headers are not in it)."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+    """The first line of a client error (obstore appends a debug dump; headers are not in it),
+    and the cause a user can act on when the dump names one deeper down."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    m = re.search(r"InvalidCertificate\(\s*(\w+)", text)
+    if m:
+        first += (f" (the server's TLS certificate is not trusted: {m.group(1)}; "
+                  "give the CA certificate that signed it as a CA bundle)")
+    elif "Connection refused" in text:
+        first += " (connection refused)"
+    return f"{type(e).__name__}: {first}"
