@@ -12,7 +12,7 @@ pytest.importorskip("obstore")
 from remote_servers import Fault  # noqa: E402
 
 from sluice.errors import CheckpointError  # noqa: E402
-from sluice.storage.remote import RemoteObjectChangedError, RemoteSource  # noqa: E402
+from sluice.storage.remote import RemoteObjectChangedError, RemoteSource, RemoteStore  # noqa: E402
 
 FAST = dict(backoff=0.01, timeout=10.0)
 
@@ -111,3 +111,30 @@ def test_without_the_remote_extra_a_url_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "obstore", None)
     with pytest.raises(CheckpointError, match=r"pip install \"sluice\[remote\]\""):
         RemoteSource("s3://bucket/model/model.safetensors")
+
+
+@pytest.mark.parametrize("kind", ["http", "https", "s3"])
+def test_store_reads_a_model_directory(remote_servers, model_dir, tmp_path, kind):
+    local = model_dir("qwen3_moe")
+    urls = remote_servers.publish("models/qwen3-store", local)
+    opts = {"http": {}, "https": {"ca_bundle": str(remote_servers.http.ca_path)},
+            "s3": {"endpoint": remote_servers.s3.endpoint}}[kind]
+    store = RemoteStore(urls[kind], **opts, **FAST)
+    store.cache_dir = tmp_path / "files"
+    assert store.is_directory() and store.exists("config.json") and not store.exists("nope.json")
+    assert store.read_bytes("config.json") == (local / "config.json").read_bytes()
+    with pytest.raises(FileNotFoundError, match=f"{urls[kind]}/nope.json"):
+        store.read_bytes("nope.json")
+    with pytest.raises(FileNotFoundError, match=f"{urls[kind]}/nope.bin"):
+        store.open("nope.bin")
+    data = (local / "model.safetensors").read_bytes()
+    src = store.open("model.safetensors")
+    assert src.name == f"{urls[kind]}/model.safetensors" and src.size == len(data)
+    assert src.pread(4096, len(data) - 4096) == data[-4096:]
+    copy = store.local_file("config.json")
+    assert copy.read_bytes() == (local / "config.json").read_bytes() and store.local_file("config.json") == copy
+    if kind == "s3":
+        assert store.names() == sorted(p.name for p in local.iterdir() if p.is_file())
+    else:
+        with pytest.raises(OSError, match="cannot list"):
+            store.names()

@@ -23,6 +23,7 @@ from datetime import timedelta
 from urllib.parse import urlsplit
 
 from .source import ByteSource, ReadStats
+from .store import Store
 
 READ_BYTES = 16 << 20  # a ranged GET per piece of long sequential reads
 RETRIES = 5
@@ -107,6 +108,8 @@ class RemoteSource(ByteSource):
         self._store, self._path = store, path
         try:
             meta = self._obstore.head(store, path)
+        except (FileNotFoundError, self._obstore.exceptions.NotFoundError):
+            raise FileNotFoundError(f"{url}: no such file") from None
         except Exception as e:
             raise OSError(f"cannot open {url}: {_reason(e)}") from None
         self.size = int(meta["size"])
@@ -154,6 +157,71 @@ class RemoteSource(ByteSource):
 
     def close(self) -> None:
         self._store = None
+
+
+class RemoteStore(Store):
+    """A model's files under a URL prefix (``s3://bucket/models/olmoe``, ``https://host/models/olmoe``):
+    member ``name`` is ``<url>/<name>``. One client (connection pool) for all members; metadata
+    members are read whole, data members opened as ``RemoteSource``s; ``local_file`` (the
+    tokenizer's file) is a copy in the local file cache keyed by URL and ETag (``Store``)."""
+
+    def __init__(self, url: str, **options):
+        self.location = url.rstrip("/")
+        self._obstore = _obstore()
+        self._options = options
+        # the store is rooted at the prefix: members are plain names inside it
+        self._store, self._prefix = open_object_store(self.location + "/_", **options)
+        self._prefix = self._prefix[:-1]  # "" for HTTP (rooted at the directory), "models/olmoe/" for S3
+
+    def locate(self, name: str) -> str:
+        return f"{self.location}/{name}"
+
+    def _head(self, name: str):
+        try:
+            return self._obstore.head(self._store, self._prefix + name)
+        except (FileNotFoundError, self._obstore.exceptions.NotFoundError):
+            return None
+        except Exception as e:
+            raise OSError(f"cannot read {self.locate(name)}: {_reason(e)}") from None
+
+    def exists(self, name: str) -> bool:
+        return self._head(name) is not None
+
+    def is_directory(self) -> bool:
+        """S3: any object under the prefix. HTTP cannot list: the model's ``config.json`` or a
+        container's ``manifest.json`` must be there."""
+        if isinstance(self._store, self._obstore.store.S3Store):
+            try:
+                for batch in self._obstore.list(self._store, self._prefix, chunk_size=1):
+                    return bool(batch)
+            except Exception as e:
+                raise OSError(f"cannot list {self.location}: {_reason(e)}") from None
+            return False
+        return self.exists("config.json") or self.exists("manifest.json")
+
+    def names(self) -> list[str]:
+        if not isinstance(self._store, self._obstore.store.S3Store):
+            raise OSError(f"{self.location}: an HTTP server cannot list a directory; name the files")
+        try:
+            out = [m["path"][len(self._prefix):] for batch in self._obstore.list(self._store, self._prefix)
+                   for m in batch]
+        except Exception as e:
+            raise OSError(f"cannot list {self.location}: {_reason(e)}") from None
+        return sorted(n for n in out if n and "/" not in n)
+
+    def read_bytes(self, name: str) -> bytes:
+        try:
+            return bytes(self._obstore.get(self._store, self._prefix + name).bytes())
+        except (FileNotFoundError, self._obstore.exceptions.NotFoundError):
+            raise FileNotFoundError(f"{self.locate(name)}: no such file") from None
+        except Exception as e:
+            raise OSError(f"cannot read {self.locate(name)}: {_reason(e)}") from None
+
+    def open(self, name: str, *, direct: bool | None = None, stats: ReadStats | None = None) -> ByteSource:
+        return RemoteSource(self.locate(name), store=self._store, path=self._prefix + name, stats=stats)
+
+    def __repr__(self) -> str:
+        return f"<RemoteStore {self.location}>"
 
 
 def _reason(e: Exception) -> str:
