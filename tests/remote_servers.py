@@ -220,6 +220,14 @@ class NginxServer:
         self.url = f"http://{HOST}:{self.port}"
         self.tls_url = f"https://localhost:{self.tls_port}"
 
+    def ssl_context(self):
+        """A server-side TLS context with nginx's certificate, for a ``FaultProxy`` that speaks HTTPS."""
+        import ssl
+
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(str(self.root / "cert.pem"), str(self.root / "key.pem"))
+        return ctx
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGQUIT)  # graceful: the master waits for its workers

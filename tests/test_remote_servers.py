@@ -73,6 +73,17 @@ def test_range_reads_are_exact_on_every_server(remote_servers, published, fault_
         assert bytes(obstore.get(store, "config.json").bytes()) == (published["local"] / "config.json").read_bytes()
 
 
+def test_proxy_can_speak_https(remote_servers, published, fault_proxy):
+    http = remote_servers.http
+    proxy = fault_proxy(http.port, ssl_context=http.ssl_context())
+    assert proxy.url.startswith("https://localhost:")
+    data, (a, b) = published["data"], published["expert"]
+    proxy.inject(Fault("status", status=503))
+    store = http_store(f"{proxy.url}/qwen3-tiny", ca=http.ca_path)
+    assert bytes(obstore.get_range(store, "model.safetensors", start=a, end=b)) == data[a:b]
+    assert [r.status for r in proxy.records] == [503, 206]
+
+
 def test_https_verifies_certificates_by_default(remote_servers, published):
     store = http_store(f"{remote_servers.http.tls_url}/qwen3-tiny", retry=NO_RETRY)  # no CA given
     with pytest.raises(Exception, match="(?i)certificate|tls|ssl"):
