@@ -375,15 +375,30 @@ class FaultProxy:
                 if fault and fault.kind == "reset" and fault.after is None:
                     _abort(cwriter)
                     return
-                if uwriter is None:
-                    ureader, uwriter = await asyncio.open_connection(*self.upstream)
-                uwriter.write(head + body)
-                await uwriter.drain()
-                rhead = await ureader.readuntil(b"\r\n\r\n")
+                for attempt in (0, 1):  # a reused upstream connection may have been closed by the server
+                    fresh = uwriter is None
+                    if fresh:
+                        ureader, uwriter = await asyncio.open_connection(*self.upstream)
+                    try:
+                        uwriter.write(head + body)
+                        await uwriter.drain()
+                        rhead = await ureader.readuntil(b"\r\n\r\n")
+                        break
+                    except (ConnectionError, asyncio.IncompleteReadError):
+                        uwriter.close()
+                        ureader = uwriter = None
+                        if fresh:
+                            raise
                 status, rheaders = _parse_response_head(rhead)
                 record.status = status
                 cwriter.write(rhead)
                 keep = await self._relay_body(method, status, rheaders, ureader, cwriter, fault, record)
+                upstream_closes = (rheaders.get("connection", "").lower() == "close"
+                                   or rhead.startswith(b"HTTP/1.0") and "keep-alive" not in rheaders.get("connection", "").lower())
+                if upstream_closes:  # the client saw the same header and closes too
+                    uwriter.close()
+                    ureader = uwriter = None
+                    return
                 if not keep:
                     return
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
