@@ -68,7 +68,7 @@ def open_object_store(url: str, *, ca_bundle: str | None = None, endpoint: str |
             opts["root_certificate"] = f.read()
     retry = retry_config(retries, init_backoff=backoff, max_backoff=max(backoff, 5.0), timeout=timeout * 2)
     if scheme == "s3":
-        bucket, _, key = parts.netloc, None, parts.path.lstrip("/")
+        bucket, key = parts.netloc, parts.path.lstrip("/")
         if not bucket or not key:
             raise OSError(f"{url}: an S3 URL names a bucket and a key (s3://bucket/path/file)")
         config = {}
@@ -168,7 +168,6 @@ class RemoteStore(Store):
     def __init__(self, url: str, **options):
         self.location = url.rstrip("/")
         self._obstore = _obstore()
-        self._options = options
         # the store is rooted at the prefix: members are plain names inside it
         self._store, self._prefix = open_object_store(self.location + "/_", **options)
         self._prefix = self._prefix[:-1]  # "" for HTTP (rooted at the directory), "models/olmoe/" for S3
