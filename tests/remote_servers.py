@@ -63,6 +63,17 @@ def wait_for_port(port: int, proc: subprocess.Popen | None = None, timeout: floa
     raise RuntimeError(f"{what} did not listen on {HOST}:{port} within {timeout:.0f} s")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: end with SIGTERM when the test process dies (Linux), so a killed
+    test run leaves no server behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -87,7 +98,7 @@ class S3Server:
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from moto.server import main; main()", "-H", HOST, "-p", str(self.port)],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            env=env, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         try:
             wait_for_port(self.port, self.proc, what="moto S3 server")
             self.access_key, self.secret_key = ACCESS_KEY, SECRET_KEY
@@ -210,7 +221,8 @@ class NginxServer:
         conf.write_text(_NGINX_CONF.format(user=user, workers=workers, root=self.root, host=HOST, port=self.port,
                                            tls_port=self.tls_port, docroot=self.docroot))
         self.proc = subprocess.Popen([binary, "-p", str(self.root), "-c", str(conf), "-g", "daemon off;"],
-                                     stdout=subprocess.DEVNULL, stderr=open(self.root / "stderr.log", "wb"))
+                                     stdout=subprocess.DEVNULL, stderr=open(self.root / "stderr.log", "wb"),
+                                     preexec_fn=_die_with_parent)
         try:
             wait_for_port(self.port, self.proc, what="nginx")
             wait_for_port(self.tls_port, self.proc, what="nginx (TLS)")
