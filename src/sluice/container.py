@@ -32,8 +32,6 @@ import hashlib
 import json
 import math
 import struct
-import threading
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path

@@ -13,7 +13,6 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 

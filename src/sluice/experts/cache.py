@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Hashable
 from concurrent.futures import Future
 
-import torch
-
 from ..quant import assemble
 from ..storage import AlignedBuffer
 from .layout import ExpertLayout

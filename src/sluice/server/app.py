@@ -435,13 +435,6 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
     return app
 
 
-def model_name_for(path) -> str:
-    from pathlib import Path
-
-    p = Path(path).resolve()
-    return p.name or str(p)
-
-
 def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str, api_key: str | None = None,
           max_queue: int = 8, max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "info") -> None:
     """Serve ``engine`` until interrupted (blocking)."""
