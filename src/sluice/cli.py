@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "peak RSS) on stderr. --json prints one JSON object instead.")
     _add_model_arg(r)
     r.add_argument("--prompt", "-p", default=None, help="prompt text (or --prompt-file, or stdin)")
-    r.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    r.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from this file")
     r.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the chat template (and stop at the model's "
                         "chat_stop_strings, if any)")
