@@ -18,12 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..validate import MAX_SEED as SEED_MAX  # the API's own limits: what the sampler's generator accepts
 from ..validate import MIN_SEED as SEED_MIN
-from ..validate import MIN_TEMPERATURE
+from ..validate import MAX_LOGPROBS, MIN_TEMPERATURE
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024  # per stop string: held-back text is matched against it at every token
 MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGPROBS = 20
 
 
 class _Strict(BaseModel):
