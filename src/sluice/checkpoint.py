@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
 from dataclasses import dataclass
@@ -312,10 +311,3 @@ class Checkpoint:
 
     def close(self) -> None:
         self.sources.close()
-
-
-def is_checkpoint_dir(path: str | os.PathLike | Store) -> bool:
-    store = path if isinstance(path, Store) else open_store(path)
-    return store.exists("config.json") and (
-        store.exists("model.safetensors") or store.exists("model.safetensors.index.json")
-    )

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -229,21 +229,3 @@ class SpineStreamer:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-@dataclass
-class SpineLayout:
-    """What the planner decided: resident bytes, streamed layers and their per-fill bytes."""
-
-    global_bytes: int
-    layer_bytes: dict[int, int]
-    streamed: list[int] = field(default_factory=list)
-    buffer_bytes: int = 0
-
-    @property
-    def resident_bytes(self) -> int:
-        return self.global_bytes + sum(b for layer, b in self.layer_bytes.items() if layer not in self.streamed)
-
-    @property
-    def streamed_bytes(self) -> int:
-        return sum(self.layer_bytes[layer] for layer in self.streamed)

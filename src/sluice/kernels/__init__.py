@@ -245,10 +245,6 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     return y
 
 
-def _ptr(t: torch.Tensor | None):
-    return None if t is None else t.data_ptr()
-
-
 def qmatmul(fmt: int, act: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, n: int,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """Fused quantized GEMV: x [T, K] fp32 contiguous (K already padded to the format's block),
