@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .chat_template import special_tokens
 from .errors import ChatTemplateError, CheckpointError
 from .storage import Store, open_store
 
@@ -18,12 +19,6 @@ from .storage import Store, open_store
 def _json_kind(v) -> str:
     return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
         type(v), "number")
-
-
-def _token_text(v) -> str | None:
-    if isinstance(v, dict):
-        return v.get("content")
-    return v if isinstance(v, str) else None
 
 
 class Tokenizer:
@@ -65,8 +60,9 @@ class Tokenizer:
         if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
             raise CheckpointError(f"{cfg_path}: chat_stop_strings must be a list of non-empty strings")
         self.chat_stop_strings: list[str] = stops
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
+        special = special_tokens(self.config)
+        self.bos_token = special.get("bos_token")
+        self.eos_token = special.get("eos_token")
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.add_bos_token = bool(self.config.get("add_bos_token", False))
@@ -93,7 +89,7 @@ class Tokenizer:
         """Render ``messages`` with the model's own chat template (as transformers does)."""
         if not self.chat_template:
             raise CheckpointError("this model has no chat template (tokenizer_config.json has no chat_template)")
-        from .chat_template import compile_template, render, special_tokens
+        from .chat_template import compile_template, render
 
         import jinja2
 
