@@ -45,3 +45,9 @@ class ExpertReadError(SluiceError, OSError):
 
 class GenerationCancelled(SluiceError):
     """A generation was cancelled by its caller."""
+
+
+def shown(value) -> str:
+    """``repr(value)`` cut to 80 characters, for error messages that quote a bad value."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -12,7 +12,7 @@ import operator
 import os
 import warnings
 
-from .errors import InvalidArgumentError, UnknownOptionError
+from .errors import InvalidArgumentError, UnknownOptionError, shown
 
 # The smallest positive temperature (0 is greedy decoding): below it a sampled distribution is
 # one-hot up to rounding, and far below it logits / temperature overflow. The server uses it too.
@@ -22,21 +22,16 @@ MAX_LOGPROBS = 20
 MAX_THREADS = 1024
 
 
-def _show(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def integer(value, name: str, lo: int | None = None, hi: int | None = None) -> int:
     """``value`` as an int in ``lo..hi``; booleans, floats and strings are refused."""
     if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be {integer_rule(lo, hi)}, got {_show(value)}")
+        raise InvalidArgumentError(f"{name} must be {integer_rule(lo, hi)}, got {shown(value)}")
     try:
         v = operator.index(value)
     except TypeError:
-        raise InvalidArgumentError(f"{name} must be {integer_rule(lo, hi)}, got {_show(value)}") from None
+        raise InvalidArgumentError(f"{name} must be {integer_rule(lo, hi)}, got {shown(value)}") from None
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise InvalidArgumentError(f"{name} must be {integer_rule(lo, hi)}, got {_show(value)}")
+        raise InvalidArgumentError(f"{name} must be {integer_rule(lo, hi)}, got {shown(value)}")
     return v
 
 
@@ -61,18 +56,18 @@ def number(value, name: str, lo: float | None = None, hi: float | None = None, l
     elif hi is not None:
         rule += f" <= {hi:g}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgumentError(f"{name} must be {rule}, got {_show(value)}")
+        raise InvalidArgumentError(f"{name} must be {rule}, got {shown(value)}")
     f = float(value)
     if (not math.isfinite(f) or (lo is not None and (f < lo or (lo_open and f == lo)))
             or (hi is not None and f > hi)):
-        raise InvalidArgumentError(f"{name} must be {rule}, got {_show(value)}")
+        raise InvalidArgumentError(f"{name} must be {rule}, got {shown(value)}")
     return f
 
 
 def temperature(value, name: str = "temperature") -> float:
     t = number(value, name, lo=0.0)
     if 0 < t < MIN_TEMPERATURE:
-        raise InvalidArgumentError(f"{name} must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {_show(value)} "
+        raise InvalidArgumentError(f"{name} must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {shown(value)} "
                                    "(too small to sample with)")
     return t
 
@@ -87,7 +82,7 @@ def seed(value, name: str = "seed") -> int | None:
 
 def boolean(value, name: str) -> bool:
     if not isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be True or False, got {_show(value)}")
+        raise InvalidArgumentError(f"{name} must be True or False, got {shown(value)}")
     return value
 
 
@@ -96,11 +91,11 @@ def token_ids(ids, name: str = "prompt") -> list[int]:
     out = []
     for i in ids:
         if isinstance(i, bool):
-            raise InvalidArgumentError(f"{name}: token id {_show(i)} is not an integer")
+            raise InvalidArgumentError(f"{name}: token id {shown(i)} is not an integer")
         try:
             out.append(operator.index(i))
         except TypeError:
-            raise InvalidArgumentError(f"{name}: token id {_show(i)} is not an integer") from None
+            raise InvalidArgumentError(f"{name}: token id {shown(i)} is not an integer") from None
     return out
 
 
@@ -118,7 +113,7 @@ def sampling(*, max_new_tokens, temperature_, top_p_, top_k, seed_, logprobs, st
         integer(logprobs, "logprobs", 0, MAX_LOGPROBS)
     stops = [stop] if isinstance(stop, str) else stop
     if stops is not None and (not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops)):
-        raise InvalidArgumentError(f"stop must be a string or a list of strings, got {_show(stop)}")
+        raise InvalidArgumentError(f"stop must be a string or a list of strings, got {shown(stop)}")
     if stop_token_ids is not None:
         token_ids(stop_token_ids, "stop_token_ids")
 
@@ -134,14 +129,14 @@ def _opt_bool(none=False):
 
 def _path(v, n):
     if v is not None and not isinstance(v, (str, os.PathLike)):
-        raise InvalidArgumentError(f"{n} must be a file path, got {_show(v)}")
+        raise InvalidArgumentError(f"{n} must be a file path, got {shown(v)}")
 
 
 def _policy(v, n):
     from .experts.policy import make_policy
 
     if not isinstance(v, str):
-        raise InvalidArgumentError(f"{n} must be a policy name such as 'lfru' or 'lru', got {_show(v)}")
+        raise InvalidArgumentError(f"{n} must be a policy name such as 'lfru' or 'lru', got {shown(v)}")
     try:
         make_policy(v)
     except ValueError as e:
@@ -170,7 +165,7 @@ _OPTION_CHECKS = {
 
 def model_path(path) -> None:
     if not isinstance(path, (str, os.PathLike)):
-        raise InvalidArgumentError(f"path must be a model directory (a str or os.PathLike), got {_show(path)}")
+        raise InvalidArgumentError(f"path must be a model directory (a str or os.PathLike), got {shown(path)}")
 
 
 def options(opts, known) -> None:

@@ -14,7 +14,7 @@ import builtins
 import math
 import re
 
-from ..errors import CheckpointError, ConfigError, UnsupportedModelError
+from ..errors import CheckpointError, ConfigError, UnsupportedModelError, shown
 
 REQUIRED = object()
 
@@ -52,7 +52,7 @@ class RawConfig:
 
     def bad(self, key: str, value, expected: str) -> ConfigError:
         """The error for ``key`` holding ``value`` where ``expected`` was needed."""
-        return ConfigError(f"{self.where}: {key}={_show(value)} is invalid: expected {expected}")
+        return ConfigError(f"{self.where}: {key}={shown(value)} is invalid: expected {expected}")
 
     def get(self, key: str, default=REQUIRED, *aliases: str):
         return self._find(key, default, aliases)[1]
@@ -120,7 +120,7 @@ class RawConfig:
         """Experts per token: ``1..n_experts``."""
         k, v, _ = self._find(key, default, aliases)
         if isinstance(v, builtins.bool) or not isinstance(v, builtins.int) or not 1 <= v <= n_experts:
-            raise ConfigError(f"{self.where}: {k}={_show(v)} is invalid: expected an integer from 1 to the "
+            raise ConfigError(f"{self.where}: {k}={shown(v)} is invalid: expected an integer from 1 to the "
                               f"{n_experts} experts")
         return v
 
@@ -162,10 +162,10 @@ def number(v, key: str, where: str = "config.json", *, positive: bool = False,
     """``v`` as a finite float; refuses booleans, strings, NaN, infinities and values out of range."""
     want = "a finite number" + (" > 0" if positive else f" >= {lo}" if lo is not None else "")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ConfigError(f"{where}: {key}={_show(v)} is invalid: expected {want}")
+        raise ConfigError(f"{where}: {key}={shown(v)} is invalid: expected {want}")
     f = float(v)
     if not math.isfinite(f) or (positive and f <= 0) or (lo is not None and f < lo):
-        raise ConfigError(f"{where}: {key}={_show(v)} is invalid: expected {want}")
+        raise ConfigError(f"{where}: {key}={shown(v)} is invalid: expected {want}")
     return f
 
 
@@ -173,7 +173,7 @@ def check_rope(params: dict, where: str = "config.json") -> dict:
     """Refuse RoPE parameters that would give garbage: a non-finite or non-positive ``rope_theta``
     or ``factor``, a ``partial_rotary_factor`` outside (0, 1]. Returns ``params``."""
     if not isinstance(params, dict):
-        raise ConfigError(f"{where}: rope_parameters={_show(params)} is invalid: expected an object")
+        raise ConfigError(f"{where}: rope_parameters={shown(params)} is invalid: expected an object")
     number(params.get("rope_theta"), "rope_theta", where, positive=True)
     for key in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
                 "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
@@ -182,7 +182,7 @@ def check_rope(params: dict, where: str = "config.json") -> dict:
     if "partial_rotary_factor" in params:
         p = number(params["partial_rotary_factor"], "partial_rotary_factor", where, positive=True)
         if p > 1:
-            raise ConfigError(f"{where}: partial_rotary_factor={_show(params['partial_rotary_factor'])} is "
+            raise ConfigError(f"{where}: partial_rotary_factor={shown(params['partial_rotary_factor'])} is "
                               "invalid: expected a number in (0, 1]")
     return params
 
@@ -220,11 +220,6 @@ def _int_range(lo, hi, bare: bool = False) -> str:
     else:
         return "" if bare else "an integer"
     return r if bare else f"an integer {r}"
-
-
-def _show(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def eos_ids(raw: dict, generation_config: dict | None = None) -> list[int]:
