@@ -74,10 +74,10 @@ def _add_model_arg(p: argparse.ArgumentParser) -> None:
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int_arg(1), default=128, metavar="N", help="tokens to generate (default 128)")
-    g.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 = greedy, exact (default 0)")
-    g.add_argument("--top-p", type=top_p_arg, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument("--top-k", type=int_arg(0), default=0, help="sample among the k most likely tokens (default 0: off)")
-    g.add_argument("--seed", type=seed_arg, default=None, help="random seed for sampling")
+    g.add_argument("--temperature", type=temperature_arg, default=0.0, metavar="T", help="0 = greedy, exact (default 0)")
+    g.add_argument("--top-p", type=top_p_arg, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0: off)")
+    g.add_argument("--top-k", type=int_arg(0), default=0, metavar="K", help="sample among the k most likely tokens (default 0: off)")
+    g.add_argument("--seed", type=seed_arg, default=None, metavar="N", help="random seed for sampling")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text is generated (repeatable); it is not included in the output")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(prefill and steady-state decode tok/s, expert cache hit rate, bytes read, "
                                    "peak RSS) on stderr. --json prints one JSON object instead.")
     _add_model_arg(r)
-    r.add_argument("--prompt", "-p", default=None, help="prompt text (or --prompt-file, or stdin)")
+    r.add_argument("--prompt", "-p", default=None, metavar="TEXT", help="prompt text (or --prompt-file, or stdin)")
     r.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from this file")
     r.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the chat template (and stop at the model's "
@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--synthetic", type=_size, default=None, metavar="SIZE",
                    help="run a synthetic random-weight model of about SIZE (e.g. 2GB) instead of the trained one")
     d.add_argument("--cache-dir", default=None, help="where synthetic demo models are kept (default ~/.cache/sluice)")
-    d.add_argument("--prompt", "-p", default=None,
+    d.add_argument("--prompt", "-p", default=None, metavar="TEXT",
                    help="prompt text (default 'def fibonacci(n):\\n'; with --synthetic a fixed English sentence)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text and a stats line")
     _add_sampling_args(d)
@@ -323,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "tokens required), tokens per forward.")
     b.add_argument("what", choices=["io", "lossy", "spec"], help="what to measure")
     b.add_argument("model", help="Hugging Face model directory or container")
-    b.add_argument("--prompt", "-p", default="def fibonacci(n):\n", help="prompt (lossy, spec)")
-    b.add_argument("--tokens", type=int_arg(1), default=64, help="tokens to generate per arm (default 64)")
+    b.add_argument("--prompt", "-p", default="def fibonacci(n):\n", metavar="TEXT", help="prompt (lossy, spec)")
+    b.add_argument("--tokens", type=int_arg(1), default=64, metavar="N", help="tokens to generate per arm (default 64)")
     b.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
