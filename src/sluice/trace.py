@@ -166,6 +166,12 @@ def _check_pred(pred, n_layers: int, where: str) -> list[list[int]]:
     return out
 
 
+def _in_id_order(weights: list[list[float]], layers: list[list[int]]) -> list[list[float]]:
+    """``weights[i]`` (in the order of ``layers[i]``) reordered to ascending expert ids, the
+    order of a trace's ``layers``."""
+    return [[w[j] for j in sorted(range(len(ids)), key=ids.__getitem__)] for w, ids in zip(weights, layers)]
+
+
 def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
     """Parse trace lines; blank lines are skipped. Raises ``TraceFormatError`` on the first bad line."""
     steps: list[list[list[int]]] = []
@@ -199,9 +205,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
             raise TraceFormatError(f"{where}: \"weights\"/\"pred\" on some lines but not on others")
         extras = has
         if has[0]:
-            w = _check_weights(obj["weights"], raw, where)
-            order = [sorted(range(len(ids)), key=ids.__getitem__) for ids in raw]
-            weights.append([[wl[j] for j in o] for wl, o in zip(w, order)])
+            weights.append(_in_id_order(_check_weights(obj["weights"], raw, where), raw))
         if has[1]:
             preds.append(_check_pred(obj["pred"], n_layers, where))
         steps.append(layers)
@@ -241,8 +245,7 @@ class TraceWriter:
         obj: dict = {"tok": int(token_index), "layers": clean}
         if weights is not None:
             w = _check_weights([[float(v) for v in wl] for wl in weights], raw, where)
-            order = [sorted(range(len(ids)), key=ids.__getitem__) for ids in raw]
-            obj["weights"] = [[round(wl[j], 6) for j in o] for wl, o in zip(w, order)]
+            obj["weights"] = [[round(v, 6) for v in wl] for wl in _in_id_order(w, raw)]
         if pred is not None:
             obj["pred"] = _check_pred([[int(e) for e in p] for p in pred], len(clean), where)
         has = (weights is not None, pred is not None)
