@@ -78,7 +78,8 @@ def _read_frame(f) -> dict | None:
     return json.loads(data)
 
 
-def _write_frame(f, obj: dict) -> None:
+def write_frame(f, obj: dict) -> None:
+    """One frame of the worker protocol: a 4-byte big-endian length, then the JSON object."""
     data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
     f.write(len(data).to_bytes(4, "big") + data)
     f.flush()
@@ -113,7 +114,7 @@ def _worker_main() -> int:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     import jinja2  # noqa: F401  (imported before saying ready: the parent's time limits are the template's)
 
-    _write_frame(stdout, {"ready": True})
+    write_frame(stdout, {"ready": True})
     template, special = None, {}
     while True:
         try:
@@ -135,23 +136,23 @@ def _worker_main() -> int:
                 special = job.get("special") or {}
                 template = None
                 template = compile_template(job["template"])
-                _write_frame(stdout, {"ok": True})
+                write_frame(stdout, {"ok": True})
                 continue
             if template is None:
-                _write_frame(stdout, {"error": "no template", "kind": "template_error"})
+                write_frame(stdout, {"error": "no template", "kind": "template_error"})
                 continue
             text = render(template, job["messages"], bool(job.get("add_generation_prompt", True)), special,
                           job.get("limit"))
-            _write_frame(stdout, {"text": text})
+            write_frame(stdout, {"text": text})
         except RenderTooLong as e:
-            _write_frame(stdout, {"error": str(e), "kind": "too_long"})
+            write_frame(stdout, {"error": str(e), "kind": "too_long"})
         except MemoryError:
-            _write_frame(stdout, {"error": "the chat template ran out of memory", "kind": "memory"})
+            write_frame(stdout, {"error": "the chat template ran out of memory", "kind": "memory"})
         except RecursionError:
-            _write_frame(stdout, {"error": "the chat template recursed too deeply", "kind": "template_error"})
+            write_frame(stdout, {"error": "the chat template recursed too deeply", "kind": "template_error"})
         except Exception as e:  # noqa: BLE001  (jinja2 errors, raise_exception(), errors inside the template)
             try:
-                _write_frame(stdout, {"error": _describe(e), "kind": "template_error"})
+                write_frame(stdout, {"error": _describe(e), "kind": "template_error"})
             except MemoryError:
                 return 1
 

@@ -101,13 +101,8 @@ class TemplateWorker:
     # -- one exchange --
 
     def _exchange(self, job: dict, timeout: float, what: str = "rendering the chat template") -> dict:
-        import json
-
-        proc = self._proc
-        data = json.dumps(job, ensure_ascii=False).encode("utf-8", "surrogatepass")
         try:
-            proc.stdin.write(len(data).to_bytes(4, "big") + data)
-            proc.stdin.flush()
+            chat_template.write_frame(self._proc.stdin, job)
         except (OSError, ValueError, AttributeError):
             raise self._lost() from None
         return self._receive(timeout, what)
