@@ -3,12 +3,12 @@ cache that holds only a fraction of the experts, and print the streaming stats."
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from .engine import ModelInfo, Options, load
 from .resolve import DEMO_DIR
+from .storage.store import user_cache_dir
 from .synthetic import DEMO_CONFIG, model_bytes, scaled_config, write_model
 from .units import format_size
 
@@ -20,10 +20,7 @@ SYNTHETIC_PROMPT = "The streaming engine reads only the experts each token needs
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
-    if cache_dir:
-        return Path(cache_dir)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sluice"
+    return Path(cache_dir) if cache_dir else user_cache_dir()
 
 
 SMALL_DEMO = {
