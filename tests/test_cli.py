@@ -6,8 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 
 def sluice_cmd(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "sluice.cli", *map(str, args)], capture_output=True, text=True,

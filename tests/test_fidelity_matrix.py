@@ -37,7 +37,7 @@ import torch
 
 import sluice
 from conftest import UNLISTED_SKIPS, prompt_ids
-from families import FAMILY_NAMES, REGISTRY, assert_decisive_model, kinds, reference, selection_scores
+from families import FAMILY_NAMES, assert_decisive_model, kinds, reference, selection_scores
 
 N_NEW = 32
 MEMORY = "4GiB"
