@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CheckpointError
-from ..experts.spec import ExpertSpec, ExpertTensors, TensorRef
+from ..experts.spec import ExpertSpec, ExpertTensors
 from ..layers.norm import RMSNorm
 from ..layers.pointwise import pointwise
 from ..layers.rotary import Rotary

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError, UnsupportedModelError
-from ..experts.spec import ExpertSpec
+from ..experts.spec import ExpertSpec, TensorRef
 from ..layers.mla import MLA, LatentCache
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, rope_parameters
 from ..layers.routing import GroupedRouter
 from ..quant.fp8 import SCALE_SUFFIX, BlockFP8, not_converted, parse_quantization_config, scale_shape
-from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
+from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock
 from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
 
 MODEL_TYPE = "deepseek_v3"

@@ -16,12 +16,12 @@ import re
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from ..experts.spec import ExpertSpec
+from ..experts.spec import ExpertSpec, TensorRef
 from ..layers.attention import Attention, KVCache
 from ..layers.norm import RMSNorm
 from ..layers.rotary import SUPPORTED_ROPE_TYPES, Rotary, rope_parameters
 from ..layers.routing import TopKSoftmaxRouter
-from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
+from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock
 from .config import MAX_EXPERTS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
 
 MODEL_TYPE = "gpt_oss"

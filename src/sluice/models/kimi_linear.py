@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from ..experts.spec import ExpertSpec
+from ..experts.spec import ExpertSpec, TensorRef
 from ..layers.gated_delta import DECAY_BLOCK_BYTES, SNAPSHOTS, KimiDeltaAttention, LinearState
 from ..layers.mla import MLA, LatentCache
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.routing import GroupedRouter
 from ..units import format_size
-from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
+from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock
 from .config import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_POSITIONS, RawConfig
 
 MODEL_TYPE = "kimi_linear"

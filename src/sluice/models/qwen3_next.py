@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from ..experts.spec import ExpertSpec
+from ..experts.spec import ExpertSpec, TensorRef
 from ..layers.attention import KVCache
 from ..layers.gated_attention import GatedAttention
 from ..layers.gated_delta import SNAPSHOTS, GatedDeltaNet, LinearState
@@ -20,7 +20,7 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, rope_parameters
 from ..layers.routing import SoftmaxRouter
 from ..units import format_size
-from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock, TensorRef
+from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock
 from .config import MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
 
 MODEL_TYPE = "qwen3_next"
