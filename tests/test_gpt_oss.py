@@ -11,7 +11,7 @@ import torch
 
 import sluice
 from conftest import assert_decisive, prompt_ids, tiny_config
-from families import mxfp4_quantize as _mxfp4_quantize
+from families import to_mxfp4
 from sluice import kernels
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
@@ -177,24 +177,8 @@ def test_variant_without_attention_bias_tied_embeddings(models):
 def mxfp4(models):
     """A real-layout MXFP4 GPT-OSS checkpoint (experts as blocks/scales, everything else bf16)
     and transformers' reference on it (dequantized by transformers itself, upcast to fp32)."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    src, dst = _save(models["root"] / "mxfp4-src", seed=MXFP4_SEED), models["root"] / "mxfp4"
-    dst.mkdir()
-    tensors = {}
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out] -> [E, out, in]
-            tensors[name + "_blocks"], tensors[name + "_scales"] = _mxfp4_quantize(t.transpose(1, 2))
-        else:
-            tensors[name] = t.to(torch.bfloat16)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    cfg["dtype"] = "bfloat16"
-    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    src = _save(models["root"] / "mxfp4-src", seed=MXFP4_SEED)
+    dst, tensors = to_mxfp4(src, models["root"] / "mxfp4")
     ref = _reference(dst)  # on CPU transformers dequantizes MXFP4 experts (convert_moe_packed_tensors)
     ids = prompt_ids()
     with torch.no_grad():
