@@ -337,6 +337,26 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     return dst
 
 
+SPINE_CHUNK = 8 << 20  # spine tensors are copied in pieces of at most this many bytes
+
+
+def _copy_tensor(ckpt, info, f, crc: int, chunk: AlignedBuffer, bar: Progress) -> int:
+    """Copy one spine tensor's bytes from the checkpoint to ``f`` in bounded pieces; returns the CRC."""
+    file = ckpt.file(info.file)
+    step = chunk.nbytes
+    for pos in range(0, info.nbytes, step):
+        n = min(step, info.nbytes - pos)
+        data = chunk.view(0, n)
+        try:
+            file.read_into(data, info.offset + pos)
+        except OSError as e:
+            raise CheckpointError(f"{info.file}: reading tensor {info.name!r} failed: {e}") from None
+        f.write(data)
+        crc = zlib.crc32(data, crc)
+        bar.update(n)
+    return crc
+
+
 def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, spine_total: int,
            progress: bool, label: str) -> Path:
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
@@ -350,6 +370,7 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
     for name in desc.spine:
         groups.setdefault(spine_group(name), []).append(name)
     tensors, group_table = {}, {}
+    chunk = AlignedBuffer(SPINE_CHUNK)
     f = _writer(tmp / "spine.bin")
     with _Naming(tmp / "spine.bin"), closing(f):
         off = 0
@@ -363,13 +384,10 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
                 f.write(pad)
                 crc = zlib.crc32(pad, crc)
                 off += len(pad)
-                t = ckpt.read(name)
-                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                f.write(data)
-                crc = zlib.crc32(data, crc)
-                tensors[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "offset": off, "group": g}
-                off += len(data)
-                bar.update(len(data))
+                info_t = ckpt.info(name)
+                crc = _copy_tensor(ckpt, info_t, f, crc, chunk, bar)
+                tensors[name] = {"dtype": DTYPE_NAMES[info_t.torch_dtype], "shape": list(info_t.shape), "offset": off, "group": g}
+                off += info_t.nbytes
             group_table[g] = [start, off - start, crc]
         f.write(b"\0" * (align_up(off, ALIGN) - off))
         _sync_close(f)
