@@ -13,13 +13,13 @@ import torch
 
 import sluice
 from conftest import LOGIT_MARGIN, ROUTER_MARGIN, prompt_ids
+from families import to_fp8 as _to_fp8
 from sluice.convert import convert
 from sluice.layers.mla import MLA
 from sluice.layers.routing import grouped_topk
-from sluice.quant.fp8 import BlockFP8, dequantize, quantize
+from sluice.quant.fp8 import BlockFP8, quantize
 
 N_NEW = 32
-FP8_BLOCK = [16, 16]  # small blocks so tiny matrices span several of them
 
 BASE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -60,36 +60,6 @@ def _save(path: Path, seed: int, dtype=torch.float32, **overrides) -> Path:
                 gate.e_score_correction_bias.copy_(0.3 * torch.randn_like(gate.e_score_correction_bias))
     model.to(dtype).save_pretrained(path)
     return path
-
-
-def _is_fp8_linear(name: str) -> bool:
-    return ".layers." in name and (name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight"))
-
-
-def _to_fp8(src: Path, dst: Path, ref: Path, block=FP8_BLOCK) -> tuple[Path, Path]:
-    """Quantize every linear weight of ``src`` to block FP8 (``dst``) and write the same model
-    with those weights dequantized to fp32 (``ref``, the transformers reference)."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(src / "model.safetensors")
-    q, deq = {}, {}
-    for name, t in tensors.items():
-        if _is_fp8_linear(name):
-            w, s = quantize(t, tuple(block))
-            q[name], q[name + "_scale_inv"] = w, s
-            deq[name] = dequantize(w, s, tuple(block))
-        else:
-            q[name] = deq[name] = t
-    cfg = json.loads((src / "config.json").read_text())
-    for d, data, qc in ((dst, q, True), (ref, deq, False)):
-        d.mkdir(parents=True, exist_ok=True)
-        save_file(data, d / "model.safetensors", metadata={"format": "pt"})
-        c = dict(cfg)
-        if qc:
-            c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                        "weight_block_size": list(block)}
-        (d / "config.json").write_text(json.dumps(c, indent=1))
-    return dst, ref
 
 
 @pytest.fixture(scope="module")

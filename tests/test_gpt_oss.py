@@ -11,6 +11,7 @@ import torch
 
 import sluice
 from conftest import assert_decisive, prompt_ids, tiny_config
+from families import mxfp4_quantize as _mxfp4_quantize
 from sluice import kernels
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
@@ -88,8 +89,8 @@ def test_exact_with_evicting_cache(models, expected, source):
 
 def test_container_matches_hf_directory(models, expected):
     """Same weights, two layouts: the HF path computes x @ W on the fused input-major slices,
-    the container x @ W.T on canonical records. Different summation orders, so fp32-close,
-    not bit-identical; each path is bit-identical to itself whatever the cache and prefetch."""
+    the container x @ W.T on canonical records, both in the input-major summation order
+    (``quant.linear_chain``): bit-identical, whatever the cache and prefetch."""
     ids = expected[0]
     outs = {}
     for source in ("hf", "container"):
@@ -99,7 +100,7 @@ def test_container_matches_hf_directory(models, expected):
             runs.append((eng.forward(ids), eng.generate(ids.tolist(), max_new_tokens=8).token_ids))
         assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
         outs[source] = runs[0]
-    assert (outs["hf"][0] - outs["container"][0]).abs().max().item() <= 2e-5
+    assert torch.equal(outs["hf"][0], outs["container"][0])
     assert outs["hf"][1] == outs["container"][1]
 
 
@@ -171,23 +172,6 @@ def test_variant_without_attention_bias_tied_embeddings(models):
 
 
 # -- native MXFP4 ---------------------------------------------------------------------------
-
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def _mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., out, in] -> (blocks u8 [..., out, in/32, 16], scales u8 [..., out, in/32]) as GPT-OSS
-    checkpoints store them: E2M1 codes (bit 3 the sign), element 2i in the low nibble of byte i,
-    E8M0 scales biased by 127. Written here independently of Sluice's own quantizer."""
-    *lead, n, k = w.shape
-    g = w.float().reshape(*lead, n, k // 32, 32)
-    amax = g.abs().amax(-1)
-    e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax)).clamp(-127, 127)
-    q = g / torch.exp2(e)[..., None]
-    idx = (q.abs()[..., None] - _E2M1).abs().argmin(-1)
-    code = (idx | ((q < 0) & (idx > 0)).long() << 3).to(torch.uint8)
-    return (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous(), (e + 127).to(torch.uint8)
-
 
 @pytest.fixture(scope="module")
 def mxfp4(models):

@@ -47,7 +47,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "base": (),
     "kernels": ("base",),
     "quant": ("kernels", "base"),
-    "storage": ("base",),
+    "storage": ("kernels", "base"),
     "layers": ("quant", "kernels", "base"),
     "experts": ("layers", "quant", "kernels", "storage", "base"),
     "models": ("experts", "layers", "quant", "kernels", "base"),

@@ -27,7 +27,7 @@ def check_container(path: str | Path, progress: bool = True) -> dict:
                    f"checking {c.path.name}", enabled=progress)
     for g, (off, n, crc) in c.spine_groups.items():
         try:
-            c._read_group(g, {})
+            c.read_group(g, {})
         except CheckpointError as e:
             errors.append(str(e))
         bar.update(n)

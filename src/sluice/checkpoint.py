@@ -5,6 +5,10 @@ JSON header of every safetensors shard, and keeps, for every tensor, its file, a
 byte offset, length, dtype and shape. Tensors are then read by byte range on demand.
 Everything read from disk is treated as untrusted: every offset, length and dtype is
 checked, and errors name the file and tensor.
+
+Files are reached only through the storage seam: the directory is a ``Store`` (metadata by
+member name) and each shard a ``ByteSource`` from the checkpoint's ``Sources``; nothing here
+knows which kind of storage holds them.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
-from .storage import LocalFile, ReadStats
+from .storage import ByteSource, ReadStats, Sources, Store, open_source, open_store
 
 # safetensors dtype name -> (torch dtype, bytes per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -69,16 +73,17 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
-def read_safetensors_header(path: str | Path, reader: LocalFile | None = None) -> tuple[dict[str, TensorInfo], dict]:
+def read_safetensors_header(path: str | Path, reader: ByteSource | None = None) -> tuple[dict[str, TensorInfo], dict]:
     """Parse one safetensors file's header; returns (tensors, metadata).
 
     As strict as the reference implementation: the header length (at most 100 MB, inside the
     file), UTF-8 JSON starting with ``{`` and nested no deeper than the format needs, no
     duplicate names, every dtype and shape, and the tensors' byte ranges sorted by offset
     exactly tiling the data region (no gap, no overlap, nothing outside it or after it).
+    ``reader``: the file's byte source (default: one opened on ``path``, buffered).
     """
     path = str(path)
-    f = reader or LocalFile(path, direct=False)
+    f = reader or open_source(path, direct=False)
     try:
         size = f.size
         if size < 8:
@@ -107,7 +112,8 @@ def read_safetensors_header(path: str | Path, reader: LocalFile | None = None) -
         try:
             header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
         except _DuplicateKey as e:
-            raise CheckpointError(f"{path}: safetensors header names {e.args[0]!r} twice; the file is corrupt") from None
+            raise CheckpointError(
+                f"{path}: safetensors header names {e.args[0]!r} twice; the file is corrupt") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt") from None
         if not isinstance(header, dict):
@@ -205,14 +211,17 @@ def _tensor_info(path: str, name: str, entry, data_start: int, data_size: int) -
     return TensorInfo(name, path, data_start + begin, nbytes, dtype, tuple(shape))
 
 
-def read_json(path: Path, what: str) -> dict:
+def read_json(store: Store, name: str, what: str | None = None) -> dict:
+    """Member ``name`` of ``store`` as a JSON object; errors name it and say what it is."""
+    path, what = store.locate(name), what or name
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(store.read_bytes(name).decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: {what} must be a JSON object")
     return data
@@ -221,69 +230,67 @@ def read_json(path: Path, what: str) -> dict:
 class Checkpoint:
     """A Hugging Face model directory, opened lazily.
 
-    ``tensors`` maps every tensor name to its ``TensorInfo``; ``read`` loads one tensor by
-    byte range. ``direct`` is passed to every ``LocalFile`` (None: probe O_DIRECT).
+    ``path``: a directory path or an opened ``Store``. ``tensors`` maps every tensor name to
+    its ``TensorInfo`` (``file`` is the shard's location, ``store.locate(shard)``); ``read``
+    loads one tensor by byte range. ``direct`` and ``stats`` go to every byte source opened
+    (``direct=None``: probe O_DIRECT); ``sources.wrap`` wraps them (fault injection).
     """
 
-    def __init__(self, path: str | Path, *, direct: bool | None = None, stats: ReadStats | None = None):
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise CheckpointError(f"{self.path}: not a directory (expected a Hugging Face model directory)")
-        self.config = read_json(self.path / "config.json", "config.json")
-        gen_path = self.path / "generation_config.json"
-        self.generation_config = read_json(gen_path, "generation_config.json") if gen_path.exists() else {}
-        self.stats = stats if stats is not None else ReadStats()
-        self.direct = direct
-        self._files: dict[str, LocalFile] = {}
+    def __init__(self, path: str | Path | Store, *, direct: bool | None = None, stats: ReadStats | None = None):
+        self.store = store = path if isinstance(path, Store) else open_store(path)
+        self.location = store.location
+        self.path = Path(store.location)
+        if not store.is_directory():
+            raise CheckpointError(f"{self.location}: not a directory (expected a Hugging Face model directory)")
+        self.config = read_json(store, "config.json")
+        gen = "generation_config.json"
+        self.generation_config = read_json(store, gen) if store.exists(gen) else {}
+        self.sources = Sources(direct=direct, stats=stats)
+        self.stats, self.direct = self.sources.stats, direct
         self.tensors: dict[str, TensorInfo] = {}
-        index = self.path / "model.safetensors.index.json"
-        single = self.path / "model.safetensors"
-        if index.exists():
-            idx = read_json(index, "model.safetensors.index.json")
+        index, single = "model.safetensors.index.json", "model.safetensors"
+        if store.exists(index):
+            ipath = store.locate(index)
+            idx = read_json(store, index)
             weight_map = idx.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+                raise CheckpointError(f"{ipath}: missing or empty 'weight_map'")
             shards = sorted(set(weight_map.values()))
             by_shard: dict[str, dict[str, TensorInfo]] = {}
             for shard in shards:
                 if not isinstance(shard, str) or "/" in shard or shard.startswith("."):
-                    raise CheckpointError(f"{index}: invalid shard file name {shard!r}")
-                spath = self.path / shard
-                if not spath.exists():
-                    raise CheckpointError(f"{spath}: shard listed in {index.name} is missing")
-                by_shard[shard] = self._parse(spath)
+                    raise CheckpointError(f"{ipath}: invalid shard file name {shard!r}")
+                if not store.exists(shard):
+                    raise CheckpointError(f"{store.locate(shard)}: shard listed in {index} is missing")
+                by_shard[shard] = self._parse(shard)
             for name, shard in weight_map.items():
                 if name not in by_shard[shard]:
-                    raise CheckpointError(f"{self.path / shard}: tensor {name!r} listed in {index.name} is not in this shard")
+                    raise CheckpointError(f"{store.locate(shard)}: tensor {name!r} listed in {index} is not in this shard")
                 self.tensors[name] = by_shard[shard][name]
-        elif single.exists():
+        elif store.exists(single):
             self.tensors = self._parse(single)
         else:
             raise CheckpointError(
-                f"{self.path}: no model.safetensors or model.safetensors.index.json "
+                f"{self.location}: no model.safetensors or model.safetensors.index.json "
                 "(Sluice reads safetensors checkpoints only)"
             )
 
-    def _parse(self, path: Path) -> dict[str, TensorInfo]:
-        return read_safetensors_header(path, self.file(str(path)))[0]
+    def _parse(self, shard: str) -> dict[str, TensorInfo]:
+        path = self.store.locate(shard)
+        return read_safetensors_header(path, self.file(path))[0]
 
-    def file(self, path: str) -> LocalFile:
-        f = self._files.get(path)
-        if f is None:
-            try:
-                f = self._files[path] = LocalFile(path, direct=self.direct, stats=self.stats)
-            except OSError as e:
-                raise CheckpointError(f"{path}: cannot open ({e.strerror})") from None
-        return f
+    def file(self, location: str) -> ByteSource:
+        """The byte source of a shard, by its location (``TensorInfo.file``)."""
+        return self.sources.get(location)
 
     @property
     def direct_io(self) -> bool:
-        return bool(self._files) and all(f.direct_io for f in self._files.values())
+        return self.sources.direct_io
 
     def info(self, name: str) -> TensorInfo:
         t = self.tensors.get(name)
         if t is None:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
+            raise CheckpointError(f"{self.location}: tensor {name!r} is missing from the checkpoint")
         return t
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -304,13 +311,11 @@ class Checkpoint:
         return {name: self.read(name) for name in names}
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        self.sources.close()
 
 
-def is_checkpoint_dir(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    return (p / "config.json").exists() and (
-        (p / "model.safetensors").exists() or (p / "model.safetensors.index.json").exists()
+def is_checkpoint_dir(path: str | os.PathLike | Store) -> bool:
+    store = path if isinstance(path, Store) else open_store(path)
+    return store.exists("config.json") and (
+        store.exists("model.safetensors") or store.exists("model.safetensors.index.json")
     )

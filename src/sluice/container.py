@@ -19,6 +19,11 @@ Everything read back is untrusted: the manifest carries a SHA-256 of its canonic
 checked when the group is loaded (and, with ``verify_reads``, each time a streamed layer is
 read); each record's header is checked (magic, layer, expert, length) on every read and,
 with ``verify_reads`` (the default), its payload CRC32 too, on the reader thread.
+
+The container's files are reached only through the storage seam (a ``Store`` for the
+manifest, ``ByteSource``s for the spine and banks): nothing here knows which kind of storage
+holds them. Records and spine groups are ``FORMAT_ALIGN``-aligned, so any source whose
+``alignment`` divides it reads one in one aligned read.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ import struct
 import threading
 import time
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +42,8 @@ import torch
 
 from .checkpoint import DTYPES, TensorInfo
 from .errors import CheckpointError, ExpertReadError
-from .storage import ALIGN, AlignedBuffer, LocalFile, ReadStats, align_up
+from .storage import AlignedBuffer, ByteSource, ReadStats, Sources, Store, align_up, open_store
+from .storage.crc import crc32
 
 MAGIC = b"SLXR"
 FORMAT_NAME = "sluice-container"
@@ -46,6 +51,7 @@ VERSION = 1
 HEADER = struct.Struct("<4sHHIIIIQI28x")
 HEADER_BYTES = 64
 PART_ALIGN = 64
+FORMAT_ALIGN = 4096  # spine groups start, and expert records are sized, at multiples of this
 assert HEADER.size == HEADER_BYTES
 
 # expert format name <-> id stored in record headers
@@ -53,7 +59,6 @@ FORMAT_IDS = {"f32": 1, "bf16": 2, "f16": 3, "int8": 4, "q4": 5, "mxfp4": 6, "rv
 
 
 CHECKSUM_KEY = "manifest_sha256"
-_GROUP_CHUNK = 8 << 20  # spine groups are read and CRC-checked through a buffer of this size
 
 
 def manifest_digest(m: dict) -> str:
@@ -68,8 +73,9 @@ def seal_manifest(m: dict) -> dict:
     return m
 
 
-def is_container(path: str | Path) -> bool:
-    return (Path(path) / "manifest.json").exists()
+def is_container(path: str | Path | Store) -> bool:
+    store = path if isinstance(path, Store) else open_store(path)
+    return store.exists("manifest.json")
 
 
 def bank_name(layer: int) -> str:
@@ -100,12 +106,12 @@ def plan_parts(parts: list[tuple[str, str, tuple[int, ...]]]) -> tuple[list[Part
 
 
 def record_bytes_for(payload: int) -> int:
-    return align_up(HEADER_BYTES + payload, ALIGN)
+    return align_up(HEADER_BYTES + payload, FORMAT_ALIGN)
 
 
 def pack_header(fmt: str, layer: int, expert: int, nparts: int, payload: bytes | memoryview) -> bytes:
     return HEADER.pack(MAGIC, VERSION, FORMAT_IDS[fmt], layer, expert, HEADER_BYTES, nparts, len(payload),
-                       zlib.crc32(payload))
+                       crc32(payload))
 
 
 def check_record(where: str, record: memoryview, fmt: str, layer: int, expert: int, payload: int,
@@ -121,26 +127,33 @@ def check_record(where: str, record: memoryview, fmt: str, layer: int, expert: i
         raise ExpertReadError(f"{where}: record header does not match the manifest (payload {plen} bytes, "
                               f"expected {payload}; format id {fid})")
     if verify_crc:
-        got = zlib.crc32(record[HEADER_BYTES : HEADER_BYTES + plen])
+        got = crc32(record[HEADER_BYTES : HEADER_BYTES + plen])
         if got != crc:
             raise ExpertReadError(f"{where}: CRC mismatch (stored {crc:08x}, computed {got:08x}): the record is corrupt")
 
 
 class Container:
-    """An opened container; offers the same tensor-store interface as ``Checkpoint``."""
+    """An opened container; offers the same tensor-store interface as ``Checkpoint``.
 
-    def __init__(self, path: str | Path, *, direct: bool | None = None, stats: ReadStats | None = None):
-        self.path = Path(path)
-        self.stats = stats if stats is not None else ReadStats()
-        self.direct = direct
-        self._files: dict[str, LocalFile] = {}
-        mpath = self.path / "manifest.json"
+    ``path``: a directory path or an opened ``Store``; ``direct``, ``stats`` and ``sources``
+    as for ``Checkpoint``.
+    """
+
+    def __init__(self, path: str | Path | Store, *, direct: bool | None = None, stats: ReadStats | None = None):
+        self.store = store = path if isinstance(path, Store) else open_store(path)
+        self.location = store.location
+        self.path = Path(store.location)
+        self.sources = Sources(direct=direct, stats=stats)
+        self.stats, self.direct = self.sources.stats, direct
+        self.manifest_path = mpath = store.locate("manifest.json")
         try:
-            m = json.loads(mpath.read_text(encoding="utf-8"))
+            m = json.loads(store.read_bytes("manifest.json").decode("utf-8"))
         except FileNotFoundError:
             raise CheckpointError(f"{mpath}: not found (not a Sluice container)") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{mpath}: not valid JSON ({e}); the container is damaged") from None
+        except OSError as e:
+            raise CheckpointError(f"{mpath}: cannot read ({e.strerror or e})") from None
         self.manifest = m
         if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{mpath}: not a {FORMAT_NAME} manifest")
@@ -167,7 +180,7 @@ class Container:
         if self.expert_format not in FORMAT_IDS:
             raise CheckpointError(f"{mpath}: unknown expert_format {self.expert_format!r}")
         spine = _obj(m, "spine", mpath)
-        self.spine_file = str(self.path / member_file(spine.get("file"), mpath))
+        self.spine_file = store.locate(member_file(spine.get("file"), mpath))
         sfile = self.file(self.spine_file)
         self.tensors: dict[str, TensorInfo] = {}
         for name, t in _obj(spine, "tensors", mpath).items():
@@ -178,7 +191,7 @@ class Container:
                 off, n, crc = (int(x) for x in v)
             except (TypeError, ValueError):
                 raise CheckpointError(f"{mpath}: spine group {k!r} entry is malformed") from None
-            if off < 0 or n < 0 or off % ALIGN or off + n > sfile.size:
+            if off < 0 or n < 0 or off % FORMAT_ALIGN or off + n > sfile.size:
                 raise CheckpointError(f"{self.spine_file}: spine group {k!r} lies outside the file or is unaligned")
             self.spine_groups[k] = (off, n, crc)
         # every spine tensor lies inside its CRC-protected group
@@ -196,23 +209,22 @@ class Container:
             self.group_of[name] = g
         self.banks = _obj(m, "experts", mpath)
 
-    def file(self, path: str) -> LocalFile:
-        f = self._files.get(path)
-        if f is None:
-            try:
-                f = self._files[path] = LocalFile(path, direct=self.direct, stats=self.stats)
-            except OSError as e:
-                raise CheckpointError(f"{path}: cannot open ({e.strerror})") from None
-        return f
+    def locate(self, name: str) -> str:
+        """The location of member ``name`` (a bank file named by the manifest)."""
+        return self.store.locate(name)
+
+    def file(self, location: str) -> ByteSource:
+        """The byte source of a member, by its location (``spine_file``, ``locate(bank)``)."""
+        return self.sources.get(location)
 
     @property
     def direct_io(self) -> bool:
-        return bool(self._files) and all(f.direct_io for f in self._files.values())
+        return self.sources.direct_io
 
     def info(self, name: str) -> TensorInfo:
         t = self.tensors.get(name)
         if t is None:
-            raise CheckpointError(f"{self.path / 'manifest.json'}: tensor {name!r} is missing from the spine table")
+            raise CheckpointError(f"{self.manifest_path}: tensor {name!r} is missing from the spine table")
         return t
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -231,27 +243,28 @@ class Container:
             result[name] = t if t is not None else torch.empty(info.shape, dtype=info.torch_dtype)
             by_group.setdefault(self.group_of[name], []).append(name)
         for g, members in by_group.items():
-            self._read_group(g, {n: result[n] for n in members})
+            self.read_group(g, {n: result[n] for n in members})
         return result
 
-    def _read_group(self, g: str, dest: dict[str, torch.Tensor]) -> None:
+    def read_group(self, g: str, dest: dict[str, torch.Tensor]) -> None:
         off, n, stored = self.spine_groups[g]
         f = self.file(self.spine_file)
         spans = sorted((self.tensors[name].offset - off, self.tensors[name].nbytes,
                         memoryview(t.reshape(-1).view(torch.uint8).numpy())) for name, t in dest.items())
-        buf = AlignedBuffer(min(_GROUP_CHUNK, align_up(max(n, 1))))
+        a = f.alignment
+        buf = AlignedBuffer(min(f.read_size, align_up(max(n, 1), a)))
         crc, pos = 0, 0
         while pos < n:
             want = min(buf.nbytes, n - pos)
             try:
-                got = f.read_aligned(buf.view(0, align_up(want)), off + pos)
+                got = f.read_aligned(buf.view(0, align_up(want, a)), off + pos)
             except OSError as e:
                 raise CheckpointError(f"{self.spine_file}: reading spine group {g!r} failed: {e}") from None
             if got < want:
                 raise CheckpointError(f"{self.spine_file}: short read in spine group {g!r} at offset {off + pos} "
                                       "(file truncated or storage error)")
             chunk = buf.view(0, want)
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             for start, length, mv in spans:  # the part of each tensor inside this chunk
                 a, b = max(start, pos), min(start + length, pos + want)
                 if a < b:
@@ -263,9 +276,7 @@ class Container:
                 "the spine is corrupt; convert the model again (sluice check lists all damage)")
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        self.sources.close()
 
 
 def _obj(m: dict, key: str, where) -> dict:

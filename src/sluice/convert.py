@@ -20,7 +20,6 @@ import errno
 import json
 import os
 import shutil
-import zlib
 from contextlib import closing
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 from . import __version__
 from .checkpoint import DTYPE_NAMES
 from .container import (
+    FORMAT_ALIGN,
     FORMAT_IDS,
     FORMAT_NAME,
     HEADER_BYTES,
@@ -48,7 +48,8 @@ from .progress import Progress
 from .resolve import resolve_model
 from .quant.fp8 import FORMAT as FP8_FORMAT
 from .quant import QuantMatrix, assemble
-from .storage import ALIGN, AlignedBuffer, align_up
+from .storage.crc import crc32
+from .storage import AlignedBuffer, align_up
 
 MATRIX_ROLES = ("gate", "up", "down")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -303,7 +304,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     specs = part_specs(fmt, canonical_layout(source.layout(layer0, 0), shapes)) if layer0 is not None else []
     parts, payload = plan_parts(specs)
     rec = record_bytes_for(payload)
-    spine_total = sum(align_up(ckpt.info(n).nbytes, ALIGN) for n in desc.spine)
+    spine_total = sum(align_up(ckpt.info(n).nbytes, FORMAT_ALIGN) for n in desc.spine)
     total = spine_total + rec * desc.total_experts
     dst.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(dst.parent).free
@@ -352,7 +353,7 @@ def _copy_tensor(ckpt, info, f, crc: int, chunk: AlignedBuffer, bar: Progress) -
         except OSError as e:
             raise CheckpointError(f"{info.file}: reading tensor {info.name!r} failed: {e}") from None
         f.write(data)
-        crc = zlib.crc32(data, crc)
+        crc = crc32(data, crc)
         bar.update(n)
     return crc
 
@@ -375,21 +376,21 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
     with _Naming(tmp / "spine.bin"), closing(f):
         off = 0
         for g in sorted(groups, key=_group_order):
-            start = align_up(off, ALIGN)
+            start = align_up(off, FORMAT_ALIGN)
             f.write(b"\0" * (start - off))
             off = start
             crc = 0
             for name in groups[g]:
                 pad = b"\0" * (align_up(off, 64) - off)
                 f.write(pad)
-                crc = zlib.crc32(pad, crc)
+                crc = crc32(pad, crc)
                 off += len(pad)
                 info_t = ckpt.info(name)
                 crc = _copy_tensor(ckpt, info_t, f, crc, chunk, bar)
                 tensors[name] = {"dtype": DTYPE_NAMES[info_t.torch_dtype], "shape": list(info_t.shape), "offset": off, "group": g}
                 off += info_t.nbytes
             group_table[g] = [start, off - start, crc]
-        f.write(b"\0" * (align_up(off, ALIGN) - off))
+        f.write(b"\0" * (align_up(off, FORMAT_ALIGN) - off))
         _sync_close(f)
 
     # expert banks: one record per expert
@@ -419,8 +420,8 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
 
     copied = []
     for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy2(src / name, tmp / name)
+        if info.store.exists(name):
+            shutil.copy2(info.store.local_file(name), tmp / name)
             _fsync_path(tmp / name)
             copied.append(name)
     manifest = {

@@ -38,6 +38,7 @@ from .runner import ModelRunner, SeqState
 from .spine import LayerReads, SpineStreamer, layer_reads, streamable
 from .spine import buffer_bytes as spine_buffer_bytes
 from .stats import EngineCounters, EngineInfo, GenerationStats
+from .storage import open_store
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
 from .trace import TraceWriter
@@ -109,11 +110,12 @@ class ModelInfo:
 
     def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None):
         self.path, self.model_id = resolve_model(path, revision)
-        self.is_container = is_container(self.path)
+        self.store = store = open_store(self.path)  # the model's files, whatever holds them
+        self.is_container = is_container(store)
         if self.is_container:
-            self.checkpoint = Container(self.path, direct=direct_io)
+            self.checkpoint = Container(store, direct=direct_io)
         else:
-            self.checkpoint = Checkpoint(self.path, direct=direct_io)
+            self.checkpoint = Checkpoint(store, direct=direct_io)
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
         self.config = self.family.parse_config(self.raw_config)
@@ -136,8 +138,8 @@ class ModelInfo:
             self.experts = CheckpointExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
                                              self.desc.expert_tensors, self.desc.expert_format, self.desc.expert)
         self.tokenizer: Tokenizer | None = None
-        if (self.path / "tokenizer.json").exists():
-            self.tokenizer = Tokenizer(self.path)
+        if store.exists("tokenizer.json"):
+            self.tokenizer = Tokenizer(store)
         self.eos_token_ids = eos_ids(self.raw_config, self.checkpoint.generation_config)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)

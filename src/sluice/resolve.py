@@ -4,8 +4,10 @@
 
 1. an existing local path (a Hugging Face model directory or a Sluice container) wins,
    whatever it is called; its model id is the directory name;
-2. ``demo``: the trained demo model shipped inside the package, model id ``sluice-demo``;
-3. a Hugging Face repo id (``Qwen/Qwen3-30B-A3B``): its snapshot in the local Hugging Face
+2. a URL (``http://``, ``https://``, ``s3://``): a remote store, which this version cannot
+   read yet (``RemoteUnavailableError``, from ``storage.location``, which holds the rule);
+3. ``demo``: the trained demo model shipped inside the package, model id ``sluice-demo``;
+4. a Hugging Face repo id (``Qwen/Qwen3-30B-A3B``): its snapshot in the local Hugging Face
    cache (``HF_HUB_CACHE``, or ``HF_HOME``/hub, default ``~/.cache/huggingface/hub``) at
    ``refs/main`` or at ``revision`` (a branch or tag name under ``refs/``, or a commit hash),
    found with ``huggingface_hub``'s cache functions and never over the network; its model
@@ -58,6 +60,10 @@ def resolve_model(spec: str | os.PathLike, revision: str | None = None,
             raise ModelNotFoundError(f"{text}: --revision applies to a Hugging Face repo id in the local cache, "
                                      "not to a local path")
         return path, model_id_for(path)
+    from .storage.location import local_path, url_scheme  # here: `sluice --help` imports this module, not torch
+
+    if url_scheme(text) is not None:
+        local_path(text)  # raises: a remote store (not available yet) or an unknown scheme
     if text == DEMO_NAME:
         if revision is not None:
             raise ModelNotFoundError("demo: --revision applies to a Hugging Face repo id, not to the demo model")

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .storage import ALIGN, AlignedBuffer, align_up
+from .storage import AlignedBuffer, align_up
 
 TENSOR_ALIGN = 64
 
@@ -76,7 +76,8 @@ class SpineStats:
 
 
 def layer_reads(store, layer: int, names: list[str]) -> LayerReads:
-    """A container stores a layer's spine as one aligned group: one read. Otherwise one read per tensor."""
+    """A container stores a layer's spine as one aligned group: one read (its length rounded up to
+    the spine source's alignment). Otherwise one read per tensor."""
     infos = [store.info(n) for n in names]
     groups = getattr(store, "spine_groups", {})
     group = groups.get(f"layer.{layer}")
@@ -85,8 +86,8 @@ def layer_reads(store, layer: int, names: list[str]) -> LayerReads:
         if all(i.file == store.spine_file and start <= i.offset and i.offset + i.nbytes <= start + length
                for i in infos):
             views = {i.name: (i.offset - start, i.torch_dtype, tuple(i.shape)) for i in infos}
-            return LayerReads(layer, [(store.spine_file, start, align_up(length), 0)], views, align_up(length),
-                              (length, crc))
+            nbytes = align_up(length, store.file(store.spine_file).alignment)
+            return LayerReads(layer, [(store.spine_file, start, nbytes, 0)], views, nbytes, (length, crc))
     reads, views, off = [], {}, 0
     for i in infos:
         off = align_up(off, TENSOR_ALIGN)
@@ -97,19 +98,19 @@ def layer_reads(store, layer: int, names: list[str]) -> LayerReads:
 
 
 def check_group_crc(plan: LayerReads, buf: AlignedBuffer, file: str) -> None:
-    import zlib
-
     from .errors import CheckpointError
+    from .storage.crc import crc32
 
     length, stored = plan.crc
-    got = zlib.crc32(buf.view(0, length))
+    got = crc32(buf.view(0, length))
     if got != stored:
         raise CheckpointError(f"{file}: spine group 'layer.{plan.layer}' CRC mismatch when streamed (stored "
                               f"{stored:08x}, computed {got:08x}): the spine is corrupt; convert the model again")
 
 
 def buffer_bytes(lr: LayerReads) -> int:
-    return align_up(max((r[3] + r[2] for r in lr.reads), default=0), ALIGN)
+    """The stream buffer one layer needs (whole pages, as ``AlignedBuffer`` allocates them)."""
+    return AlignedBuffer.size_for(max((r[3] + r[2] for r in lr.reads), default=0))
 
 
 class SpineStreamer:
@@ -122,7 +123,7 @@ class SpineStreamer:
         self.plans = plans
         self.rank = {p.layer: r for r, p in enumerate(plans)}
         self.n = max(1, min(n_buffers, len(plans)))
-        size = max((buffer_bytes(p) for p in plans), default=ALIGN)
+        size = max((buffer_bytes(p) for p in plans), default=AlignedBuffer.size_for(1))
         self.buffers = [AlignedBuffer(size, huge=huge_pages) for _ in range(self.n)]
         if poison:  # test-only: NaN bytes until the first real fill (see the module docstring)
             for buf in self.buffers:
@@ -146,7 +147,8 @@ class SpineStreamer:
         plan, buf = self.plans[rank], self.buffers[rank % self.n]
         for file, offset, length, boff in plan.reads:
             f = self.store.file(file)
-            if offset % ALIGN == 0 and boff % ALIGN == 0 and length % ALIGN == 0:
+            a = f.alignment  # what the source's aligned reads need; anything else goes through read_into
+            if offset % a == 0 and boff % a == 0 and length % a == 0:
                 got = f.read_aligned(buf.view(boff, length), offset)
                 if got < min(length, f.size - offset):
                     raise OSError(f"short read of layer {plan.layer}'s spine from {file}")

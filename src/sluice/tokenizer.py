@@ -1,4 +1,8 @@
-"""Tokenizer and chat template of a model directory (``tokenizers`` + ``jinja2``, no transformers)."""
+"""Tokenizer and chat template of a model directory (``tokenizers`` + ``jinja2``, no transformers).
+
+The files come through the storage seam (a ``Store``): the JSON and template files are read
+by name, and ``tokenizer.json`` is handed to the tokenizer library as the local file the
+store provides (the file itself for a local directory)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .errors import ChatTemplateError, CheckpointError
+from .storage import Store, open_store
 
 
 def _json_kind(v) -> str:
@@ -22,20 +27,20 @@ def _token_text(v) -> str | None:
 
 
 class Tokenizer:
-    def __init__(self, directory: str | Path):
-        d = Path(directory)
-        path = d / "tokenizer.json"
-        if not path.exists():
+    def __init__(self, directory: str | Path | Store):
+        store = directory if isinstance(directory, Store) else open_store(directory)
+        path = store.locate("tokenizer.json")
+        if not store.exists("tokenizer.json"):
             raise CheckpointError(f"{path}: tokenizer.json not found (pass token ids instead of text)")
         try:
-            self._tok = _HFTokenizer.from_file(str(path))
+            self._tok = _HFTokenizer.from_file(str(store.local_file("tokenizer.json")))
         except Exception as e:  # tokenizers raises its own exception types
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
-        cfg_path = d / "tokenizer_config.json"
+        cfg_path = store.locate("tokenizer_config.json")
         self.config: dict = {}
-        if cfg_path.exists():
+        if store.exists("tokenizer_config.json"):
             try:
-                self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
+                self.config = json.loads(store.read_text("tokenizer_config.json"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
             if not isinstance(self.config, dict):
@@ -43,12 +48,11 @@ class Tokenizer:
         # As transformers does: a chat_template.jinja file wins over "chat_template" in
         # tokenizer_config.json (a string, or a list of named templates of which "default" is used).
         self.chat_template = self.config.get("chat_template")
-        tmpl_file = d / "chat_template.jinja"
-        if tmpl_file.is_file():
+        if store.exists("chat_template.jinja"):
             try:
-                self.chat_template = tmpl_file.read_text(encoding="utf-8")
+                self.chat_template = store.read_text("chat_template.jinja")
             except UnicodeDecodeError as e:
-                raise CheckpointError(f"{tmpl_file}: not UTF-8 text ({e})") from None
+                raise CheckpointError(f"{store.locate('chat_template.jinja')}: not UTF-8 text ({e})") from None
         if isinstance(self.chat_template, list):  # named templates: use "default"
             named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
             self.chat_template = named.get("default") or next(iter(named.values()), None)

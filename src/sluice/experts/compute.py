@@ -11,23 +11,34 @@ import torch
 
 from .. import kernels
 from ..layers.mlp import activation
-from ..quant import linear, linear_t
+from ..quant import linear, linear_chain
+from ..quant.dense import CHAIN_BATCH
 from .spec import ExpertSpec
 
 
-def _gate_up(w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gate_up(spec: ExpertSpec, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if "gate_up_t" in w:  # [H, 2I] input-major, gate/up interleaved columns
-        gu = linear_t(x, w["gate_up_t"], w.get("gate_up_bias"))
-        return gu[:, 0::2], gu[:, 1::2]
+        gu, b = w["gate_up_t"], w.get("gate_up_bias")
+        if x.shape[0] <= CHAIN_BATCH and kernels.chain_available():  # one call: each output's sum as apart
+            y = linear_chain(x, gu, b, input_major=True)
+            return y[:, 0::2], y[:, 1::2]
+        return (linear_chain(x, gu[:, 0::2], None if b is None else b[0::2], input_major=True),
+                linear_chain(x, gu[:, 1::2], None if b is None else b[1::2], input_major=True))
     if "gate_up" in w:  # [2I, H] output-major (quantized), gate/up interleaved rows
         gu = linear(x, w["gate_up"], w.get("gate_up_bias"))
         return gu[:, 0::2], gu[:, 1::2]
+    if spec.input_major and isinstance(w["gate"], torch.Tensor):  # canonical records of such experts
+        return linear_chain(x, w["gate"], w.get("gate_bias")), linear_chain(x, w["up"], w.get("up_bias"))
     return linear(x, w["gate"], w.get("gate_bias")), linear(x, w["up"], w.get("up_bias"))
 
 
-def _down(w: dict, h: torch.Tensor) -> torch.Tensor:
+def _down(spec: ExpertSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
+    h = h.contiguous()
     if "down_t" in w:
-        return linear_t(h.contiguous(), w["down_t"], w.get("down_bias"))
+        d = w["down_t"]
+        return linear_chain(h, d, w.get("down_bias"), input_major=True)
+    if spec.input_major and isinstance(w["down"], torch.Tensor):
+        return linear_chain(h, w["down"], w.get("down_bias"))
     return linear(h, w["down"], w.get("down_bias"))
 
 
@@ -55,13 +66,13 @@ def expert_forward(spec: ExpertSpec, w: dict, x: torch.Tensor) -> torch.Tensor:
     """x: [n, H] fp32 -> [n, H] fp32."""
     if spec.variant == "swiglu":
         act = activation(spec.act)
-        g, u = _gate_up(w, x)
-        return _down(w, act(g) * u)
+        g, u = _gate_up(spec, w, x)
+        return _down(spec, w, act(g) * u)
     if spec.variant == "clamped_swiglu":
         # exactly transformers' GptOssExperts._apply_gate: gate clamped above, up clamped both
         # sides, glu = gate * sigmoid(gate * alpha), (up + 1) * glu
-        g, u = _gate_up(w, x)
+        g, u = _gate_up(spec, w, x)
         g = g.clamp(max=spec.limit)
         u = u.clamp(-spec.limit, spec.limit)
-        return _down(w, (u + 1) * (g * torch.sigmoid(g * spec.alpha)))
+        return _down(spec, w, (u + 1) * (g * torch.sigmoid(g * spec.alpha)))
     raise ValueError(f"unknown expert variant {spec.variant!r}")

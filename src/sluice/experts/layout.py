@@ -1,7 +1,8 @@
 """Where one expert's bytes are, and how they land in a cache slot.
 
 An ``ExpertLayout`` is a short list of aligned reads (file, offset, length -> slot offset)
-and the tensor views over the slot once the reads are done. A container record is one
+and the tensor views over the slot once the reads are done. The alignment is the byte
+sources' own (``ByteSource.alignment``), passed in by the caller that has them. A container record is one
 read; a Hugging Face expert is its gate/up/down tensors, merged into one read whenever
 they are adjacent in the shard (which is how ``save_pretrained`` writes them).
 """
@@ -12,15 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..storage import ALIGN, align_down, align_up
+from ..storage import align_down, align_up
 
 
 @dataclass(frozen=True)
 class Read:
     file: str
-    offset: int  # aligned file offset
-    length: int  # aligned length
-    slot_offset: int  # aligned offset inside the slot
+    offset: int  # file offset, a multiple of the source's alignment
+    length: int  # a multiple of the source's alignment
+    slot_offset: int  # offset inside the slot, a multiple of the source's alignment
     need: int  # bytes of this read that hold tensor data (a shorter read is an error)
 
 
@@ -63,8 +64,9 @@ class ExpertLayout:
         return sum(r.length for r in self.reads)
 
 
-def layout_from_spans(spans: list[Span], merge_gap: int = 64 << 10) -> ExpertLayout:
-    """Aligned reads covering ``spans``; spans of one file closer than ``merge_gap`` share a read."""
+def layout_from_spans(spans: list[Span], align: int, merge_gap: int = 64 << 10) -> ExpertLayout:
+    """Reads covering ``spans``, their offsets, lengths and slot offsets multiples of ``align`` (the
+    alignment the spans' byte sources ask for); spans of one file closer than ``merge_gap`` share a read."""
     by_file: dict[str, list[Span]] = {}
     for s in spans:
         by_file.setdefault(s.file, []).append(s)
@@ -81,8 +83,8 @@ def layout_from_spans(spans: list[Span], merge_gap: int = 64 << 10) -> ExpertLay
             else:
                 runs.append([s])
         for run in runs:
-            a0 = align_down(run[0].offset)
-            a1 = align_up(max(s.offset + s.nbytes for s in run))
+            a0 = align_down(run[0].offset, align)
+            a1 = align_up(max(s.offset + s.nbytes for s in run), align)
             end = max(s.offset + s.nbytes for s in run)
             reads.append(Read(file, a0, a1 - a0, slot, end - a0))
             for s in run:
@@ -91,4 +93,4 @@ def layout_from_spans(spans: list[Span], merge_gap: int = 64 << 10) -> ExpertLay
     return ExpertLayout(tuple(reads), tuple(views), slot)
 
 
-__all__ = ["ALIGN", "ExpertLayout", "Read", "Span", "View", "layout_from_spans"]
+__all__ = ["ExpertLayout", "Read", "Span", "View", "layout_from_spans"]

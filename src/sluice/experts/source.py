@@ -2,7 +2,8 @@
 
 ``CheckpointExperts`` indexes routed experts inside the original Hugging Face safetensors
 shards (no copy); ``ContainerExperts`` reads a packed container's banks, one record per
-expert. The expert path sees only ``layout(layer, expert)`` and ``file(path)``.
+expert. The expert path sees only ``layout(layer, expert)`` and ``file(location)``, a
+``ByteSource`` whose kind (local file, later a remote object) it never asks.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..checkpoint import DTYPE_NAMES, DTYPES, Checkpoint
-from ..container import HEADER_BYTES, Container, check_record, member_file, parse_part
+from ..container import FORMAT_ALIGN, HEADER_BYTES, Container, check_record, member_file, parse_part
 from ..errors import CheckpointError, ExpertReadError
 from ..quant.fp8 import FORMAT as FP8_FORMAT
 from ..quant.fp8 import SCALE_SUFFIX
-from ..storage import ALIGN, AlignedBuffer, LocalFile
+from ..storage import AlignedBuffer, ByteSource
 from .layout import ExpertLayout, Read, Span, View, layout_from_spans
 
 
@@ -60,7 +61,7 @@ class ExpertSource:
         self.validate(layer, expert, buf.view(base, layout.slot_bytes), verify_crc)
         return layout
 
-    def file(self, path: str) -> LocalFile:
+    def file(self, location: str) -> ByteSource:
         raise NotImplementedError
 
     @property
@@ -89,6 +90,13 @@ class CheckpointExperts(ExpertSource):
         dtypes: set[str] = set()
         part_dtypes: dict[str, set[str]] = {}
         payload = 0
+        aligns: dict[str, int] = {}  # file -> its source's alignment
+
+        def align(file: str) -> int:
+            if file not in aligns:
+                aligns[file] = ckpt.file(file).alignment
+            return aligns[file]
+
         for layer in layers:
             for e in range(n_experts):
                 spans = []
@@ -104,7 +112,7 @@ class CheckpointExperts(ExpertSource):
                             raise CheckpointError(
                                 f"{info.file}: expert tensor {ref.name!r} is {info.dtype} but config.json declares "
                                 "no block-scaled quantization (quantization_config) to read its scales with")
-                self._layouts[(layer, e)] = layout_from_spans(spans)
+                self._layouts[(layer, e)] = layout_from_spans(spans, max((align(s.file) for s in spans), default=1))
                 if not payload:
                     payload = sum(s.nbytes for s in spans)
         self._payload = payload
@@ -112,11 +120,11 @@ class CheckpointExperts(ExpertSource):
             self._native(format, dtypes, part_dtypes, spec)
             return
         if len(dtypes) > 1:
-            raise CheckpointError(f"{ckpt.path}: routed experts mix dtypes {sorted(dtypes)}; expected one dtype")
+            raise CheckpointError(f"{ckpt.location}: routed experts mix dtypes {sorted(dtypes)}; expected one dtype")
         dtype = dtypes.pop() if dtypes else "F32"
         if dtype not in _FORMAT_OF_DTYPE:
             raise CheckpointError(
-                f"{ckpt.path}: routed experts have dtype {dtype}; Sluice streams f32/bf16/f16 and block-scaled "
+                f"{ckpt.location}: routed experts have dtype {dtype}; Sluice streams f32/bf16/f16 and block-scaled "
                 "FP8 (e4m3) experts from Hugging Face checkpoints (convert other formats with `sluice convert`)"
             )
         self.format = _FORMAT_OF_DTYPE[dtype]
@@ -127,15 +135,15 @@ class CheckpointExperts(ExpertSource):
 
         fmt = FORMATS.get(format)
         if fmt is None:
-            raise CheckpointError(f"{self.ckpt.path}: experts stored as {format!r}, a format this build does not know")
+            raise CheckpointError(f"{self.ckpt.location}: experts stored as {format!r}, a format this build does not know")
         want = {part: DTYPE_NAMES[dt] for part, (dt, _) in fmt.parts(1, fmt.block).items()}
         for part, found in part_dtypes.items():
             if part not in want or found != {want[part]}:
                 raise CheckpointError(
-                    f"{self.ckpt.path}: {format} expert part {part!r} has dtype {sorted(found)}, "
+                    f"{self.ckpt.location}: {format} expert part {part!r} has dtype {sorted(found)}, "
                     f"the format stores {want.get(part, 'no such part')}")
         if len(dtypes) > 1 or not dtypes <= set(_FORMAT_OF_DTYPE):
-            raise CheckpointError(f"{self.ckpt.path}: expert biases have dtypes {sorted(dtypes)}; expected one of "
+            raise CheckpointError(f"{self.ckpt.location}: expert biases have dtypes {sorted(dtypes)}; expected one of "
                                   f"{', '.join(_FORMAT_OF_DTYPE)}")
         self.format = format
         self.native_quant = True
@@ -174,8 +182,8 @@ class CheckpointExperts(ExpertSource):
     def layout(self, layer: int, expert: int) -> ExpertLayout:
         return self._layouts[(layer, expert)]
 
-    def file(self, path: str) -> LocalFile:
-        return self.ckpt.file(path)
+    def file(self, location: str) -> ByteSource:
+        return self.ckpt.file(location)
 
     @property
     def direct_io(self) -> bool:
@@ -196,7 +204,7 @@ class ContainerExperts(ExpertSource):
         # quantized records copied bit for bit from a natively quantized checkpoint (not requantized)
         self.native_quant = isinstance(src, dict) and src.get("expert_dtype") == self.format \
             and self.format not in ("f32", "bf16", "f16")
-        mpath = container.path / "manifest.json"
+        mpath = container.manifest_path
         banks = container.banks.get("layers")
         if not isinstance(banks, dict):
             raise CheckpointError(f"{mpath}: 'experts.layers' must be an object keyed by layer")
@@ -206,12 +214,13 @@ class ContainerExperts(ExpertSource):
             b = banks.get(str(layer))
             if not isinstance(b, dict):
                 raise CheckpointError(f"{mpath}: no expert bank for MoE layer {layer}")
-            fname = str(container.path / member_file(b.get("file"), mpath))
+            fname = container.locate(member_file(b.get("file"), mpath))
             count, rec = b.get("count"), b.get("record_bytes")
             if count != n_experts:
                 raise CheckpointError(f"{mpath}: layer {layer} bank holds {count!r} experts, config says {n_experts}")
-            if not isinstance(rec, int) or rec <= HEADER_BYTES or rec % ALIGN:
-                raise CheckpointError(f"{mpath}: layer {layer} record_bytes {rec!r} is not a positive multiple of {ALIGN}")
+            if not isinstance(rec, int) or rec <= HEADER_BYTES or rec % FORMAT_ALIGN:
+                raise CheckpointError(f"{mpath}: layer {layer} record_bytes {rec!r} is not a positive multiple of "
+                                      f"{FORMAT_ALIGN}")
             parts = [parse_part(p, mpath, layer) for p in b.get("parts") or []]
             end = max((p.offset + p.nbytes for p in parts), default=0)
             if end + HEADER_BYTES > rec:
@@ -226,6 +235,9 @@ class ContainerExperts(ExpertSource):
                         f"{mpath}: layer {layer} part {role!r} has shape {list(p.shape)}, config implies {list(shape)}"
                     )
             f = container.file(fname)
+            if rec % f.alignment:
+                raise CheckpointError(f"{fname}: {rec}-byte records cannot be read whole from a source that reads "
+                                      f"in multiples of {f.alignment} bytes")
             if f.size < count * rec:
                 raise CheckpointError(
                     f"{fname}: expert bank is {f.size} bytes, {count} records of {rec} bytes need {count * rec}: "
@@ -239,7 +251,7 @@ class ContainerExperts(ExpertSource):
         # quant.fp8.assemble; the quant registry's formats hold "<role>.<part>" views
         self._quant = {} if self.format in ("f32", "bf16", "f16", "fp8") else dict(
             format=self.format, shapes=tuple((r, *s) for r, s in roles.items()), exact=self.native_quant)
-        self.slot_bytes = max((b[1] for b in self._banks.values()), default=ALIGN)
+        self.slot_bytes = max((b[1] for b in self._banks.values()), default=FORMAT_ALIGN)
         self._payload = payload
         self.crc_bytes = 0  # payload bytes CRC-checked so far, and the reader-thread seconds it took
         self.crc_s = 0.0
@@ -259,8 +271,8 @@ class ContainerExperts(ExpertSource):
                 self.crc_bytes += end
                 self.crc_s += dt
 
-    def file(self, path: str) -> LocalFile:
-        return self.container.file(path)
+    def file(self, location: str) -> ByteSource:
+        return self.container.file(location)
 
     @property
     def direct_io(self) -> bool:

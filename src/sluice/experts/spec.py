@@ -29,6 +29,13 @@ class ExpertSpec:
     alpha: float = 1.702
     block: tuple[int, int] | None = None
 
+    @property
+    def input_major(self) -> bool:
+        """Checkpoints store these experts input-major (``x @ W``: GPT-OSS). Every layout of them
+        (the checkpoint's fused slices, canonical container records) is then summed in the
+        input-major order (``quant.linear_chain``), so that both give the same bits."""
+        return self.variant == "clamped_swiglu"
+
     def matrix_shapes(self) -> dict[str, tuple[int, int]]:
         """Canonical [out, in] shape of each matrix."""
         h, i = self.hidden, self.intermediate

@@ -37,6 +37,7 @@ class _Lib:
         self.threads = 1
         self.error: str | None = None
         self.fp8 = False
+        self.chain = False
         path = _find_library()
         if path is None:
             self.error = "C kernels not built (no compiler at install time?): using torch fallbacks"
@@ -51,6 +52,12 @@ class _Lib:
         lib.sk_dense.restype = None
         lib.sk_dense_t.argtypes = [p, p, p, p, i, i, i, i, i]
         lib.sk_dense_t.restype = None
+        self.chain = hasattr(lib, "sk_dense_chain")
+        if self.chain:
+            lib.sk_dense_chain.argtypes = [p, p, p, p, i, i, i, i, i]
+            lib.sk_dense_chain.restype = None
+            lib.sk_transpose_f32.argtypes = [p, p, i, i, ctypes.c_longlong, ctypes.c_longlong, i, i]
+            lib.sk_transpose_f32.restype = None
         lib.sk_swiglu.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float, i]
         lib.sk_swiglu.restype = None
         lib.sk_set_threads.argtypes = [i]
@@ -162,6 +169,30 @@ def dense_t(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
     _lib.lib.sk_dense_t(x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
                         t, n, k, _WTYPE[w.dtype], _lib.threads)
     return y
+
+
+def chain_available() -> bool:
+    return _lib.lib is not None and _lib.chain
+
+
+def dense_chain(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] fp32 (contiguous) @ w [N, K]^T (+ bias fp32 [N]) -> [T, N] fp32, each output summed
+    in ``dense_t``'s order (one fma chain over k ascending): bit-identical to ``dense_t(x, w.T)``."""
+    t, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(t, n, dtype=torch.float32)
+    _lib.lib.sk_dense_chain(x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None,
+                            y.data_ptr(), t, n, k, _WTYPE[w.dtype], _lib.threads)
+    return y
+
+
+def transpose_f32(w: torch.Tensor) -> torch.Tensor:
+    """w [K, N] f32/bf16/f16 (any strides) -> its transpose [N, K] as a new contiguous fp32 tensor."""
+    k, n = w.shape
+    out = torch.empty(n, k, dtype=torch.float32)
+    _lib.lib.sk_transpose_f32(w.data_ptr(), out.data_ptr(), k, n, w.stride(0), w.stride(1), _WTYPE[w.dtype],
+                              _lib.threads)
+    return out
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, scale: float) -> torch.Tensor:

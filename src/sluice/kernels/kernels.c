@@ -490,9 +490,174 @@ EXPORT void sk_dense_t(const float *x, const void *w, const float *bias, float *
     sk_parallel(dense_t_task, &a, N, dense_t_chunk(N, nthreads), nthreads);
 }
 
+/* ------------------------------- output-major weights in the input-major order ---- */
+
+/*
+ * y[t, n] = sum_k x[t, k] * W[n, k] (+ b[n]) for W stored [N, K] (output-major), each output
+ * summed exactly as sk_dense_t sums it: one fused multiply-add chain over k in ascending
+ * order from 0, the bias added last (the portable path: the same multiply-then-add chain as
+ * dense_t_cols_c). So experts a family stores input-major (GPT-OSS) give the same bits from
+ * their input-major slices (sk_dense_t) and from canonical container records (this kernel).
+ * AVX2: eight rows at a time, 8x8 blocks transposed in registers so that each lane walks
+ * one row's k in order; a scalar fmaf chain for the rows and columns left over.
+ */
+static void dense_chain_rows_c(const dense_args *a, int n0, int n1) {
+    const int K = a->K;
+    for (int t = 0; t < a->T; t++) {
+        const float *x = a->x + (size_t)t * K;
+        for (int n = n0; n < n1; n++) {
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s += x[k] * wval(a->w, (size_t)n * K + k, a->wtype);
+            a->y[(size_t)t * a->N + n] = s + (a->bias ? a->bias[n] : 0.0f);
+        }
+    }
+}
+
+AVX2 static inline void transpose8(__m256 *r) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+#define CHAIN_MAX_T 8 /* tokens per pass: their accumulators stay in L1 */
+
+AVX2 static void dense_chain_rows_avx2(const dense_args *a, int n0, int n1) {
+    const int K = a->K, N = a->N, wt = a->wtype;
+    const int K8 = K & ~7;
+    const int v1 = n0 + ((n1 - n0) & ~7);
+    for (int t0 = 0; t0 < a->T; t0 += CHAIN_MAX_T) {
+        const int T = a->T - t0 < CHAIN_MAX_T ? a->T - t0 : CHAIN_MAX_T;
+        for (int n = n0; n < v1; n += 8) {
+            __m256 acc[CHAIN_MAX_T];
+            for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+            for (int k = 0; k < K8; k += 8) {
+                __m256 c[8];
+                for (int r = 0; r < 8; r++) c[r] = load8(a->w, (size_t)(n + r) * K + k, wt);
+                transpose8(c); /* c[j] = W[n..n+8, k+j] */
+                for (int t = 0; t < T; t++) {
+                    const float *x = a->x + (size_t)(t0 + t) * K + k;
+                    __m256 p = acc[t];
+                    for (int j = 0; j < 8; j++) p = _mm256_fmadd_ps(_mm256_broadcast_ss(x + j), c[j], p);
+                    acc[t] = p;
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                float s[8];
+                _mm256_storeu_ps(s, acc[t]);
+                const float *x = a->x + (size_t)(t0 + t) * K;
+                for (int r = 0; r < 8; r++) {
+                    for (int k = K8; k < K; k++) s[r] = fmaf(x[k], wval(a->w, (size_t)(n + r) * K + k, wt), s[r]);
+                    a->y[(size_t)(t0 + t) * N + n + r] = s[r] + (a->bias ? a->bias[n + r] : 0.0f);
+                }
+            }
+        }
+        for (int n = v1; n < n1; n++) /* rows left over: the same chain, one lane at a time */
+            for (int t = 0; t < T; t++) {
+                const float *x = a->x + (size_t)(t0 + t) * K;
+                float s = 0.0f;
+                for (int k = 0; k < K; k++) s = fmaf(x[k], wval(a->w, (size_t)n * K + k, wt), s);
+                a->y[(size_t)(t0 + t) * N + n] = s + (a->bias ? a->bias[n] : 0.0f);
+            }
+    }
+}
+
+static void dense_chain_task(void *ctx, int n0, int n1) {
+    const dense_args *a = (const dense_args *)ctx;
+    if (sk_avx2()) dense_chain_rows_avx2(a, n0, n1);
+    else dense_chain_rows_c(a, n0, n1);
+}
+
+/* y[T, N] = x[T, K] @ W[N, K]^T (+ bias), each output in sk_dense_t's summation order. */
+EXPORT void sk_dense_chain(const float *x, const void *w, const float *bias, float *y, int T, int N, int K,
+                           int wtype, int nthreads) {
+    dense_args a = {x, w, bias, y, T, N, K, wtype};
+    size_t row_bytes = (size_t)K * (wtype == WT_F32 ? 4 : 2);
+    if ((size_t)N * row_bytes < (64u << 10)) nthreads = 1;
+    int chunk = (sk_chunk_rows(row_bytes, N) + 7) & ~7;
+    sk_parallel(dense_chain_task, &a, N, chunk < N ? chunk : N, nthreads);
+}
+
+/* dst[N, K] fp32 = src[K, N]^T, src element (k, n) at src[k * ld + n * cs] in f32 / bf16 / f16:
+ * (a strided view of) an input-major matrix as an output-major fp32 copy, in 64 x 64 tiles
+ * (8 x 8 register transposes with AVX2 when cs == 1). Exact: a conversion and a move, so the
+ * result does not depend on the path taken. */
+static inline float sval(const void *src, size_t k, size_t n, size_t ld, size_t cs, int wt) {
+    return wval(src, k * ld + n * cs, wt);
+}
+
+/* 8 elements src[idx + 2i] (i < 8) as fp32: f32 and bf16 (even elements of 16 loaded). */
+AVX2 static inline __m256 load8_even(const void *w, size_t idx, int wtype) {
+    if (wtype == WT_BF16) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + idx));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    }
+    __m256 lo = _mm256_loadu_ps((const float *)w + idx), hi = _mm256_loadu_ps((const float *)w + idx + 8);
+    __m256 e = _mm256_shuffle_ps(lo, hi, 0x88); /* lo0 lo2 hi0 hi2 | lo4 lo6 hi4 hi6 */
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
+}
+
+AVX2 static void transpose_tile_avx2(const void *src, int wt, size_t ld, size_t cs, float *dst, int K, int N,
+                                     int k0, int k1, int n0, int n1) {
+    int k = k0;
+    for (; k + 8 <= k1; k += 8) {
+        int n = n0;
+        for (; n + 8 <= n1 && (cs == 1 || n + 9 <= N); n += 8) { /* cs 2: 16 loaded, none past the last */
+            __m256 r[8];
+            for (int j = 0; j < 8; j++)
+                r[j] = cs == 1 ? load8(src, (size_t)(k + j) * ld + n, wt) : load8_even(src, (size_t)(k + j) * ld + 2 * (size_t)n, wt);
+            transpose8(r); /* r[j] = src[k..k+8, n+j] */
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(dst + (size_t)(n + j) * K + k, r[j]);
+        }
+        for (; n < n1; n++)
+            for (int j = 0; j < 8; j++) dst[(size_t)n * K + k + j] = sval(src, k + j, n, ld, cs, wt);
+    }
+    for (; k < k1; k++)
+        for (int n = n0; n < n1; n++) dst[(size_t)n * K + k] = sval(src, k, n, ld, cs, wt);
+}
+
+typedef struct { const void *src; float *dst; size_t ld, cs; int K, N, wtype; } transpose_args;
+
+static void transpose_task(void *ctx, int n0, int n1) { /* a range of output rows (input columns) */
+    const transpose_args *a = (const transpose_args *)ctx;
+    for (int k0 = 0; k0 < a->K; k0 += 64) {
+        int k1 = k0 + 64 < a->K ? k0 + 64 : a->K;
+        for (int c0 = n0; c0 < n1; c0 += 64) {
+            int c1 = c0 + 64 < n1 ? c0 + 64 : n1;
+            if ((a->cs == 1 || (a->cs == 2 && a->wtype != WT_F16)) && sk_avx2()) {
+                transpose_tile_avx2(a->src, a->wtype, a->ld, a->cs, a->dst, a->K, a->N, k0, k1, c0, c1);
+                continue;
+            }
+            for (int k = k0; k < k1; k++)
+                for (int n = c0; n < c1; n++) a->dst[(size_t)n * a->K + k] = sval(a->src, k, n, a->ld, a->cs, a->wtype);
+        }
+    }
+}
+
+EXPORT void sk_transpose_f32(const void *src, float *dst, int K, int N, long long ld, long long cs, int wtype,
+                             int nthreads) {
+    transpose_args a = {src, dst, (size_t)ld, (size_t)cs, K, N, wtype};
+    if ((size_t)N * K < (64u << 10)) nthreads = 1;
+    int chunk = (N + (nthreads > 0 ? nthreads : 1) - 1) / (nthreads > 0 ? nthreads : 1);
+    chunk = (chunk + 63) & ~63;
+    sk_parallel(transpose_task, &a, N, chunk < N ? chunk : N, nthreads);
+}
+
 EXPORT int sk_has_avx2(void) { return sk_avx2(); }
 
-EXPORT int sk_version(void) { return 2; }
+EXPORT int sk_version(void) { return 3; }
 
 /* ------------------------------------------------------------ benchmark helper ---- */
 

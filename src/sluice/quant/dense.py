@@ -17,6 +17,9 @@ SMALL_BATCH = 8  # f32 weights: up to this many rows the C kernel; beyond, sgemm
 # on a 3584 x 1024 bf16 matrix (2 kernel threads): T=16 1.9 vs 2.8 ms, T=32 3.4 vs 3.6 ms (sgemm
 # at 2 threads), T=48 5.5 vs 5.9 ms; warm prefill of the 3 GB benchmark model 41 -> see docs.
 HALF_SMALL_BATCH = 32
+# input-major families (``linear_chain``): up to this many rows the fma-chain kernels, beyond it
+# sgemm on an fp32 copy (measured on 1024 x 1024 bf16, 1 thread: T=16 2.8 vs 3.0 ms, T=64 8.9 vs 4.0)
+CHAIN_BATCH = 16
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,6 +78,45 @@ def linear_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
             for c0 in range(0, n, cols):
                 c1 = min(n, c0 + cols)
                 torch.matmul(x, weight[:, c0:c1].float(), out=out[..., c0:c1])
+    if bias is not None:
+        out += bias
+    return out
+
+
+def linear_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 input_major: bool = False) -> torch.Tensor:
+    """``x @ W (+ bias)`` summed in one order whichever way W is stored: ``weight`` is W [K, N]
+    (``input_major``, e.g. a strided view into a fused GPT-OSS slice) or W.T [N, K] (canonical).
+
+    Batches up to ``CHAIN_BATCH`` rows (decode, speculation, most experts' share of a prefill)
+    go through the C kernels: each output is one fused multiply-add chain over k in ascending
+    order (``kernels.dense_t`` on input-major, ``kernels.dense_chain`` on output-major weights:
+    the same bits, whatever the batch, tiling or thread count). Larger batches, or no C kernels:
+    sgemm on a fresh fp32 input-major copy of W in bounded column blocks (from output-major
+    weights: made by a tiled C transpose), the same call for both layouts (sgemm on W and on
+    W.T gives other bits, and input-major B measured 2x faster at T=64). So a family whose checkpoints store experts
+    input-major gives the same logits from its Hugging Face directory and from a container.
+    """
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    if x.dim() == 2 and x.shape[0] <= CHAIN_BATCH and weight.is_contiguous() and kernels.chain_available():
+        kernel = kernels.dense_t if input_major else kernels.dense_chain
+        return kernel(x.contiguous(), weight, bias)
+    n = weight.shape[1] if input_major else weight.shape[0]
+    k = weight.shape[0] if input_major else weight.shape[1]
+    cols = max(1, _CHUNK_ELEMS // max(k, 1))
+    out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
+    for c0 in range(0, n, cols):
+        c1 = min(n, c0 + cols)
+        if input_major:  # W's columns as they are (a strided gather for a fused slice), upcast
+            block = torch.empty((k, c1 - c0), dtype=torch.float32)
+            block.copy_(weight[:, c0:c1])
+        elif kernels.chain_available():  # W.T's rows, transposed by the C kernel (torch's is slow)
+            block = kernels.transpose_f32(weight[c0:c1])
+        else:
+            block = torch.empty((k, c1 - c0), dtype=torch.float32)
+            block.copy_(weight[c0:c1].t())
+        torch.matmul(x, block, out=out[..., c0:c1])
     if bias is not None:
         out += bias
     return out

@@ -1,11 +1,23 @@
-"""Byte sources. Storage knows bytes, not caching or models.
+"""Storage: bytes and files, behind one seam. Storage knows bytes, not caching or models.
 
-``LocalFile`` reads a local file with O_DIRECT when the filesystem allows it (decided by a
-probe read at open) and falls back to buffered reads that drop their pages from the page
-cache afterwards, so expert reads never crowd out the spine or break a cgroup limit.
+- ``ByteSource`` (``source.py``): a read-only run of bytes with its read rules (alignment,
+  read size, direct I/O, version); ``LocalFile`` (``file.py``) is the local implementation:
+  O_DIRECT when the filesystem allows it (decided by a probe read at open), otherwise
+  buffered reads that drop their pages from the page cache afterwards, so expert reads never
+  crowd out the spine or break a cgroup limit.
+- ``Store`` (``store.py``): a model's files by name, small ones read whole; ``LocalDir``.
+- ``open_source`` / ``open_store`` (``location.py``): the one place a path (later a URL) is
+  turned into a source or a store; ``Sources`` (``sources.py``): the sources a model has
+  open, with a wrapping hook (``faults.py`` injects faults through it).
 """
 
 from .buffers import ALIGN, AlignedBuffer, align_down, align_up
-from .file import LocalFile, ReadStats
+from .file import LocalFile
+from .location import RemoteUnavailableError, is_url, local_path, open_source, open_store, url_scheme
+from .source import ByteSource, ReadStats, WrappedSource
+from .sources import Sources
+from .store import LocalDir, Store
 
-__all__ = ["ALIGN", "AlignedBuffer", "align_down", "align_up", "LocalFile", "ReadStats"]
+__all__ = ["ALIGN", "AlignedBuffer", "align_down", "align_up", "ByteSource", "LocalDir", "LocalFile", "ReadStats",
+           "RemoteUnavailableError", "Sources", "Store", "WrappedSource", "is_url", "local_path", "open_source",
+           "open_store", "url_scheme"]

@@ -7,7 +7,9 @@ import mmap
 import numpy as np
 import torch
 
-ALIGN = 4096  # O_DIRECT offset/length/address alignment used everywhere
+# The page: AlignedBuffer memory comes in whole pages at page-aligned addresses, so any byte
+# source's alignment (``ByteSource.alignment``, 4096 for O_DIRECT files) divides it.
+ALIGN = 4096
 
 
 def align_down(n: int, a: int = ALIGN) -> int:
@@ -36,6 +38,11 @@ class AlignedBuffer:
         self._np = np.frombuffer(self._mm, dtype=np.uint8)
         self.address = self._np.ctypes.data
         self._u8 = torch.from_numpy(self._np)  # one shared view; slices are cheap
+
+    @staticmethod
+    def size_for(nbytes: int) -> int:
+        """The bytes an ``AlignedBuffer(nbytes)`` takes (whole pages; 0 for 0)."""
+        return align_up(nbytes)
 
     def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
         end = self.nbytes if nbytes is None else offset + nbytes

@@ -1,7 +1,9 @@
 """Fault injection for storage: fail the Nth read with an I/O error, or return it short.
 
-Used by the tests (and handy to rehearse a failing disk): wrap every open file of a tensor
-store so that reads through it can fail on command.
+Used by the tests (and handy to rehearse a failing disk). ``FaultySource`` is a wrapping
+byte source that consults a shared ``FaultPlan`` before each aligned read; ``inject_faults``
+installs it on every source a tensor store (a ``Checkpoint`` or ``Container``) has open or
+opens later, through the store's own ``sources.wrap`` hook.
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ from __future__ import annotations
 import errno
 import threading
 
-from .file import LocalFile
+from .source import ByteSource, WrappedSource
 
 
 class FaultPlan:
-    """Shared countdown: read number ``fail_at`` raises EIO, read number ``short_at`` is short."""
+    """Shared countdown: read number ``fail_at`` raises EIO, read number ``short_at`` is short.
+
+    Only reads of sources whose name contains ``path_filter`` count."""
 
     def __init__(self, fail_at: int | None = None, short_at: int | None = None, path_filter: str = ""):
         self.fail_at, self.short_at, self.path_filter = fail_at, short_at, path_filter
@@ -21,8 +25,8 @@ class FaultPlan:
         self.injected = 0
         self._lock = threading.Lock()
 
-    def next(self, path: str) -> str | None:
-        if self.path_filter not in path:
+    def next(self, name: str) -> str | None:
+        if self.path_filter not in name:
             return None
         with self._lock:
             self.reads += 1
@@ -35,35 +39,23 @@ class FaultPlan:
         return None
 
 
-class FaultyFile:
-    """A ``LocalFile`` stand-in that consults a ``FaultPlan`` before each aligned read."""
+class FaultySource(WrappedSource):
+    """A source whose aligned reads (and so ``read_into``, built on them) fail or come back short
+    when its ``FaultPlan`` says so; everything else is the inner source's."""
 
-    def __init__(self, inner: LocalFile, plan: FaultPlan):
-        self._inner, self._plan = inner, plan
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+    def __init__(self, inner: ByteSource, plan: FaultPlan):
+        super().__init__(inner)
+        self.plan = plan
 
     def read_aligned(self, buf, offset: int) -> int:
-        what = self._plan.next(self._inner.path)
+        what = self.plan.next(self.name)
         if what == "fail":
-            raise OSError(errno.EIO, f"injected I/O error reading at offset {offset}", self._inner.path)
-        got = self._inner.read_aligned(buf, offset)
+            raise OSError(errno.EIO, f"injected I/O error reading at offset {offset}", self.name)
+        got = self.inner.read_aligned(buf, offset)
         return got // 2 if what == "short" else got
 
 
 def inject_faults(store, plan: FaultPlan) -> FaultPlan:
-    """Wrap every file ``store`` (a Checkpoint or Container) has open, and any it opens later."""
-    files = store._files
-    for path, f in list(files.items()):
-        files[path] = FaultyFile(f, plan)
-    opener = store.file
-
-    def file(path: str):
-        f = opener(path)
-        if not isinstance(f, FaultyFile):
-            f = files[path] = FaultyFile(f, plan)
-        return f
-
-    store.file = file
+    """Wrap every source ``store`` (a Checkpoint or Container) has open, and any it opens later."""
+    store.sources.wrap(lambda s: FaultySource(s, plan))
     return plan

@@ -1,14 +1,23 @@
-"""Local files: O_DIRECT reads with a probe at open, buffered fallback without page cache."""
+"""Local files: O_DIRECT reads with a probe at open, buffered fallback without page cache.
+
+``LocalFile`` is the local implementation of the ``ByteSource`` seam (``source.py``), and
+the one place the O_DIRECT alignment rule lives: its ``alignment`` (4096, the largest
+logical block size O_DIRECT meets in practice) is what readers above ask for.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
 
-from .buffers import ALIGN, AlignedBuffer, align_down, align_up
+from .buffers import ALIGN, AlignedBuffer
+from .source import ByteSource, ReadStats
 
-_STAGING_BYTES = 8 << 20
+# O_DIRECT offsets, lengths and buffer addresses are multiples of this. The same on the
+# buffered path, so reads (and what they count) are the same whichever path a file takes.
+DIRECT_ALIGN = ALIGN
+# long sequential reads (container spine groups) and unaligned reads go in pieces of this size
+READ_BYTES = 8 << 20
 
 # One large read is split into pieces of this size read in parallel: a streamed spine layer
 # (tens of MB, sequential) would otherwise be one read in flight at a time. Spine-streaming
@@ -30,39 +39,33 @@ def _pieces():
     return _piece_pool
 
 
-@dataclass
-class ReadStats:
-    """Bytes and reads issued to storage (thread-safe counters)."""
-
-    bytes_read: int = 0
-    reads: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, nbytes: int) -> None:
-        with self._lock:
-            self.bytes_read += nbytes
-            self.reads += 1
-
-
-class LocalFile:
+class LocalFile(ByteSource):
     """A read-only local file.
 
     ``direct=None`` probes O_DIRECT with one aligned read and falls back to buffered reads
     if the filesystem refuses it; ``direct=False`` forces the buffered path. Buffered reads
     call ``posix_fadvise(DONTNEED)`` on what they read, so the page cache does not grow.
-    ``direct_io`` tells which path is in use.
+    ``direct_io`` tells which path is in use; ``direct_error`` why O_DIRECT is not.
     """
+
+    alignment = DIRECT_ALIGN
+    read_size = READ_BYTES
 
     def __init__(self, path: str, *, direct: bool | None = None, stats: ReadStats | None = None):
         self.path = str(path)
         self.stats = stats if stats is not None else ReadStats()
         self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self.size = os.fstat(self.fd).st_size
+        st = os.fstat(self.fd)
+        self.size = st.st_size
+        self.version = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
         self.dfd: int | None = None
         self.direct_error: str | None = None
         if direct is not False and hasattr(os, "O_DIRECT"):
             self.dfd = self._probe_direct()
-        self._local = threading.local()
+
+    @property
+    def name(self) -> str:
+        return self.path
 
     @property
     def direct_io(self) -> bool:
@@ -74,9 +77,9 @@ class LocalFile:
         except OSError as e:
             self.direct_error = f"open with O_DIRECT failed: {e.strerror}"
             return None
-        probe = AlignedBuffer(ALIGN)
+        probe = AlignedBuffer(DIRECT_ALIGN)
         try:
-            os.preadv(dfd, [probe.view(0, ALIGN)], 0)
+            os.preadv(dfd, [probe.view(0, DIRECT_ALIGN)], 0)
         except OSError as e:
             os.close(dfd)
             self.direct_error = f"O_DIRECT probe read failed: {e.strerror}"
@@ -84,13 +87,15 @@ class LocalFile:
         return dfd
 
     def close(self) -> None:
+        # -1 afterwards: a second close (or __del__) must not close a descriptor number the OS
+        # has since given to another file; a read after close fails with EBADF
         for fd in (self.fd, self.dfd):
-            if fd is not None:
+            if fd is not None and fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.dfd = None
+        self.fd, self.dfd = -1, None
 
     def __del__(self):  # pragma: no cover - best effort
         try:
@@ -99,7 +104,7 @@ class LocalFile:
             pass
 
     def read_aligned(self, buf: memoryview, offset: int) -> int:
-        """Fill ``buf`` from ``offset``; both must be ALIGN-aligned (buffer address too).
+        """Fill ``buf`` from ``offset``; both must be DIRECT_ALIGN-aligned (buffer address too).
 
         Returns the number of bytes read, which is less than ``len(buf)`` only at end of
         file. Raises ``OSError`` (with the file name) on I/O errors.
@@ -125,12 +130,12 @@ class LocalFile:
             if n <= 0:
                 break
             done += n
-            if self.dfd is not None and n % ALIGN:
+            if self.dfd is not None and n % DIRECT_ALIGN:
                 break  # a partial block only happens at EOF in direct mode
         return done
 
     def _read_pieces(self, fd: int, buf: memoryview, offset: int) -> int:
-        """The span in PIECE_BYTES pieces (ALIGN multiples), all but the first on the piece
+        """The span in PIECE_BYTES pieces (DIRECT_ALIGN multiples), all but the first on the piece
         pool; bytes read up to the first short piece (end of file)."""
         want = len(buf)
         bounds = [(a, min(a + PIECE_BYTES, want)) for a in range(0, want, PIECE_BYTES)]
@@ -151,34 +156,6 @@ class LocalFile:
             if n < b - a:
                 break
         return done
-
-    def _staging(self) -> AlignedBuffer:
-        buf = getattr(self._local, "staging", None)
-        if buf is None:
-            buf = self._local.staging = AlignedBuffer(_STAGING_BYTES)
-        return buf
-
-    def read_into(self, dest: memoryview, offset: int) -> None:
-        """Read exactly ``len(dest)`` bytes at any ``offset`` into ``dest`` (any alignment).
-
-        Goes through an aligned staging buffer; used for spine tensors, which share
-        pages with other tensors in a Hugging Face shard.
-        """
-        n = len(dest)
-        if offset < 0 or offset + n > self.size:
-            raise OSError(f"read of {n} bytes at offset {offset} is outside the file ({self.size} bytes): {self.path}")
-        staging = self._staging()
-        pos = 0
-        while pos < n:
-            start = offset + pos
-            a0 = align_down(start)
-            a1 = min(align_up(offset + n), a0 + staging.nbytes)
-            got = self.read_aligned(staging.view(0, a1 - a0), a0)
-            take = min(n - pos, a0 + got - start)
-            if take <= 0:
-                raise OSError(f"short read: wanted {n - pos} more bytes at offset {start}: {self.path}")
-            dest[pos : pos + take] = staging.view(start - a0, take)
-            pos += take
 
     def pread(self, nbytes: int, offset: int) -> bytes:
         """A small buffered read (headers, manifests)."""

@@ -1,0 +1,114 @@
+"""Stores: a model's files by member name (``config.json``, shards, the manifest, tokenizer files).
+
+Metadata is read through a ``Store`` as data tables are through byte sources: small files
+whole (``read_bytes``), data files as ``ByteSource``s (``open``). A library that insists on
+a file of its own (the tokenizer library) gets one from ``local_file``: for a local
+directory the member itself; for any other store a copy kept in the local file cache,
+keyed by the store's location and the member's version and published atomically (the
+hook remote stores use). ``LocalDir`` is the local implementation; ``location.open_store``
+opens a store from a path (later a URL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from .file import LocalFile
+from .source import ByteSource, ReadStats
+
+
+def user_cache_dir() -> Path:
+    """Sluice's directory under the user cache directory (``$XDG_CACHE_HOME`` or ``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sluice"
+
+
+class Store:
+    """A model's files by member name (a plain file name inside the model).
+
+    ``location`` is the store as the user named it (a directory path; later a URL). A
+    missing member raises ``FileNotFoundError`` from ``read_bytes`` and ``open``; other
+    failures raise ``OSError``. Callers turn both into errors that name ``locate(name)``.
+    """
+
+    location: str
+    cache_dir: Path | None = None  # where local_file keeps copies (None: user_cache_dir()/files)
+
+    def locate(self, name: str) -> str:
+        """The member's own location (a path or URL): what errors name and sources are keyed by."""
+        raise NotImplementedError
+
+    def exists(self, name: str) -> bool:
+        """True when member ``name`` is there (a file; a directory of that name is not a member)."""
+        raise NotImplementedError
+
+    def is_directory(self) -> bool:
+        """True when the store itself exists (a directory, a bucket prefix)."""
+        raise NotImplementedError
+
+    def names(self) -> list[str]:
+        """The member files, sorted."""
+        raise NotImplementedError
+
+    def read_bytes(self, name: str) -> bytes:
+        """A small member (config, index, manifest, tokenizer file) whole."""
+        raise NotImplementedError
+
+    def read_text(self, name: str) -> str:
+        """A small member as UTF-8 text (``UnicodeDecodeError`` if it is not)."""
+        return self.read_bytes(name).decode("utf-8")
+
+    def open(self, name: str, *, direct: bool | None = None, stats: ReadStats | None = None) -> ByteSource:
+        """A data member as a byte source."""
+        raise NotImplementedError
+
+    def local_file(self, name: str) -> Path:
+        """A local file holding member ``name``: a copy in the local file cache, made once per
+        version of the member and published by rename, so a killed process leaves no partial
+        copy under the final name."""
+        src = self.open(name, direct=False)
+        try:
+            key = hashlib.sha256(f"{self.locate(name)}\0{src.version}".encode()).hexdigest()[:32]
+            dest = (self.cache_dir or user_cache_dir() / "files") / key / name
+            if not dest.is_file():
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_name(f".{name}.{os.getpid()}.partial")
+                tmp.write_bytes(src.pread(src.size, 0))
+                os.replace(tmp, dest)
+            return dest
+        finally:
+            src.close()
+
+
+class LocalDir(Store):
+    """A local directory: members are its files; ``local_file`` is the file itself."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.location = str(self.path)
+
+    def locate(self, name: str) -> str:
+        return str(self.path / name)
+
+    def exists(self, name: str) -> bool:
+        return (self.path / name).is_file()
+
+    def is_directory(self) -> bool:
+        return self.path.is_dir()
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.path.iterdir() if p.is_file())
+
+    def read_bytes(self, name: str) -> bytes:
+        return (self.path / name).read_bytes()
+
+    def open(self, name: str, *, direct: bool | None = None, stats: ReadStats | None = None) -> ByteSource:
+        return LocalFile(self.locate(name), direct=direct, stats=stats)
+
+    def local_file(self, name: str) -> Path:
+        return self.path / name
+
+    def __repr__(self) -> str:
+        return f"<LocalDir {self.location}>"

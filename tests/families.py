@@ -1,0 +1,309 @@
+"""One registry of tiny, decisive test models per family (imported by conftest and the tests).
+
+Every family has one entry: the overrides of a tiny transformers config that exercises what
+the family has (dense layers, sliding windows, grouped routing, linear attention, ...), the
+seed that makes its logits and router choices decisive on the suite's prompt (proven by
+``assert_decisive_model`` against transformers, for the f32 and the bf16 checkpoint), and an
+optional ``post`` that sets weights transformers initializes trivially (norm weights, the
+correction bias of grouped routers) so that the engine is proven to apply them. Grouped
+routers use top-k >= 4, so the order in which selected experts come back matters.
+
+Native-format sources are built from an entry's f32 checkpoint: DeepSeek-V3 with block-FP8
+linear weights (``to_fp8``) and GPT-OSS with MXFP4 experts (``to_mxfp4``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+LOGIT_MARGIN = 1e-3  # top-1 minus top-2 logit, far above fp32 error (~1e-6)
+ROUTER_MARGIN = 1e-5  # k-th minus (k+1)-th router probability (or biased sigmoid score)
+
+# what every tiny config has unless a family overrides it
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+            num_local_experts=8, num_experts_per_tok=2, initializer_range=0.2, max_position_embeddings=512,
+            bos_token_id=1, eos_token_id=None, pad_token_id=0)
+
+
+def _norms_and_correction_bias(model) -> None:
+    """Non-trivial norm weights (each proven applied) and a correction bias that changes
+    selections (it selects, never weighs)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+        _correction_bias(model)
+
+
+def _correction_bias(model) -> None:
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.copy_(0.3 * torch.randn_like(gate.e_score_correction_bias))
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    overrides: dict = field(default_factory=dict)
+    seed: int = 0
+    post: Callable | None = None  # model -> None, after from_config (seeded), before saving
+    native: str | None = None  # a native quantized source format built from the f32 checkpoint
+
+    def config(self, **extra):
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(self.model_type, **{**BASE, **copy.deepcopy(self.overrides), **extra})
+
+    @property
+    def top_k(self) -> int:
+        return self.overrides.get("num_experts_per_tok", BASE["num_experts_per_tok"])
+
+
+REGISTRY: dict[str, Family] = {
+    # a dense (mlp-only) layer, normalized top-k weights
+    "qwen3_moe": Family("qwen3_moe", dict(mlp_only_layers=[1], norm_topk_prob=True)),
+    # sliding-window attention shorter than the prompt
+    "mixtral": Family("mixtral", dict(sliding_window=8)),
+    # q/k/v clipping
+    "olmoe": Family("olmoe", dict(clip_qkv=2.0)),
+    # linear, full, linear attention; GQA in both kinds; layer 2 dense; partial rotary (0.25)
+    "qwen3_next": Family("qwen3_next", dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        shared_expert_intermediate_size=48, mlp_only_layers=[2]), seed=1),
+    # KDA, MLA, KDA; layer 0 dense; 16 experts in 4 groups, 2 kept, top-4; correction bias
+    "kimi_linear": Family("kimi_linear", dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_heads=4,
+        linear_head_dim=16, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        num_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_key_value_heads=4,
+        routed_scaling_factor=2.446), seed=0, post=_correction_bias),
+    # MLA with q low-rank; 16 experts in 4 groups, 2 kept, top-4; one leading dense layer; a
+    # shared expert; random norm weights and correction bias
+    "deepseek_v3": Family("deepseek_v3", dict(
+        num_key_value_heads=4, head_dim=8, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        first_k_dense_replace=1, kv_lora_rank=40, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_shared_experts=1, routed_scaling_factor=2.5), seed=1, post=_norms_and_correction_bias,
+        native="fp8"),
+    # sliding (window 4), full, sliding; yarn with truncate=False and factor 32 as GPT-OSS has
+    "gpt_oss": Family("gpt_oss", dict(
+        intermediate_size=32, sliding_window=4, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
+        seed=1, native="mxfp4"),
+}
+FAMILY_NAMES = list(REGISTRY)
+
+
+def save_family(path: Path, family: str, dtype=torch.float32, seed: int | None = None, **extra) -> Path:
+    """Save ``family``'s tiny checkpoint (its registry seed unless given) as ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    fam = REGISTRY[family]
+    torch.manual_seed(fam.seed if seed is None else seed)
+    model = AutoModelForCausalLM.from_config(fam.config(**extra)).eval()
+    if fam.post is not None:
+        fam.post(model)
+    model.to(dtype).save_pretrained(path)
+    return path
+
+
+def reference(path: Path):
+    """transformers model on the checkpoint's weights upcast to fp32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def selection_scores(ref, router_logits: torch.Tensor, moe_layer: int) -> torch.Tensor:
+    """[T, E] scores transformers selects the experts of its ``moe_layer``-th MoE layer by:
+    softmax probabilities, or (grouped routers, with a correction bias) the biased sigmoid
+    scores with the experts of groups not kept at -inf."""
+    cfg = ref.config
+    rl = router_logits.float().reshape(-1, router_logits.shape[-1])
+    gates = [g for g in (getattr(layer.mlp, "gate", None) for layer in ref.model.layers)
+             if g is not None and hasattr(g, "e_score_correction_bias")]
+    if not gates:
+        return torch.softmax(rl, -1)
+    s = torch.sigmoid(rl) + gates[moe_layer].e_score_correction_bias.float()
+    t, e = s.shape
+    g, tg = cfg.n_group, cfg.topk_group
+    gs = s.view(t, g, e // g).topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros(t, g, dtype=torch.bool).scatter_(1, gs.topk(tg, dim=-1).indices, True)
+    return s.masked_fill(~keep[:, :, None].expand(t, g, e // g).reshape(t, e), float("-inf"))
+
+
+def assert_decisive_model(ref, ids: torch.Tensor, first: int) -> None:
+    """A clear top-1 logit from ``first`` on, and clear router choices at every position under
+    the model's own selection rule (``selection_scores``): the k-th and (k+1)-th scores apart,
+    and for grouped routers the kept groups and the rank of every selected expert too."""
+    cfg = ref.config
+    k = cfg.num_experts_per_tok
+    with torch.no_grad():
+        out = ref(ids[None], output_router_logits=True)
+    top = out.logits[0, first:].topk(2, dim=-1).values
+    margin = (top[:, 0] - top[:, 1]).min().item()
+    assert margin > LOGIT_MARGIN, f"top-1/top-2 logit margin {margin:.2e} is a near-tie: pick another seed"
+    grouped = getattr(cfg, "n_group", None) is not None and hasattr(getattr(ref.model.layers[-1].mlp, "gate", None),
+                                                                     "e_score_correction_bias")
+    for layer, rl in enumerate(out.router_logits or ()):
+        if grouped and cfg.topk_group < cfg.n_group:
+            s = torch.sigmoid(rl.float().reshape(-1, rl.shape[-1]))
+            gates = [g for g in (getattr(x.mlp, "gate", None) for x in ref.model.layers)
+                     if g is not None and hasattr(g, "e_score_correction_bias")]
+            s = s + gates[layer].e_score_correction_bias.float()
+            t, e = s.shape
+            gs = s.view(t, cfg.n_group, -1).topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group + 1, dim=-1).values
+            gm = (gs[:, -2] - gs[:, -1]).min().item()
+            assert gm > ROUTER_MARGIN, f"group margin {gm:.2e} in MoE layer {layer}: pick another seed"
+        v = selection_scores(ref, rl, layer).topk(k + 1, dim=-1).values
+        # grouped: every selected expert's rank is clear too (moe_top_k < k keeps the first ones)
+        gaps = (v[:, :-1] - v[:, 1:]).min().item() if grouped else (v[:, k - 1] - v[:, k]).min().item()
+        assert gaps > ROUTER_MARGIN, f"router margin {gaps:.2e} in MoE layer {layer} is a near-tie: pick another seed"
+
+
+# -- native formats -------------------------------------------------------------------------
+
+FP8_BLOCK = (16, 16)  # small blocks so tiny matrices span several of them
+
+
+def _is_fp8_linear(name: str) -> bool:
+    return ".layers." in name and (name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight"))
+
+
+def to_fp8(src: Path, dst: Path, ref: Path, block=FP8_BLOCK) -> tuple[Path, Path]:
+    """Quantize every linear weight of ``src`` to block FP8 (``dst``) and write the same model
+    with those weights dequantized to fp32 (``ref``, the transformers reference)."""
+    from safetensors.torch import load_file, save_file
+
+    from sluice.quant.fp8 import dequantize, quantize
+
+    tensors = load_file(src / "model.safetensors")
+    q, deq = {}, {}
+    for name, t in tensors.items():
+        if _is_fp8_linear(name):
+            w, s = quantize(t, tuple(block))
+            q[name], q[name + "_scale_inv"] = w, s
+            deq[name] = dequantize(w, s, tuple(block))
+        else:
+            q[name] = deq[name] = t
+    cfg = json.loads((src / "config.json").read_text())
+    for d, data, qc in ((dst, q, True), (ref, deq, False)):
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(data, d / "model.safetensors", metadata={"format": "pt"})
+        c = dict(cfg)
+        if qc:
+            c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "weight_block_size": list(block)}
+        (d / "config.json").write_text(json.dumps(c, indent=1))
+    return dst, ref
+
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., out, in] -> (blocks u8 [..., out, in/32, 16], scales u8 [..., out, in/32]) as GPT-OSS
+    checkpoints store them: E2M1 codes (bit 3 the sign), element 2i in the low nibble of byte i,
+    E8M0 scales biased by 127. Written here independently of Sluice's own quantizer."""
+    *lead, n, k = w.shape
+    g = w.float().reshape(*lead, n, k // 32, 32)
+    amax = g.abs().amax(-1)
+    e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax)).clamp(-127, 127)
+    q = g / torch.exp2(e)[..., None]
+    idx = (q.abs()[..., None] - _E2M1).abs().argmin(-1)
+    code = (idx | ((q < 0) & (idx > 0)).long() << 3).to(torch.uint8)
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous(), (e + 127).to(torch.uint8)
+
+
+def to_mxfp4(src: Path, dst: Path) -> tuple[Path, dict]:
+    """A real-layout MXFP4 GPT-OSS checkpoint of ``src`` (experts as blocks/scales, everything
+    else bf16); transformers dequantizes it itself on CPU (the reference)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out] -> [E, out, in]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_quantize(t.transpose(1, 2))
+        else:
+            tensors[name] = t.to(torch.bfloat16)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    cfg["dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst, tensors
+
+
+# -- built once per session -----------------------------------------------------------------
+
+KINDS = ("f32", "bf16")  # every family; plus its native format, if it has one
+# kind -> (dtype, config overrides) of the plain checkpoints. "bf16-std": transformers' usual
+# initializer scale (0.02) instead of the suite's 0.2, whose logits are decisive but so chaotic
+# that any 4-bit perturbation of the experts flips most top-1 choices (the quantized containers'
+# agreement is measured on it; format quality on a trained model is in docs/quantization.md)
+PLAIN = {"f32": (torch.float32, {}), "bf16": (torch.bfloat16, {}),
+         "bf16-std": (torch.bfloat16, dict(initializer_range=0.02))}
+
+
+def kinds(family: str) -> tuple[str, ...]:
+    native = REGISTRY[family].native
+    return KINDS + ((native,) if native else ())
+
+
+class FamilyModels:
+    """Checkpoints and containers of the registry, built on first use and kept for the session.
+
+    ``hf(family, kind)``: the Hugging Face directory (kind ``f32``, ``bf16`` or the family's
+    native format); ``reference_path``: what transformers runs as the reference for it (the
+    fp32-dequantized twin of an FP8 checkpoint); ``container(family, kind, experts)``: that
+    directory converted (``experts=None``: the experts as stored)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._made: dict = {}
+
+    def _once(self, key, build):
+        if key not in self._made:
+            self._made[key] = build()
+        return self._made[key]
+
+    def hf(self, family: str, kind: str = "f32") -> Path:
+        if kind in PLAIN:
+            dtype, extra = PLAIN[kind]
+            return self._once(("hf", family, kind),
+                              lambda: save_family(self.root / f"{family}-{kind}", family, dtype, **extra))
+        return self._native(family, kind)[0]
+
+    def reference_path(self, family: str, kind: str = "f32") -> Path:
+        return self.hf(family, kind) if kind in PLAIN else self._native(family, kind)[1]
+
+    def _native(self, family: str, kind: str):
+        if REGISTRY[family].native != kind:
+            raise ValueError(f"{family} has no native {kind} source in the registry")
+
+        def build():
+            src = self.hf(family, "f32")
+            if kind == "fp8":
+                return to_fp8(src, self.root / f"{family}-fp8", self.root / f"{family}-fp8-dequantized")
+            path, _ = to_mxfp4(src, self.root / f"{family}-mxfp4")
+            return path, path
+
+        return self._once(("native", family, kind), build)
+
+    def container(self, family: str, kind: str = "f32", experts: str | None = None) -> Path:
+        from sluice.convert import convert
+
+        return self._once(("box", family, kind, experts), lambda: convert(
+            self.hf(family, kind), self.root / f"{family}-{kind}-{experts or 'stored'}.sluice", experts=experts,
+            progress=False))
