@@ -13,25 +13,31 @@
 #define SK_EXPORT __attribute__((visibility("default")))
 #define GROUP 32
 
-static inline __attribute__((always_inline)) float tree32(float *x) {
+/* Eight groups at a time, one per lane ([element][lane] arrays), so that every step is the same
+ * operation across lanes and the compiler vectorizes it; per group the operations and their order
+ * are exactly those of quant/q4.py's torch form. */
+#define LANES 8
+
+static inline __attribute__((always_inline)) void tree_sum(float t[GROUP][LANES], float *out) {
     for (int n = GROUP / 2; n >= 1; n /= 2)
-        for (int i = 0; i < n; i++) x[i] = x[2 * i] + x[2 * i + 1];
-    return x[0];
+        for (int i = 0; i < n; i++)
+            for (int l = 0; l < LANES; l++) t[i][l] = t[2 * i][l] + t[2 * i + 1][l];
+    for (int l = 0; l < LANES; l++) out[l] = t[0][l];
 }
 
 /* round(w / d) to nearest even, clamped to [-8, 7]; 0 where d is 0 or the quotient is NaN
  * (the sign of a zero level never matters) */
-static inline __attribute__((always_inline)) void levels(const float *w, float d, float *q) {
-    if (d == 0) {
-        memset(q, 0, GROUP * sizeof(float));
-        return;
-    }
-    for (int i = 0; i < GROUP; i++) {
-        float x = w[i] / d;
-        x = x < -9.0f ? -9.0f : (x > 9.0f ? 9.0f : x);   /* NaN passes, as in torch */
-        x = (x + 12582912.0f) - 12582912.0f;            /* + 1.5 * 2^23 - 1.5 * 2^23: round to even */
-        q[i] = x != x ? 0.0f : (x < -8.0f ? -8.0f : (x > 7.0f ? 7.0f : x));  /* a NaN level is 0 */
-    }
+static inline __attribute__((always_inline)) void levels(float w[GROUP][LANES], const float *d, float q[GROUP][LANES]) {
+    float safe[LANES];
+    for (int l = 0; l < LANES; l++) safe[l] = d[l] == 0 ? 1.0f : d[l];
+    for (int i = 0; i < GROUP; i++)
+        for (int l = 0; l < LANES; l++) {
+            float x = w[i][l] / safe[l];
+            x = x < -9.0f ? -9.0f : (x > 9.0f ? 9.0f : x);   /* NaN passes, as in torch */
+            x = (x + 12582912.0f) - 12582912.0f;            /* + 1.5 * 2^23 - 1.5 * 2^23: round to even */
+            x = x != x ? 0.0f : (x < -8.0f ? -8.0f : (x > 7.0f ? 7.0f : x));  /* a NaN level is 0 */
+            q[i][l] = d[l] == 0 ? 0.0f : x;
+        }
 }
 
 static inline __attribute__((always_inline)) float to_half(float x) {
@@ -46,49 +52,65 @@ static uint16_t half_bits(float x) {
     return b;
 }
 
-SK_EXPORT __attribute__((target_clones("avx2", "default"))) void sk_q4_quantize(const float *w, int64_t r0, int64_t r1, int64_t kp, const float *cands, int ncand,
-                              uint8_t *blocks, uint16_t *scales) {
-    const int64_t groups = kp / GROUP;
-    float q[GROUP], t[GROUP];
-    for (int64_t r = r0; r < r1; r++) {
-        for (int64_t g = 0; g < groups; g++) {
-            const float *wg = w + r * kp + g * GROUP;
-            /* signed value of largest magnitude (first one; a NaN wins, as torch's argmax) */
-            int am = 0;
-            float best_abs = wg[0] < 0 ? -wg[0] : wg[0];
-            for (int i = 1; i < GROUP && best_abs == best_abs; i++) {
-                float a = wg[i] < 0 ? -wg[i] : wg[i];
-                if (a > best_abs || a != a) {
-                    best_abs = a;
-                    am = i;
-                }
+/* groups [g0, g0 + nl) of one row (nl <= LANES; unused lanes hold zeros and are not stored) */
+static inline __attribute__((always_inline)) void q4_lanes(const float *w, int nl, const float *cands, int ncand,
+                                                           uint8_t *blocks, uint16_t *scales) {
+    float W[GROUP][LANES], Q[GROUP][LANES], T[GROUP][LANES];
+    float m[LANES], d[LANES], qq[LANES], wq[LANES], e[LANES], best_e[LANES] = {0}, best_d[LANES] = {0};
+    for (int l = 0; l < LANES; l++)
+        for (int i = 0; i < GROUP; i++) W[i][l] = l < nl ? w[l * GROUP + i] : 0.0f;
+    for (int l = 0; l < LANES; l++) { /* signed value of largest magnitude (first; a NaN wins, as argmax) */
+        int am = 0;
+        float best_abs = W[0][l] < 0 ? -W[0][l] : W[0][l];
+        for (int i = 1; i < GROUP && best_abs == best_abs; i++) {
+            float a = W[i][l] < 0 ? -W[i][l] : W[i][l];
+            if (a > best_abs || a != a) {
+                best_abs = a;
+                am = i;
             }
-            const float m = wg[am];
-            float best_e = 0, best_d = 0;
-            for (int c = 0; c < ncand; c++) {
-                levels(wg, m / cands[c], q);
-                for (int i = 0; i < GROUP; i++) t[i] = q[i] * q[i];
-                float qq = tree32(t);
-                for (int i = 0; i < GROUP; i++) t[i] = q[i] * wg[i];
-                float wq = tree32(t);
-                float d = qq > 0 ? wq / (qq < 1e-30f ? 1e-30f : qq) : 0.0f;
-                d = to_half(d);
-                levels(wg, d, q);
-                for (int i = 0; i < GROUP; i++) {
-                    float x = q[i] * d - wg[i];
-                    t[i] = x * x;
-                }
-                float e = tree32(t);
-                if (c == 0 || e < best_e) {
-                    best_e = e;
-                    best_d = d;
-                }
-            }
-            levels(wg, best_d, q);
-            uint8_t *out = blocks + (r * groups + g) * (GROUP / 2);
-            for (int i = 0; i < GROUP / 2; i++)
-                out[i] = (uint8_t)((int)(q[2 * i] + 8.0f) | ((int)(q[2 * i + 1] + 8.0f) << 4));
-            scales[r * groups + g] = half_bits(best_d);
         }
+        m[l] = W[am][l];
     }
+    for (int c = 0; c < ncand; c++) {
+        for (int l = 0; l < LANES; l++) d[l] = m[l] / cands[c];
+        levels(W, d, Q);
+        for (int i = 0; i < GROUP; i++)
+            for (int l = 0; l < LANES; l++) T[i][l] = Q[i][l] * Q[i][l];
+        tree_sum(T, qq);
+        for (int i = 0; i < GROUP; i++)
+            for (int l = 0; l < LANES; l++) T[i][l] = Q[i][l] * W[i][l];
+        tree_sum(T, wq);
+        for (int l = 0; l < LANES; l++) d[l] = to_half(qq[l] > 0 ? wq[l] / (qq[l] < 1e-30f ? 1e-30f : qq[l]) : 0.0f);
+        levels(W, d, Q);
+        for (int i = 0; i < GROUP; i++)
+            for (int l = 0; l < LANES; l++) {
+                float x = Q[i][l] * d[l] - W[i][l];
+                T[i][l] = x * x;
+            }
+        tree_sum(T, e);
+        for (int l = 0; l < LANES; l++)
+            if (c == 0 || e[l] < best_e[l]) {
+                best_e[l] = e[l];
+                best_d[l] = d[l];
+            }
+    }
+    levels(W, best_d, Q);
+    for (int l = 0; l < nl; l++) {
+        uint8_t *out = blocks + l * (GROUP / 2);
+        for (int i = 0; i < GROUP / 2; i++)
+            out[i] = (uint8_t)((int)(Q[2 * i][l] + 8.0f) | ((int)(Q[2 * i + 1][l] + 8.0f) << 4));
+        scales[l] = half_bits(best_d[l]);
+    }
+}
+
+SK_EXPORT __attribute__((target_clones("avx2", "default"))) void sk_q4_quantize(
+    const float *w, int64_t r0, int64_t r1, int64_t kp, const float *cands, int ncand, uint8_t *blocks,
+    uint16_t *scales) {
+    const int64_t groups = kp / GROUP;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t g = 0; g < groups; g += LANES) {
+            int nl = groups - g < LANES ? (int)(groups - g) : LANES;
+            q4_lanes(w + r * kp + g * GROUP, nl, cands, ncand, blocks + (r * groups + g) * (GROUP / 2),
+                     scales + r * groups + g);
+        }
 }
