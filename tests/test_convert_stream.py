@@ -118,3 +118,29 @@ def test_q4_threads_do_not_change_bytes(monkeypatch):
     monkeypatch.setattr(cquant, "threads", lambda: 3)
     three = FORMATS["q4"].quantize(w)
     assert torch.equal(one["blocks"], three["blocks"]) and torch.equal(one["scales"], three["scales"])
+
+
+def _int8_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 clipping search written plainly (each ratio's integers kept), as before the speed-up."""
+    amax = w.abs().amax(1, keepdim=True)
+    best = None
+    for ratio in (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.82, 0.8):
+        s = amax * ratio / 127.0
+        q = (w / torch.where(s > 0, s, torch.ones_like(s))).round().clamp(-127, 127)
+        err = ((q * s - w) ** 2).sum(1, keepdim=True)
+        if best is None:
+            best = (err, q, s)
+        else:
+            better = err < best[0]
+            best = (torch.where(better, err, best[0]), torch.where(better, q, best[1]), torch.where(better, s, best[2]))
+    return best[1].to(torch.int8), best[2].reshape(-1)
+
+
+def test_int8_bytes_unchanged_by_the_speed_up():
+    w = _matrix(64, 1000, seed=5)
+    w[6, :3] = float("inf")
+    w[7, 9] = float("nan")
+    got = FORMATS["int8"].quantize(w)
+    ref_q, ref_s = _int8_reference(w)
+    assert torch.equal(got["weight"][:, :1000], ref_q)
+    assert torch.equal(got["scales"].view(torch.int32), ref_s.view(torch.int32))
