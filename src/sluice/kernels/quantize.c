@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#pragma GCC diagnostic ignored "-Wpsabi"  /* vector helpers are always inlined: no ABI crosses */
 #define SK_EXPORT __attribute__((visibility("default")))
 #define GROUP 32
 
@@ -27,17 +28,31 @@ static inline __attribute__((always_inline)) void tree_sum(float t[GROUP][LANES]
 
 /* round(w / d) to nearest even, clamped to [-8, 7]; 0 where d is 0 or the quotient is NaN
  * (the sign of a zero level never matters) */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8f select8(v8i m, v8f a, v8f b) { /* m ? a : b per lane */
+    return (v8f)(((v8i)a & m) | ((v8i)b & ~m));
+}
+
 static inline __attribute__((always_inline)) void levels(float w[GROUP][LANES], const float *d, float q[GROUP][LANES]) {
-    float safe[LANES];
-    for (int l = 0; l < LANES; l++) safe[l] = d[l] == 0 ? 1.0f : d[l];
-    for (int i = 0; i < GROUP; i++)
-        for (int l = 0; l < LANES; l++) {
-            float x = w[i][l] / safe[l];
-            x = x < -9.0f ? -9.0f : (x > 9.0f ? 9.0f : x);   /* NaN passes, as in torch */
-            x = (x + 12582912.0f) - 12582912.0f;            /* + 1.5 * 2^23 - 1.5 * 2^23: round to even */
-            x = x != x ? 0.0f : (x < -8.0f ? -8.0f : (x > 7.0f ? 7.0f : x));  /* a NaN level is 0 */
-            q[i][l] = d[l] == 0 ? 0.0f : x;
-        }
+    v8f dv, one = {1, 1, 1, 1, 1, 1, 1, 1}, zero = {0}, big = one * 12582912.0f;
+    memcpy(&dv, d, sizeof dv);
+    const v8i dzero = dv == zero;
+    const v8f safe = select8(dzero, one, dv);
+    for (int i = 0; i < GROUP; i++) {
+        v8f x;
+        memcpy(&x, w[i], sizeof x);
+        x = x / safe;
+        x = select8(x < -9.0f * one, -9.0f * one, x);  /* NaN passes, as in torch */
+        x = select8(x > 9.0f * one, 9.0f * one, x);
+        x = (x + big) - big;                           /* + 1.5 * 2^23 - 1.5 * 2^23: round to even */
+        const v8i nan = x != x;
+        x = select8(x < -8.0f * one, -8.0f * one, x);
+        x = select8(x > 7.0f * one, 7.0f * one, x);
+        x = select8(nan | dzero, zero, x);              /* a NaN level is 0; 0 where d is 0 */
+        memcpy(q[i], &x, sizeof x);
+    }
 }
 
 static inline __attribute__((always_inline)) float to_half(float x) {
