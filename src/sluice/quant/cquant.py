@@ -23,7 +23,7 @@ def _load():
 
         path = _find_library()
         lib = None
-        if path is not None and os.environ.get("SLUICE_QUANTIZE_TORCH") != "1":
+        if path is not None:
             try:
                 lib = ctypes.CDLL(path)
                 f = lib.sk_q4_quantize
