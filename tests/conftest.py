@@ -298,3 +298,61 @@ def pytest_runtest_makereport(item, call):
         UNLISTED_SKIPS.append(f"{item.nodeid}: {reason}")
         rep.outcome = "failed"
         rep.longrepr = f"skipped without a reason listed in the module's SKIP_REASONS / KNOWN_BUGS: {reason}"
+
+
+# -- Remote storage: real servers on loopback (tests/remote_servers.py); nothing leaves 127.0.0.1.
+
+
+@pytest.fixture(scope="session")
+def remote_servers(tmp_path_factory):
+    """nginx (HTTP + HTTPS) and moto S3 serving what tests ``publish``; explicit test credentials
+    in the environment and the instance metadata service off, for the whole session."""
+    from remote_servers import CLIENT_ENV, NginxServer, RemoteServers, S3Server, nginx_binary
+
+    if nginx_binary() is None:
+        pytest.skip("nginx is not installed (Debian: apt-get install nginx; .ci/run installs it)")
+    saved = {k: os.environ.get(k) for k in CLIENT_ENV}
+    os.environ.update(CLIENT_ENV)
+    root = tmp_path_factory.mktemp("remote")
+    (root / "doc").mkdir()
+    s3 = S3Server(log_path=root / "moto.log")
+    try:
+        http = NginxServer(root / "doc", root / "nginx")
+    except BaseException:
+        s3.close()
+        raise
+    servers = RemoteServers(s3=s3, http=http, docroot=root / "doc")
+    yield servers
+    http.close()
+    s3.close()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def s3_auth_server(remote_servers, tmp_path_factory):
+    """A second moto S3 server with authentication on (SigV4 checked against an IAM user's key)."""
+    from remote_servers import S3Server
+
+    server = S3Server(auth=True, log_path=tmp_path_factory.mktemp("moto-auth") / "moto.log")
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def fault_proxy(remote_servers):
+    """``fault_proxy(upstream_port, latency=, rate=)`` -> a FaultProxy closed after the test."""
+    from remote_servers import FaultProxy
+
+    made = []
+
+    def make(upstream_port: int, **kw) -> FaultProxy:
+        made.append(FaultProxy(upstream_port, **kw))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()

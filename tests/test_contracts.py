@@ -233,6 +233,21 @@ def test_lossy_switches_run_and_are_exact_at_identity(family_model, default_runs
     assert torch.equal(same_logits, logits) and same_tokens == tokens
 
 
+def test_model_top_k_is_not_lossy(family_model):
+    """``moe_top_k`` equal to the model's own top-k is exact: no lossy flag, no warning."""
+    import warnings
+
+    eng = _load(family_model("qwen3_moe"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eng.set_lossy(moe_top_k=CONFIGS["qwen3_moe"]["num_experts_per_tok"])
+    assert eng.lossy == {}
+    with pytest.warns(UserWarning, match="lossy"):
+        eng.set_lossy(moe_top_k=1)
+    assert eng.lossy == {"moe_top_k": 1}
+    eng.close()
+
+
 # -- streamed spine: nothing derived at build time -----------------------------------------------
 
 

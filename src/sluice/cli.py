@@ -45,8 +45,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="never use O_DIRECT (buffered reads that drop their pages from the page cache)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--trace-routing", default=None, metavar="FILE",
-                   help="write every decode token's expert routing to FILE (JSONL, the format sluice trace-replay "
-                        "reads)")
+                   help="write every decode token's expert routing, router weights and lookahead predictions to "
+                        "FILE (JSONL, the format sluice trace-replay reads)")
     lossy = p.add_argument_group("lossy speed switches (outputs differ from the model's; off by default)")
     lossy.add_argument("--moe-top-k", type=int_arg(1), default=None, metavar="N",
                        help="LOSSY: route each token to only N experts (fewer than the model was trained with)")
@@ -392,7 +392,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one cache per layer, one global cache, or both (default)")
     t.add_argument("--semantics", choices=["engine", "sequential"], default="engine",
                    help="engine: a layer's experts are looked up, then pinned while its misses are fetched "
-                        "(default); sequential: each access fetched on its own, nothing pinned")
+                        "(default); sequential: each access fetched on its own, only it pinned")
+    t.add_argument("--predictions", choices=["off", "hint", "prefetch"], default="off",
+                   help="for traces that record the lookahead's predictions (--trace-routing writes them): also "
+                        "replay each policy with them: hint (the policy hears them, nothing is read ahead) or "
+                        "prefetch (read ahead, as the engine does; such a read completes at once in the replay)")
     t.add_argument("--tokens", default=None, metavar="START:STOP", help="replay only these tokens (0-based slice)")
     t.add_argument("--pins", default=None, metavar="FILE",
                    help="also replay each policy with these experts pinned (a sluice-pins-v1 file)")

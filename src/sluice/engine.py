@@ -218,7 +218,7 @@ class Engine:
         self.model = self.family.build(self.config, spine.__getitem__, self.experts)
         self.model.spine = self.spine
         del spine
-        if options.prefetch:
+        if options.prefetch or options.trace_routing:
             self.model.lookahead = self._lookahead
         self.set_lossy(moe_top_k=options.moe_top_k, prefer_cached=options.prefer_cached)
         self.trace = TraceWriter(options.trace_routing) if options.trace_routing else None
@@ -282,22 +282,30 @@ class Engine:
             raise InvalidArgumentError(f"moe_top_k (--moe-top-k) must be between 1 and the model's {self.desc.top_k}, "
                                        f"got {moe_top_k!r}")
         validate.number(prefer_cached, "prefer_cached (--prefer-cached)", lo=0.0)
+        if moe_top_k == self.desc.top_k:
+            moe_top_k = None  # the model's own top-k: exact, nothing lossy
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoEBlock):
-                layer.mlp.top_k = moe_top_k if moe_top_k != self.desc.top_k else None
+                layer.mlp.top_k = moe_top_k
                 layer.mlp.prefer_cached = prefer_cached
         self.lossy = {k: v for k, v in (("moe_top_k", moe_top_k), ("prefer_cached", prefer_cached)) if v}
         if self.lossy and warn:
             warnings.warn(f"lossy routing enabled ({self.lossy}): outputs differ from the model's", stacklevel=2)
 
     def _lookahead(self, layer: int, h: torch.Tensor) -> None:
-        """After layer ``layer``'s attention, start reads for the next layer's predicted experts."""
-        if h.shape[0] != 1:
+        """After layer ``layer``'s attention, start reads for the next layer's predicted experts
+        (and, when tracing routing, record the prediction for every token of the forward)."""
+        traced = self.experts.predicted_routing
+        if traced is None and (h.shape[0] != 1 or not self.options.prefetch):
             return  # prefill reads each expert once per layer anyway
         if self.spine is not None and not self.spine.ready(layer + 1):
             return  # its router is still being read
         ids = self.model.predict(layer + 1, h)
-        if ids is not None:
+        if ids is None:
+            return
+        if traced is not None:
+            traced[layer + 1] = ids
+        if h.shape[0] == 1 and self.options.prefetch:
             self.experts.prefetch(layer + 1, ids[0].tolist())
 
     # -- model access ------------------------------------------------------------------------

@@ -99,10 +99,15 @@ def _verify(runner: ModelRunner, seq: SeqState, pending: list[int], draft: list[
         first = runner.step([SeqWork(seq, pending, pos, 1, decoding, tracing)])[0]
         seq.mark()
         rest = runner.step([SeqWork(seq, draft, pos + len(pending), len(draft), decoding, tracing)])[0]
-        routing = None
-        if tracing:
-            routing = {layer: torch.cat([ids, rest.routing[layer]]) for layer, ids in first.routing.items()}
-        return SeqResult(torch.cat([first.logits, rest.logits]), routing)
+        logits = torch.cat([first.logits, rest.logits])
+        if not tracing:
+            return SeqResult(logits)
+
+        def joined(a: dict, b: dict) -> dict:
+            return {layer: torch.cat([t, b[layer]]) for layer, t in a.items() if layer in b}
+
+        return SeqResult(logits, joined(first.routing, rest.routing), joined(first.weights, rest.weights),
+                         joined(first.predicted, rest.predicted))
     seq.mark()
     return runner.step([SeqWork(seq, pending + draft, pos, 1 + len(draft), decoding, tracing)])[0]
 
@@ -179,7 +184,7 @@ def run(runner: ModelRunner, seq: SeqState, req: Request) -> Iterator[Step]:
         else:
             forwards.append((1 + a, time.perf_counter() - t1))
         if tracing:
-            runner.write_trace(pos, result.routing, len(pending) + a)  # the tokens this forward processed and kept
+            runner.write_trace(pos, result, len(pending) + a)  # the tokens this forward processed and kept
         for i in range(a + 1):
             token = draft[i] if i < a else sampler(rows[a])
             if drafter is not None:

@@ -73,13 +73,15 @@ class SeqWork:
     start: int  # must equal seq.length: a step continues the state (rewind first)
     last_n: int = 1  # return the logits of the last n positions (0: none)
     decoding: bool = False  # the sequence is past its prefill: its lookups count toward hit_rate etc.
-    record_routing: bool = False  # return each MoE layer's routed expert ids
+    record_routing: bool = False  # return each MoE layer's routed expert ids, weights and lookahead predictions
 
 
 @dataclass
 class SeqResult:
     logits: torch.Tensor | None  # [last_n, V] fp32, None when last_n == 0
     routing: dict[int, torch.Tensor] | None = None  # MoE layer -> expert ids [len(tokens), K]
+    weights: dict[int, torch.Tensor] | None = None  # MoE layer -> their mixing weights [len(tokens), K]
+    predicted: dict[int, torch.Tensor] | None = None  # MoE layer -> the lookahead's prediction [len(tokens), K]
 
 
 class ModelRunner:
@@ -134,6 +136,9 @@ class ModelRunner:
         state, ids, start = w.seq.model_state, w.tokens, w.start
         outs: list[torch.Tensor] = []
         routed: dict[int, list[torch.Tensor]] | None = {} if w.record_routing else None
+        weighed: dict[int, list[torch.Tensor]] = {}
+        predicted: dict[int, list[torch.Tensor]] = {}
+        chunks = 0
         chunk = self.prefill_chunk
         first_logit = len(ids) - w.last_n
         self._experts.decoding = w.decoding
@@ -147,25 +152,33 @@ class ModelRunner:
                 torch.set_num_threads(1 if len(part) <= TORCH_SERIAL_TOKENS else self.threads)
                 self._cache.policy.tick()
                 if routed is not None:
-                    self._experts.routing = {}
+                    self._experts.routing, self._experts.predicted_routing = {}, {}
                 h = self._model.forward(torch.tensor(part, dtype=torch.long), state, start + c0)
                 state.length = start + c0 + len(part)
                 state.tokens[start + c0 :] = part
                 self._forwards += 1
                 self._tokens += len(part)
                 if routed is not None:
-                    for layer, r in self._experts.routing.items():
+                    chunks += 1
+                    for layer, (r, wt) in self._experts.routing.items():
                         routed.setdefault(layer, []).append(r)
+                        weighed.setdefault(layer, []).append(wt)
+                    for layer, r in self._experts.predicted_routing.items():
+                        predicted.setdefault(layer, []).append(r)
                 if c0 + len(part) > first_logit and w.last_n:
                     outs.append(self._model.logits(h[max(0, first_logit - c0) :]))
         finally:
             self._experts.decoding = False
-            self._experts.routing = None
+            self._experts.routing = self._experts.predicted_routing = None
         logits = (torch.cat(outs) if len(outs) > 1 else outs[0]) if outs else None
-        routing = None
-        if routed is not None:
-            routing = {layer: torch.cat(r) if len(r) > 1 else r[0] for layer, r in routed.items()}
-        return SeqResult(logits, routing)
+        if routed is None:
+            return SeqResult(logits)
+
+        def joined(parts: dict[int, list[torch.Tensor]]) -> dict[int, torch.Tensor]:
+            # a layer predicted in some chunks only (its router was still streaming) has no prediction
+            return {layer: torch.cat(r) if len(r) > 1 else r[0] for layer, r in parts.items() if len(r) == chunks}
+
+        return SeqResult(logits, joined(routed), joined(weighed), joined(predicted))
 
     # -- routing trace ---------------------------------------------------------------------
 
@@ -174,10 +187,14 @@ class ModelRunner:
         """True when the engine writes a routing trace (``--trace-routing``)."""
         return self._trace is not None
 
-    def write_trace(self, start: int, routing: dict[int, torch.Tensor], n: int) -> None:
-        """Append the routing of positions start..start+n (the rows a step kept) to the trace."""
+    def write_trace(self, start: int, result: SeqResult, n: int) -> None:
+        """Append the routing of positions start..start+n (the rows a step kept) to the trace: expert
+        ids, their mixing weights and what the lookahead predicted for each layer (``[]``: nothing)."""
+        moe, routing, weights, predicted = self.moe_layers, result.routing, result.weights, result.predicted or {}
         for i in range(n):
-            self._trace.write(start + i, [routing[layer][i].tolist() for layer in self.moe_layers])
+            self._trace.write(start + i, [routing[layer][i].tolist() for layer in moe],
+                              [weights[layer][i].tolist() for layer in moe],
+                              [predicted[layer][i].tolist() if layer in predicted else [] for layer in moe])
         self._trace.flush()
 
     # -- counters --------------------------------------------------------------------------

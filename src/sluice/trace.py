@@ -6,7 +6,18 @@ Trace (JSON Lines), one object per decode token::
 
 ``tok`` is the token's index, ``layers[i]`` the distinct expert ids that MoE layer ``i``
 (MoE layers in model order) routed the token to, sorted ascending (set order, not rank
-order; no router scores). Every line has the same number of layers.
+order). Every line has the same number of layers. Two optional fields, written by
+``--trace-routing`` (older traces and other tools' traces lack them)::
+
+    "weights": [[0.31, 0.08, ...], ...]   # layer i's router weight of each id in layers[i]
+    "pred": [[], [3, 8, 15, ...], ...]    # what the engine's lookahead predicted for layer i
+
+``weights[i][j]`` is the mixing weight (the router's top-k probability, renormalised where
+the model does) of expert ``layers[i][j]``. ``pred[i]`` is the experts the lookahead
+predicted for layer ``i`` before it ran (the next layer's router applied to layer ``i-1``'s
+post-attention hidden state: what the engine prefetches), ``[]`` where there is no
+prediction (the first layer, a layer after a dense one). A file has both on every line or
+on none.
 
 Pin list (JSON), the experts a previous run used most, for ``experts.policy.Pinned``::
 
@@ -18,6 +29,7 @@ Layer indices in both files are positions in a trace's ``layers`` list.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from collections.abc import Iterable
@@ -39,6 +51,8 @@ class Trace:
     steps: list[list[list[int]]]
     tok: list[int]
     source: str = ""
+    weights: list[list[list[float]]] | None = None  # weights[t][layer][j]: router weight of steps[t][layer][j]
+    pred: list[list[list[int]]] | None = None  # pred[t][layer]: the lookahead's prediction for that layer
 
     @property
     def layers(self) -> int:
@@ -62,7 +76,20 @@ class Trace:
         return sum(len(ids) for step in self.steps for ids in step)
 
     def slice(self, start: int | None, stop: int | None) -> Trace:
-        return Trace(self.steps[start:stop], self.tok[start:stop], self.source)
+        cut = (lambda x: None if x is None else x[start:stop])
+        return Trace(self.steps[start:stop], self.tok[start:stop], self.source, cut(self.weights), cut(self.pred))
+
+    def prediction_recall(self) -> float:
+        """The share of the routed experts (layers with a prediction) that the lookahead predicted."""
+        if self.pred is None:
+            return 0.0
+        hit = total = 0
+        for step, pred in zip(self.steps, self.pred):
+            for ids, p in zip(step, pred):
+                if p:
+                    hit += len(set(ids).intersection(p))
+                    total += len(ids)
+        return hit / total if total else 0.0
 
     def counts(self) -> Counter:
         """How often each ``(layer, expert)`` was used."""
@@ -112,10 +139,40 @@ def _check_layers(layers, where: str, n_layers: int | None) -> list[list[int]]:
     return out
 
 
+def _check_weights(weights, layers: list[list[int]], where: str) -> list[list[float]]:
+    if not isinstance(weights, list) or len(weights) != len(layers):
+        raise TraceFormatError(f"{where}: \"weights\" must be a list of {len(layers)} lists of router weights")
+    out = []
+    for i, (w, ids) in enumerate(zip(weights, layers)):
+        if not isinstance(w, list) or len(w) != len(ids):
+            raise TraceFormatError(f"{where}: weights of layer {i}: expected {len(ids)} numbers, one per expert id")
+        for v in w:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise TraceFormatError(f"{where}: weights of layer {i}: {v!r} is not a finite number")
+        out.append([float(v) for v in w])
+    return out
+
+
+def _check_pred(pred, n_layers: int, where: str) -> list[list[int]]:
+    if not isinstance(pred, list) or len(pred) != n_layers:
+        raise TraceFormatError(f"{where}: \"pred\" must be a list of {n_layers} lists of expert ids")
+    out = []
+    for i, ids in enumerate(pred):
+        if not isinstance(ids, list) or any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in ids):
+            raise TraceFormatError(f"{where}: pred of layer {i}: expected a list of non-negative expert ids")
+        if len(set(ids)) != len(ids):
+            raise TraceFormatError(f"{where}: pred of layer {i}: an expert id is repeated")
+        out.append(sorted(ids))
+    return out
+
+
 def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
     """Parse trace lines; blank lines are skipped. Raises ``TraceFormatError`` on the first bad line."""
     steps: list[list[list[int]]] = []
     toks: list[int] = []
+    weights: list = []
+    preds: list = []
+    extras: tuple[bool, bool] | None = None
     n_layers = None
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -134,13 +191,24 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
         tok = obj["tok"]
         if isinstance(tok, bool) or not isinstance(tok, int):
             raise TraceFormatError(f"{where}: \"tok\" must be an integer, got {tok!r}")
-        layers = _check_layers(obj["layers"], where, n_layers)
+        raw = obj["layers"]
+        layers = _check_layers(raw, where, n_layers)
         n_layers = len(layers)
+        has = ("weights" in obj, "pred" in obj)
+        if extras is not None and has != extras:
+            raise TraceFormatError(f"{where}: \"weights\"/\"pred\" on some lines but not on others")
+        extras = has
+        if has[0]:
+            w = _check_weights(obj["weights"], raw, where)
+            order = [sorted(range(len(ids)), key=ids.__getitem__) for ids in raw]
+            weights.append([[wl[j] for j in o] for wl, o in zip(w, order)])
+        if has[1]:
+            preds.append(_check_pred(obj["pred"], n_layers, where))
         steps.append(layers)
         toks.append(tok)
     if not steps:
         raise TraceFormatError(f"{source}: the trace has no tokens")
-    return Trace(steps, toks, source)
+    return Trace(steps, toks, source, weights if extras[0] else None, preds if extras[1] else None)
 
 
 def read_trace(path: str | os.PathLike) -> Trace:
@@ -159,13 +227,29 @@ class TraceWriter:
         self.path = os.fspath(path)
         self._f = open(self.path, "w", encoding="utf-8")
         self._layers: int | None = None
+        self._extras: tuple[bool, bool] | None = None
         self.records = 0
 
-    def write(self, token_index: int, layers: list[list[int]]) -> None:
+    def write(self, token_index: int, layers: list[list[int]], weights: list[list[float]] | None = None,
+              pred: list[list[int]] | None = None) -> None:
+        """``weights[i]`` (optional) in the order of ``layers[i]``; ``pred[i]`` the lookahead's
+        prediction for layer ``i`` (``[]``: none). Both or neither on every record."""
         where = f"{self.path}: token {token_index}"
-        clean = _check_layers([[int(e) for e in ids] for ids in layers], where, self._layers)
+        raw = [[int(e) for e in ids] for ids in layers]
+        clean = _check_layers(raw, where, self._layers)
         self._layers = len(clean)
-        self._f.write(json.dumps({"tok": int(token_index), "layers": clean}, separators=(", ", ": ")) + "\n")
+        obj: dict = {"tok": int(token_index), "layers": clean}
+        if weights is not None:
+            w = _check_weights([[float(v) for v in wl] for wl in weights], raw, where)
+            order = [sorted(range(len(ids)), key=ids.__getitem__) for ids in raw]
+            obj["weights"] = [[round(wl[j], 6) for j in o] for wl, o in zip(w, order)]
+        if pred is not None:
+            obj["pred"] = _check_pred([[int(e) for e in p] for p in pred], len(clean), where)
+        has = (weights is not None, pred is not None)
+        if self._extras is not None and has != self._extras:
+            raise TraceFormatError(f"{where}: weights/pred given for some records but not for others")
+        self._extras = has
+        self._f.write(json.dumps(obj, separators=(", ", ": ")) + "\n")
         self.records += 1
 
     def flush(self) -> None:
@@ -184,8 +268,9 @@ class TraceWriter:
 
 def write_trace(path: str | os.PathLike, trace: Trace) -> None:
     with TraceWriter(path) as w:
-        for tok, step in zip(trace.tok, trace.steps):
-            w.write(tok, step)
+        for t, (tok, step) in enumerate(zip(trace.tok, trace.steps)):
+            w.write(tok, step, trace.weights[t] if trace.weights is not None else None,
+                    trace.pred[t] if trace.pred is not None else None)
 
 
 # -- pin lists ------------------------------------------------------------------------------

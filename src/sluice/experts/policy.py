@@ -2,7 +2,10 @@
 
 Keys are hashable, e.g. ``(layer, expert)``. The cache calls ``insert``/``access``/``remove``
 and asks ``victim(evictable)`` for the key to evict among those it may evict (not in use
-by the current layer, not being read). ``tick()`` advances time by one forward step.
+by the current layer, not being read). ``tick()`` advances time by one forward step. The
+expert provider adds two events about the future: ``begin_layer(layer)`` when a layer's
+routing is known, before its lookups (the layer's pass starts), and
+``predict(layer, experts)`` when the lookahead predicts the experts of a layer still to come.
 
 ``make_policy("lfru:half_life=16,history=true")`` builds one from a spec string;
 ``Pinned(policy, pins)`` keeps a fixed set of keys from ever being evicted once resident.
@@ -23,6 +26,13 @@ class Policy:
 
     def tick(self) -> None:
         pass
+
+    def begin_layer(self, layer: int) -> None:
+        """``layer`` runs now (its routing is known, its lookups follow). Called once per layer
+        per forward step, after ``tick``; a repeat within the same step must change nothing."""
+
+    def predict(self, layer: int, experts) -> None:
+        """The lookahead predicts that ``layer`` (still to come this step) uses ``experts``."""
 
     def insert(self, key: Hashable, speculative: bool = False) -> None:
         """A key became resident. ``speculative``: read on a prediction, not yet used; it must
@@ -101,12 +111,16 @@ class LFRU(Policy):
     # 25.9 tok/s and 32.8 MB with any stale victim allowed (no prefetch: 34.0, 13.9 MB).
     speculative_max_hotness = 0.25
 
-    def __init__(self, half_life: float = 16.0, history: bool = True, protect: bool = True):
+    def __init__(self, half_life: float = 16.0, history: bool = True, protect: bool = True,
+                 lookahead: bool = True, demote: bool = False):
         if not half_life > 0:
             raise ValueError(f"lfru: half_life must be positive, got {half_life}")
         self.half_life = float(half_life)
         self.history = bool(history)
         self.protect = bool(protect)
+        self.lookahead, self.demote = bool(lookahead), bool(demote)
+        self._predicted: dict[Hashable, set[Hashable]] = {}  # layer -> its predicted keys, until it runs
+        self._protected: set[Hashable] = set()  # union of the predicted keys
         self.rate = math.log(2.0) / half_life
         self.now = 0
         self._score: dict[Hashable, float] = {}  # log score of every tracked key
@@ -150,15 +164,47 @@ class LFRU(Policy):
             self._push(self._stale_heap, key, self._seq)
             return
         layer = self._layer(key)
-        if self._pass.get(layer) != self.now:  # the layer's first use this tick: its keys go stale
-            self._pass[layer] = self.now
-            for k in self._fresh_by_layer.pop(layer, ()):
-                self._fresh.discard(k)
-                if k in self._resident:
-                    self._push(self._stale_heap, k, self._stamp[k])
+        if self._pass.get(layer) != self.now:  # no begin_layer: the layer's first use this tick passes it
+            self._pass_layer(layer)
         self._fresh.add(key)
         self._fresh_by_layer.setdefault(layer, set()).add(key)
         self._push(self._fresh_heap, key, self._seq)
+
+    def _pass_layer(self, layer):
+        """``layer`` runs at this tick: the keys it used at its previous pass go stale, and its
+        predictions are spent (the layer's own lookups follow)."""
+        self._pass[layer] = self.now
+        for k in self._fresh_by_layer.pop(layer, ()):
+            self._fresh.discard(k)
+            if k in self._resident:
+                self._push(self._stale_heap, k, self._stamp[k])
+        spent = self._predicted.pop(layer, None)
+        if spent:
+            self._protected.difference_update(spent)
+
+    def begin_layer(self, layer):
+        if self.protect and self._pass.get(layer) != self.now:
+            self._pass_layer(layer)
+
+    def predict(self, layer, experts):
+        """Protect the predicted keys of ``layer`` until it has run; with ``demote``, the keys it
+        used last pass that are *not* predicted go stale now (their next chance is a step away)."""
+        if not self.lookahead or not self.protect:
+            return
+        keys = {(layer, int(e)) for e in experts}
+        old = self._predicted.get(layer)
+        if old:
+            self._protected.difference_update(old)
+        self._predicted[layer] = keys
+        self._protected.update(keys)
+        if self.demote:
+            fresh = self._fresh_by_layer.get(layer)
+            if fresh:
+                for k in [k for k in fresh if k not in keys]:
+                    fresh.discard(k)
+                    self._fresh.discard(k)
+                    if k in self._resident:
+                        self._push(self._stale_heap, k, self._stamp[k])
 
     def insert(self, key, speculative=False):
         self._resident.add(key)
@@ -208,6 +254,14 @@ class LFRU(Policy):
         return found
 
     def victim(self, evictable):
+        if self._protected:  # predicted keys go last
+            prot = self._protected
+            v = self._victim(lambda k: k not in prot and evictable(k))
+            if v is not None:
+                return v
+        return self._victim(evictable)
+
+    def _victim(self, evictable):
         v = self._lowest(self._stale_heap, False, evictable)
         return v if v is not None else self._lowest(self._fresh_heap, True, evictable)
 
@@ -219,7 +273,11 @@ class LFRU(Policy):
         container at 64 slots; docs/cache-policy.md)."""
         if not self.protect:
             return self.victim(evictable)
-        v = self._lowest(self._stale_heap, False, evictable)
+        if self._protected:
+            prot = self._protected
+            v = self._lowest(self._stale_heap, False, lambda k: k not in prot and evictable(k))
+        else:
+            v = self._lowest(self._stale_heap, False, evictable)
         if v is not None and self.hotness(v) >= self.speculative_max_hotness:
             return None  # the coldest evictable key is still hot: keep it rather than guess
         return v
@@ -242,13 +300,17 @@ class Pinned(Policy):
     def tick(self):
         self.inner.tick()
 
+    def begin_layer(self, layer):
+        self.inner.begin_layer(layer)
+
+    def predict(self, layer, experts):
+        self.inner.predict(layer, experts)
+
     def insert(self, key, speculative=False):
         if key in self.pins:
             self._held.add(key)
-        elif speculative:
-            self.inner.insert(key, True)
         else:
-            self.inner.insert(key)  # replay-only policies take just the key
+            self.inner.insert(key, speculative)
 
     def access(self, key):
         if key not in self.pins:

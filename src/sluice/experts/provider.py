@@ -46,14 +46,23 @@ class ExpertCounters:
 
 class ExpertProvider:
     def __init__(self, source: ExpertSource, cache: ExpertCache, spec: ExpertSpec, n_experts: int,
-                 reader_threads: int = 4, verify_reads: bool = False):
+                 reader_threads: int = 4, verify_reads: bool = False, *, pool=None, compute=None):
+        """``pool`` (default: a ``ReaderPool`` of ``reader_threads``) runs the reads: anything with
+        ``submit(fn, *args, priority=...) -> Future`` and ``shutdown()``. ``compute`` (default:
+        ``compute.expert_output`` and ``expert_forward``) is a pair of functions with their
+        signatures. The trace replay (``sluice.replay``) passes reads that complete at once and
+        compute that does nothing, so it simulates exactly this cache and this lookup loop."""
         self.source, self.cache, self.spec, self.n_experts = source, cache, spec, n_experts
-        self.pool = ReaderPool(reader_threads)
+        self.pool = pool if pool is not None else ReaderPool(reader_threads)
+        self._output, self._forward = compute if compute is not None else (expert_output, expert_forward)
         self.verify_reads = verify_reads
         self.counters = ExpertCounters()
         self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
         self._predictions: dict[int, list[int]] = {}  # layer -> experts prefetched for it
-        self.routing: dict[int, torch.Tensor] | None = None  # when set: layer -> ids [T, K] of the last forward
+        # when set (tracing): layer -> (ids [T, K], weights [T, K]) of the last forward, and
+        # layer -> ids [T, K] the engine's lookahead predicted for it in that forward
+        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.predicted_routing: dict[int, torch.Tensor] | None = None
 
     def resident_mask(self, layer: int) -> torch.Tensor:
         """[E] float: 1 for experts of ``layer`` that are in memory (ready or being read), else 0."""
@@ -108,13 +117,18 @@ class ExpertProvider:
                 except Exception:
                     pass  # a failed speculative read: nothing cached, nobody waiting
 
-    def prefetch(self, layer: int, experts: list[int]) -> None:
+    def prefetch(self, layer: int, experts: list[int], read: bool = True) -> None:
         """Start speculative reads for experts predicted for ``layer`` (never evicts pinned ones).
 
-        Wrong guesses are cancelled when the layer runs if their read has not started, and
-        otherwise stay cached like any other expert. Results never depend on prefetching.
+        The cache policy hears of the prediction first (``Policy.predict``); ``read=False``
+        stops there (the prediction informs eviction, nothing is read). Wrong guesses are
+        cancelled when the layer runs if their read has not started, and otherwise stay cached
+        like any other expert. Results never depend on prefetching.
         """
         self._predictions[layer] = list(experts)
+        self.cache.policy.predict(layer, experts)
+        if not read:
+            return
         for e in experts:
             key = (layer, e)
             if self.cache.lookup(key) is None and self._start_read(key, speculative=True) is None:
@@ -150,19 +164,27 @@ class ExpertProvider:
         """Weighted sum of routed experts. x [T, H] fp32, ids/weights [T, K] -> [T, H]."""
         t = x.shape[0]
         if self.routing is not None:
-            self.routing[layer] = ids
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        sorted_ids = flat[order].tolist()
-        rows = (order // ids.shape[1]).tolist()
-        cols = (order % ids.shape[1]).tolist()
+            self.routing[layer] = (ids, weights)
         groups: dict[int, tuple[list[int], list[int]]] = {}
-        for e, r, c in zip(sorted_ids, rows, cols):
-            g = groups.setdefault(e, ([], []))
-            g[0].append(r)
-            g[1].append(c)
-        experts = sorted(groups)
+        if t == 1:  # decode: group one row in Python (a handful of tensor ops fewer per layer)
+            wrow = weights[0].tolist()
+            first: dict[int, int] = {}
+            for col, e in enumerate(ids[0].tolist()):
+                first.setdefault(e, col)
+            experts = sorted(first)
+        else:
+            flat = ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            sorted_ids = flat[order].tolist()
+            rows = (order // ids.shape[1]).tolist()
+            cols = (order % ids.shape[1]).tolist()
+            for e, r, c in zip(sorted_ids, rows, cols):
+                g = groups.setdefault(e, ([], []))
+                g[0].append(r)
+                g[1].append(c)
+            experts = sorted(groups)
         self._check_predictions(layer, set(experts))
+        self.cache.policy.begin_layer(layer)
         out_of_order = t * x.shape[1] * 4 * len(experts) <= _OUT_OF_ORDER_BYTES
         c = self.counters
 
@@ -210,13 +232,13 @@ class ExpertProvider:
                 if slot.state == LOADING:
                     self._settle(slot)
                 t0 = time.perf_counter()
-                rows_e, cols_e = groups[pick]
                 if t == 1:
-                    y = expert_output(self.spec, slot.weights, x, float(weights[0, cols_e[0]]))
+                    y = self._output(self.spec, slot.weights, x, wrow[first[pick]])
                     idx = None
                 else:
+                    rows_e, cols_e = groups[pick]
                     idx = torch.tensor(rows_e)
-                    y = expert_forward(self.spec, slot.weights, x[idx])
+                    y = self._forward(self.spec, slot.weights, x[idx])
                     y = y * weights[idx, torch.tensor(cols_e)].to(y.dtype)[:, None]
                 if self.decoding:
                     c.compute_s += time.perf_counter() - t0

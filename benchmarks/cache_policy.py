@@ -1,0 +1,135 @@
+"""Eviction against Belady's optimum in the engine's layout (one global expert cache), on
+every routing trace we have: the real OLMoE trace and the trained demo model's own routing
+on a few Python prompts, recorded here with ``--trace-routing`` (router weights and the
+engine's lookahead predictions included).
+
+    python benchmarks/cache_policy.py [--tokens 300] [--olmoe PATH] [--keep DIR] [--json OUT] [--oracle]
+
+For each trace and each cache size (1, 1.5, 2, 3 and 4 times one token's working set), the
+hit rate of LRU, of the default ``lfru``, of ``lfru`` hearing the lookahead's predictions
+(``--predictions hint``; demo traces only, the OLMoE trace has none) and of Belady, each
+with its fraction of Belady. Every replay is ``sluice trace-replay``'s, which drives the
+engine's own ``ExpertCache`` and ``ExpertProvider`` (docs/cache-policy.md). ``--oracle`` adds
+two bounds: ``lfru`` told the true experts of the next layer, and of every layer still to
+come in the token, before each layer runs (what a perfect lookahead could tell it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import sluice
+from sluice.demo import SHIPPED_MODEL
+from sluice.experts.policy import make_policy
+from sluice.replay import CacheSim, replay
+from sluice.trace import Trace, read_trace
+
+PROMPTS = {
+    "demo-main": "import os\nimport sys\n\n\ndef main(argv):\n",
+    "demo-lru": 'class LRUCache:\n    """A least-recently-used cache with a fixed capacity."""\n\n'
+                "    def __init__(self, capacity):\n",
+    "demo-config": 'import json\nfrom pathlib import Path\n\n\ndef load_config(path):\n'
+                   '    """Read a JSON config file and return a dict."""\n',
+    "demo-sort": "def quicksort(items):\n    if len(items) <= 1:\n        return items\n",
+}
+MULTIPLES = (1.0, 1.5, 2.0, 3.0, 4.0)
+ROOT = Path(__file__).resolve().parents[1]
+OLMOE = [ROOT / "tests" / "data" / "olmoe-1b-7b_299tok.jsonl",
+         ROOT.parent / "shared" / "traces" / "olmoe-1b-7b_299tok.jsonl"]
+
+
+def record(prompt: str, tokens: int, out: Path) -> Trace:
+    """The demo model's decode-time routing for ``prompt`` (temperature 0.7, seed 0, as the
+    OLMoE trace was sampled; prefill excluded)."""
+    with sluice.load(SHIPPED_MODEL, memory="4GiB", trace_routing=str(out), progress=False) as engine:
+        engine.generate(prompt, max_new_tokens=tokens, temperature=0.7, seed=0, ignore_eos=True)
+    return read_trace(out)
+
+
+def oracle(trace: Trace, spec: str, capacity: int, horizon: int) -> tuple[int, int]:
+    """(hits, lookups) of ``spec`` in a global cache when, before each layer runs, the policy is
+    told the true experts of the next ``horizon`` layers of the same token (a perfect lookahead;
+    an upper bound on what predictions within a token can give a policy)."""
+    sim = CacheSim(capacity * trace.layers, make_policy(spec), trace.experts)
+    for step in trace.steps:
+        sim.tick()
+        for layer, ids in enumerate(step):
+            for ahead in range(layer + 1, min(trace.layers, layer + 1 + horizon)):
+                sim.cache.policy.predict(ahead, step[ahead])
+            sim.run_layer(layer, ids)
+    return sim.provider.counters.hits, sim.provider.counters.lookups
+
+
+def rows(name: str, trace: Trace, with_oracle: bool) -> list[dict]:
+    caps = [round(m * trace.top_k) for m in MULTIPLES]
+    belady = [replay(trace, "belady", c, "global") for c in caps]
+    runs = [("lru", "off"), ("lfru", "off")] + ([("lfru", "hint")] if trace.pred is not None else [])
+    if with_oracle:
+        runs += [("lfru", "oracle:1"), ("lfru", f"oracle:{trace.layers}")]
+    out = []
+    for spec, mode in runs + [("belady", "off")]:
+        for c, b in zip(caps, belady):
+            if mode.startswith("oracle"):
+                horizon = int(mode.split(":")[1])
+                hits, lookups = oracle(trace, spec, c, horizon)
+                label = f"{spec} + perfect lookahead, {'next layer' if horizon == 1 else 'rest of the token'}"
+            else:
+                r = b if spec == "belady" else replay(trace, spec, c, "global", predictions=mode)
+                hits, lookups, label = r.hits, r.lookups, r.policy
+            out.append({"trace": name, "policy": label, "multiple": c / trace.top_k, "slots": c * trace.layers,
+                        "hits": hits, "lookups": lookups, "hit_rate": hits / lookups,
+                        "of_belady": hits / b.hits if b.hits else 0.0})
+        print(f"  {name}: {spec} {mode} done", file=sys.stderr, flush=True)
+    return out
+
+
+def table(results: list[dict], traces: dict[str, Trace]) -> str:
+    head = "| trace | policy | " + " | ".join(f"{m:g}x" for m in MULTIPLES) + " |"
+    lines = [head, "|---|---|" + "---:|" * len(MULTIPLES)]
+    for name, trace in traces.items():
+        by_policy: dict[str, list[dict]] = {}
+        for r in results:
+            if r["trace"] == name:
+                by_policy.setdefault(r["policy"], []).append(r)
+        label = f"{name} (reuse {trace.reuse():.3f}" + (
+            f", recall {trace.prediction_recall():.3f})" if trace.pred is not None else ")")
+        for i, (policy, rs) in enumerate(by_policy.items()):
+            cells = [f"{r['hit_rate']:.3f}" if policy == "belady" else f"{r['hit_rate']:.3f} ({r['of_belady']:.3f})"
+                     for r in rs]
+            lines.append(f"| {label if i == 0 else ''} | {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=300, help="decode tokens per demo trace (default 300)")
+    ap.add_argument("--olmoe", type=Path, default=None, help="the OLMoE routing trace (default: tests/data)")
+    ap.add_argument("--keep", type=Path, default=None, help="write the demo traces here (default: a temp dir)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    ap.add_argument("--oracle", action="store_true",
+                    help="add lfru told the true experts of the next layer / of the rest of the token")
+    args = ap.parse_args()
+    olmoe = args.olmoe or next((p for p in OLMOE if p.exists()), None)
+    traces: dict[str, Trace] = {}
+    if olmoe is not None and olmoe.exists():
+        traces["olmoe"] = read_trace(olmoe)
+    else:
+        print("OLMoE trace not found (give --olmoe PATH): demo traces only", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        where = args.keep or Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        for name, prompt in PROMPTS.items():
+            traces[name] = record(prompt, args.tokens, where / f"{name}.jsonl")
+    results = [r for name, trace in traces.items() for r in rows(name, trace, args.oracle)]
+    print(table(results, traces))
+    if args.json:
+        args.json.write_text(json.dumps({"multiples": MULTIPLES, "results": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Remote byte sources: one object on S3 or HTTP(S), read by ranged GETs (obstore).
+
+``RemoteSource`` implements the ``ByteSource`` seam (``source.py``) for a URL: its ``size``
+and ``version`` (the ETag) come from one HEAD at open; ``read_aligned``/``read_into`` issue
+one ranged GET straight into the caller's buffer (one copy out of the client's response
+buffer). Every GET carries ``If-Match: <ETag>``, so an object replaced while a model runs is
+an error naming the URL, never a mix of old and new bytes. The client retries with
+exponential backoff what is safe to retry (5xx, connection resets, timeouts) and resumes a
+body cut short from where it stopped; what is left after ``retries`` is an ``OSError``
+naming the URL, which the readers above turn into ``ExpertReadError``/``CheckpointError``.
+
+Credentials: S3 reads the standard ``AWS_*`` environment variables (keys, session token,
+region, ``AWS_ENDPOINT_URL``); they are never logged. The client (obstore) was chosen by
+measurement against fsspec/s3fs (docs/remote.md). This module is imported only for a URL,
+and obstore is the optional ``remote`` extra: without it a URL gets an error saying what to
+install.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from urllib.parse import urlsplit
+
+from .source import ByteSource, ReadStats
+from .store import Store
+
+READ_BYTES = 16 << 20  # a ranged GET per piece of long sequential reads
+RETRIES = 5
+INSTALL_HINT = 'reading models from S3 or HTTP(S) needs the remote extra: pip install "sluice[remote]" (obstore)'
+
+
+class RemoteObjectChangedError(OSError):
+    """The object behind a URL changed (another ETag) after Sluice opened it."""
+
+
+def _obstore():
+    try:
+        import obstore
+        import obstore.store
+    except ImportError as e:  # the optional extra is not installed
+        from ..errors import CheckpointError
+
+        raise CheckpointError(INSTALL_HINT) from e
+    return obstore
+
+
+def retry_config(retries: int = RETRIES, init_backoff: float = 0.1, max_backoff: float = 5.0,
+                 timeout: float = 120.0) -> dict:
+    return {"max_retries": retries, "retry_timeout": timedelta(seconds=timeout),
+            "backoff": {"init_backoff": timedelta(seconds=init_backoff),
+                        "max_backoff": timedelta(seconds=max_backoff), "base": 2}}
+
+
+def open_object_store(url: str, *, ca_bundle: str | None = None, endpoint: str | None = None,
+                      retries: int = RETRIES, backoff: float = 0.1, timeout: float = 60.0):
+    """``(store, path)`` for an ``s3://bucket/key`` or ``http(s)://host/dir/file`` URL.
+
+    ``ca_bundle``: a PEM file of extra CA certificates to trust (TLS verification is always on).
+    ``endpoint``: an S3-compatible endpoint instead of AWS (else ``AWS_ENDPOINT_URL``).
+    """
+    obstore = _obstore()
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    opts: dict = {"timeout": f"{timeout:g}s", "connect_timeout": "10s"}
+    if ca_bundle:
+        with open(ca_bundle, encoding="ascii") as f:
+            opts["root_certificate"] = f.read()
+    retry = retry_config(retries, init_backoff=backoff, max_backoff=max(backoff, 5.0), timeout=timeout * 2)
+    if scheme == "s3":
+        bucket, key = parts.netloc, parts.path.lstrip("/")
+        if not bucket or not key:
+            raise OSError(f"{url}: an S3 URL names a bucket and a key (s3://bucket/path/file)")
+        config = {}
+        if endpoint:
+            config["endpoint"] = endpoint
+            if endpoint.startswith("http://"):
+                opts["allow_http"] = True
+        return obstore.store.S3Store(bucket, config=config or None, client_options=opts, retry_config=retry), key
+    if scheme in ("http", "https"):
+        base, _, name = parts.path.rpartition("/")
+        if not name:
+            raise OSError(f"{url}: the URL names a directory, not a file")
+        if scheme == "http":
+            opts["allow_http"] = True
+        root = f"{scheme}://{parts.netloc}{base}"
+        return obstore.store.HTTPStore(root, client_options=opts, retry_config=retry), name
+    raise OSError(f"{url}: unknown URL scheme {scheme!r} (Sluice reads s3://, http:// and https://)")
+
+
+class RemoteSource(ByteSource):
+    """One object at ``url`` (``s3://`` or ``http(s)://``), its ETag pinned at open.
+
+    ``store``/``path`` may be given (an obstore store and the object's path in it) instead of
+    being made from the URL; ``url`` is then only the name errors use.
+    """
+
+    direct_io = False
+    alignment = 1
+    read_size = READ_BYTES
+
+    def __init__(self, url: str, *, store=None, path: str | None = None, stats: ReadStats | None = None, **options):
+        self.name = url
+        self.stats = stats if stats is not None else ReadStats()
+        self._obstore = _obstore()
+        if store is None:
+            store, path = open_object_store(url, **options)
+        self._store, self._path = store, path
+        try:
+            meta = self._obstore.head(store, path)
+        except (FileNotFoundError, self._obstore.exceptions.NotFoundError):
+            raise FileNotFoundError(f"{url}: no such file") from None
+        except Exception as e:
+            raise OSError(f"cannot open {url}: {_reason(e)}") from None
+        self.size = int(meta["size"])
+        self.etag = meta.get("e_tag")
+        self._modified = meta.get("last_modified")
+        self.version = self.etag or f"{self.size}:{self._modified.isoformat() if self._modified else ''}"
+
+    def read_aligned(self, buf: memoryview, offset: int) -> int:
+        n = max(0, min(len(buf), self.size - offset))
+        if n:
+            self._get(buf[:n], offset)
+        return n
+
+    def read_into(self, dest: memoryview, offset: int) -> None:
+        n = len(dest)
+        if offset < 0 or offset + n > self.size:
+            raise OSError(f"read of {n} bytes at offset {offset} is outside the object ({self.size} bytes): {self.name}")
+        if n:
+            self._get(dest, offset)
+
+    def _get(self, dest: memoryview, offset: int) -> None:
+        n = len(dest)
+        options: dict = {"range": (offset, offset + n)}
+        if self.etag:
+            options["if_match"] = self.etag
+        elif self._modified is not None:
+            options["if_unmodified_since"] = self._modified
+        try:
+            result = self._obstore.get(self._store, self._path, options=options)
+            etag = result.meta.get("e_tag")
+            data = result.bytes()
+        except self._obstore.exceptions.PreconditionError:
+            raise RemoteObjectChangedError(
+                f"{self.name} changed on the server while in use (its ETag is no longer {self.etag}); "
+                "restart to read the new version") from None
+        except Exception as e:
+            raise OSError(f"read of {n} bytes at offset {offset} failed: {self.name}: {_reason(e)}") from None
+        if self.etag and etag and etag != self.etag:
+            raise RemoteObjectChangedError(f"{self.name} changed on the server while in use "
+                                           f"(ETag {etag}, opened as {self.etag})")
+        if len(data) != n:
+            raise OSError(f"short read: {len(data)} of {n} bytes at offset {offset}: {self.name}")
+        dest[:] = memoryview(data)
+        self.stats.add(n)
+
+    def close(self) -> None:
+        self._store = None
+
+
+class RemoteStore(Store):
+    """A model's files under a URL prefix (``s3://bucket/models/olmoe``, ``https://host/models/olmoe``):
+    member ``name`` is ``<url>/<name>``. One client (connection pool) for all members; metadata
+    members are read whole, data members opened as ``RemoteSource``s; ``local_file`` (the
+    tokenizer's file) is a copy in the local file cache keyed by URL and ETag (``Store``)."""
+
+    def __init__(self, url: str, **options):
+        self.location = url.rstrip("/")
+        self._obstore = _obstore()
+        # the store is rooted at the prefix: members are plain names inside it
+        self._store, self._prefix = open_object_store(self.location + "/_", **options)
+        self._prefix = self._prefix[:-1]  # "" for HTTP (rooted at the directory), "models/olmoe/" for S3
+
+    def locate(self, name: str) -> str:
+        return f"{self.location}/{name}"
+
+    def _head(self, name: str):
+        try:
+            return self._obstore.head(self._store, self._prefix + name)
+        except (FileNotFoundError, self._obstore.exceptions.NotFoundError):
+            return None
+        except Exception as e:
+            raise OSError(f"cannot read {self.locate(name)}: {_reason(e)}") from None
+
+    def exists(self, name: str) -> bool:
+        return self._head(name) is not None
+
+    def is_directory(self) -> bool:
+        """S3: any object under the prefix. HTTP cannot list: the model's ``config.json`` or a
+        container's ``manifest.json`` must be there."""
+        if isinstance(self._store, self._obstore.store.S3Store):
+            try:
+                for batch in self._obstore.list(self._store, self._prefix, chunk_size=1):
+                    return bool(batch)
+            except Exception as e:
+                raise OSError(f"cannot list {self.location}: {_reason(e)}") from None
+            return False
+        return self.exists("config.json") or self.exists("manifest.json")
+
+    def names(self) -> list[str]:
+        if not isinstance(self._store, self._obstore.store.S3Store):
+            raise OSError(f"{self.location}: an HTTP server cannot list a directory; name the files")
+        try:
+            out = [m["path"][len(self._prefix):] for batch in self._obstore.list(self._store, self._prefix)
+                   for m in batch]
+        except Exception as e:
+            raise OSError(f"cannot list {self.location}: {_reason(e)}") from None
+        return sorted(n for n in out if n and "/" not in n)
+
+    def read_bytes(self, name: str) -> bytes:
+        try:
+            return bytes(self._obstore.get(self._store, self._prefix + name).bytes())
+        except (FileNotFoundError, self._obstore.exceptions.NotFoundError):
+            raise FileNotFoundError(f"{self.locate(name)}: no such file") from None
+        except Exception as e:
+            raise OSError(f"cannot read {self.locate(name)}: {_reason(e)}") from None
+
+    def open(self, name: str, *, direct: bool | None = None, stats: ReadStats | None = None) -> ByteSource:
+        return RemoteSource(self.locate(name), store=self._store, path=self._prefix + name, stats=stats)
+
+    def __repr__(self) -> str:
+        return f"<RemoteStore {self.location}>"
+
+
+def _reason(e: Exception) -> str:
+    """The first line of a client error (obstore appends a debug dump; headers are not in it),
+    and the cause a user can act on when the dump names one deeper down."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    m = re.search(r"InvalidCertificate\(\s*(\w+)", text)
+    if m:
+        first += (f" (the server's TLS certificate is not trusted: {m.group(1)}; "
+                  "give the CA certificate that signed it as a CA bundle)")
+    elif "Connection refused" in text:
+        first += " (connection refused)"
+    return f"{type(e).__name__}: {first}"
