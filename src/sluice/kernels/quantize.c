@@ -1,5 +1,5 @@
-/* Quantizers used by `sluice convert` (plain C, no SIMD intrinsics; ISO C, so no FMA
- * contraction and no reordering of floating-point sums).
+/* Quantizers used by `sluice convert` (C with GCC/clang vector types, no intrinsics; ISO C, so no
+ * FMA contraction and no reordering of floating-point sums; halves converted in integer code).
  *
  * sk_q4_quantize: the q4 format's scale search (see quant/q4.py) for rows [r0, r1) of a
  * row-major fp32 matrix [rows, kp] (kp a multiple of 32). Every sum over a group of 32 is
@@ -13,6 +13,13 @@
 #pragma GCC diagnostic ignored "-Wpsabi"  /* vector helpers are always inlined: no ABI crosses */
 #define SK_EXPORT __attribute__((visibility("default")))
 #define GROUP 32
+
+/* an AVX2 copy chosen at load time where the toolchain can (GNU ifunc); portable C elsewhere */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define SK_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define SK_CLONES
+#endif
 
 /* Eight groups at a time, one per lane ([element][lane] arrays), so that every step is the same
  * operation across lanes and the compiler vectorizes it; per group the operations and their order
@@ -55,16 +62,49 @@ static inline __attribute__((always_inline)) void levels(float w[GROUP][LANES], 
     }
 }
 
-static inline __attribute__((always_inline)) float to_half(float x) {
-    x = x < -65504.0f ? -65504.0f : (x > 65504.0f ? 65504.0f : x);
-    return (float)(_Float16)x;
+/* fp32 -> IEEE half bits, round to nearest even (subnormals included; NaN stays a NaN); in
+ * integer arithmetic, so that no compiler support for a half type is needed */
+static inline __attribute__((always_inline)) uint16_t half_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  /* NaN (quiet, payload kept, as torch) */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                        /* rounds to inf */
+    if (a < 0x38800000u) {                                                           /* half subnormal or 0 */
+        if (a < 0x33000000u) return (uint16_t)sign;                                  /* below half the smallest */
+        const uint32_t m = (a & 0x7fffffu) | 0x800000u;
+        const int shift = 126 - (int)(a >> 23);                                      /* 14 .. 24 */
+        uint32_t h = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((a >> 13) - (112u << 10));
+    const uint32_t rem = a & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1))) h++;
+    return (uint16_t)(sign | h);
 }
 
-static uint16_t half_bits(float x) {
-    _Float16 h = (_Float16)x;
-    uint16_t b;
-    memcpy(&b, &h, 2);
-    return b;
+static inline __attribute__((always_inline)) float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t u;
+    if (e == 0) {
+        float f = (float)m * 5.9604644775390625e-8f;  /* m * 2^-24, exact */
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (e == 31) {
+        u = sign | 0x7f800000u | (m << 13);
+    } else {
+        u = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline __attribute__((always_inline)) float to_half(float x) {
+    x = x < -65504.0f ? -65504.0f : (x > 65504.0f ? 65504.0f : x);
+    return half_to_float(half_bits(x));
 }
 
 /* groups [g0, g0 + nl) of one row (nl <= LANES; unused lanes hold zeros and are not stored) */
@@ -118,7 +158,7 @@ static inline __attribute__((always_inline)) void q4_lanes(const float *w, int n
     }
 }
 
-SK_EXPORT __attribute__((target_clones("avx2", "default"))) void sk_q4_quantize(
+SK_EXPORT SK_CLONES void sk_q4_quantize(
     const float *w, int64_t r0, int64_t r1, int64_t kp, const float *cands, int ncand, uint8_t *blocks,
     uint16_t *scales) {
     const int64_t groups = kp / GROUP;
