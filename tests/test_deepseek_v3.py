@@ -14,6 +14,7 @@ import torch
 import sluice
 from conftest import LOGIT_MARGIN, ROUTER_MARGIN, prompt_ids
 from families import to_fp8 as _to_fp8
+from sluice import kernels
 from sluice.convert import convert
 from sluice.layers.mla import MLA
 from sluice.layers.routing import grouped_topk
@@ -206,7 +207,8 @@ def test_transformers_fp8_loading_on_cpu(ds_dir, tmp_path):
 
 
 def test_absorbed_and_naive_attention_agree(ds_dir):
-    """Decode runs MLA absorbed (kv_b folded into q and output), prefill naive; forcing either
+    """Decode runs MLA absorbed (kv_b folded into q and output), and so does prefill with
+    batch-invariant kernels (naive without them, when cheaper); forcing either
     everywhere changes logits by fp32 rounding only and leaves greedy tokens unchanged."""
     path = ds_dir("yarn")
     ids = prompt_ids(seed=3)
@@ -215,7 +217,14 @@ def test_absorbed_and_naive_attention_agree(ds_dir):
         eng = sluice.load(path, memory="4GiB", progress=False)
         attns = [layer.attn for layer in eng.model.layers]
         assert all(isinstance(a, MLA) for a in attns)
-        assert attns[0].use_absorbed(1, 17) and not attns[0].use_absorbed(16, 16)  # the automatic choice
+        # the automatic choice: always absorbed with batch-invariant kernels (one way for every
+        # chunk size), else the cheaper one (naive for a prefill from an empty cache)
+        assert attns[0].use_absorbed(1, 17) and attns[0].use_absorbed(16, 16)
+        prev = kernels.set_batch_invariant(False)
+        try:
+            assert attns[0].use_absorbed(1, 17) and not attns[0].use_absorbed(16, 16)
+        finally:
+            kernels.set_batch_invariant(prev)
         for a in attns:
             a.absorb = mode
         runs[mode] = (eng.forward(ids), eng.generate(ids.tolist(), max_new_tokens=8).token_ids)

@@ -74,10 +74,12 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def expected(fmt, x: torch.Tensor, qm: QuantMatrix, t: int) -> torch.Tensor:
     """What the fused or batched path computes in exact arithmetic: the reference dequantized
-    matrix times the activations the kernel uses (q8-rounded in "q8" mode, for few tokens)."""
+    matrix times the activations the kernel uses (q8-rounded in "q8" mode, for few tokens, or
+    for every batch with batch-invariant kernels: the fused kernel then serves every batch)."""
     kp = fmt.padded_k(qm.k)
     xp = torch.nn.functional.pad(x, (0, kp - qm.k))
-    if kernels.available() and t <= fmt.batch_limit() and quant.activations(fmt.name) == "q8":
+    fused = t <= fmt.batch_limit() or kernels.batch_invariant()
+    if kernels.available() and fused and quant.activations(fmt.name) == "q8":
         xp = fake_quantize_activations(xp)
     w = fmt.dequantize_rows(qm.parts, qm.n, qm.k, 0, qm.n)
     return xp.double() @ w.double().T, bound(xp, w)

@@ -11,15 +11,16 @@ import torch
 
 from .. import kernels
 from ..layers.mlp import activation
+from ..layers.pointwise import pointwise
 from ..quant import linear, linear_chain
-from ..quant.dense import CHAIN_BATCH
+from ..quant.dense import chain_rows
 from .spec import ExpertSpec
 
 
 def _gate_up(spec: ExpertSpec, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if "gate_up_t" in w:  # [H, 2I] input-major, gate/up interleaved columns
         gu, b = w["gate_up_t"], w.get("gate_up_bias")
-        if x.shape[0] <= CHAIN_BATCH and kernels.chain_available():  # one call: each output's sum as apart
+        if chain_rows(x.shape[0]):  # one call: each output's sum as apart
             y = linear_chain(x, gu, b, input_major=True)
             return y[:, 0::2], y[:, 1::2]
         return (linear_chain(x, gu[:, 0::2], None if b is None else b[0::2], input_major=True),
@@ -46,8 +47,11 @@ _DENSE = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _fused_ok(spec: ExpertSpec, w: dict, x: torch.Tensor) -> bool:
-    """One token, plain SwiGLU (silu) over dense gate/up/down of one dtype, no biases."""
-    if x.shape[0] != 1 or spec.variant != "swiglu" or spec.act not in ("silu", "swish") or len(w) != 3:
+    """Plain SwiGLU (silu) over dense gate/up/down of one dtype, no biases; one token, or any
+    number with batch-invariant kernels (then every row equals its one-token result)."""
+    if x.shape[0] != 1 and not kernels.batch_invariant():
+        return False
+    if spec.variant != "swiglu" or spec.act not in ("silu", "swish") or len(w) != 3:
         return False
     g, u, d = w.get("gate"), w.get("up"), w.get("down")
     return (isinstance(g, torch.Tensor) and isinstance(u, torch.Tensor) and isinstance(d, torch.Tensor)
@@ -58,12 +62,16 @@ def _fused_ok(spec: ExpertSpec, w: dict, x: torch.Tensor) -> bool:
 def expert_output(spec: ExpertSpec, w: dict, x: torch.Tensor, scale: float) -> torch.Tensor:
     """``scale * expert(x)``: one C call per expert when decoding a plain SwiGLU expert."""
     if _fused_ok(spec, w, x):
-        return kernels.swiglu(x.contiguous(), w["gate"], w["up"], w["down"], scale)
+        if x.shape[0] == 1:
+            return kernels.swiglu(x.contiguous(), w["gate"], w["up"], w["down"], scale)
+        return kernels.swiglu_rows(x.contiguous(), w["gate"], w["up"], w["down"], scale)
     return expert_forward(spec, w, x) * scale
 
 
 def expert_forward(spec: ExpertSpec, w: dict, x: torch.Tensor) -> torch.Tensor:
     """x: [n, H] fp32 -> [n, H] fp32."""
+    if kernels.batch_invariant() and _fused_ok(spec, w, x):  # rows equal to expert_output's (times 1.0)
+        return kernels.swiglu_rows(x.contiguous(), w["gate"], w["up"], w["down"], 1.0)
     if spec.variant == "swiglu":
         act = activation(spec.act)
         g, u = _gate_up(spec, w, x)
@@ -74,5 +82,5 @@ def expert_forward(spec: ExpertSpec, w: dict, x: torch.Tensor) -> torch.Tensor:
         g, u = _gate_up(spec, w, x)
         g = g.clamp(max=spec.limit)
         u = u.clamp(-spec.limit, spec.limit)
-        return _down(spec, w, (u + 1) * (g * torch.sigmoid(g * spec.alpha)))
+        return _down(spec, w, (u + 1) * (g * pointwise(torch.sigmoid, g * spec.alpha)))
     raise ValueError(f"unknown expert variant {spec.variant!r}")

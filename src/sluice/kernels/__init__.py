@@ -38,6 +38,7 @@ class _Lib:
         self.error: str | None = None
         self.fp8 = False
         self.chain = False
+        self.invariant = False
         path = _find_library()
         if path is None:
             self.error = "C kernels not built (no compiler at install time?): using torch fallbacks"
@@ -60,6 +61,16 @@ class _Lib:
             lib.sk_transpose_f32.restype = None
         lib.sk_swiglu.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float, i]
         lib.sk_swiglu.restype = None
+        self.invariant = hasattr(lib, "sk_attend")  # the batch-invariant kernels (attention, swiglu rows)
+        if self.invariant:
+            lib.sk_allow_avx512.argtypes = [i]
+            lib.sk_allow_avx512.restype = i
+            lib.sk_swiglu_rows.argtypes = [p, p, p, p, p, p, i, i, i, i, ctypes.c_float, i]
+            lib.sk_swiglu_rows.restype = None
+            lib.sk_attend.argtypes = [p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, p, i]
+            lib.sk_attend.restype = None
+            lib.sk_delta_rule.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i]
+            lib.sk_delta_rule.restype = None
         lib.sk_set_threads.argtypes = [i]
         lib.sk_set_threads.restype = i
         lib.sk_has_avx2.restype = i
@@ -98,12 +109,39 @@ def available() -> bool:
     return _lib.lib is not None
 
 
+# Batch invariance (the default): every product runs on C kernels whose per-output summation
+# order does not depend on the number of rows, so a token's logits are the same decoded alone,
+# in a prefill chunk of any size, or next to other sequences. Off: the fastest paths (sgemm and
+# torch attention for larger batches), whose bits change with the batch shape. Benchmarks only.
+_batch_invariant = True
+
+
+def batch_invariant() -> bool:
+    """Whether the batch-invariant kernels are in use (on, and the C kernels are built)."""
+    return _batch_invariant and _lib.lib is not None and _lib.invariant and _lib.chain
+
+
+def allow_avx512(on: bool) -> bool:
+    """Tests and benchmarks: let the tiled product use AVX-512 where the CPU has it (default),
+    or keep it on AVX2 (the same bits); returns whether the CPU has AVX-512F."""
+    return bool(_lib.lib.sk_allow_avx512(int(on))) if _lib.invariant else False
+
+
+def set_batch_invariant(on: bool) -> bool:
+    """Turn batch-invariant kernels on (default) or off (benchmarks); returns the previous setting."""
+    global _batch_invariant
+    prev, _batch_invariant = _batch_invariant, bool(on)
+    return prev
+
+
 def set_threads(n: int) -> None:
     _lib.set_threads(n)
 
 
 def info() -> dict:
+    avx512 = bool(_lib.lib.sk_allow_avx512(-1)) if available() and _lib.invariant else False
     return {"available": available(), "avx2": bool(_lib.lib.sk_has_avx2()) if available() else False,
+            "avx512": avx512 and bool(_lib.lib.sk_has_avx2()),
             "threads": _lib.threads, "error": _lib.error}
 
 
@@ -262,3 +300,53 @@ def set_schedule(dynamic: bool) -> None:
 def bench_sum(a: torch.Tensor) -> float:
     """Benchmarks only: sum of a contiguous fp32 tensor on the kernels' thread pool (read bandwidth)."""
     return _lib.lib.sk_bench_sum(a.data_ptr(), a.numel(), _lib.threads)
+
+
+def swiglu_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """``swiglu`` for T tokens: x [T, H] -> [T, H]; each row bit-identical to ``swiglu`` on it alone."""
+    t = x.shape[0]
+    i, h = gate.shape
+    scratch = torch.empty(2 * t * i, dtype=torch.float32)
+    y = torch.empty(t, h, dtype=torch.float32)
+    _lib.lib.sk_swiglu_rows(x.data_ptr(), gate.data_ptr(), up.data_ptr(), down.data_ptr(), scratch.data_ptr(),
+                            y.data_ptr(), t, h, i, _WTYPE[gate.dtype], scale, _lib.threads)
+    return y
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
+           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention, one (query, head) at a time in a fixed order (batch-invariant).
+
+    q [T, Hq, D], k [Hkv, >= L, D], v [Hkv, >= L, Dv] fp32 with a contiguous last dimension,
+    L = q_start + T; sinks fp32 [Hq] or None -> [T, Hq, Dv]."""
+    t, hq, d = q.shape
+    hkv, dv = k.shape[0], v.shape[-1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("attend: keys and values need a contiguous last dimension")
+    out = torch.empty(t, hq, dv, dtype=torch.float32)
+    strides = (ctypes.c_long * 8)(q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                  out.stride(0), out.stride(1))
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    _lib.lib.sk_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if sinks is None else sinks.data_ptr(),
+                       out.data_ptr(), t, hq, hkv, d, dv, q_start, window or 0, scale, strides, _lib.threads)
+    return out
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, beta: torch.Tensor,
+               S: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule's recurrence over T tokens, token by token (batch-invariant).
+
+    q, k [T, H, Dk]; v [T, H, Dv]; a = exp(g): [T, H] or [T, H, Dk]; beta [T, H]; S [H, Dk, Dv]
+    or None (zeros), all fp32 -> (o [T, H, Dv], new S). S is not modified."""
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    S = torch.zeros(h, dk, dv, dtype=torch.float32) if S is None else S.float().clone()
+    q, k, v, a, beta = (x.float().contiguous() for x in (q, k, v, a, beta))
+    o = torch.empty(t, h, dv, dtype=torch.float32)
+    _lib.lib.sk_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), a.data_ptr(), beta.data_ptr(), S.data_ptr(),
+                           o.data_ptr(), t, h, dk, dv, int(a.dim() == 3), _lib.threads)
+    return o, S

@@ -133,6 +133,153 @@ AVX2 static void dense_rows_avx2(const dense_args *a, int n0, int n1) {
     }
 }
 
+/* The scalar tail of dense_rows_avx2 (k >= K16), shared by the tiled kernel so that both
+ * compile it the same way (same contraction) and every output keeps one summation order. */
+AVX2 static inline float dense_tail(const float *x, const void *w, size_t r0, int K16, int K, int wt, float s) {
+    for (int k = K16; k < K; k++) {
+        size_t idx = r0 + k;
+        float wv = wt == WT_F32 ? ((const float *)w)[idx]
+                 : wt == WT_BF16 ? bf16_to_f32(((const uint16_t *)w)[idx])
+                 : f16_to_f32(((const uint16_t *)w)[idx]);
+        s += x[k] * wv;
+    }
+    return s;
+}
+
+/*
+ * Batch-invariant tiled form of dense_rows_avx2: a tile of 2 rows x NT tokens (NT <= 3) keeps
+ * the two accumulators of each of its outputs in registers, so each weight load serves NT
+ * tokens and each activation load 2 rows. Every output is summed exactly as dense_rows_avx2
+ * sums it (a0 over k % 16 < 8, b0 over the rest, ascending k; hsum8(a0 + b0); the scalar
+ * tail; the bias), so a row's result does not depend on how many rows come with it.
+ */
+__attribute__((always_inline)) AVX2 static inline void dense_tile(const dense_args *a, int n, int nr, int t0,
+                                                                  const int NT) {
+    const int K = a->K, wt = a->wtype;
+    const int K16 = K & ~15;
+    __m256 acc[2][3][2];
+    for (int r = 0; r < 2; r++)
+        for (int t = 0; t < 3; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+    const size_t w0 = (size_t)n * K, w1 = (size_t)(n + (nr > 1 ? 1 : 0)) * K;
+    const float *x0 = a->x + (size_t)t0 * K;
+    for (int k = 0; k < K16; k += 16) {
+        for (int h = 0; h < 2; h++) {
+            const __m256 wa = load8(a->w, w0 + k + 8 * h, wt), wb = load8(a->w, w1 + k + 8 * h, wt);
+            for (int t = 0; t < NT; t++) {
+                const __m256 xv = _mm256_loadu_ps(x0 + (size_t)t * K + k + 8 * h);
+                acc[0][t][h] = _mm256_fmadd_ps(wa, xv, acc[0][t][h]);
+                acc[1][t][h] = _mm256_fmadd_ps(wb, xv, acc[1][t][h]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < NT; t++) {
+            const float *x = x0 + (size_t)t * K;
+            float s = sk_hsum8(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));
+            s = dense_tail(x, a->w, r ? w1 : w0, K16, K, wt, s);
+            a->y[(size_t)(t0 + t) * a->N + n + r] = s + (a->bias ? a->bias[n + r] : 0.0f);
+        }
+}
+
+AVX2 static void dense_tiled_avx2(const dense_args *a, int n0, int n1) {
+    const int T = a->T;
+    int t0 = 0;
+    for (; t0 + 3 <= T; t0 += 3)
+        for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, 3);
+    if (T - t0 == 2)
+        for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, 2);
+    else if (T - t0 == 1)
+        for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, 1);
+}
+
+/*
+ * AVX-512 form of the same tile, chosen at run time where the CPU has AVX-512F: one zmm
+ * accumulator per output holds dense_rows_avx2's two chains side by side (lanes 0-7 are a0,
+ * lanes 8-15 are b0: the same fma chain per lane), and the final hsum8(low + high) is
+ * dense_rows_avx2's hsum8(a0 + b0). 32 registers fit a tile of 4 rows x 6 tokens.
+ */
+#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+AVX512 static inline __m512 load16z(const void *w, size_t idx, int wtype) {
+    if (wtype == WT_BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + idx));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else if (wtype == WT_F16) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + idx)));
+    }
+    return _mm512_loadu_ps((const float *)w + idx);
+}
+
+__attribute__((always_inline)) AVX512 static inline void dense_tile512(const dense_args *a, int n, int nr, int t0,
+                                                                       const int NT) {
+    const int K = a->K, wt = a->wtype;
+    const int K16 = K & ~15;
+    __m512 acc[4][6];
+    for (int r = 0; r < 4; r++)
+        for (int t = 0; t < 6; t++) acc[r][t] = _mm512_setzero_ps();
+    size_t wr[4];
+    for (int r = 0; r < 4; r++) wr[r] = (size_t)(n + (r < nr ? r : 0)) * K;
+    const float *x0 = a->x + (size_t)t0 * K;
+    for (int k = 0; k < K16; k += 16) {
+        const __m512 w0 = load16z(a->w, wr[0] + k, wt), w1 = load16z(a->w, wr[1] + k, wt);
+        const __m512 w2 = load16z(a->w, wr[2] + k, wt), w3 = load16z(a->w, wr[3] + k, wt);
+        for (int t = 0; t < NT; t++) {
+            const __m512 xv = _mm512_loadu_ps(x0 + (size_t)t * K + k);
+            acc[0][t] = _mm512_fmadd_ps(w0, xv, acc[0][t]);
+            acc[1][t] = _mm512_fmadd_ps(w1, xv, acc[1][t]);
+            acc[2][t] = _mm512_fmadd_ps(w2, xv, acc[2][t]);
+            acc[3][t] = _mm512_fmadd_ps(w3, xv, acc[3][t]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < NT; t++) {
+            const float *x = x0 + (size_t)t * K;
+            const __m256 lo = _mm512_castps512_ps256(acc[r][t]);
+            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][t]), 1));
+            float s = sk_hsum8(_mm256_add_ps(lo, hi));
+            s = dense_tail(x, a->w, wr[r], K16, K, wt, s);
+            a->y[(size_t)(t0 + t) * a->N + n + r] = s + (a->bias ? a->bias[n + r] : 0.0f);
+        }
+}
+
+AVX512 static void dense_tiled_avx512(const dense_args *a, int n0, int n1) {
+    const int T = a->T;
+    int t0 = 0;
+#define SK_TILE_ROWS(NT_) for (int n = n0; n < n1; n += 4) dense_tile512(a, n, n1 - n < 4 ? n1 - n : 4, t0, NT_)
+    for (; t0 + 6 <= T; t0 += 6) SK_TILE_ROWS(6);
+    switch (T - t0) {
+    case 5: SK_TILE_ROWS(5); break;
+    case 4: SK_TILE_ROWS(4); break;
+    case 3: SK_TILE_ROWS(3); break;
+    case 2: SK_TILE_ROWS(2); break;
+    case 1: SK_TILE_ROWS(1); break;
+    default: break;
+    }
+#undef SK_TILE_ROWS
+}
+
+static int g_have_avx512 = -1;
+static int g_allow_avx512 = 1;
+
+static int sk_avx512(void) {
+    if (g_have_avx512 < 0) {
+        __builtin_cpu_init();
+        const char *off = getenv("SLUICE_KERNELS_NO_AVX512");
+        g_have_avx512 = __builtin_cpu_supports("avx512f") && !(off && off[0] == '1');
+    }
+    return g_have_avx512 && g_allow_avx512;
+}
+
+/* Tests and benchmarks: 0 keeps the tiled kernel on AVX2 (same bits), 1 allows AVX-512 (default), -1 asks;
+ * returns whether the CPU has AVX-512F (and SLUICE_KERNELS_NO_AVX512 is not 1). */
+EXPORT int sk_allow_avx512(int on) { /* on < 0: only ask */
+    int keep = g_allow_avx512;
+    g_allow_avx512 = 1;
+    int have = sk_avx512();
+    g_allow_avx512 = on < 0 ? keep : on ? 1 : 0;
+    return have;
+}
+
 static int g_have_avx2 = -1;
 
 int sk_avx2(void) {
@@ -149,7 +296,7 @@ int sk_avx2(void) {
 
 /* ------------------------------------------------------------------ scratch ------- */
 
-#define SCRATCH_SLOTS 4
+#define SCRATCH_SLOTS 5
 static _Thread_local struct { void *p; size_t n; } scratch[SCRATCH_SLOTS];
 
 void *sk_scratch(int which, size_t bytes) {
@@ -320,8 +467,11 @@ int sk_chunk_rows(size_t row_bytes, int nrows) {
 
 static void dense_task(void *ctx, int n0, int n1) {
     const dense_args *a = (const dense_args *)ctx;
-    if (sk_avx2()) dense_rows_avx2(a, n0, n1);
-    else dense_rows_c(a, n0, n1);
+    if (sk_avx2()) {
+        if (a->T > 1 && sk_avx512()) dense_tiled_avx512(a, n0, n1);
+        else if (a->T > 1) dense_tiled_avx2(a, n0, n1);
+        else dense_rows_avx2(a, n0, n1);
+    } else dense_rows_c(a, n0, n1);
 }
 
 /* y[T, N] = x[T, K] @ W[N, K]^T (+ bias), W in f32 / bf16 / f16. */
@@ -331,7 +481,15 @@ EXPORT void sk_dense(const float *x, const void *w, const float *bias, float *y,
     size_t row_bytes = (size_t)K * (wtype == WT_F32 ? 4 : 2);
     /* small matrices: not worth waking the pool */
     if ((size_t)N * row_bytes < (64u << 10)) nthreads = 1;
-    sk_parallel(dense_task, &a, N, sk_chunk_rows(row_bytes, N), nthreads);
+    int chunk = sk_chunk_rows(row_bytes, N);
+    if (T > 1) { /* tiled: ~256 KiB of rows per chunk (L2), so the activations are re-read less often */
+        size_t r = (256u << 10) / (row_bytes ? row_bytes : 1);
+        size_t per_thread = ((size_t)N + nthreads - 1) / (nthreads > 0 ? nthreads : 1);
+        if (r > per_thread) r = per_thread;
+        if (r < (size_t)chunk) r = chunk;
+        chunk = r > (size_t)N ? N : (int)r;
+    }
+    sk_parallel(dense_task, &a, N, chunk, nthreads);
 }
 
 /* ------------------------------------------------------- one SwiGLU expert ---- */
@@ -349,6 +507,18 @@ EXPORT void sk_swiglu(const float *x, const void *gate, const void *up, const vo
     for (int i = 0; i < I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     sk_dense(g, down, NULL, y, 1, H, I, wtype, nthreads);
     for (int i = 0; i < H; i++) y[i] *= scale;
+}
+
+/* sk_swiglu for T tokens (scratch: 2 * T * I floats): each token's output bit-identical to
+ * sk_swiglu on that token alone (sk_dense is batch-invariant; the activation is per element). */
+EXPORT void sk_swiglu_rows(const float *x, const void *gate, const void *up, const void *down, float *scratch,
+                           float *y, int T, int H, int I, int wtype, float scale, int nthreads) {
+    float *g = scratch, *u = scratch + (size_t)T * I;
+    sk_dense(x, gate, NULL, g, T, I, H, wtype, nthreads);
+    sk_dense(x, up, NULL, u, T, I, H, wtype, nthreads);
+    for (size_t i = 0; i < (size_t)T * I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    sk_dense(g, down, NULL, y, T, H, I, wtype, nthreads);
+    for (size_t i = 0; i < (size_t)T * H; i++) y[i] *= scale;
 }
 
 /* ------------------------------------------------- input-major weights (x @ W) ---- */
@@ -657,7 +827,7 @@ EXPORT void sk_transpose_f32(const void *src, float *dst, int K, int N, long lon
 
 EXPORT int sk_has_avx2(void) { return sk_avx2(); }
 
-EXPORT int sk_version(void) { return 3; }
+EXPORT int sk_version(void) { return 4; }
 
 /* ------------------------------------------------------------ benchmark helper ---- */
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..quant import linear
 from .norm import RMSNorm
 from .rotary import apply_rotary
@@ -50,8 +51,11 @@ def attend(
     """Causal attention of queries at positions q_start.. over keys 0..L-1.
 
     q: [T, Hq, D]; k: [Hkv, L, D]; v: [Hkv, L, Dv]; sinks: [Hq] extra softmax logits.
-    Returns [T, Hq, Dv]. Queries are processed in blocks so scores stay bounded.
+    Returns [T, Hq, Dv]. With batch-invariant kernels (the default) one C call computes each
+    (query, head) in a fixed order; otherwise torch, in query blocks so scores stay bounded.
     """
+    if kernels.batch_invariant():
+        return kernels.attend(q, k, v, q_start, scale, window, sinks)
     t, hq, d = q.shape
     hkv, n_keys, _ = k.shape
     r = hq // hkv

@@ -12,6 +12,7 @@ import torch
 from ..quant import linear
 from .attention import Attention, attend
 from .norm import RMSNorm
+from .pointwise import pointwise
 from .rotary import apply_rotary
 
 
@@ -33,4 +34,4 @@ class GatedAttention(Attention):
         cache.write(start, k, v)
         end = start + t
         o = attend(q, cache.k[:, :end], cache.v[:, :end], start, self.scale, self.window, self.sinks)
-        return linear(o.reshape(t, -1) * torch.sigmoid(gate), self.wo, self.bo)
+        return linear(o.reshape(t, -1) * pointwise(torch.sigmoid, gate), self.wo, self.bo)

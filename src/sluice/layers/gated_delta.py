@@ -7,9 +7,11 @@ Both layers keep, per sequence, a short causal-convolution window and a recurren
     o_t = S_t^T q_t
 
 with ``a_t = exp(g_t)``: one decay per head (Gated DeltaNet, g [H, T]) or one per key
-channel (KDA, g [H, T, Dk]). A forward of one token uses that recurrence directly; a
-longer forward uses the equivalent chunked form (a unit-triangular solve per chunk, then
-one state update per chunk). The two agree to fp32 rounding.
+channel (KDA, g [H, T, Dk]). With batch-invariant kernels (the default) every forward runs
+that recurrence token by token in C (``kernels.delta_rule``), so a prefill chunk of any size
+gives the bits of decoding; otherwise a forward of one token uses the recurrence and a longer
+one the equivalent chunked form (a unit-triangular solve per chunk, then one state update per
+chunk). The two agree to fp32 rounding.
 
 State tensors are never updated in place: every forward builds new ones, so a snapshot of
 a layer state is a pair of references (see ``LinearState``).
@@ -28,8 +30,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..quant import linear
 from .mlp import activation
+from .pointwise import pointwise
 
 # Snapshots each recurrent layer keeps besides its current state (the most recent marks).
 SNAPSHOTS = 2
@@ -116,7 +120,7 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor | None, weight: torch.Tens
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act) -> torch.Tensor:
     """``weight * rmsnorm(x) * act(gate)`` over the last dim (fp32)."""
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x * act(gate)
+    return weight * x * pointwise(act, gate)
 
 
 def delta_rule_step(q, k, v, g, beta, S):
@@ -124,7 +128,7 @@ def delta_rule_step(q, k, v, g, beta, S):
     h, dk = k.shape
     if S is None:
         S = k.new_zeros(h, dk, v.shape[-1])
-    a = g.exp()
+    a = pointwise(torch.exp, g)
     S = S * (a[:, None, None] if a.dim() == 1 else a[:, :, None])
     kv = torch.matmul(k[:, None, :], S)[:, 0]  # S^T k: [H, Dv]
     u = (v - kv) * beta[:, None]
@@ -189,7 +193,24 @@ def delta_rule_chunked(q, k, v, g, beta, S, chunk: int | None = None):
 
 
 def delta_rule(q, k, v, g, beta, S):
-    """Recurrent form for one token, chunked form otherwise. Same shapes as ``delta_rule_chunked``."""
+    """Recurrent form for one token, chunked form otherwise. Same shapes as ``delta_rule_chunked``.
+
+    With batch-invariant kernels (the default) every token takes the recurrent step, on inputs
+    laid out as a lone token's, so a prefill chunk of any size gives the bits of token-by-token
+    decoding (the chunked form is another summation order: it agrees to fp32 rounding only)."""
+    if kernels.batch_invariant() and q.dtype == torch.float32:
+        # the C recurrence: the same arithmetic per token whatever T is
+        a = pointwise(torch.exp, g)
+        o, S = kernels.delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), a.transpose(0, 1),
+                                  beta.t(), S)
+        return o.transpose(0, 1), S
+    if kernels.batch_invariant():
+        outs = []
+        for i in range(k.shape[1]):
+            o, S = delta_rule_step(q[:, i].contiguous(), k[:, i].contiguous(), v[:, i].contiguous(),
+                                   g[:, i].contiguous(), beta[:, i].contiguous(), S)
+            outs.append(o)
+        return torch.stack(outs, dim=1), S
     if k.shape[1] == 1:
         o, S = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
         return o[:, None], S
@@ -252,8 +273,8 @@ class GatedDeltaNet(_LinearAttention):
             q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         q = l2norm(q) * dk**-0.5
         k = l2norm(k)
-        beta = torch.sigmoid(b)
-        g = self.neg_a * F.softplus(a + self.dt_bias)
+        beta = pointwise(torch.sigmoid, b)
+        g = self.neg_a * pointwise(F.softplus, a + self.dt_bias)
         o, rec = delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(), state.rec)
         state.advance(start, window, rec, t)
         o = gated_rms_norm(o.transpose(0, 1), z.reshape(t, self.n_v, dv), self.norm_weight, self.eps, F.silu)
@@ -291,8 +312,8 @@ class KimiDeltaAttention(_LinearAttention):
         k = l2norm(mixed[:, 1])
         v = mixed[:, 2]
         f = linear(linear(x, self.f_a), self.f_b).view(t, h, d) + self.dt_bias
-        g = -self.a_log.float().exp().reshape(h, 1) * F.softplus(f)  # [T, H, D]
-        beta = torch.sigmoid(linear(x, self.w_b))  # [T, H]
+        g = -self.a_log.float().exp().reshape(h, 1) * pointwise(F.softplus, f)  # [T, H, D]
+        beta = pointwise(torch.sigmoid, linear(x, self.w_b))  # [T, H]
         o, rec = delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.transpose(0, 1), beta.t(),
                             state.rec)
         state.advance(start, window, rec, t)

@@ -17,7 +17,9 @@ Two exact-in-real-arithmetic ways to attend (they differ by fp32 rounding only):
   head of dim R + Dr / R, then ``o = o_lat @ W_uv[h]^T``. Each step costs O(R) per cached
   position instead of expanding all of them: the decode path.
 
-``MLA`` picks the cheaper one per call (``absorb=None``), bounded in memory either way.
+``MLA`` picks the cheaper one per call (``absorb=None``), bounded in memory either way; with
+batch-invariant kernels (the default) it always absorbs (unless told otherwise) and computes
+each head's products with the C kernels, so a token's output does not depend on the chunk.
 
 Shape legend: T query tokens, L cached positions, H heads, R kv_lora_rank, Dn/Dr/Dv the
 no-rope, rope and value head dims.
@@ -27,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import linear
+from .. import kernels
+from ..quant import linear, linear_t
 from ..quant.fp8 import BlockFP8, matrix_rows
 from .attention import attend
 from .norm import RMSNorm
@@ -134,6 +137,8 @@ class MLA:
         """Whether a call with ``t`` queries over ``end`` positions runs absorbed (cost model)."""
         if self.absorb is not None:
             return self.absorb
+        if kernels.batch_invariant():  # one way for every chunk size (the decode one)
+            return True
         h, r, dn, dr, dv = self.h, self.rank, self.dn, self.dr, self.dv
         if 4 * end * h * (dn + dr + dv) > EXPAND_BYTES:
             return True
@@ -192,8 +197,11 @@ class MLA:
         kv_b_proj rows when it is not stored in fp32) absorbs, attends and projects out in turn.
         A few tokens over an FP8 kv_b_proj use fused per-head kernels instead (no fp32 copy)."""
         t = q_nope.shape[0]
-        if isinstance(self.wkv_b, BlockFP8) and t <= FUSED_TOKENS:
+        invariant = kernels.batch_invariant()
+        if isinstance(self.wkv_b, BlockFP8) and (t <= FUSED_TOKENS or invariant):
             return self._absorbed_fused(q_nope, q_pe, ckv, start)
+        if invariant:
+            return self._absorbed_rows(q_nope, q_pe, ckv, start)
         r, dn = self.rank, self.dn
         out = torch.empty(t, self.h, self.dv)
         for h0, h1, w in self._head_blocks():
@@ -209,6 +217,22 @@ class MLA:
                 # o[t, h] = o_lat[t, h] @ W_uv[h]^T  ([R] x [R, Dv])
                 o = torch.matmul(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2))
                 out[b0:b1, h0:h1] = o.transpose(0, 1)
+        return out
+
+    def _absorbed_rows(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, start: int) -> torch.Tensor:
+        """The absorbed form on batch-invariant kernels: per head, ``q_nope @ W_uk[h]`` (input-major
+        [Dn, R]) and ``o_lat @ W_uv[h]^T`` (output-major [Dv, R]) row by row in a fixed order."""
+        t, r, dn = q_nope.shape[0], self.rank, self.dn
+        q = torch.empty(t, self.h, r + self.dr)
+        q[..., r:] = q_pe
+        for h0, h1, w in self._head_blocks():
+            for h in range(h0, h1):
+                q[:, h, :r] = linear_t(q_nope[:, h], w[h - h0, :dn])
+        o_lat = attend(q, ckv[None], ckv[None, :, :r], start, self.scale)  # [T, H, R]
+        out = torch.empty(t, self.h, self.dv)
+        for h0, h1, w in self._head_blocks():
+            for h in range(h0, h1):
+                out[:, h] = linear(o_lat[:, h], w[h - h0, dn:])
         return out
 
     def _absorbed_fused(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, start: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from ..quant import linear
+from .pointwise import pointwise
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -20,11 +21,12 @@ ACTIVATIONS = {
 
 def activation(name: str):
     try:
-        return ACTIVATIONS[name]
+        fn = ACTIVATIONS[name]
     except KeyError:
         raise UnsupportedModelError(
             f"activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
         ) from None
+    return lambda x: pointwise(fn, x)  # each element as if computed alone (batch invariance)
 
 
 class GatedMLP:

@@ -7,6 +7,7 @@ import math
 import torch
 
 from ..errors import ConfigError, UnsupportedModelError
+from .pointwise import pointwise
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -55,7 +56,7 @@ class Rotary:
         """positions [T] (int) -> cos, sin [T, dim] fp32."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return pointwise(torch.cos, emb) * self.attention_scaling, pointwise(torch.sin, emb) * self.attention_scaling
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

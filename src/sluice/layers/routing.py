@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import linear
+from .pointwise import pointwise
 
 
 def descending(ids: torch.Tensor, selection: torch.Tensor, weights: torch.Tensor,
@@ -113,12 +114,13 @@ def grouped_topk(
     two best experts; ``"max"``: its best expert), only the ``topk_group`` best groups stay
     eligible, and the top ``k`` eligible experts are chosen. The weights are their unbiased
     scores, optionally renormalised to sum to one (+1e-20), times ``scale``
-    (routed_scaling_factor). As transformers does, the top-k is unsorted and the weights
-    are summed in that order; the result is then sorted by descending selection score.
+    (routed_scaling_factor). The result is sorted by descending selection score and the
+    weights are summed in that order (transformers sums in its unsorted top-k's order, which
+    changes with the number of rows: the same weights up to rounding).
     """
     logits = logits.float()
     if scoring == "sigmoid":
-        scores = torch.sigmoid(logits)
+        scores = pointwise(torch.sigmoid, logits)
     elif scoring == "softmax":
         scores = torch.softmax(logits, dim=-1)
     else:
@@ -138,10 +140,12 @@ def grouped_topk(
         mask = keep[:, :, None].expand(t, n_group, e // n_group).reshape(t, e)
         choice = choice.masked_fill(~mask, float("-inf"))
     selection, ids = torch.topk(choice, k, dim=-1, sorted=False)
-    weights = scores.gather(1, ids)
+    # sorted first, then summed: the unsorted top-k's order changes with the number of rows
+    # (measured), and the sum's order with it; transformers sums in that order (rounding apart)
+    ids, weights = descending(ids, selection, scores.gather(1, ids))
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return descending(ids, selection, weights * scale)
+    return ids, weights * scale
 
 
 class Router:

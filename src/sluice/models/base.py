@@ -27,6 +27,7 @@ import torch
 from ..errors import CheckpointError
 from ..experts.spec import ExpertSpec, ExpertTensors, TensorRef
 from ..layers.norm import RMSNorm
+from ..layers.pointwise import pointwise
 from ..layers.rotary import Rotary
 from ..layers.routing import Router
 from ..quant import linear
@@ -160,7 +161,7 @@ class MoEBlock:
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:
-                s = torch.sigmoid(linear(x, self.shared_gate)) * s
+                s = pointwise(torch.sigmoid, linear(x, self.shared_gate)) * s
             y = y + s
         return y
 

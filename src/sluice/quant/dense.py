@@ -22,13 +22,26 @@ HALF_SMALL_BATCH = 32
 CHAIN_BATCH = 16
 
 
+def chain_rows(t: int) -> bool:
+    """Whether ``t`` rows go through the fma-chain kernels (``linear_chain``'s C path)."""
+    return kernels.batch_invariant() or (t <= CHAIN_BATCH and kernels.chain_available())
+
+
+def _rows(kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A batch-invariant C kernel on x's rows (any leading shape)."""
+    lead = x.shape[:-1]
+    y = kernel(x.reshape(-1, x.shape[-1]).float().contiguous(), weight, bias)
+    return y.reshape(*lead, y.shape[-1])
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` in fp32. x: [T, K] fp32, weight: [N, K] f32/bf16/f16 tensor, or a
     ``QuantMatrix`` / ``BlockFP8`` (anything with ``.linear(x, bias)``).
 
-    Small batches go through the C kernel for every dtype: no fp32 copy of a half-precision
-    weight, and a summation order that depends neither on the weight's address alignment nor
-    on the thread count (BLAS GEMV does depend on both). Larger batches use sgemm, upcasting
+    With batch-invariant kernels (the default, ``kernels.batch_invariant()``) every batch goes
+    through the C kernel: each output's summation order is fixed, whatever the number of rows,
+    the weight's alignment or the thread count (sgemm and BLAS GEMV depend on all three).
+    Otherwise small batches go through the C kernel and larger ones use sgemm, upcasting
     half-precision weights in bounded row chunks (16 MiB at most). A ``QuantMatrix`` does the
     same with its format's kernels; another wrapper (``quant.fp8.BlockFP8``) multiplies itself.
     """
@@ -36,6 +49,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
         return weight.linear(x, bias)
     if bias is not None and bias.dtype != torch.float32:  # e.g. bf16 biases next to f32 weights
         bias = bias.float()
+    if kernels.batch_invariant():
+        return _rows(kernels.dense, x, weight.contiguous(), bias)
     limit = SMALL_BATCH if weight.dtype == torch.float32 else HALF_SMALL_BATCH
     if x.dim() == 2 and x.shape[0] <= limit and kernels.available() and weight.is_contiguous():
         b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
@@ -64,6 +79,8 @@ def linear_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
+    if kernels.batch_invariant():
+        return _rows(kernels.dense_t, x, weight.contiguous(), bias)
     if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.available() and weight.is_contiguous():
         return kernels.dense_t(x.contiguous(), weight, bias)
     if weight.dtype == torch.float32:
@@ -88,7 +105,7 @@ def linear_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``x @ W (+ bias)`` summed in one order whichever way W is stored: ``weight`` is W [K, N]
     (``input_major``, e.g. a strided view into a fused GPT-OSS slice) or W.T [N, K] (canonical).
 
-    Batches up to ``CHAIN_BATCH`` rows (decode, speculation, most experts' share of a prefill)
+    Every batch with batch-invariant kernels (the default), else batches up to ``CHAIN_BATCH`` rows
     go through the C kernels: each output is one fused multiply-add chain over k in ascending
     order (``kernels.dense_t`` on input-major, ``kernels.dense_chain`` on output-major weights:
     the same bits, whatever the batch, tiling or thread count). Larger batches, or no C kernels:
@@ -99,6 +116,8 @@ def linear_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
+    if kernels.batch_invariant():
+        return _rows(kernels.dense_t if input_major else kernels.dense_chain, x, weight.contiguous(), bias)
     if x.dim() == 2 and x.shape[0] <= CHAIN_BATCH and weight.is_contiguous() and kernels.chain_available():
         kernel = kernels.dense_t if input_major else kernels.dense_chain
         return kernel(x.contiguous(), weight, bias)

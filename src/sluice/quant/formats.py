@@ -126,7 +126,7 @@ class Format:
         x = x.contiguous()
         t = x.shape[0]
         b = None if bias is None else bias.float().contiguous()
-        if t <= self.batch_limit():
+        if t <= self.batch_limit() or (kernels.batch_invariant() and self.code is not None):
             if kernels.available() and self.code is not None:
                 w, s = self._kernel_parts(parts)
                 return kernels.qmatmul(self.code, _activation_code(self.name, exact), x, w, s, n, b)
@@ -217,7 +217,7 @@ class QuantMatrix:
                 bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())):
             code, name, w, s, limits = fast
             act = _activation_code(name, self.exact)
-            if x.shape[0] <= limits[act]:
+            if x.shape[0] <= limits[act] or kernels.batch_invariant():
                 return kernels.qmatmul(code, act, x, w, s, self.n, bias)
         lead = x.shape[:-1]
         y = self.format.matmul(x.reshape(-1, self.k), self.parts, self.n, self.k, bias, self.exact)

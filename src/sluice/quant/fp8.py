@@ -144,8 +144,12 @@ class BlockFP8:
         r1 = self.weight.shape[0] if r1 is None else r1
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()
-        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.fp8_available():
-            return kernels.fp8_dense(x.contiguous(), self.weight, self.scale_inv, bias, self.block, r0, r1)
+        if kernels.fp8_available() and (kernels.batch_invariant() or (x.dim() == 2 and x.shape[0] <= SMALL_BATCH)):
+            # batch-invariant: every output's sum in one order, whatever the number of rows
+            lead = x.shape[:-1]
+            y = kernels.fp8_dense(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.scale_inv, bias,
+                                  self.block, r0, r1)
+            return y.reshape(*lead, y.shape[-1])
         n, k = r1 - r0, self.weight.shape[1]
         bn = self.block[0]
         rows = max(bn, (_CHUNK_ELEMS // max(k, 1)) // bn * bn)

@@ -1,0 +1,173 @@
+/*
+ * Batch-invariant causal attention: one (query token, head) pair at a time.
+ *
+ * For query t (position q_start + t) and head h (key/value head h / R), over the keys it may
+ * see (causal, optionally a sliding window):
+ *   s_j = scale * dot(q, k_j)              one fixed summation order over D
+ *   m = max(s_j, sink); p_j = exp(s_j - m)  ascending j
+ *   o = (sum_j p_j v_j) / (sum_j p_j + exp(sink - m))   ascending j, fma per Dv lane
+ * Nothing depends on how many queries share the call, how they are split across threads, or
+ * where the key block starts, so a token's output is the same whether it is decoded alone,
+ * prefilled in a chunk of 7 or of 512 (torch's batched matmul and softmax change their
+ * blocking with the shape and do not promise that).
+ *
+ * Strides are in floats; the last dimension of q, k, v and out is contiguous.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sk.h"
+
+typedef struct {
+    const float *q, *k, *v, *sinks;
+    float *out;
+    int T, Hq, R, D, Dv, q_start, window;
+    long qs_t, qs_h, ks_h, ks_l, vs_h, vs_l, os_t, os_h;
+    float scale;
+} attend_args;
+
+static float dot_c(const float *a, const float *b, int n) {
+    float acc[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+AVX2 static float dot_avx2(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = sk_hsum8(acc);
+    for (; i < n; i++) s = fmaf(a[i], b[i], s);
+    return s;
+}
+
+AVX2 static void axpy_avx2(float p, const float *v, float *o, int n) {
+    const __m256 pv = _mm256_set1_ps(p);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+    for (; i < n; i++) o[i] = fmaf(p, v[i], o[i]);
+}
+
+static void axpy_c(float p, const float *v, float *o, int n) {
+    for (int i = 0; i < n; i++) o[i] = fmaf(p, v[i], o[i]);
+}
+
+static void attend_task(void *ctx, int i0, int i1) {
+    const attend_args *a = (const attend_args *)ctx;
+    const int avx = sk_avx2();
+    const int max_keys = a->q_start + a->T;
+    float *s = (float *)sk_scratch(4, sizeof(float) * (size_t)(max_keys > 0 ? max_keys : 1));
+    for (int i = i0; i < i1; i++) {
+        const int t = i / a->Hq, h = i % a->Hq, g = h / a->R;
+        const int pos = a->q_start + t;
+        int lo = 0;
+        if (a->window > 0 && pos - a->window + 1 > 0) lo = pos - a->window + 1;
+        const float *q = a->q + t * a->qs_t + h * a->qs_h;
+        const float *kh = a->k + g * a->ks_h, *vh = a->v + g * a->vs_h;
+        float *o = a->out + t * a->os_t + h * a->os_h;
+        float m = -INFINITY;
+        for (int j = lo; j <= pos; j++) {
+            const float *kj = kh + (long)j * a->ks_l;
+            float d = avx ? dot_avx2(q, kj, a->D) : dot_c(q, kj, a->D);
+            s[j] = d * a->scale;
+            if (s[j] > m) m = s[j];
+        }
+        float sink = a->sinks ? a->sinks[h] : -INFINITY;
+        if (a->sinks && sink > m) m = sink;
+        memset(o, 0, sizeof(float) * (size_t)a->Dv);
+        float sum = 0.0f;
+        for (int j = lo; j <= pos; j++) {
+            const float p = expf(s[j] - m);
+            sum += p;
+            if (avx) axpy_avx2(p, vh + (long)j * a->vs_l, o, a->Dv);
+            else axpy_c(p, vh + (long)j * a->vs_l, o, a->Dv);
+        }
+        if (a->sinks) sum += expf(sink - m);
+        const float inv = 1.0f / sum;
+        for (int e = 0; e < a->Dv; e++) o[e] *= inv;
+    }
+}
+
+EXPORT void sk_attend(const float *q, const float *k, const float *v, const float *sinks, float *out, int T, int Hq,
+                      int Hkv, int D, int Dv, int q_start, int window, float scale, const long *strides,
+                      int nthreads) {
+    attend_args a = {q, k, v, sinks, out, T, Hq, Hq / Hkv, D, Dv, q_start, window,
+                     strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6], strides[7],
+                     scale};
+    long work = (long)T * Hq * (q_start + T) * (D + Dv);
+    if (work < 65536) nthreads = 1;
+    sk_parallel(attend_task, &a, T * Hq, 1, nthreads);
+}
+
+/* ------------------------------------------------ gated delta rule, recurrent ---- */
+
+/*
+ * For each head h (in parallel) and token t in order, with the state S [Dk, Dv] (row i = key
+ * channel i) kept in cache across the tokens:
+ *   S[i, :] *= a[t, h, i]                      (a: one decay per head, or one per key channel)
+ *   u = beta[t, h] * (v[t, h] - sum_i k_i S[i, :])    ascending i
+ *   S[i, :] += k_i u
+ *   o[t, h] = sum_i q_i S[i, :]                ascending i
+ * Every token goes through the same arithmetic whatever T is, so prefill chunks of any size
+ * give the bits of token-by-token decoding. q, k [T, H, Dk], v [T, H, Dv], a [T, H, Dk] or
+ * [T, H] (per_channel 0), beta [T, H], S [H, Dk, Dv] (updated in place), o [T, H, Dv];
+ * all fp32 and contiguous. scratch: 2 * Dv floats per thread.
+ */
+typedef struct {
+    const float *q, *k, *v, *a, *beta;
+    float *S, *o;
+    int T, H, Dk, Dv, per_channel;
+} delta_args;
+
+static void delta_task(void *ctx, int h0, int h1) {
+    const delta_args *d = (const delta_args *)ctx;
+    const int Dk = d->Dk, Dv = d->Dv, H = d->H;
+    const int avx = sk_avx2();
+    float *kv = (float *)sk_scratch(4, sizeof(float) * 2 * (size_t)Dv);
+    float *u = kv + Dv;
+    for (int h = h0; h < h1; h++) {
+        float *S = d->S + (size_t)h * Dk * Dv;
+        for (int t = 0; t < d->T; t++) {
+            const size_t th = (size_t)t * H + h;
+            const float *q = d->q + th * Dk, *k = d->k + th * Dk, *v = d->v + th * Dv;
+            const float *a = d->per_channel ? d->a + th * Dk : d->a + th;
+            memset(kv, 0, sizeof(float) * (size_t)Dv);
+            for (int i = 0; i < Dk; i++) {
+                float *row = S + (size_t)i * Dv;
+                const float ai = d->per_channel ? a[i] : a[0];
+                for (int j = 0; j < Dv; j++) row[j] *= ai;
+                if (avx) axpy_avx2(k[i], row, kv, Dv);
+                else axpy_c(k[i], row, kv, Dv);
+            }
+            const float b = d->beta[th];
+            for (int j = 0; j < Dv; j++) u[j] = (v[j] - kv[j]) * b;
+            float *o = d->o + th * Dv;
+            memset(o, 0, sizeof(float) * (size_t)Dv);
+            for (int i = 0; i < Dk; i++) {
+                float *row = S + (size_t)i * Dv;
+                if (avx) {
+                    axpy_avx2(k[i], u, row, Dv);
+                    axpy_avx2(q[i], row, o, Dv);
+                } else {
+                    axpy_c(k[i], u, row, Dv);
+                    axpy_c(q[i], row, o, Dv);
+                }
+            }
+        }
+    }
+}
+
+EXPORT void sk_delta_rule(const float *q, const float *k, const float *v, const float *a, const float *beta, float *S,
+                          float *o, int T, int H, int Dk, int Dv, int per_channel, int nthreads) {
+    delta_args d = {q, k, v, a, beta, S, o, T, H, Dk, Dv, per_channel};
+    if ((long)T * H * Dk * Dv < 65536) nthreads = 1;
+    sk_parallel(delta_task, &d, H, 1, nthreads);
+}
