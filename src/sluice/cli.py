@@ -113,7 +113,8 @@ def generate_and_print(engine, prompt, args, echo: str | None = None) -> int:
                   speculate=not args.no_speculate)
     if args.json:
         r = engine.generate(prompt, **kwargs)
-        print(json.dumps({"model": engine.model_id, "token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
+        print(json.dumps({"model": engine.model_id, "token_ids": r.token_ids, "text": r.text,
+                          "finish_reason": r.finish_reason,
                           "stats": r.stats}))
         return 0
     stats, finish = {}, None
@@ -268,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--echo", action="store_true",
                    help="print the prompt before the generated text (with --chat: the rendered template)")
     r.add_argument("--json", action="store_true",
-                   help='print {"token_ids", "text", "finish_reason", "stats"} as one JSON object')
+                   help='print {"model", "token_ids", "text", "finish_reason", "stats"} as one JSON object')
     _add_sampling_args(r)
     _add_engine_args(r)
     r.set_defaults(func=cmd_run)

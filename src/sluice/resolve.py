@@ -29,8 +29,9 @@ DEMO_NAME = "demo"
 DEMO_MODEL_ID = "sluice-demo"
 DEMO_DIR = Path(__file__).resolve().parent / "demo_model"
 MODEL_HELP = ("a Hugging Face model directory, a Sluice container, an s3://, http:// or https:// URL of "
-              "either (the remote extra), 'demo' (the small model shipped with Sluice), or a Hugging Face repo id already in the local Hugging Face cache (e.g. "
-              "Qwen/Qwen3-30B-A3B, downloaded with `hf download`)")
+              "either (the remote extra), 'demo' (the small model shipped with Sluice), or a Hugging Face "
+              "repo id already in the local Hugging Face cache (e.g. Qwen/Qwen3-30B-A3B, downloaded with "
+              "`hf download`)")
 REVISION_HELP = ("with a repo id: the branch, tag or commit hash of the cached snapshot to use "
                  "(default: main)")
 

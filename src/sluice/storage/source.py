@@ -1,6 +1,6 @@
 """The byte-source seam: what every kind of storage offers the readers above it.
 
-A ``ByteSource`` is a read-only run of bytes with a name (a path; later a URL). Everything
+A ``ByteSource`` is a read-only run of bytes with a name (a path or a URL). Everything
 above storage (checkpoint and container tables, the expert readers, spine streaming) reads
 through this interface and never asks which kind of source it has. A source tells its
 callers the rules of its fast path: ``alignment`` (offset, length and buffer address of
