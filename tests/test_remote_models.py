@@ -241,3 +241,22 @@ def test_serve_a_url(text_model, remote_servers, tmp_path):
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert f"serving 'rm-text' on {base}" in err
+
+
+def test_convert_from_a_url(remote_models, s3_env, tmp_path):
+    """``sluice convert s3://...`` writes the same container as converting the local directory."""
+    from sluice.convert import convert
+
+    path, urls = remote_models["sharded"]
+    a = convert(str(path), tmp_path / "local.sluice", progress=False)
+    b = convert(urls["s3"], tmp_path / "remote.sluice", progress=False)
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir()) and "manifest.json" in names
+    for name in names:
+        if name != "manifest.json":
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    ma, mb = (json.loads((c / "manifest.json").read_text()) for c in (a, b))
+    assert (ma["source"]["path"], mb["source"]["path"]) == ("qwen3-sharded", "rm-sharded")
+    for m in (ma, mb):
+        del m["source"]["path"], m["manifest_sha256"]  # the checksum covers the source's name
+    assert ma == mb
