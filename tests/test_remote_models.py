@@ -260,3 +260,16 @@ def test_convert_from_a_url(remote_models, s3_env, tmp_path):
     for m in (ma, mb):
         del m["source"]["path"], m["manifest_sha256"]  # the checksum covers the source's name
     assert ma == mb
+
+
+def test_missing_or_unreachable_remote_model_is_a_checkpoint_error(remote_models, remote_servers, s3_env):
+    from remote_servers import free_port
+
+    for url in ("s3://models/no-such-model", f"{remote_servers.http.url}/no-such-model"):
+        with pytest.raises(CheckpointError, match=rf"{url}: not a directory"):
+            sluice.load(url, memory="4GiB", progress=False)
+    with pytest.raises(CheckpointError, match=r"s3://no-such-bucket/m: cannot open the model: cannot list"):
+        sluice.load("s3://no-such-bucket/m", memory="4GiB", progress=False)
+    url = f"http://127.0.0.1:{free_port()}/models/m"
+    with pytest.raises(CheckpointError, match=rf"{url}: cannot open the model: .*connection refused"):
+        sluice.load(url, memory="4GiB", progress=False)

@@ -116,14 +116,14 @@ class ModelInfo:
         try:
             self.store = store = open_store(self.path, **remote)  # the model's files, whatever holds them
             self.is_container = is_container(store)
+            if self.is_container:
+                self.checkpoint = Container(store, direct=direct_io)
+            else:
+                self.checkpoint = Checkpoint(store, direct=direct_io)
         except SluiceError:
             raise
-        except OSError as e:  # a remote store that cannot be reached, read or authenticated to
+        except OSError as e:  # a remote store that cannot be reached, listed or authenticated to
             raise CheckpointError(f"{self.path}: cannot open the model: {e}") from None
-        if self.is_container:
-            self.checkpoint = Container(store, direct=direct_io)
-        else:
-            self.checkpoint = Checkpoint(store, direct=direct_io)
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
         self.config = self.family.parse_config(self.raw_config)
