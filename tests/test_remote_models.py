@@ -273,3 +273,19 @@ def test_missing_or_unreachable_remote_model_is_a_checkpoint_error(remote_models
     url = f"http://127.0.0.1:{free_port()}/models/m"
     with pytest.raises(CheckpointError, match=rf"{url}: cannot open the model: .*connection refused"):
         sluice.load(url, memory="4GiB", progress=False)
+
+
+def test_a_bad_ca_bundle_is_a_clear_error(remote_servers, tmp_path):
+    from sluice.errors import InvalidArgumentError
+
+    url = f"{remote_servers.http.tls_url}/rm-none"
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    for path, what in ((bad, "not a PEM file of CA certificates"), (tmp_path / "missing.pem", "cannot read it")):
+        with pytest.raises(CheckpointError, match=rf"{url}: cannot open the model: CA bundle {path}: {what}"):
+            sluice.load(url, memory="4GiB", progress=False, ca_bundle=str(path))
+    with pytest.raises(InvalidArgumentError, match="ca_bundle must be a file path"):
+        sluice.load(url, memory="4GiB", progress=False, ca_bundle=3)
+    # without the test CA, the server's certificate is not trusted, and the error says what to do
+    with pytest.raises(CheckpointError, match=rf"{url}: cannot open the model: .*not trusted.*CA bundle"):
+        sluice.load(url, memory="4GiB", progress=False)

@@ -112,7 +112,7 @@ class ModelInfo:
     def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None,
                  ca_bundle: str | None = None):
         self.path, self.model_id = resolve_model(path, revision)  # a local Path or a URL (str)
-        remote = {"ca_bundle": ca_bundle} if ca_bundle else {}
+        remote = {"ca_bundle": os.fspath(ca_bundle)} if ca_bundle else {}
         try:
             self.store = store = open_store(self.path, **remote)  # the model's files, whatever holds them
             self.is_container = is_container(store)

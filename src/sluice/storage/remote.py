@@ -66,8 +66,14 @@ def open_object_store(url: str, *, ca_bundle: str | None = None, endpoint: str |
     scheme = parts.scheme.lower()
     opts: dict = {"timeout": f"{timeout:g}s", "connect_timeout": "10s"}
     if ca_bundle:
-        with open(ca_bundle, encoding="ascii") as f:
-            opts["root_certificate"] = f.read()
+        try:
+            with open(ca_bundle, encoding="ascii") as f:
+                pem = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise OSError(f"CA bundle {ca_bundle}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        if "-----BEGIN CERTIFICATE-----" not in pem:
+            raise OSError(f"CA bundle {ca_bundle}: not a PEM file of CA certificates (no BEGIN CERTIFICATE)")
+        opts["root_certificate"] = pem
     retry = retry_config(retries, init_backoff=backoff, max_backoff=max(backoff, 5.0), timeout=timeout * 2)
     if scheme == "s3":
         bucket, key = parts.netloc, parts.path.lstrip("/")
@@ -79,7 +85,10 @@ def open_object_store(url: str, *, ca_bundle: str | None = None, endpoint: str |
             config["endpoint"] = endpoint
             if endpoint.startswith("http://"):
                 opts["allow_http"] = True
-        return obstore.store.S3Store(bucket, config=config or None, client_options=opts, retry_config=retry), key
+        try:
+            return obstore.store.S3Store(bucket, config=config or None, client_options=opts, retry_config=retry), key
+        except ValueError as e:  # a malformed endpoint or configuration
+            raise OSError(f"{url}: {_reason(e)}") from None
     if scheme in ("http", "https"):
         base, _, name = parts.path.rpartition("/")
         if not name:
@@ -87,7 +96,10 @@ def open_object_store(url: str, *, ca_bundle: str | None = None, endpoint: str |
         if scheme == "http":
             opts["allow_http"] = True
         root = f"{scheme}://{parts.netloc}{base}"
-        return obstore.store.HTTPStore(root, client_options=opts, retry_config=retry), name
+        try:
+            return obstore.store.HTTPStore(root, client_options=opts, retry_config=retry), name
+        except ValueError as e:  # a malformed URL or certificate
+            raise OSError(f"{url}: {_reason(e)}") from None
     raise OSError(f"{url}: unknown URL scheme {scheme!r} (Sluice reads s3://, http:// and https://)")
 
 
