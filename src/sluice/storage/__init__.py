@@ -15,11 +15,11 @@
 
 from .buffers import ALIGN, AlignedBuffer, align_down, align_up
 from .file import LocalFile
-from .location import RemoteUnavailableError, is_url, local_path, open_source, open_store, url_scheme
+from .location import RemoteUnavailableError, check_location, is_url, open_source, open_store, url_scheme
 from .source import ByteSource, ReadStats, WrappedSource
 from .sources import Sources
 from .store import LocalDir, Store
 
 __all__ = ["ALIGN", "AlignedBuffer", "align_down", "align_up", "ByteSource", "LocalDir", "LocalFile", "ReadStats",
-           "RemoteUnavailableError", "Sources", "Store", "WrappedSource", "is_url", "local_path", "open_source",
+           "RemoteUnavailableError", "Sources", "Store", "WrappedSource", "check_location", "is_url", "open_source",
            "open_store", "url_scheme"]

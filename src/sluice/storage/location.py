@@ -53,15 +53,6 @@ def check_location(location: str | os.PathLike) -> None:
                               f"{', '.join(s + '://' for s in REMOTE_SCHEMES)} URLs")
 
 
-def local_path(location: str | os.PathLike) -> Path:
-    """The local path ``location`` names, by the precedence rule of this module, for the tools that
-    need a local file (``convert``); a URL raises ``CheckpointError`` saying so."""
-    check_location(location)
-    if is_url(location):
-        raise CheckpointError(f"{location}: this command needs a local path, not a URL")
-    return Path(location)
-
-
 def _remote(location: str):
     """The ``remote`` module, or ``RemoteUnavailableError`` naming ``location`` without the extra."""
     from . import remote  # imports obstore only when used
