@@ -78,8 +78,9 @@ def load(path: str | os.PathLike, memory: int | str | None = None, *, revision: 
          **options) -> "Engine":
     """Open a model under a memory budget (``"8GiB"``, bytes, or None for a safe default).
 
-    ``path`` is a model directory, a container, ``"demo"`` or a repo id in the local Hugging Face
-    cache (at ``revision``, default main); see ``sluice.resolve``.
+    ``path`` is a model directory, a container, an ``s3://`` or ``http(s)://`` URL of either,
+    ``"demo"`` or a repo id in the local Hugging Face cache (at ``revision``, default main); see
+    ``sluice.resolve``.
     """
     validate.model_path(path)
     validate.options(options, Options.__dataclass_fields__)
