@@ -119,3 +119,17 @@ def test_load_and_cli_use_the_cache(hub_cache, text_model):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["model_id"] == REPO and report["path"] == str(hub_cache[2]) and report["experts_per_layer"] == 8
+
+
+def test_urls_resolve_to_themselves(hub_cache):
+    """A URL is a remote store, ahead of the demo and repo-id rules: returned as the URL (a str), its
+    model id the last path component; --revision is for repo ids only; unknown schemes are refused."""
+    from sluice.errors import CheckpointError
+
+    assert resolve_model("s3://bucket/models/Qwen3-30B-A3B/") == ("s3://bucket/models/Qwen3-30B-A3B", "Qwen3-30B-A3B")
+    assert resolve_model("https://host/demo") == ("https://host/demo", "demo")
+    assert resolve_model("HTTP://host/m.sluice") == ("HTTP://host/m.sluice", "m.sluice")
+    with pytest.raises(ModelNotFoundError, match="--revision applies to a Hugging Face repo id"):
+        resolve_model("s3://bucket/m", revision="main")
+    with pytest.raises(CheckpointError, match="unknown URL scheme 'gs'"):
+        resolve_model("gs://bucket/m")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import errno
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,14 +175,19 @@ def test_sources_wrap_open_and_later_ones(blob, tmp_path):
 def test_locations_and_the_precedence_rule(tmp_path, monkeypatch):
     assert [url_scheme(x) for x in ("s3://b/m", "HTTPS://h/m", "http://h", "/a/b", "rel/x", Path("s3://x"))] == \
         ["s3", "https", "http", None, None, None]
-    for url in ("s3://bucket/Qwen3-30B-A3B", "https://host/models/olmoe.sluice", "http://host/m"):
-        for opener in (open_source, open_store):
-            with pytest.raises(RemoteUnavailableError, match=rf"{url}: remote model stores .* are not available"):
-                opener(url)
-        with pytest.raises(RemoteUnavailableError):
-            resolve_model(url)  # before the demo and repo-id rules
-        with pytest.raises(RemoteUnavailableError):
-            sluice.load(url, memory="1GiB", progress=False)
+    # a URL resolves to itself (a str, not a mangled Path); its model id is its last path component
+    for url, mid in (("s3://bucket/Qwen3-30B-A3B", "Qwen3-30B-A3B"),
+                     ("https://host/models/olmoe.sluice/", "olmoe.sluice"), ("http://host/m", "m")):
+        assert resolve_model(url) == (url.rstrip("/"), mid)
+    # without the remote extra a URL says what to install, before the demo and repo-id rules
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "obstore", None)
+        for url in ("s3://bucket/Qwen3-30B-A3B", "https://host/models/olmoe.sluice", "http://host/m"):
+            for opener in (open_source, open_store):
+                with pytest.raises(RemoteUnavailableError, match=rf'{url}: .*pip install "sluice\[remote\]"'):
+                    opener(url)
+            with pytest.raises(RemoteUnavailableError):
+                sluice.load(url, memory="1GiB", progress=False)
     for opener in (open_store, resolve_model):
         with pytest.raises(CheckpointError, match="unknown URL scheme 'ftp'"):
             opener("ftp://host/m")

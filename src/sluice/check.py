@@ -24,7 +24,7 @@ def check_container(path: str | Path, progress: bool = True) -> dict:
     errors: list[str] = []
     records = list(src.records())
     bar = Progress(sum(n for _, n, _ in c.spine_groups.values()) + len(records) * src.slot_bytes,
-                   f"checking {c.path.name}", enabled=progress)
+                   f"checking {info.model_id}", enabled=progress)
     for g, (off, n, crc) in c.spine_groups.items():
         try:
             c.read_group(g, {})

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
-from .storage import ByteSource, ReadStats, Sources, Store, open_source, open_store
+from .storage import ByteSource, LocalDir, ReadStats, Sources, Store, open_source, open_store
 
 # safetensors dtype name -> (torch dtype, bytes per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -238,13 +238,13 @@ class Checkpoint:
     def __init__(self, path: str | Path | Store, *, direct: bool | None = None, stats: ReadStats | None = None):
         self.store = store = path if isinstance(path, Store) else open_store(path)
         self.location = store.location
-        self.path = Path(store.location)
+        self.path = Path(store.location) if isinstance(store, LocalDir) else store.location  # a URL stays a str
         if not store.is_directory():
             raise CheckpointError(f"{self.location}: not a directory (expected a Hugging Face model directory)")
         self.config = read_json(store, "config.json")
         gen = "generation_config.json"
         self.generation_config = read_json(store, gen) if store.exists(gen) else {}
-        self.sources = Sources(direct=direct, stats=stats)
+        self.sources = Sources(direct=direct, stats=stats, store=store)
         self.stats, self.direct = self.sources.stats, direct
         self.tensors: dict[str, TensorInfo] = {}
         index, single = "model.safetensors.index.json", "model.safetensors"

@@ -44,6 +44,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buffered-io", action="store_true",
                    help="never use O_DIRECT (buffered reads that drop their pages from the page cache)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--ca-bundle", default=None, metavar="PEM",
+                   help="a model at an https:// URL: a PEM file of extra CA certificates to trust "
+                        "(TLS verification is always on)")
     g.add_argument("--trace-routing", default=None, metavar="FILE",
                    help="write every decode token's expert routing, router weights and lookahead predictions to "
                         "FILE (JSONL, the format sluice trace-replay reads)")
@@ -60,7 +63,8 @@ def _engine_options(args) -> dict:
                 threads=args.threads, reader_threads=args.reader_threads, prefetch=not args.no_prefetch,
                 verify_reads=args.verify_reads, moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached,
                 trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
-                direct_io=False if args.buffered_io else None, progress=not args.no_progress)
+                direct_io=False if args.buffered_io else None, progress=not args.no_progress,
+                ca_bundle=args.ca_bundle)
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -109,7 +113,8 @@ def generate_and_print(engine, prompt, args, echo: str | None = None) -> int:
                   speculate=not args.no_speculate)
     if args.json:
         r = engine.generate(prompt, **kwargs)
-        print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
+        print(json.dumps({"model": engine.model_id, "token_ids": r.token_ids, "text": r.text,
+                          "finish_reason": r.finish_reason,
                           "stats": r.stats}))
         return 0
     stats, finish = {}, None
@@ -159,7 +164,8 @@ def cmd_run(args) -> int:
 def cmd_inspect(args) -> int:
     from .inspect import inspect_model, render_inspect
 
-    report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision)
+    report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision,
+                           ca_bundle=args.ca_bundle)
     print(json.dumps(report, indent=2) if args.json else render_inspect(report))
     return 0
 
@@ -263,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--echo", action="store_true",
                    help="print the prompt before the generated text (with --chat: the rendered template)")
     r.add_argument("--json", action="store_true",
-                   help='print {"token_ids", "text", "finish_reason", "stats"} as one JSON object')
+                   help='print {"model", "token_ids", "text", "finish_reason", "stats"} as one JSON object')
     _add_sampling_args(r)
     _add_engine_args(r)
     r.set_defaults(func=cmd_run)
@@ -334,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--memory", type=_size, default=None, metavar="SIZE", help="also show the plan for this budget")
     i.add_argument("--max-context", type=int_arg(1), default=None, metavar="N", help="context the KV cache is sized for")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
+    i.add_argument("--ca-bundle", default=None, metavar="PEM",
+                   help="a model at an https:// URL: a PEM file of extra CA certificates to trust")
     i.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",

@@ -40,7 +40,7 @@ import torch
 
 from .checkpoint import DTYPES, TensorInfo
 from .errors import CheckpointError, ExpertReadError
-from .storage import AlignedBuffer, ByteSource, ReadStats, Sources, Store, align_up, open_store
+from .storage import AlignedBuffer, ByteSource, LocalDir, ReadStats, Sources, Store, align_up, open_store
 from .storage.crc import crc32
 
 MAGIC = b"SLXR"
@@ -140,8 +140,8 @@ class Container:
     def __init__(self, path: str | Path | Store, *, direct: bool | None = None, stats: ReadStats | None = None):
         self.store = store = path if isinstance(path, Store) else open_store(path)
         self.location = store.location
-        self.path = Path(store.location)
-        self.sources = Sources(direct=direct, stats=stats)
+        self.path = Path(store.location) if isinstance(store, LocalDir) else store.location  # a URL stays a str
+        self.sources = Sources(direct=direct, stats=stats, store=store)
         self.stats, self.direct = self.sources.stats, direct
         self.manifest_path = mpath = store.locate("manifest.json")
         try:

@@ -153,12 +153,15 @@ def _related(a: Path, b: Path) -> str | None:
     return None
 
 
-def check_destination(src: Path, dst: Path, force: bool) -> None:
+def check_destination(src: Path | str, dst: Path, force: bool) -> None:
     """Refuse an output convert may not write: the source (or inside/around it), a path that is
-    not a Sluice container, or an existing container without ``force``."""
-    s, d = src.resolve(), dst.resolve()
-    for path, what in ((d, str(dst)), (d.with_name(d.name + ".partial"), f"{dst}.partial"),
-                       (d.with_name(d.name + ".old"), f"{dst}.old")):
+    not a Sluice container, or an existing container without ``force``. ``src``: a local
+    directory, or a URL (a ``str``, which no local output can be related to)."""
+    d = dst.resolve()
+    outputs = ((d, str(dst)), (d.with_name(d.name + ".partial"), f"{dst}.partial"),
+               (d.with_name(d.name + ".old"), f"{dst}.old"))
+    s = src.resolve() if isinstance(src, Path) else None
+    for path, what in outputs if s is not None else ():
         rel = _related(path, s)
         if rel == "is":
             raise ConvertError(f"{what}: the output is the source model directory {src}; choose another output")
@@ -275,13 +278,13 @@ def _install(tmp: Path, dst: Path) -> None:
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | None = None,
             progress: bool = True, force: bool = False) -> Path:
-    """Convert ``src`` (a Hugging Face directory, ``demo`` or a cached repo id) into a container at
-    ``dst``; returns ``dst``.
+    """Convert ``src`` (a Hugging Face directory, ``demo``, a cached repo id, or the ``s3://`` or
+    ``http(s)://`` URL of a directory) into a container at ``dst``; returns ``dst``.
 
     An existing container at ``dst`` is replaced only with ``force``; any other existing path,
     and an output that is, lies inside or contains ``src``, is refused (``ConvertError``).
     """
-    src, dst = resolve_model(src)[0], Path(dst)  # 'demo' or a cached repo id: its directory
+    src, dst = resolve_model(src)[0], Path(dst)  # 'demo' or a cached repo id: its directory; a URL: a str
     if not dst.name or dst.name == "..":
         dst = dst.resolve()
     if is_container(src):
@@ -338,7 +341,27 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     return dst
 
 
-def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, spine_total: int,
+SPINE_CHUNK = 8 << 20  # spine tensors are copied in pieces of at most this many bytes
+
+
+def _copy_tensor(ckpt, info, f, crc: int, chunk: AlignedBuffer, bar: Progress) -> int:
+    """Copy one spine tensor's bytes from the checkpoint to ``f`` in bounded pieces; returns the CRC."""
+    file = ckpt.file(info.file)
+    step = chunk.nbytes
+    for pos in range(0, info.nbytes, step):
+        n = min(step, info.nbytes - pos)
+        data = chunk.view(0, n)
+        try:
+            file.read_into(data, info.offset + pos)
+        except OSError as e:
+            raise CheckpointError(f"{info.file}: reading tensor {info.name!r} failed: {e}") from None
+        f.write(data)
+        crc = crc32(data, crc)
+        bar.update(n)
+    return crc
+
+
+def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec: int, spine_total: int,
            progress: bool, label: str) -> Path:
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
     shapes = desc.expert.matrix_shapes()
@@ -351,6 +374,7 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
     for name in desc.spine:
         groups.setdefault(spine_group(name), []).append(name)
     tensors, group_table = {}, {}
+    chunk = AlignedBuffer(SPINE_CHUNK)
     f = _writer(tmp / "spine.bin")
     with _Naming(tmp / "spine.bin"), closing(f):
         off = 0
@@ -364,13 +388,10 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
                 f.write(pad)
                 crc = crc32(pad, crc)
                 off += len(pad)
-                t = ckpt.read(name)
-                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                f.write(data)
-                crc = crc32(data, crc)
-                tensors[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "offset": off, "group": g}
-                off += len(data)
-                bar.update(len(data))
+                info_t = ckpt.info(name)
+                crc = _copy_tensor(ckpt, info_t, f, crc, chunk, bar)
+                tensors[name] = {"dtype": DTYPE_NAMES[info_t.torch_dtype], "shape": list(info_t.shape), "offset": off, "group": g}
+                off += info_t.nbytes
             group_table[g] = [start, off - start, crc]
         f.write(b"\0" * (align_up(off, FORMAT_ALIGN) - off))
         _sync_close(f)
@@ -414,7 +435,7 @@ def _write(src: Path, tmp: Path, info, fmt: str, parts, payload: int, rec: int, 
         "config": info.raw_config,
         "generation_config": ckpt.generation_config,
         "expert_format": fmt,
-        "source": {"path": src.name, "expert_dtype": source.format},
+        "source": {"path": Path(src).name, "expert_dtype": source.format},
         "spine": {"file": "spine.bin", "tensors": tensors, "groups": group_table},
         "experts": {"record_bytes": rec, "layers": bank_table},
         "tokenizer_files": copied,

@@ -59,6 +59,7 @@ class Options:
     prefetch: bool = True
     huge_pages: bool = True  # transparent huge pages for read buffers: ~1.7-2x O_DIRECT throughput here
     direct_io: bool | None = None  # None: probe O_DIRECT, fall back to buffered
+    ca_bundle: str | None = None  # a model at an https:// URL: PEM file of extra CA certificates to trust
     verify_reads: bool = True  # CRC32 of every expert record and streamed spine layer read from a container
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     progress: bool = True
@@ -76,8 +77,9 @@ def load(path: str | os.PathLike, memory: int | str | None = None, *, revision: 
          **options) -> "Engine":
     """Open a model under a memory budget (``"8GiB"``, bytes, or None for a safe default).
 
-    ``path`` is a model directory, a container, ``"demo"`` or a repo id in the local Hugging Face
-    cache (at ``revision``, default main); see ``sluice.resolve``.
+    ``path`` is a model directory, a container, an ``s3://`` or ``http(s)://`` URL of either,
+    ``"demo"`` or a repo id in the local Hugging Face cache (at ``revision``, default main); see
+    ``sluice.resolve``.
     """
     validate.model_path(path)
     validate.options(options, Options.__dataclass_fields__)
@@ -107,14 +109,21 @@ def check_spine_dtype(name: str, info, spine: dict) -> None:
 class ModelInfo:
     """An opened, validated model directory: config, family, tensor tables. Nothing loaded yet."""
 
-    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None):
-        self.path, self.model_id = resolve_model(path, revision)
-        self.store = store = open_store(self.path)  # the model's files, whatever holds them
-        self.is_container = is_container(store)
-        if self.is_container:
-            self.checkpoint = Container(store, direct=direct_io)
-        else:
-            self.checkpoint = Checkpoint(store, direct=direct_io)
+    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None,
+                 ca_bundle: str | None = None):
+        self.path, self.model_id = resolve_model(path, revision)  # a local Path or a URL (str)
+        remote = {"ca_bundle": os.fspath(ca_bundle)} if ca_bundle else {}
+        try:
+            self.store = store = open_store(self.path, **remote)  # the model's files, whatever holds them
+            self.is_container = is_container(store)
+            if self.is_container:
+                self.checkpoint = Container(store, direct=direct_io)
+            else:
+                self.checkpoint = Checkpoint(store, direct=direct_io)
+        except SluiceError:
+            raise
+        except OSError as e:  # a remote store that cannot be reached, listed or authenticated to
+            raise CheckpointError(f"{self.path}: cannot open the model: {e}") from None
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
         self.config = self.family.parse_config(self.raw_config)
@@ -180,13 +189,16 @@ class ModelInfo:
         ffn = max(self.desc.expert.intermediate, getattr(self.config, "intermediate_size", 0) or 0)
         glob, layers = self.spine_split()
         reads = self.layer_reads()
+        # a remote read holds its response body until it is copied into the slot: one per reader
+        # thread and one for the spine stream (0 for local files, read straight into the buffers)
+        transfer = (options.reader_threads + 1) * self.checkpoint.sources.transfer_bytes
         return make_plan(
             budget=budget, baseline=current_rss() if baseline is None else baseline,
             spine_global=glob, spine_layers=layers,
             stream_buffer=max((spine_buffer_bytes(r) for r in reads.values()), default=0),
             state_bytes=self.desc.state_bytes_per_token * max_ctx + self.desc.state_bytes_fixed,
             activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx,
-                                         score_block=SCORE_BLOCK_BYTES),
+                                         score_block=SCORE_BLOCK_BYTES) + transfer,
             slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set,
             total_experts=self.desc.total_experts, top_k=self.desc.top_k, max_context=max_ctx,
             prefill_chunk=chunk, cache_experts=options.cache_experts,
@@ -202,7 +214,7 @@ class Engine:
         baseline = current_rss()
         self.threads = options.threads or os.cpu_count() or 1
         kernels.set_threads(self.threads)
-        self.info = info = ModelInfo(path, options.direct_io, revision)
+        self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle)
         self.path, self.model_id = info.path, info.model_id  # model_id: what a server reports
         self.checkpoint, self.raw_config, self.family = info.checkpoint, info.raw_config, info.family
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts

@@ -19,8 +19,8 @@ def format_params(n: int) -> str:
 
 
 def inspect_model(path: str | Path, memory: int | None = None, max_context: int | None = None,
-                  revision: str | None = None) -> dict:
-    info = ModelInfo(path, revision=revision)
+                  revision: str | None = None, ca_bundle: str | None = None) -> dict:
+    info = ModelInfo(path, revision=revision, ca_bundle=ca_bundle)
     d = info.desc
     total, active = info.param_counts()
     opts = Options(max_context=max_context)

@@ -41,7 +41,9 @@ class Progress:
             sys.stderr.flush()
         elif not self._tty and pct // 25 != self._last_pct // 25:
             self._last_pct = pct
-            sys.stderr.write(f"{self.desc}: {pct}% ({self._fmt(self.done)}/{self._fmt(self.total)})\n")
+            rate = self.done / max(now - self.t0, 1e-9)
+            eta = f", eta {(self.total - self.done) / rate:.0f}s" if 0 < self.done < self.total else ""
+            sys.stderr.write(f"{self.desc}: {pct}% ({self._fmt(self.done)}/{self._fmt(self.total)}{eta})\n")
 
     def close(self) -> None:
         if self.enabled and self._tty:

@@ -1,11 +1,12 @@
 """Where a model named on the command line (or passed to ``sluice.load``) lives on disk.
 
-``resolve_model(spec, revision=None) -> (directory, model_id)``, in this order:
+``resolve_model(spec, revision=None) -> (location, model_id)``, in this order:
 
 1. an existing local path (a Hugging Face model directory or a Sluice container) wins,
    whatever it is called; its model id is the directory name;
-2. a URL (``http://``, ``https://``, ``s3://``): a remote store, which this version cannot
-   read yet (``RemoteUnavailableError``, from ``storage.location``, which holds the rule);
+2. a URL (``http://``, ``https://``, ``s3://``): a remote store, returned as the URL (a str; the
+   rule is ``storage.location``'s, and ``open_store`` opens it); its model id is the URL's last
+   path component;
 3. ``demo``: the trained demo model shipped inside the package, model id ``sluice-demo``;
 4. a Hugging Face repo id (``Qwen/Qwen3-30B-A3B``): its snapshot in the local Hugging Face
    cache (``HF_HUB_CACHE``, or ``HF_HOME``/hub, default ``~/.cache/huggingface/hub``) at
@@ -27,9 +28,10 @@ from .errors import CheckpointError
 DEMO_NAME = "demo"
 DEMO_MODEL_ID = "sluice-demo"
 DEMO_DIR = Path(__file__).resolve().parent / "demo_model"
-MODEL_HELP = ("a Hugging Face model directory, a Sluice container, 'demo' (the small model shipped with "
-              "Sluice), or a Hugging Face repo id already in the local Hugging Face cache (e.g. "
-              "Qwen/Qwen3-30B-A3B, downloaded with `hf download`)")
+MODEL_HELP = ("a Hugging Face model directory, a Sluice container, an s3://, http:// or https:// URL of "
+              "either (the remote extra), 'demo' (the small model shipped with Sluice), or a Hugging Face "
+              "repo id already in the local Hugging Face cache (e.g. Qwen/Qwen3-30B-A3B, downloaded with "
+              "`hf download`)")
 REVISION_HELP = ("with a repo id: the branch, tag or commit hash of the cached snapshot to use "
                  "(default: main)")
 
@@ -44,9 +46,16 @@ def model_id_for(path: str | os.PathLike) -> str:
     return p.name or str(p)
 
 
+def model_id_for_url(url: str) -> str:
+    """The model id of a URL: its last path component (``s3://bucket/models/olmoe`` -> ``olmoe``)."""
+    rest = url.split("://", 1)[1].split("?", 1)[0].rstrip("/")
+    return rest.rpartition("/")[2] or rest
+
+
 def resolve_model(spec: str | os.PathLike, revision: str | None = None,
-                  cache_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
-    """``(directory, model_id)`` of the model ``spec`` names; see the module docstring.
+                  cache_dir: str | os.PathLike | None = None) -> tuple[Path | str, str]:
+    """``(location, model_id)`` of the model ``spec`` names: a local directory (``Path``) or a
+    URL (``str``); see the module docstring.
 
     ``cache_dir`` overrides the Hugging Face cache directory (default: huggingface_hub's,
     which honours ``HF_HUB_CACHE`` and ``HF_HOME``).
@@ -60,10 +69,15 @@ def resolve_model(spec: str | os.PathLike, revision: str | None = None,
             raise ModelNotFoundError(f"{text}: --revision applies to a Hugging Face repo id in the local cache, "
                                      "not to a local path")
         return path, model_id_for(path)
-    from .storage.location import local_path, url_scheme  # here: `sluice --help` imports this module, not torch
+    from .storage.location import check_location, is_url  # here: `sluice --help` imports this module, not torch
 
-    if url_scheme(text) is not None:
-        local_path(text)  # raises: a remote store (not available yet) or an unknown scheme
+    check_location(text)  # an unknown scheme:// is refused
+    if is_url(text):
+        if revision is not None:
+            raise ModelNotFoundError(f"{text}: --revision applies to a Hugging Face repo id in the local cache, "
+                                     "not to a URL")
+        url = text.rstrip("/")
+        return url, model_id_for_url(url)
     if text == DEMO_NAME:
         if revision is not None:
             raise ModelNotFoundError("demo: --revision applies to a Hugging Face repo id, not to the demo model")

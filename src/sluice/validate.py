@@ -156,6 +156,7 @@ _OPTION_CHECKS = {
     "prefill_chunk": _opt_int(1, none=False),
     "progress": _opt_bool(),
     "trace_routing": _path,
+    "ca_bundle": _path,
     "max_resident_layers": _opt_int(0),
     "moe_top_k": _opt_int(1),
     "prefer_cached": lambda v, n: number(v, n, lo=0.0),

@@ -35,6 +35,49 @@ def unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
+_CANDIDATES = torch.linspace(-9.0, -6.5, 17)  # scale = signed_amax / c
+
+
+def _tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension (32) as the fixed pairwise tree the C quantizer uses."""
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x
+
+
+def _levels(wg: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """round(wg / d) to nearest even, clamped to [-8, 7], per group of ``wg`` [r, G, 32] for scales
+    ``d`` [r, G, 1]; 0 where d is 0 or the quotient is NaN."""
+    zero = d == 0
+    q = wg.div(torch.where(zero, 1.0, d)).round_().clamp_(-8, 7).nan_to_num_(nan=0.0)
+    if zero.any():
+        q.masked_fill_(zero.expand_as(q), 0.0)
+    return q
+
+
+def _quantize_rows_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q4 scale search in torch (the fallback without C kernels; same bytes as the C one)."""
+    r, kp = w.shape
+    wg = w.reshape(r, kp // GROUP, GROUP)
+    m = wg.gather(-1, wg.abs().argmax(-1, keepdim=True))  # signed value of largest magnitude
+    best_e = best_d = None
+    for c in _CANDIDATES.tolist():
+        q = _levels(wg, m / c)
+        qq = _tree_sum(q * q)
+        wq = _tree_sum(q.mul_(wg))
+        d = torch.where(qq > 0, wq / qq.clamp_min(1e-30), 0.0)
+        d = d.clamp(-65504, 65504).half().float()
+        q = _levels(wg, d)
+        e = _tree_sum(q.mul_(d).sub_(wg).square_())
+        if best_e is None:
+            best_e, best_d = e, d
+        else:
+            better = e < best_e
+            best_e = torch.where(better, e, best_e)
+            best_d = torch.where(better, d, best_d)
+    return pack_nibbles(_levels(wg, best_d).add_(8)), best_d.squeeze(-1).half()
+
+
 class Q4(Format):
     name = "q4"
     lossy = True
@@ -64,28 +107,10 @@ class Q4(Format):
 
     @staticmethod
     def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        r, kp = w.shape
-        wg = w.reshape(r, kp // GROUP, GROUP)
-        m = wg.gather(-1, wg.abs().argmax(-1, keepdim=True))  # signed value of largest magnitude
-        best_e = best_q = best_d = None
-        for c in torch.linspace(-9.0, -6.5, 17).tolist():
-            d = m / c
-            safe = torch.where(d != 0, d, torch.ones_like(d))
-            q = torch.where(d != 0, (wg / safe).round(), torch.zeros_like(wg)).clamp(-8, 7)
-            qq = (q * q).sum(-1, keepdim=True)
-            d = torch.where(qq > 0, (wg * q).sum(-1, keepdim=True) / qq.clamp_min(1e-30), torch.zeros_like(d))
-            d = d.clamp(-65504, 65504).half().float()
-            safe = torch.where(d != 0, d, torch.ones_like(d))
-            q = torch.where(d != 0, (wg / safe).round(), torch.zeros_like(wg)).clamp(-8, 7)
-            e = ((q * d - wg) ** 2).sum(-1, keepdim=True)
-            if best_e is None:
-                best_e, best_q, best_d = e, q, d
-            else:
-                better = e < best_e
-                best_e = torch.where(better, e, best_e)
-                best_q = torch.where(better, q, best_q)
-                best_d = torch.where(better, d, best_d)
-        return pack_nibbles(best_q + 8), best_d.squeeze(-1).half()
+        from .cquant import q4_quantize
+
+        out = q4_quantize(w, _CANDIDATES)
+        return out if out is not None else _quantize_rows_torch(w)
 
     def dequantize_rows(self, parts, n, k, r0, r1):
         q = unpack_nibbles(parts["blocks"][r0:r1]).float() - 8.0  # [r, G, 32]

@@ -25,21 +25,24 @@ from .formats import Format, PartSpec, register
 DIM, STAGES, ENTRIES = 8, 3, 256
 
 
-def _nearest(v: torch.Tensor, c: torch.Tensor, chunk: int = 1 << 15) -> tuple[torch.Tensor, torch.Tensor]:
+def _nearest(v: torch.Tensor, c: torch.Tensor, chunk: int = 1 << 12) -> tuple[torch.Tensor, torch.Tensor]:
     """Index of the nearest centroid of each row of v, and the squared distance to it."""
-    cn = (c * c).sum(1)
+    cn = (c * c).sum(1)[None, :]
+    ct = c.T.contiguous()
     idx = torch.empty(v.shape[0], dtype=torch.long)
     dist = torch.empty(v.shape[0], dtype=torch.float32)
+    d = torch.empty(min(chunk, v.shape[0]), c.shape[0])  # 4 MiB: stays in cache between the two passes
     for i in range(0, v.shape[0], chunk):
         vi = v[i : i + chunk]
-        d = cn[None, :] - 2.0 * (vi @ c.T)
-        m, a = d.min(1)
+        di = d[: vi.shape[0]]
+        torch.addmm(cn, vi, ct, alpha=-2.0, out=di)  # |c|^2 - 2 v.c in one pass
+        m, a = di.min(1)
         idx[i : i + chunk] = a
         dist[i : i + chunk] = (m + (vi * vi).sum(1)).clamp_min(0)
     return idx, dist
 
 
-def kmeans(v: torch.Tensor, k: int, gen: torch.Generator, iters: int = 25) -> torch.Tensor:
+def kmeans(v: torch.Tensor, k: int, gen: torch.Generator, iters: int = 25, seed_batch: int = 1) -> torch.Tensor:
     """k centroids of the rows of v (k-means++ seeding, Lloyd iterations), deterministic for ``gen``."""
     n = v.shape[0]
     if n <= k:
@@ -49,14 +52,17 @@ def kmeans(v: torch.Tensor, k: int, gen: torch.Generator, iters: int = 25) -> to
     c = torch.empty(k, v.shape[1])
     c[0] = v[torch.randint(n, (1,), generator=gen)]
     d2 = ((v - c[0]) ** 2).sum(1)
-    for i in range(1, k):
+    i = 1
+    while i < k:  # k-means++ seeding, ``seed_batch`` seeds drawn per round (k-means|| style)
         total = d2.sum()
         if total <= 0:
             c[i:] = c[0]
             break
-        j = torch.multinomial(d2 / total, 1, generator=gen)
-        c[i] = v[j]
-        d2 = torch.minimum(d2, ((v - c[i]) ** 2).sum(1))
+        b = min(seed_batch, k - i)
+        j = torch.multinomial(d2 / total, b, generator=gen)
+        c[i : i + b] = v[j]
+        d2 = torch.minimum(d2, torch.cdist(v, c[i : i + b]).square_().amin(1))
+        i += b
     prev = None
     for _ in range(iters):
         a, dist = _nearest(v, c)
@@ -81,15 +87,28 @@ class RVQ3(Format):
     code = 6
     small_batch = (1, 1)  # table lookups win only for a single token; 2+ tokens: dequantize + sgemm
 
-    def __init__(self, sample: int = 1 << 16, iters: int = 25):
+    def __init__(self, sample: int = 1 << 16, iters: int = 10, seed_batch: int = 16):
         self.sample = sample
         self.iters = iters
+        self.seed_batch = seed_batch
 
     def parts(self, n: int, k: int) -> PartSpec:
         return {"codes": (torch.uint8, (n, self.padded_k(k) // DIM, STAGES)),
                 "codebooks": (torch.float16, (STAGES, ENTRIES, DIM))}
 
     def quantize(self, w: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
+        # one torch thread: k-means is thousands of small ops, and on a busy machine each
+        # multi-threaded op waits for descheduled OpenMP workers (3-4x slower on the demo model's
+        # experts, see docs/quantization.md); one thread also makes the codes independent of
+        # the thread setting
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._quantize(w, seed)
+        finally:
+            torch.set_num_threads(before)
+
+    def _quantize(self, w: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
         w = w.float()
         n, k = w.shape
         kp = self.padded_k(k)
@@ -101,7 +120,7 @@ class RVQ3(Format):
         books = torch.empty(STAGES, ENTRIES, DIM, dtype=torch.float16)
         for s in range(STAGES):
             pick = r if r.shape[0] <= self.sample else r[torch.randperm(r.shape[0], generator=gen)[: self.sample]]
-            c = kmeans(pick, ENTRIES, gen, self.iters).half()
+            c = kmeans(pick, ENTRIES, gen, self.iters, self.seed_batch).half()
             books[s] = c
             a, _ = _nearest(r, c.float())
             codes[:, s] = a.to(torch.uint8)

@@ -6,18 +6,20 @@
   buffered reads that drop their pages from the page cache afterwards, so expert reads never
   crowd out the spine or break a cgroup limit.
 - ``Store`` (``store.py``): a model's files by name, small ones read whole; ``LocalDir``.
-- ``open_source`` / ``open_store`` (``location.py``): the one place a path (later a URL) is
+- ``RemoteSource`` / ``RemoteStore`` (``remote.py``, the optional ``remote`` extra): an object
+  or a model's files at an ``s3://`` or ``http(s)://`` URL, read by ranged GETs.
+- ``open_source`` / ``open_store`` (``location.py``): the one place a path or a URL is
   turned into a source or a store; ``Sources`` (``sources.py``): the sources a model has
   open, with a wrapping hook (``faults.py`` injects faults through it).
 """
 
 from .buffers import ALIGN, AlignedBuffer, align_down, align_up
 from .file import LocalFile
-from .location import RemoteUnavailableError, is_url, local_path, open_source, open_store, url_scheme
+from .location import RemoteUnavailableError, check_location, is_url, open_source, open_store, url_scheme
 from .source import ByteSource, ReadStats, WrappedSource
 from .sources import Sources
 from .store import LocalDir, Store
 
 __all__ = ["ALIGN", "AlignedBuffer", "align_down", "align_up", "ByteSource", "LocalDir", "LocalFile", "ReadStats",
-           "RemoteUnavailableError", "Sources", "Store", "WrappedSource", "is_url", "local_path", "open_source",
+           "RemoteUnavailableError", "Sources", "Store", "WrappedSource", "check_location", "is_url", "open_source",
            "open_store", "url_scheme"]

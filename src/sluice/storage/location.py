@@ -3,9 +3,13 @@
 ``open_source(location)`` opens one byte source, ``open_store(location)`` a model's
 directory of files; both decide the kind of storage here and nowhere else. The rule, one
 for every caller: **an existing local path wins** (whatever its name looks like); otherwise
-``http://``, ``https://`` and ``s3://`` name remote stores, which this version cannot read
-yet (a ``RemoteUnavailableError`` that says so), and any other ``scheme://`` is refused;
+``http://``, ``https://`` and ``s3://`` name remote stores, read by ``remote.RemoteSource``
+and ``remote.RemoteStore`` when the optional ``remote`` extra (obstore) is installed (without
+it a ``RemoteUnavailableError`` says what to install), and any other ``scheme://`` is refused;
 everything else is a local path (a missing one fails where it is opened, naming it).
+
+Remote options (``ca_bundle``: a PEM file of extra CA certificates; ``endpoint``: an
+S3-compatible endpoint, else ``AWS_ENDPOINT_URL``) are passed through to the remote client.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
 
 class RemoteUnavailableError(CheckpointError):
-    """A model or file was named by a URL, and this Sluice cannot read remote stores."""
+    """A model or file was named by a URL, and the remote extra (obstore) is not installed."""
 
 
 def url_scheme(location: str | os.PathLike) -> str | None:
@@ -38,30 +42,43 @@ def url_scheme(location: str | os.PathLike) -> str | None:
 def is_url(location: str | os.PathLike) -> bool:
     """True for a location that names a remote store (an ``http(s)://`` or ``s3://`` URL) and is not
     an existing local path."""
-    return url_scheme(location) is not None and not Path(location).exists()
+    return url_scheme(location) in REMOTE_SCHEMES and not Path(location).exists()
 
 
-def local_path(location: str | os.PathLike) -> Path:
-    """The local path ``location`` names, by the precedence rule of this module; a URL raises
-    ``RemoteUnavailableError`` (or ``CheckpointError`` for a scheme Sluice does not know)."""
-    path = Path(location)
+def check_location(location: str | os.PathLike) -> None:
+    """Raise ``CheckpointError`` for a ``scheme://`` Sluice does not read (and is no local path)."""
     scheme = url_scheme(location)
-    if scheme is None or path.exists():
-        return path
-    if scheme in REMOTE_SCHEMES:
-        raise RemoteUnavailableError(
-            f"{location}: remote model stores ({', '.join(s + '://' for s in REMOTE_SCHEMES)}) are not available "
-            "in this version of Sluice yet; copy the model to a local directory and pass its path")
-    raise CheckpointError(f"{location}: unknown URL scheme {scheme!r}; Sluice reads local paths")
+    if scheme is not None and scheme not in REMOTE_SCHEMES and not Path(location).exists():
+        raise CheckpointError(f"{location}: unknown URL scheme {scheme!r}; Sluice reads local paths and "
+                              f"{', '.join(s + '://' for s in REMOTE_SCHEMES)} URLs")
+
+
+def _remote(location: str):
+    """The ``remote`` module, or ``RemoteUnavailableError`` naming ``location`` without the extra."""
+    from . import remote  # imports obstore only when used
+
+    try:
+        import obstore  # noqa: F401  (the optional extra)
+    except ImportError:
+        raise RemoteUnavailableError(f"{location}: {remote.INSTALL_HINT}") from None
+    return remote
 
 
 def open_source(location: str | os.PathLike, *, direct: bool | None = None,
-                stats: ReadStats | None = None) -> ByteSource:
+                stats: ReadStats | None = None, **remote_options) -> ByteSource:
     """The ``ByteSource`` for ``location``: a ``LocalFile`` (``direct``: None probes O_DIRECT, False
-    forces buffered reads). Raises ``OSError`` naming a local file that cannot be opened."""
-    return LocalFile(str(local_path(location)), direct=direct, stats=stats)
+    forces buffered reads) or a ``RemoteSource`` for a URL (never direct I/O). Raises ``OSError``
+    naming a file that cannot be opened."""
+    check_location(location)
+    if is_url(location):
+        return _remote(location).RemoteSource(location, stats=stats, **remote_options)
+    return LocalFile(str(location), direct=direct, stats=stats)
 
 
-def open_store(location: str | os.PathLike) -> Store:
-    """The ``Store`` (a model's files by name) at ``location``: a ``LocalDir`` for a local path."""
-    return LocalDir(local_path(location))
+def open_store(location: str | os.PathLike, **remote_options) -> Store:
+    """The ``Store`` (a model's files by name) at ``location``: a ``LocalDir`` for a local path, a
+    ``RemoteStore`` for a URL."""
+    check_location(location)
+    if is_url(location):
+        return _remote(location).RemoteStore(str(location), **remote_options)
+    return LocalDir(location)

@@ -18,6 +18,7 @@ install.
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -57,26 +58,37 @@ def open_object_store(url: str, *, ca_bundle: str | None = None, endpoint: str |
     """``(store, path)`` for an ``s3://bucket/key`` or ``http(s)://host/dir/file`` URL.
 
     ``ca_bundle``: a PEM file of extra CA certificates to trust (TLS verification is always on).
-    ``endpoint``: an S3-compatible endpoint instead of AWS (else ``AWS_ENDPOINT_URL``).
+    ``endpoint``: an S3-compatible endpoint instead of AWS (else ``AWS_ENDPOINT_URL_S3`` or
+    ``AWS_ENDPOINT_URL`` from the environment).
     """
     obstore = _obstore()
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     opts: dict = {"timeout": f"{timeout:g}s", "connect_timeout": "10s"}
     if ca_bundle:
-        with open(ca_bundle, encoding="ascii") as f:
-            opts["root_certificate"] = f.read()
+        try:
+            with open(ca_bundle, encoding="ascii") as f:
+                pem = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise OSError(f"CA bundle {ca_bundle}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        if "-----BEGIN CERTIFICATE-----" not in pem:
+            raise OSError(f"CA bundle {ca_bundle}: not a PEM file of CA certificates (no BEGIN CERTIFICATE)")
+        opts["root_certificate"] = pem
     retry = retry_config(retries, init_backoff=backoff, max_backoff=max(backoff, 5.0), timeout=timeout * 2)
     if scheme == "s3":
         bucket, key = parts.netloc, parts.path.lstrip("/")
         if not bucket or not key:
             raise OSError(f"{url}: an S3 URL names a bucket and a key (s3://bucket/path/file)")
         config = {}
+        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             config["endpoint"] = endpoint
             if endpoint.startswith("http://"):
                 opts["allow_http"] = True
-        return obstore.store.S3Store(bucket, config=config or None, client_options=opts, retry_config=retry), key
+        try:
+            return obstore.store.S3Store(bucket, config=config or None, client_options=opts, retry_config=retry), key
+        except ValueError as e:  # a malformed endpoint or configuration
+            raise OSError(f"{url}: {_reason(e)}") from None
     if scheme in ("http", "https"):
         base, _, name = parts.path.rpartition("/")
         if not name:
@@ -84,7 +96,10 @@ def open_object_store(url: str, *, ca_bundle: str | None = None, endpoint: str |
         if scheme == "http":
             opts["allow_http"] = True
         root = f"{scheme}://{parts.netloc}{base}"
-        return obstore.store.HTTPStore(root, client_options=opts, retry_config=retry), name
+        try:
+            return obstore.store.HTTPStore(root, client_options=opts, retry_config=retry), name
+        except ValueError as e:  # a malformed URL or certificate
+            raise OSError(f"{url}: {_reason(e)}") from None
     raise OSError(f"{url}: unknown URL scheme {scheme!r} (Sluice reads s3://, http:// and https://)")
 
 
@@ -98,6 +113,7 @@ class RemoteSource(ByteSource):
     direct_io = False
     alignment = 1
     read_size = READ_BYTES
+    transfer_bytes = READ_BYTES
 
     def __init__(self, url: str, *, store=None, path: str | None = None, stats: ReadStats | None = None, **options):
         self.name = url
@@ -120,7 +136,7 @@ class RemoteSource(ByteSource):
     def read_aligned(self, buf: memoryview, offset: int) -> int:
         n = max(0, min(len(buf), self.size - offset))
         if n:
-            self._get(buf[:n], offset)
+            self._get_pieces(buf[:n], offset)
         return n
 
     def read_into(self, dest: memoryview, offset: int) -> None:
@@ -128,7 +144,15 @@ class RemoteSource(ByteSource):
         if offset < 0 or offset + n > self.size:
             raise OSError(f"read of {n} bytes at offset {offset} is outside the object ({self.size} bytes): {self.name}")
         if n:
-            self._get(dest, offset)
+            self._get_pieces(dest, offset)
+
+    def _get_pieces(self, dest: memoryview, offset: int) -> None:
+        """One ranged GET per ``read_size`` bytes: a GET's body is held whole by the client before
+        it is copied into ``dest``, so a read in flight holds at most ``transfer_bytes`` besides
+        the caller's buffer (what the planner counts per reader thread)."""
+        step = self.read_size
+        for pos in range(0, len(dest), step):
+            self._get(dest[pos : pos + step], offset + pos)
 
     def _get(self, dest: memoryview, offset: int) -> None:
         n = len(dest)

@@ -1,6 +1,6 @@
 """The byte-source seam: what every kind of storage offers the readers above it.
 
-A ``ByteSource`` is a read-only run of bytes with a name (a path; later a URL). Everything
+A ``ByteSource`` is a read-only run of bytes with a name (a path or a URL). Everything
 above storage (checkpoint and container tables, the expert readers, spine streaming) reads
 through this interface and never asks which kind of source it has. A source tells its
 callers the rules of its fast path: ``alignment`` (offset, length and buffer address of
@@ -44,6 +44,9 @@ class ByteSource:
     - ``alignment`` (int): ``read_aligned``'s offset, length and buffer address must be
       multiples of it (a power of two, at most the page size of ``AlignedBuffer``).
     - ``read_size`` (int): long sequential reads are best issued in pieces of this size.
+    - ``transfer_bytes`` (int): memory a read in flight holds besides the caller's buffer, at most
+      (0 for a local file; a remote source's response body before it is copied). The planner
+      counts it once per reader thread.
     - ``version`` (str): an identity of these bytes for cache keys; it changes when the
       bytes may have changed (a local file's inode, size and mtime; an object's ETag).
     - ``stats`` (``ReadStats``): bytes and reads issued, shared by a model's sources.
@@ -54,6 +57,7 @@ class ByteSource:
     direct_io: bool = False
     alignment: int = 1
     read_size: int = 8 << 20
+    transfer_bytes: int = 0
     version: str = ""
     stats: ReadStats
 
@@ -127,6 +131,7 @@ class WrappedSource(ByteSource):
     direct_io = property(lambda self: self.inner.direct_io)
     alignment = property(lambda self: self.inner.alignment)
     read_size = property(lambda self: self.inner.read_size)
+    transfer_bytes = property(lambda self: self.inner.transfer_bytes)
     version = property(lambda self: self.inner.version)
     stats = property(lambda self: self.inner.stats)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from ..errors import CheckpointError
 from .location import open_source
 from .source import ByteSource, ReadStats
+from .store import Store
 
 Wrapper = Callable[[ByteSource], ByteSource]
 
@@ -18,9 +19,12 @@ class Sources:
     ``direct`` and ``stats`` are passed to every source opened (``direct=None``: probe
     O_DIRECT); ``wrap(fn)`` passes every open source, and every one opened later, through
     ``fn`` (fault injection today). A failure to open is a ``CheckpointError`` naming it.
+    ``store``: the model's store; a location that is one of its members (``store.locate(name)``)
+    is opened through it (one client and its options for all of a remote model's files).
     """
 
-    def __init__(self, *, direct: bool | None = None, stats: ReadStats | None = None):
+    def __init__(self, *, direct: bool | None = None, stats: ReadStats | None = None, store: Store | None = None):
+        self.store = store
         self.direct = direct
         self.stats = stats if stats is not None else ReadStats()
         self._open: dict[str, ByteSource] = {}
@@ -34,13 +38,21 @@ class Sources:
                 s = self._open.get(location)
                 if s is None:
                     try:
-                        s = open_source(location, direct=self.direct, stats=self.stats)
+                        s = self._open_one(location)
                     except OSError as e:
                         raise CheckpointError(f"{location}: cannot open ({e.strerror or e})") from None
                     for fn in self._wrappers:
                         s = fn(s)
                     self._open[location] = s
         return s
+
+    def _open_one(self, location: str) -> ByteSource:
+        store = self.store
+        if store is not None:
+            name = location.rpartition("/")[2]
+            if name and store.locate(name) == location:
+                return store.open(name, direct=self.direct, stats=self.stats)
+        return open_source(location, direct=self.direct, stats=self.stats)
 
     def wrap(self, fn: Wrapper) -> None:
         """Pass every open source, and every source opened from now on, through ``fn``."""
@@ -57,6 +69,11 @@ class Sources:
         """True when at least one source is open and every open one reads with O_DIRECT."""
         opened = list(self._open.values())
         return bool(opened) and all(s.direct_io for s in opened)
+
+    @property
+    def transfer_bytes(self) -> int:
+        """The most memory one read in flight holds besides its destination, over the open sources."""
+        return max((s.transfer_bytes for s in list(self._open.values())), default=0)
 
     def close(self) -> None:
         with self._lock:

@@ -6,7 +6,7 @@ a file of its own (the tokenizer library) gets one from ``local_file``: for a lo
 directory the member itself; for any other store a copy kept in the local file cache,
 keyed by the store's location and the member's version and published atomically (the
 hook remote stores use). ``LocalDir`` is the local implementation; ``location.open_store``
-opens a store from a path (later a URL).
+opens a store from a path or a URL.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def user_cache_dir() -> Path:
 class Store:
     """A model's files by member name (a plain file name inside the model).
 
-    ``location`` is the store as the user named it (a directory path; later a URL). A
+    ``location`` is the store as the user named it (a directory path or a URL). A
     missing member raises ``FileNotFoundError`` from ``read_bytes`` and ``open``; other
     failures raise ``OSError``. Callers turn both into errors that name ``locate(name)``.
     """

@@ -1,0 +1,76 @@
+"""ctypes bindings to the converter's C quantizers (kernels/quantize.c), run on a few threads.
+
+Each function returns None where the C kernels are not built: the caller then uses its torch
+implementation, which gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+_lib = None
+_pool: ThreadPoolExecutor | None = None
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        from ..kernels import _find_library
+
+        path = _find_library()
+        lib = None
+        if path is not None:
+            try:
+                lib = ctypes.CDLL(path)
+                f = lib.sk_q4_quantize
+            except (OSError, AttributeError):
+                lib = None
+            else:
+                p, i64 = ctypes.c_void_p, ctypes.c_int64
+                f.argtypes = [p, i64, i64, i64, p, ctypes.c_int, p, p]
+                f.restype = None
+        _lib = lib or False
+    return _lib or None
+
+
+def threads() -> int:
+    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def _split(rows: int, fn) -> None:
+    """Run ``fn(r0, r1)`` over row ranges on ``threads()`` threads (ctypes drops the GIL)."""
+    global _pool
+    n = min(threads(), max(1, rows // 8))
+    if n == 1:
+        fn(0, rows)
+        return
+    if _pool is None or _pool._max_workers < n:
+        _pool = ThreadPoolExecutor(n, thread_name_prefix="sluice-quantize")
+    step = -(-rows // n)
+    futures = [_pool.submit(fn, r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    for f in futures:
+        f.result()
+
+
+def q4_quantize(w: torch.Tensor, candidates: torch.Tensor):
+    """q4 blocks [r, G, 16] and scales [r, G] (f16) of fp32 rows ``w`` [r, Kp], or None without C."""
+    lib = _load()
+    if lib is None:
+        return None
+    w = w.float().contiguous()
+    r, kp = w.shape
+    g = kp // 32
+    blocks = torch.empty(r, g, 16, dtype=torch.uint8)
+    scales = torch.empty(r, g, dtype=torch.float16)
+    cands = candidates.float().contiguous()
+
+    def run(r0: int, r1: int) -> None:
+        lib.sk_q4_quantize(w.data_ptr(), r0, r1, kp, cands.data_ptr(), cands.numel(), blocks.data_ptr(),
+                           scales.data_ptr())
+
+    _split(r, run)
+    return blocks, scales

@@ -1,0 +1,146 @@
+"""``sluice convert`` at speed: spine tensors streamed in bounded pieces (same bytes as whole
+reads), and the C q4 quantizer (same bytes as its torch fallback, the documented algorithm)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+
+import pytest
+import torch
+
+import sluice.convert as conv
+from sluice import kernels
+from sluice.checkpoint import Checkpoint
+from sluice.convert import convert
+from sluice.quant import FORMATS, q4
+from sluice.quant import cquant
+
+needs_c = pytest.mark.skipif(not kernels.available(), reason="C kernels not built on this machine")
+
+
+def _digests(box) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(box.iterdir()) if p.suffix == ".bin"}
+
+
+def test_spine_streamed_in_bounded_pieces_is_byte_identical(model_dir, tmp_path, monkeypatch):
+    src = model_dir("qwen3_moe")
+    whole = convert(src, tmp_path / "whole.sluice", experts="bf16", progress=False)
+    # expected spine.bin built independently from whole-tensor reads at the manifest's offsets
+    manifest = json.loads((whole / "manifest.json").read_text())
+    spine = (whole / "spine.bin").read_bytes()
+    ck = Checkpoint(src)
+    expect = bytearray(len(spine))
+    for name, t in manifest["spine"]["tensors"].items():
+        raw = ck.read(name).reshape(-1).view(torch.uint8).numpy().tobytes()
+        expect[t["offset"] : t["offset"] + len(raw)] = raw
+    ck.close()
+    assert bytes(expect) == spine  # every byte between tensors is zero padding
+    for g, (start, length, crc) in manifest["spine"]["groups"].items():
+        assert zlib.crc32(spine[start : start + length]) == crc, g
+
+    # pieces far smaller than the tensors (and not a multiple of their sizes): same files, and no
+    # spine tensor is ever read whole
+    biggest = max(ck.info(n).nbytes for n in manifest["spine"]["tensors"])
+    monkeypatch.setattr(conv, "SPINE_CHUNK", 4096 * 3)
+    assert biggest > 4 * conv.SPINE_CHUNK
+    reads = []
+    real_read = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, name, out=None: reads.append(name) or real_read(self, name, out))
+    pieces = convert(src, tmp_path / "pieces.sluice", experts="bf16", progress=False)
+    assert not set(reads) & set(manifest["spine"]["tensors"])
+    assert _digests(pieces) == _digests(whole)
+
+
+def _q4_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q4 scale search written plainly (per-candidate levels kept), sums by torch's own order."""
+    r, kp = w.shape
+    wg = w.reshape(r, kp // 32, 32)
+    m = wg.gather(-1, wg.abs().argmax(-1, keepdim=True))
+    best = None
+    for c in torch.linspace(-9.0, -6.5, 17).tolist():
+        d = m / c
+        q = torch.where(d != 0, (wg / torch.where(d != 0, d, 1.0)).round(), 0.0).clamp(-8, 7)
+        qq = (q * q).sum(-1, keepdim=True)
+        d = torch.where(qq > 0, (wg * q).sum(-1, keepdim=True) / qq.clamp_min(1e-30), 0.0)
+        d = d.clamp(-65504, 65504).half().float()
+        q = torch.where(d != 0, (wg / torch.where(d != 0, d, 1.0)).round(), 0.0).clamp(-8, 7)
+        e = ((q * d - wg) ** 2).sum(-1, keepdim=True)
+        if best is None:
+            best = (e, q, d)
+        else:
+            better = e < best[0]
+            best = (torch.where(better, e, best[0]), torch.where(better, q, best[1]), torch.where(better, d, best[2]))
+    return q4.pack_nibbles(best[1] + 8), best[2].squeeze(-1).half()
+
+
+def _matrix(rows: int, k: int, seed: int) -> torch.Tensor:
+    w = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    w[0, :32] = 0.0  # an all-zero group
+    w[1, :32] = 1e-44  # subnormal: the first scale underflows to 0
+    w[2] *= 1e-30
+    w[3, :32] = torch.tensor([0.5, -0.5, 1.5, 2.5] * 8)  # ties for round-half-even
+    w[4] *= 1e6  # scales clamp at the f16 maximum
+    return w
+
+
+@needs_c
+@pytest.mark.parametrize("shape", [(5, 32), (37, 96), (130, 256), (300, 1024)])
+def test_q4_c_quantizer_equals_its_torch_fallback(shape, monkeypatch):
+    w = _matrix(*shape, seed=shape[0])
+    with_c = FORMATS["q4"].quantize(w)
+    assert cquant._load() is not None
+    monkeypatch.setattr(cquant, "_lib", False)  # as on a machine without the C kernels
+    fallback = FORMATS["q4"].quantize(w)
+    assert torch.equal(with_c["blocks"], fallback["blocks"])
+    assert torch.equal(with_c["scales"].view(torch.int16), fallback["scales"].view(torch.int16))
+
+
+def test_q4_matches_the_plain_algorithm_except_near_ties():
+    """Only the order of the group sums differs from the plain form (a fixed tree instead of torch's
+    SIMD order), so a group can differ only where two candidates' errors tie to within rounding."""
+    w = _matrix(256, 1024, seed=7)
+    got = FORMATS["q4"].quantize(w)
+    ref_blocks, ref_scales = _q4_reference(w)
+    differ = (got["blocks"] != ref_blocks).any(-1) | (got["scales"].view(torch.int16) != ref_scales.view(torch.int16))
+    assert int(differ.sum()) <= differ.numel() // 1000
+    err_got = (FORMATS["q4"].dequantize(got, *w.shape)[5:] - w[5:]).norm() / w[5:].norm()
+    ref = {"blocks": ref_blocks, "scales": ref_scales}
+    err_ref = (FORMATS["q4"].dequantize(ref, *w.shape)[5:] - w[5:]).norm() / w[5:].norm()
+    assert abs(float(err_got) - float(err_ref)) < 1e-5
+
+
+def test_q4_threads_do_not_change_bytes(monkeypatch):
+    w = _matrix(200, 512, seed=3)
+    monkeypatch.setattr(cquant, "threads", lambda: 1)
+    one = FORMATS["q4"].quantize(w)
+    monkeypatch.setattr(cquant, "threads", lambda: 3)
+    three = FORMATS["q4"].quantize(w)
+    assert torch.equal(one["blocks"], three["blocks"]) and torch.equal(one["scales"], three["scales"])
+
+
+def _int8_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 clipping search written plainly (each ratio's integers kept), as before the speed-up."""
+    amax = w.abs().amax(1, keepdim=True)
+    best = None
+    for ratio in (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.82, 0.8):
+        s = amax * ratio / 127.0
+        q = (w / torch.where(s > 0, s, torch.ones_like(s))).round().clamp(-127, 127)
+        err = ((q * s - w) ** 2).sum(1, keepdim=True)
+        if best is None:
+            best = (err, q, s)
+        else:
+            better = err < best[0]
+            best = (torch.where(better, err, best[0]), torch.where(better, q, best[1]), torch.where(better, s, best[2]))
+    return best[1].to(torch.int8), best[2].reshape(-1)
+
+
+def test_int8_bytes_unchanged_by_the_speed_up():
+    w = _matrix(64, 1000, seed=5)
+    w[6, :3] = float("inf")
+    w[7, 9] = float("nan")
+    got = FORMATS["int8"].quantize(w)
+    ref_q, ref_s = _int8_reference(w)
+    assert torch.equal(got["weight"][:, :1000], ref_q)
+    assert torch.equal(got["scales"].view(torch.int32), ref_s.view(torch.int32))
