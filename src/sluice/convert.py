@@ -320,7 +320,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     (tmp / PARTIAL_MARK).touch()
     writing = tmp
     try:
-        writing = _write(src, tmp, info, fmt, parts, payload, rec, spine_total, progress, dst.name)
+        writing = _write(src, tmp, info, fmt, parts, payload, rec, progress, dst.name)
         writing = dst
         _install(tmp, dst)
     except BaseException as e:
@@ -361,7 +361,7 @@ def _copy_tensor(ckpt, info, f, crc: int, chunk: AlignedBuffer, bar: Progress) -
     return crc
 
 
-def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec: int, spine_total: int,
+def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec: int,
            progress: bool, label: str) -> Path:
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
     shapes = desc.expert.matrix_shapes()
