@@ -10,10 +10,8 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -166,24 +164,11 @@ def test_readme_curl_and_openai_examples_against_sluice_serve_demo(demo):
     snippet = next(b for b in readme_blocks("python") if "OpenAI(" in b and '"sluice-demo"' in b)
     assert any("sluice serve demo" in b for b in readme_blocks("bash"))
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", "demo", "--port", str(port), "--threads",
-                             "1", "--no-progress", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={k: v for k, v in os.environ.items() if k != "SLUICE_API_KEY"})
+    from serve_process import spawn_serve
+
+    proc, base = spawn_serve("demo", "--threads", "1", "--no-progress", "--log-level", "warning", timeout=120)
+    port = int(base.rsplit(":", 1)[1])
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "sluice serve demo did not come up"
-            time.sleep(0.2)
         assert [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]] == ["sluice-demo"]
 
         body = json.loads(re.search(r"-d '(.*)'", curl, flags=re.S).group(1))

@@ -17,7 +17,6 @@ import random
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -31,7 +30,8 @@ from conftest import BASELINE, MiB
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from test_server import LiveServer, error_of, req_key, wait_for  # noqa: E402
+from serve_process import spawn_serve, wait_for  # noqa: E402
+from test_server import LiveServer, error_of, req_key  # noqa: E402
 
 MODEL = "tiny-chat"
 CTX = 256
@@ -466,24 +466,9 @@ def children(pid: int) -> list[int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_serve_process_memory_health_and_sigterm(hostile_model):
     budget = max(450 * MiB, -(-(BASELINE + 170 * MiB) // (10 * MiB)) * 10 * MiB)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", str(hostile_model), "--port", str(port),
-                             "--memory", f"{budget // MiB}MiB", "--threads", "1", "--max-context", str(CTX),
-                             "--no-progress", "--model-name", MODEL, "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={k: v for k, v in os.environ.items() if k != "SLUICE_API_KEY"})
+    proc, url = spawn_serve(hostile_model, "--memory", f"{budget // MiB}MiB", "--threads", "1", "--max-context",
+                            str(CTX), "--no-progress", "--model-name", MODEL, "--log-level", "warning")
     try:
-        def up():
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, timeout=90, what="sluice serve to answer")
         # oversized requests, several at once: 4 MB prompts, 4 MB chat messages, 100,000 messages, token lists
         text = random_text((4 << 20) - 1024, seed=1)
         bodies = [json.dumps(completion(prompt=text)).encode(), json.dumps(completion(prompt=text)).encode(),

@@ -201,8 +201,6 @@ def test_serve_a_url(text_model, remote_servers, tmp_path):
     """``sluice serve https://...`` as a user runs it (``--ca-bundle`` for the test CA): it serves
     the model under the URL's model id and completes like the local model."""
     import signal
-    import socket
-    import subprocess
 
     import httpx
 
@@ -210,27 +208,15 @@ def test_serve_a_url(text_model, remote_servers, tmp_path):
     local = sluice.load(str(text_model), memory="4GiB", cache_experts=CACHE, progress=False)
     want = local.generate("def f():", max_new_tokens=4, ignore_eos=True).text
     local.close()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from serve_process import spawn_serve
+
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("SLUICE_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", url, "--port", str(port), "--memory", "4GiB",
-                             "--cache-experts", str(CACHE), "--threads", "1", "--max-context", "128", "--no-progress",
-                             "--ca-bundle", str(remote_servers.http.ca_path), "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    base = f"http://127.0.0.1:{port}/v1"
+    proc, root = spawn_serve(url, "--memory", "4GiB", "--cache-experts", str(CACHE), "--threads", "1", "--max-context",
+                             "128", "--no-progress", "--ca-bundle", str(remote_servers.http.ca_path), "--log-level",
+                             "warning", env=env, timeout=60, ready_path="/v1/models")
+    base = f"{root}/v1"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"{base}/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "sluice serve did not answer within 60 s"
-            time.sleep(0.2)
         assert [m["id"] for m in httpx.get(f"{base}/models").json()["data"]] == ["rm-text"]
         r = httpx.post(f"{base}/completions", json={"model": "rm-text", "prompt": "def f():", "max_tokens": 4,
                                                      "temperature": 0, "ignore_eos": True}, timeout=60)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import random
 import re
 import socket
@@ -25,6 +24,7 @@ import openai
 import pytest
 
 import sluice
+from serve_process import spawn_serve, wait_for
 from sluice.errors import ExpertReadError
 
 pytest.importorskip("fastapi")
@@ -130,16 +130,6 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
-    """Poll ``pred`` until it is true (a bounded wait on an observable state, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 def req_key(endpoint: str, status: int) -> str:
@@ -714,31 +704,17 @@ def test_serve_command(chat_model):
     """``sluice serve`` as a user runs it: up, answering, stopped by Ctrl-C with exit status 0."""
     import signal
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", chat_model, "--port", str(port),
-                             "--memory", "2GiB", "--threads", "1", "--max-context", "128", "--no-progress",
-                             "--model-name", "m", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={k: v for k, v in os.environ.items() if k != "SLUICE_API_KEY"})
+    proc, url = spawn_serve(chat_model, "--memory", "2GiB", "--threads", "1", "--max-context", "128", "--no-progress",
+                            "--model-name", "m", "--log-level", "warning", timeout=60)
     try:
-        def up():
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, timeout=60, what="sluice serve to answer")
-        cl = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        cl = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         r = cl.chat.completions.create(model="m", messages=HELLO, max_tokens=3)
         assert r.choices[0].finish_reason in ("stop", "length")
     finally:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
-    assert f"serving 'm' on http://127.0.0.1:{port}/v1" in err
+    assert f"serving 'm' on {url}/v1" in err
 
 
 def test_library_never_imports_server():

@@ -11,17 +11,15 @@ becoming markup. Skips, saying why, when Selenium, Chromium or its driver is mis
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+from serve_process import spawn_serve
+from serve_process import wait_for as _wait_for
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -30,6 +28,11 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium: pi
 KEY = "page-test-key"
 CTX = 2048
 HOSTILE = '<img src=x onerror="window.__pwned=1"> <script>window.__pwned=2</script> **not bold here**'
+
+
+def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
+    """``serve_process.wait_for`` at a pace that suits a browser driver."""
+    return _wait_for(pred, timeout, what, interval=0.02)
 
 
 def _browser() -> tuple[str, str]:
@@ -49,16 +52,6 @@ def _browser() -> tuple[str, str]:
     return browser, driver
 
 
-def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
-    """Poll ``pred`` until it is true (a bounded wait on an observable state)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -77,25 +70,10 @@ def endless_model(chat_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(endless_model):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "SLUICE_API_KEY"}
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", str(endless_model), "--port", str(port),
-                             "--memory", "2GiB", "--threads", "1", "--max-context", str(CTX), "--no-progress",
-                             "--model-name", "endless", "--api-key", KEY, "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        assert proc.poll() is None, proc.communicate()[1]
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
+    proc, url = spawn_serve(endless_model, "--memory", "2GiB", "--threads", "1", "--max-context", str(CTX),
+                            "--no-progress", "--model-name", "endless", "--api-key", KEY, "--log-level", "warning",
+                            stdout=subprocess.DEVNULL)
     try:
-        wait_for(up, timeout=90, what="sluice serve to answer")
         yield url
     finally:
         proc.send_signal(signal.SIGINT)
