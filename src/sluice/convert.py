@@ -41,7 +41,7 @@ from .container import (
     seal_manifest,
 )
 from .engine import ModelInfo
-from .errors import CheckpointError, InvalidArgumentError, SluiceError
+from .errors import CheckpointError, ConvertError, InvalidArgumentError, SluiceError
 from .experts.fused import canonical_layout, canonical_weights
 from .experts.source import views
 from .progress import Progress
@@ -124,10 +124,6 @@ def _group_order(g: str) -> tuple[int, int]:
     if g.startswith("layer."):
         return (1, int(g.split(".")[1]))
     return (2, 0)
-
-
-class ConvertError(SluiceError, OSError):
-    """``sluice convert`` refused its output path or could not write it (nothing was deleted)."""
 
 
 PARTIAL_MARK = ".sluice-partial"  # inside DST.partial / DST.old: a directory convert made and may delete
