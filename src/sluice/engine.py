@@ -196,7 +196,7 @@ class ModelInfo:
             budget=budget, baseline=current_rss() if baseline is None else baseline,
             spine_global=glob, spine_layers=layers,
             stream_buffer=max((spine_buffer_bytes(r) for r in reads.values()), default=0),
-            state_bytes=self.desc.state_bytes_per_token * max_ctx + self.desc.state_bytes_fixed,
+            state_bytes=self.desc.state_bytes(max_ctx),
             activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx,
                                          score_block=SCORE_BLOCK_BYTES) + transfer,
             slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set,
