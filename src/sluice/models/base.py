@@ -30,7 +30,7 @@ from ..layers.norm import RMSNorm
 from ..layers.pointwise import pointwise
 from ..layers.rotary import Rotary
 from ..layers.routing import Router
-from ..quant import linear
+from ..quant import embed, linear
 
 
 
@@ -207,7 +207,7 @@ class CausalLM:
 
         Writes the per-layer state for those positions; the caller advances ``state.length``.
         """
-        h = self.embed[ids].float()
+        h = embed(self.embed, ids)
         positions = torch.arange(start, start + ids.shape[0])
         cos, sin = self.rotary.cos_sin(positions) if self.rotary is not None else (None, None)
         spine = self.spine
