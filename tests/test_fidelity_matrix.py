@@ -20,7 +20,7 @@ axes that share code (``CODE_SHARING``), and a pairwise covering array over all 
 skipped only with a reason in ``SKIP_REASONS``, and may be expected to fail only for a bug in
 ``KNOWN_BUGS`` (conftest turns any other skip or xfail into a failure).
 
-Below the matrix: the lossy switches and quantized containers on every family.
+Below the matrix: the lossy switches, quantized containers and the int8 spine on every family.
 """
 
 from __future__ import annotations
