@@ -31,7 +31,8 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
                 ("storage", "checkpoint", "container", "resolve")),
     "layers": ("attention, MLA, linear attention, norms, rotary, routing, sampling", ("layers",)),
     "experts": ("the expert interface: sources, layouts, cache and policies, readers, compute", ("experts",)),
-    "models": ("one module per model family", ("models",)),
+    "models": ("one module per model family, and what families share (config checks, the int8 spine)",
+               ("models",)),
     "planner": ("memory budget -> spine residency, KV cache, buffers, expert cache", ("plan",)),
     "runtime": ("the engine's moving parts: generation, model runner, stats, speculation, spine streaming, "
                 "tokenizer, chat templates, traces",
