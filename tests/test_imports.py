@@ -33,9 +33,9 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "experts": ("the expert interface: sources, layouts, cache and policies, readers, compute", ("experts",)),
     "models": ("one module per model family", ("models",)),
     "planner": ("memory budget -> spine residency, KV cache, buffers, expert cache", ("plan",)),
-    "runtime": ("the engine's moving parts: generation, model runner, stats, speculation, spine streaming, "
-                "tokenizer, chat templates, traces",
-                ("generation", "runner", "speculative", "spine", "stats", "text", "tokenizer", "chat_template",
+    "runtime": ("the engine's moving parts: generation, scheduler, model runner, stats, speculation, spine "
+                "streaming, tokenizer, chat templates, traces",
+                ("generation", "scheduler", "runner", "speculative", "spine", "stats", "text", "tokenizer", "chat_template",
                  "trace")),
     "api": ("sluice.load, Engine, ModelInfo, the checks of their arguments", ("", "engine", "validate")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "inspect", "bench")),
