@@ -30,6 +30,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-context", type=int_arg(1), default=None, metavar="N",
                    help="longest sequence (prompt + output); the KV cache is reserved for it "
                         "(default: min(model limit, 4096))")
+    g.add_argument("--parallel", type=int_arg(1, 1 << 16), default=None, metavar="N",
+                   help="sequences generated at once (serve: requests in one batch; more wait in the queue), each "
+                        "with KV/state for --max-context reserved in --memory (default: min(4, what the budget "
+                        "allows without streaming more of the spine))")
     g.add_argument("--threads", type=int_arg(1, 1024), default=None, metavar="N", help="compute threads (default: all cores)")
     g.add_argument("--reader-threads", type=int_arg(1, 1024), default=4, metavar="N", help="parallel expert reads (default 4)")
     g.add_argument("--no-prefetch", action="store_true",
@@ -64,7 +68,7 @@ def _engine_options(args) -> dict:
                 verify_reads=args.verify_reads, moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached,
                 trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress,
-                ca_bundle=args.ca_bundle)
+                ca_bundle=args.ca_bundle, parallel=args.parallel)
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -165,7 +169,7 @@ def cmd_inspect(args) -> int:
     from .inspect import inspect_model, render_inspect
 
     report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision,
-                           ca_bundle=args.ca_bundle)
+                           ca_bundle=args.ca_bundle, parallel=args.parallel)
     print(json.dumps(report, indent=2) if args.json else render_inspect(report))
     return 0
 
@@ -339,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(i)
     i.add_argument("--memory", type=_size, default=None, metavar="SIZE", help="also show the plan for this budget")
     i.add_argument("--max-context", type=int_arg(1), default=None, metavar="N", help="context the KV cache is sized for")
+    i.add_argument("--parallel", type=int_arg(1, 1 << 16), default=None, metavar="N",
+                   help="sequences at once, each with KV/state for --max-context (default: min(4, what each budget "
+                        "allows))")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.add_argument("--ca-bundle", default=None, metavar="PEM",
                    help="a model at an https:// URL: a PEM file of extra CA certificates to trust")
