@@ -29,10 +29,12 @@ Callers on any thread: ``submit`` a ``generation.Request``, then iterate ``steps
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,6 +49,18 @@ from .stats import EngineCounters
 
 _END = object()  # a sequence's queue: nothing more follows
 UNION_FIELD = "step_expert_union"  # an EngineCounters field (the runner's), when it counts per-step expert unions
+
+
+_open: weakref.WeakSet = weakref.WeakSet()  # schedulers whose thread may run
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit, end every scheduler thread before the interpreter tears down: a thread that ran
+    torch and is still alive then can abort the process ("terminate called without an active
+    exception")."""
+    for sched in list(_open):
+        sched.close(timeout=5.0)
 
 
 class EngineClosed(SluiceError):
@@ -191,6 +205,7 @@ class Scheduler:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="sluice-scheduler", daemon=True)
             self._thread.start()
+            _open.add(self)
 
     def _loop(self) -> None:
         while True:
