@@ -172,8 +172,10 @@ class Metrics:
             return dict(requests=dict(self.requests), generations=dict(self.generations), totals=dict(self.totals),
                         last=dict(self.last), queue_waits=self.queue_wait_count)
 
-    def render(self, queue_depth: int, running: int, capacity: int, batch=None, parallel: int = 1) -> str:
-        """The Prometheus text; ``batch``: the engine scheduler's ``SchedulerStats`` (None: none yet)."""
+    def render(self, queue_depth: int, running: int, capacity: int, batch=None, parallel: int = 1,
+               totals=None) -> str:
+        """The Prometheus text; ``batch``: the engine scheduler's ``SchedulerStats``, ``totals``: the
+        engine's ``EngineCounters`` since load (None: not known)."""
         s = self.snapshot()
         t = s["totals"]
         out: list[str] = []
@@ -234,6 +236,15 @@ class Metrics:
                [({}, t["expert_hits"] / lookups if lookups else 0.0)])
         metric("sluice_bytes_read_total", "counter", "Bytes read from storage: experts (on demand and "
                "prefetched) and streamed spine layers.", [({}, t["bytes_read"])])
+        e = totals
+        metric("sluice_engine_bytes_read_total", "counter", "Bytes the engine read from storage since load, each "
+               "read once however many generations needed it.", [({}, e.bytes_read if e else 0)])
+        metric("sluice_engine_expert_reads_total", "counter", "Expert reads the engine made since load, by kind.",
+               [({"kind": "demand"}, e.demand_reads if e else 0), ({"kind": "prefetch"}, e.prefetch_reads if e else 0)])
+        metric("sluice_engine_forwards_total", "counter", "Model forwards the engine ran since load.",
+               [({}, e.forwards if e else 0)])
+        metric("sluice_engine_tokens_forwarded_total", "counter", "Positions those forwards computed.",
+               [({}, e.tokens_forwarded if e else 0)])
         return "\n".join(out) + "\n"
 
 
