@@ -85,7 +85,8 @@ def test_four_concurrent_requests_share_steps_and_answer_as_alone(srv, ref):
 def test_metrics_name_the_batch_and_the_expert_union(srv):
     text = httpx.get(srv.url + "/metrics", timeout=10).text
     for name in ("sluice_parallel", "sluice_batch_size", "sluice_engine_steps_total", "sluice_batched_sequences_total",
-                 "sluice_expert_union_size", "sluice_expert_union_total", "sluice_queue_waits_total"):
+                 "sluice_expert_union_size", "sluice_expert_union_total", "sluice_expert_sequence_union_total",
+                 "sluice_queue_waits_total", "sluice_engine_bytes_read_total"):
         assert f"# TYPE {name} " in text
 
 
