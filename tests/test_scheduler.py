@@ -250,3 +250,51 @@ def test_inspect_and_load_report_parallel(family_models):
         eng.close()
     with pytest.raises(InvalidArgumentError, match="parallel"):
         sluice.load(path, parallel=0)
+
+
+def test_an_item_the_runner_failed_fails_only_its_generation(engines):
+    """The batched runner answers an item whose expert read failed with ``SeqResult.error`` (the
+    others are re-run): that generation raises it, the others go on as alone."""
+    from sluice.errors import ExpertReadError
+    from sluice.runner import SeqResult
+
+    eng = engines["qwen3_moe"]
+    prompts = _prompts(3)
+    want = _solo(eng, prompts, **GREEDY)
+    real, calls = eng.runner.step, []
+
+    def failing(work):
+        results = real(work)
+        calls.append(len(work))
+        if len(calls) == 4:  # the fourth step: the item of the sequence on the middle prompt fails
+            for i, w in enumerate(work):
+                if w.seq.tokens[: len(prompts[1])] == prompts[1]:
+                    results[i] = SeqResult(None)
+                    results[i].error = ExpertReadError("layer 1 expert 3: read failed (test)")
+        return results
+
+    eng.runner.step = failing
+    try:
+        seqs = [eng.stream(p, **GREEDY) for p in prompts]
+        firsts = [next(s) for s in seqs]
+        with pytest.raises(ExpertReadError, match="read failed"):
+            list(seqs[1])
+        rest = [[firsts[i].token_id] + [s.token_id for s in seqs[i]] for i in (0, 2)]
+    finally:
+        del eng.runner.step
+    assert rest == [want[0].token_ids, want[2].token_ids]
+    assert eng.generate(prompts[1], **GREEDY).token_ids == want[1].token_ids  # its slot is clean again
+
+
+def test_closing_the_engine_ends_its_generations(family_models):
+    from sluice.scheduler import EngineClosed
+
+    eng = sluice.load(family_models.hf("qwen3_moe"), memory="2GiB", parallel=1, progress=False)
+    running = eng.stream(_prompts(1)[0], max_new_tokens=200, ignore_eos=True)
+    next(running)
+    waiting = eng.stream(_prompts(2)[1], max_new_tokens=5)
+    eng.close()
+    with pytest.raises(EngineClosed):
+        list(running)
+    with pytest.raises(EngineClosed):
+        next(waiting)
