@@ -298,3 +298,20 @@ def test_closing_the_engine_ends_its_generations(family_models):
         list(running)
     with pytest.raises(EngineClosed):
         next(waiting)
+
+
+def test_parallel_on_the_command_line(family_models, capsys):
+    import json
+
+    from sluice.cli import build_parser, main
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "m"]).parallel is None  # serve: what the budget allows
+    assert parser.parse_args(["run", "m"]).parallel == 1  # one sequence: no state slots to spare
+    assert parser.parse_args(["run", "m", "--parallel", "3"]).parallel == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "m", "--parallel", "0"])
+    assert main(["inspect", str(family_models.hf("qwen3_moe")), "--memory", "2GiB", "--parallel", "2",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["plan"]["parallel"] == 2 and all(b["parallel"] in (0, 2) for b in report["budgets"])

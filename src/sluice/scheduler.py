@@ -102,7 +102,7 @@ class SchedulerStats:
     stepped_sequences: int = 0  # sum over steps of the sequences in each (mean batch size = this / steps)
     last_batch_size: int = 0  # sequences in the most recent step
     max_batch_size: int = 0
-    step_tokens: int = 0  # tokens forwarded in those steps
+    tokens: int = 0  # tokens forwarded in those steps
     admitted: int = 0  # sequences that got a slot
     queue_wait_s: float = 0.0  # their summed wait for a slot
     running: int = 0  # sequences holding a slot now
@@ -400,7 +400,7 @@ class Scheduler:
             st.stepped_sequences += len(plan)
             st.last_batch_size = len(plan)
             st.max_batch_size = max(st.max_batch_size, len(plan))
-            st.step_tokens += sum(len(w.tokens) for _, w, _ in plan)
+            st.tokens += sum(len(w.tokens) for _, w, _ in plan)
             if union is not None:
                 st.union_last = int(union)
                 st.union_total = (st.union_total or 0) + int(union)
