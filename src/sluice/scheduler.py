@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -47,6 +48,7 @@ from .generation import Request, Step
 from .runner import ModelRunner, SeqResult, SeqState, SeqWork
 from .stats import EngineCounters
 
+log = logging.getLogger("sluice.scheduler")
 _END = object()  # a sequence's queue: nothing more follows
 # EngineCounters fields of the batched runner, when it counts them: per forward and MoE layer (summed), the
 # distinct experts its rows routed to, and the sum of each sequence's own (what they would read alone)
@@ -246,10 +248,10 @@ class Scheduler:
                 continue
             try:
                 self._step()
-            except BaseException:  # never let the loop die with sequences waiting on it
-                import logging
-
-                logging.getLogger("sluice.scheduler").exception("internal error in the scheduler")
+            except BaseException as e:  # noqa: BLE001  never let the loop die with sequences waiting on it
+                log.exception("internal error in the scheduler")
+                for seq in list(self._active):  # they fail; the loop goes on with the next ones
+                    self._end(seq, "failed", e)
 
     def _idle(self) -> list[SeqState]:
         return [s for s in self._slots if id(s) not in self._busy]
