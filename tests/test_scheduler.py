@@ -315,3 +315,22 @@ def test_parallel_on_the_command_line(family_models, capsys):
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["plan"]["parallel"] == 2 and all(b["parallel"] in (0, 2) for b in report["budgets"])
+
+
+def test_an_engine_dropped_without_close_is_freed(family_models, monkeypatch):
+    """The scheduler's thread ends when it has nothing to do: it does not keep a dropped engine
+    (its model, caches and state slots) alive; a new generation starts a new thread."""
+    import gc
+    import weakref
+
+    from serve_process import wait_for
+    from sluice import scheduler
+
+    monkeypatch.setattr(scheduler, "IDLE_EXIT_S", 0.05)
+    eng = sluice.load(family_models.hf("qwen3_moe"), memory="2GiB", parallel=2, progress=False)
+    first = eng.generate(_prompts(1)[0], max_new_tokens=3).token_ids
+    wait_for(lambda: eng.scheduler._thread is None, timeout=10, what="the idle scheduler thread to end")
+    assert eng.generate(_prompts(1)[0], max_new_tokens=3).token_ids == first  # a new thread runs it
+    ref = weakref.ref(eng)
+    del eng
+    wait_for(lambda: gc.collect() is not None and ref() is None, timeout=10, what="the engine to be freed")

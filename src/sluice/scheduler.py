@@ -49,6 +49,7 @@ from .runner import ModelRunner, SeqResult, SeqState, SeqWork
 from .stats import EngineCounters
 
 log = logging.getLogger("sluice.scheduler")
+IDLE_EXIT_S = 2.0  # an idle scheduler thread ends after this long
 _END = object()  # a sequence's queue: nothing more follows
 # EngineCounters fields of the batched runner, when it counts them: per forward and MoE layer (summed), the
 # distinct experts its rows routed to, and the sum of each sequence's own (what they would read alone)
@@ -225,8 +226,14 @@ class Scheduler:
                     if self._active:
                         break
                     self._last = None  # idle: the next step starts a fresh count
-                    # a waiting request's ``cancel`` event is set without telling us: look again soon
-                    self._cond.wait(0.05 if self._waiting or self._calls else None)
+                    if self._waiting or self._calls:
+                        # a waiting request's ``cancel`` event is set without telling us: look again soon
+                        self._cond.wait(0.05)
+                    elif not self._cond.wait(IDLE_EXIT_S) and not (self._waiting or self._calls or self._closed):
+                        # nothing to do: the thread ends (the next generation starts another), so that
+                        # an engine dropped without close() is not kept alive by its scheduler thread
+                        self._thread = None
+                        return
                 if self._closed:
                     self._fail_all()
                     return
