@@ -34,9 +34,9 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "models": ("one module per model family, and what families share (config checks, the int8 spine)",
                ("models",)),
     "planner": ("memory budget -> spine residency, KV cache, buffers, expert cache", ("plan",)),
-    "runtime": ("the engine's moving parts: generation, model runner, stats, speculation, spine streaming, "
-                "tokenizer, chat templates, traces",
-                ("generation", "runner", "speculative", "spine", "stats", "text", "tokenizer", "chat_template",
+    "runtime": ("the engine's moving parts: generation, scheduler, model runner, stats, speculation, spine "
+                "streaming, tokenizer, chat templates, traces",
+                ("generation", "scheduler", "runner", "speculative", "spine", "stats", "text", "tokenizer", "chat_template",
                  "trace")),
     "api": ("sluice.load, Engine, ModelInfo, the checks of their arguments", ("", "engine", "validate")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "inspect", "bench")),

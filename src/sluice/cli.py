@@ -17,7 +17,9 @@ _size = positive_size_arg
 _count = int_arg(0)
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
+    """The memory and I/O flags; ``serving``: the command runs many sequences at once (serve), so
+    --parallel defaults to what the budget allows; the others run one and default to 1."""
     g = p.add_argument_group("memory and I/O")
     g.add_argument("--memory", type=_size, default=None, metavar="SIZE",
                    help="peak memory budget, e.g. 8GiB (binary) or 8GB (decimal). Covers the Python/torch "
@@ -30,6 +32,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-context", type=int_arg(1), default=None, metavar="N",
                    help="longest sequence (prompt + output); the KV cache is reserved for it "
                         "(default: min(model limit, 4096))")
+    g.add_argument("--parallel", type=int_arg(1, 1 << 16), default=None if serving else 1, metavar="N",
+                   help="sequences generated at once (requests in one batch; more wait in the queue), each with "
+                        "KV/state for --max-context reserved in --memory (default: min(4, what the budget allows "
+                        "without streaming more of the spine))" if serving else
+                        "sequences that may run at once, each with KV/state for --max-context reserved in --memory "
+                        "(default 1: this command runs one; more would only take expert cache)")
     g.add_argument("--threads", type=int_arg(1, 1024), default=None, metavar="N", help="compute threads (default: all cores)")
     g.add_argument("--reader-threads", type=int_arg(1, 1024), default=4, metavar="N", help="parallel expert reads (default 4)")
     g.add_argument("--no-prefetch", action="store_true",
@@ -64,7 +72,7 @@ def _engine_options(args) -> dict:
                 verify_reads=args.verify_reads, moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached,
                 trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress,
-                ca_bundle=args.ca_bundle)
+                ca_bundle=args.ca_bundle, parallel=args.parallel)
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -165,7 +173,7 @@ def cmd_inspect(args) -> int:
     from .inspect import inspect_model, render_inspect
 
     report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision,
-                           ca_bundle=args.ca_bundle)
+                           ca_bundle=args.ca_bundle, parallel=args.parallel)
     print(json.dumps(report, indent=2) if args.json else render_inspect(report))
     return 0
 
@@ -346,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(i)
     i.add_argument("--memory", type=_size, default=None, metavar="SIZE", help="also show the plan for this budget")
     i.add_argument("--max-context", type=int_arg(1), default=None, metavar="N", help="context the KV cache is sized for")
+    i.add_argument("--parallel", type=int_arg(1, 1 << 16), default=None, metavar="N",
+                   help="sequences at once, each with KV/state for --max-context (default: min(4, what each budget "
+                        "allows))")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.add_argument("--ca-bundle", default=None, metavar="PEM",
                    help="a model at an https:// URL: a PEM file of extra CA certificates to trust")
@@ -353,9 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming or not), "
-                                   "/health and /metrics. One generation runs at a time; requests wait in a "
-                                   "bounded queue (429 beyond it); a growing conversation reuses the KV cache of "
-                                   "its previous turn. Needs the server extra: pip install 'sluice[server]'.")
+                                   "/health and /metrics. Up to --parallel generations run at once, in one batch; "
+                                   "more requests wait in a bounded queue (429 beyond it); a growing conversation "
+                                   "reuses the KV cache of its previous turn. Needs the server extra: pip install 'sluice[server]'.")
     _add_model_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int_arg(0, 65535), default=8000, help="port (default 8000)")
@@ -363,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $SLUICE_API_KEY, which keeps the key out of the process list)")
     s.add_argument("--max-queue", type=_count, default=8, metavar="N",
-                   help="requests that may wait while one generates; more get 429 (default 8)")
+                   help="requests that may wait while --parallel generate; more get 429 (default 8)")
     s.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: the repo id, 'sluice-demo' for demo, "
                         "else the directory name)")
@@ -371,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body (default 4MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default info)")
-    _add_engine_args(s)
+    _add_engine_args(s, serving=True)
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("chat", help="chat with a model in the terminal",

@@ -7,6 +7,7 @@ core step generator; ``generate()``, the CLI and the server are built on it.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ from .plan import Plan, activation_bytes, make_plan
 from .progress import Progress
 from .resolve import resolve_model
 from .runner import ModelRunner, SeqState
+from .scheduler import Scheduler
 from .spine import LayerReads, SpineStreamer, layer_reads, streamable
 from .spine import buffer_bytes as spine_buffer_bytes
 from .stats import EngineCounters, EngineInfo, GenerationStats
@@ -63,6 +65,7 @@ class Options:
     ca_bundle: str | None = None  # a model at an https:// URL: PEM file of extra CA certificates to trust
     verify_reads: bool = True  # CRC32 of every expert record and streamed spine layer read from a container
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    parallel: int | None = None  # sequences run at once, each with KV/state for max_context (None: min(4, the budget's))
     progress: bool = True
     trace_routing: str | None = None  # write each decode token's routing to this JSONL file
     max_resident_layers: int | None = None  # stream the spine of the other layers (None: the planner decides)
@@ -201,6 +204,11 @@ class ModelInfo:
         return spine + per_expert * self.desc.total_experts, spine + per_expert * self.desc.working_set
 
     def plan(self, memory: int | str | None, options: Options, baseline: int | None = None) -> Plan:
+        """The memory plan of ``memory`` for ``options.parallel`` sequences (None: the default rule)."""
+        return make_plan(parallel=options.parallel, **self.plan_args(memory, options, baseline))
+
+    def plan_args(self, memory: int | str | None, options: Options, baseline: int | None = None) -> dict:
+        """``make_plan``'s arguments but ``parallel`` (one sequence's state in ``state_bytes``)."""
         limit = self.desc.max_position_embeddings
         max_ctx = options.max_context or min(limit, DEFAULT_MAX_CONTEXT)
         if max_ctx > limit:
@@ -214,7 +222,7 @@ class ModelInfo:
         # a remote read holds its response body until it is copied into the slot: one per reader
         # thread and one for the spine stream (0 for local files, read straight into the buffers)
         transfer = (options.reader_threads + 1) * self.checkpoint.sources.transfer_bytes
-        return make_plan(
+        return dict(
             budget=budget, baseline=current_rss() if baseline is None else baseline,
             spine_global=glob, spine_layers=layers,
             stream_buffer=max((spine_buffer_bytes(r) for r in reads.values()), default=0),
@@ -262,8 +270,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.experts, self.cache, self.checkpoint, self.spine,
                                   max_context=self.plan.max_context, prefill_chunk=self.plan.prefill_chunk,
                                   threads=self.threads, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
-                                  moe_layers=self.desc.moe_layers, trace=self.trace, info=self._info)
-        self._lock = threading.Lock()
+                                  moe_layers=self.desc.moe_layers, trace=self.trace, info=self._info,
+                                  slots=self.plan.parallel)
+        # every generation runs as a sequence of the scheduler, on one of the runner's state slots
+        self.scheduler = Scheduler(self.runner, step_tokens=self.plan.prefill_chunk)
         self.load_s = time.perf_counter() - t_load
         self.last_stats: GenerationStats | dict = {}
 
@@ -296,6 +306,7 @@ class Engine:
         return quantized_spine.assemble(out, self.info.spine_quant, self.desc)
 
     def close(self) -> None:
+        self.scheduler.close()
         if self.trace is not None:
             self.trace.close()
         if self.spine is not None:
@@ -363,9 +374,14 @@ class Engine:
         return self.runner.counters()
 
     @property
+    def parallel(self) -> int:
+        """Sequences that run at once (``--parallel``; more wait for a state slot)."""
+        return self.plan.parallel
+
+    @property
     def slot(self) -> SeqState:
-        """The state slot generations run on (one today: one sequence at a time)."""
-        return self.runner.slots[0]
+        """The state slot the most recent generation ran on (slot 0 before any)."""
+        return self.scheduler.last_slot
 
     @property
     def state(self):
@@ -377,7 +393,8 @@ class Engine:
         return self.slot.max_context
 
     def _run(self, ids: list[int], start: int, last_n: int = 1) -> torch.Tensor | None:
-        """Forward ``ids`` at positions start.. on ``slot``; logits [last_n, V] of the last positions."""
+        """Forward ``ids`` at positions start.. on ``slot``; logits [last_n, V] of the last positions
+        (for tests, with no generation running)."""
         return self.runner.run(self.slot, ids, start, last_n)
 
     def forward(self, input_ids) -> torch.Tensor:
@@ -388,9 +405,12 @@ class Engine:
         if len(ids) > self.max_context:
             raise InvalidArgumentError(f"input_ids: {len(ids)} tokens exceed max_context {self.max_context}")
         self._check_ids(ids)
-        with self._lock, torch.inference_mode():
-            self.slot.rewind(0)
-            return self.runner.run(self.slot, ids, 0, last_n=len(ids))
+
+        def run(slot: SeqState) -> torch.Tensor:
+            slot.rewind(0)
+            return self.runner.run(slot, ids, 0, last_n=len(ids))
+
+        return self.scheduler.exclusive(run)  # on an idle slot, between two steps of running generations
 
     def _check_ids(self, ids: list[int]) -> None:
         v = self.desc.vocab
@@ -427,13 +447,29 @@ class Engine:
     ) -> Iterator[Step]:
         """Generate token by token. Closing the generator (or setting ``cancel``) stops it cleanly.
 
+        Callable from several threads at once: each generation joins the running batch (up to
+        ``parallel`` at once, the rest wait for a state slot); its tokens are the same as alone.
         ``speculate`` (greedy only) verifies n-gram drafts several tokens per forward; the
         tokens are the same as without it. Sampling never speculates.
         """
-        validate.sampling(max_new_tokens=max_new_tokens, temperature_=temperature, top_p_=top_p, top_k=top_k,
-                          seed_=seed, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
-                          flags=dict(ignore_eos=ignore_eos, reuse_prefix=reuse_prefix, speculate=speculate))
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        req = self._request(prompt, dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, reuse_prefix=reuse_prefix,
+            cancel=cancel, speculate=speculate))
+        return self._steps(req)
+
+    def _request(self, prompt, kw: dict) -> Request:
+        """A checked generation request (``stream``'s arguments)."""
+        unknown = set(kw) - _STREAM_ARGS
+        if unknown:
+            raise InvalidArgumentError(f"unknown argument(s) {sorted(unknown)}; known: {sorted(_STREAM_ARGS)}")
+        kw = {**_STREAM_DEFAULTS, **kw}
+        validate.sampling(max_new_tokens=kw["max_new_tokens"], temperature_=kw["temperature"], top_p_=kw["top_p"],
+                          top_k=kw["top_k"], seed_=kw["seed"], logprobs=kw["logprobs"], stop=kw["stop"],
+                          stop_token_ids=kw["stop_token_ids"],
+                          flags=dict(ignore_eos=kw["ignore_eos"], reuse_prefix=kw["reuse_prefix"],
+                                     speculate=kw["speculate"]))
+        params = SamplingParams(temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"], seed=kw["seed"])
         if isinstance(prompt, str):
             ids = self.encode(prompt)
         elif torch.is_tensor(prompt) or isinstance(prompt, (list, tuple)):
@@ -448,37 +484,54 @@ class Engine:
                 f"prompt of {len(ids)} tokens does not fit the context of {self.max_context} tokens "
                 "(raise --max-context or shorten the prompt)"
             )
+        stop = kw["stop"]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        req = Request(ids, params, max_new_tokens, stops, set(stop_token_ids or []), ignore_eos, logprobs,
-                      reuse_prefix, cancel, speculate)
-        return self._locked(req)
+        return Request(ids, params, kw["max_new_tokens"], stops, set(kw["stop_token_ids"] or []), kw["ignore_eos"],
+                       kw["logprobs"], kw["reuse_prefix"], kw["cancel"], kw["speculate"])
 
-    def _locked(self, req: Request) -> Iterator[Step]:
-        if not self._lock.acquire(blocking=False):
-            raise SluiceError("the engine is already generating; one generation runs at a time")
-        gen = generation.run(self.runner, self.slot, req)
-        try:
-            for step in gen:
-                if step.finish_reason:
-                    self.last_stats = step.stats
-                yield step
-        finally:
-            gen.close()
-            self._lock.release()
-
-    def generate(self, prompt: str | list[int], **kwargs) -> Result:
-        """Run ``stream`` to the end; returns the generated tokens, text and stats."""
-        want_lp = kwargs.get("logprobs") is not None
-        tokens, text, lps = [], [], []
-        finish, stats = "length", {}
-        for step in self.stream(prompt, **kwargs):
-            tokens.append(step.token_id)
-            text.append(step.text_delta)
-            if want_lp:
-                lps.append(step.logprob)
+    def _steps(self, req: Request) -> Iterator[Step]:
+        # joins the batch on the first next(), not when stream() is called
+        seq = self.scheduler.submit(req)
+        for step in self.scheduler.steps(seq):
             if step.finish_reason:
-                finish, stats = step.finish_reason, step.stats
-        return Result(tokens, "".join(text), finish, stats, lps if want_lp else None)
+                self.last_stats = step.stats
+            yield step
+
+    def generate(self, prompt: str | list[int] | list[str] | list[list[int]], **kwargs) -> Result | list[Result]:
+        """Run ``stream`` to the end; returns the generated tokens, text and stats.
+
+        A list of prompts (strings, or lists of token ids) runs them all at once (``parallel``
+        at a time) and returns a list of ``Result``s, in order; each equals its prompt run alone.
+        """
+        many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(
+            isinstance(p, str) or torch.is_tensor(p) or isinstance(p, (list, tuple)) for p in prompt)
+        if not many:
+            return _collect(self._steps(self._request(prompt, kwargs)), kwargs.get("logprobs") is not None)
+        reqs = [self._request(p, kwargs) for p in prompt]
+        seqs = [self.scheduler.submit(r) for r in reqs]
+        try:
+            return [_collect(self.scheduler.steps(s), kwargs.get("logprobs") is not None) for s in seqs]
+        finally:
+            for s in seqs:
+                self.scheduler.cancel(s)
+
+
+_STREAM_DEFAULTS = {name: p.default for name, p in inspect.signature(Engine.stream).parameters.items()
+                    if p.kind == p.KEYWORD_ONLY}
+_STREAM_ARGS = set(_STREAM_DEFAULTS)
+
+
+def _collect(steps: Iterator[Step], want_lp: bool) -> Result:
+    tokens, text, lps = [], [], []
+    finish, stats = "length", {}
+    for step in steps:
+        tokens.append(step.token_id)
+        text.append(step.text_delta)
+        if want_lp:
+            lps.append(step.logprob)
+        if step.finish_reason:
+            finish, stats = step.finish_reason, step.stats
+    return Result(tokens, "".join(text), finish, stats, lps if want_lp else None)
 
 
 __all__ = ["Engine", "ModelInfo", "Options", "Result", "Step", "load"]

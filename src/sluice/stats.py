@@ -43,6 +43,9 @@ class EngineCounters:
     def __sub__(self, other: EngineCounters) -> EngineCounters:
         return EngineCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
+    def __add__(self, other: EngineCounters) -> EngineCounters:
+        return EngineCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

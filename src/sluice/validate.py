@@ -154,6 +154,7 @@ _OPTION_CHECKS = {
     "direct_io": _opt_bool(none=True),
     "verify_reads": _opt_bool(none=True),
     "prefill_chunk": _opt_int(1, none=False),
+    "parallel": _opt_int(1, 1 << 16),
     "progress": _opt_bool(),
     "trace_routing": _path,
     "ca_bundle": _path,
