@@ -19,8 +19,16 @@ def format_params(n: int) -> str:
 
 
 def inspect_model(path: str | Path, memory: int | None = None, max_context: int | None = None,
-                  revision: str | None = None, ca_bundle: str | None = None) -> dict:
-    info = ModelInfo(path, revision=revision, ca_bundle=ca_bundle)
+                  revision: str | None = None, ca_bundle: str | None = None, disk_cache: int | str | None = None,
+                  disk_cache_dir: str | None = None) -> dict:
+    info = ModelInfo(path, revision=revision, ca_bundle=ca_bundle, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir)
+    try:
+        return _report(info, memory, max_context)
+    finally:
+        info.close()
+
+
+def _report(info: ModelInfo, memory: int | None, max_context: int | None) -> dict:
     d = info.desc
     total, active = info.param_counts()
     opts = Options(max_context=max_context)
@@ -77,7 +85,14 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
             report["plan"] = info.plan(memory, opts, baseline=baseline).to_dict()
         except BudgetError as e:
             report["plan_error"] = str(e)
-    info.checkpoint.close()
+    tier = info.disk_tier
+    if tier is not None:  # memory -> disk tier -> remote: what the tier holds of this model
+        stats = info.checkpoint.stats
+        report["disk_tier"] = {"dir": str(tier.dir), "capacity_bytes": tier.capacity, **tier.usage(),
+                               "model": {**tier.usage(info.store.location)},
+                               "opening": {"hits": stats.tier_hits, "misses": stats.tier_misses,
+                                           "bytes_from_tier": stats.tier_bytes,
+                                           "bytes_from_remote": stats.remote_bytes}}
     return report
 
 
@@ -114,6 +129,14 @@ def render_inspect(r: dict) -> str:
         lines.append(f"  --memory plan: cache {p['cache_slots']} experts, {len(p['streamed_layers'])} layers streamed")
     if "plan_error" in r:
         lines.append(f"  --memory: {r['plan_error']}")
+    if "disk_tier" in r:
+        t, m = r["disk_tier"], r["disk_tier"]["model"]
+        o = t["opening"]
+        lines.append(f"  disk tier         {t['dir']}: {format_size(t['bytes'])} of {format_size(t['capacity_bytes'])} "
+                     f"used ({t['entries']} entries); this model {format_size(m['bytes'])} in {m['entries']} entries, "
+                     f"{m['hits']} hits recorded")
+        lines.append(f"                    opening it: {o['hits']} tier hits ({format_size(o['bytes_from_tier'])}), "
+                     f"{o['misses']} misses, {format_size(o['bytes_from_remote'])} fetched")
     for n in r["notes"]:
         lines.append(f"  note: {n}")
     return "\n".join(lines)
