@@ -281,3 +281,17 @@ def test_a_directory_of_other_files_is_never_a_tier(tmp_path, capsys):
     assert sorted(p.name for p in home.iterdir()) == ["thesis.tex"] and not (home / MARKER).exists()
     assert main(["cache", "list", "--disk-cache-dir", str(tmp_path / "none")]) == 0
     assert "no disk tier at" in capsys.readouterr().out and not (tmp_path / "none").exists()
+
+
+def test_an_unusable_tier_directory_is_a_clear_error(published, tmp_path, capsys):
+    from sluice.cli import main
+
+    _, urls = published["container"]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    args = ["run", urls["http"], "--prompt", "x", "--no-progress", "--memory", "4GiB", "--disk-cache", "1GiB"]
+    for where, what in ((afile / "tier", "cannot create it (Not a directory)"), (afile, "not a directory")):
+        assert main([*args, "--disk-cache-dir", str(where)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"sluice: error: disk tier directory {where}: {what}"), err
+    assert afile.read_text() == "x"

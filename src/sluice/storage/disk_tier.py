@@ -372,7 +372,10 @@ class DiskTier:
             self._pending_n += 1
             due = self._pending_n >= FLUSH_HITS or time.monotonic() - self._last_flush >= FLUSH_S
         if due:
-            self.flush()
+            try:
+                self.flush()
+            except sqlite3.Error as e:  # bookkeeping only: the read itself succeeded
+                warnings.warn(f"disk tier {self.dir}: cannot update its index ({e})", stacklevel=4)
 
     def _flush_locked(self) -> None:
         if not self._pending:
@@ -436,14 +439,14 @@ class DiskTier:
                                   now / HALF_LIFE_S, 0, now))
                 self.counts["inserted"] += 1
             return True
-        except OSError as e:
+        except (OSError, sqlite3.Error) as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             with self._tlock:
                 self.counts["write_errors"] += 1
                 warn, self._warned = not self._warned, True
             if warn:
-                warnings.warn(f"disk tier {self.dir}: cannot keep an entry ({e.strerror or e}); reads go on "
+                warnings.warn(f"disk tier {self.dir}: cannot keep an entry ({getattr(e, 'strerror', None) or e}); reads go on "
                               "without keeping what they fetch", stacklevel=3)
             return False
 
