@@ -295,3 +295,45 @@ def test_an_unusable_tier_directory_is_a_clear_error(published, tmp_path, capsys
         err = capsys.readouterr().err
         assert err.startswith(f"sluice: error: disk tier directory {where}: {what}"), err
     assert afile.read_text() == "x"
+
+
+def test_metrics_report_each_tier(text_model, remote_servers, tmp_path, monkeypatch):
+    """``/metrics`` of a server on a remote model with a disk tier: memory hits, tier hits, misses
+    and bytes, and remote bytes, summed over completed generations."""
+    import httpx
+    from test_server import MODEL, LiveServer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    url = remote_servers.publish("dt-served", text_model)["http"]
+    eng = sluice.load(url, memory="4GiB", cache_experts=CACHE, progress=False, disk_cache="64MiB",
+                      disk_cache_dir=str(tmp_path / "tier"))
+    srv = LiveServer(eng)
+    try:
+        for prompt in ("def f(x):", "class A:"):
+            r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                                "max_tokens": 6, "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200, r.text
+        m = srv.metrics()
+    finally:
+        srv.stop()
+        eng.close()
+    assert m["sluice_expert_cache_hits_total"] > 0  # memory
+    assert m["sluice_disk_tier_misses_total"] > 0 and m["sluice_remote_bytes_read_total"] > 0
+    assert m["sluice_disk_tier_hits_total"] > 0 and m["sluice_disk_tier_bytes_read_total"] > 0
+    assert m["sluice_bytes_read_total"] == m["sluice_remote_bytes_read_total"] + m["sluice_disk_tier_bytes_read_total"]
+
+
+def test_the_planner_counts_the_tiers_staging_buffers(published, tmp_path):
+    from sluice.engine import ModelInfo, Options
+    from sluice.storage.disk_tier import STAGING_BYTES
+
+    _, urls = published["container"]
+    plain = ModelInfo(urls["http"])
+    tiered = ModelInfo(urls["http"], disk_cache="64MiB", disk_cache_dir=str(tmp_path / "tier"))
+    try:
+        opts = Options()
+        extra = tiered.plan("4GiB", opts).activation_bytes - plain.plan("4GiB", opts).activation_bytes
+        assert extra == (opts.reader_threads + 1) * STAGING_BYTES
+    finally:
+        plain.close()
+        tiered.close()

@@ -612,8 +612,9 @@ class TieredSource(WrappedSource):
         super().__init__(inner)
         self.tier, self.model = tier, model
 
-    # a hit read into a destination that is not page-aligned goes through the tier's staging buffer
-    transfer_bytes = property(lambda self: max(self.inner.transfer_bytes, STAGING_BYTES))
+    # a hit read into a destination that is not page-aligned goes through the tier's staging buffer,
+    # which a reading thread keeps besides what the remote client holds during a miss
+    transfer_bytes = property(lambda self: self.inner.transfer_bytes + STAGING_BYTES)
 
     def read_aligned(self, buf: memoryview, offset: int) -> int:
         n = max(0, min(len(buf), self.size - offset))
