@@ -185,7 +185,7 @@ def cmd_cache(args) -> int:
     from .storage.disk_tier import DiskTier, default_dir
 
     directory = args.disk_cache_dir or default_dir()
-    if not os.path.exists(directory):
+    if not os.path.exists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
         report = {"dir": str(directory), "exists": False, "models": [], "entries": 0, "bytes": 0}
         print(json.dumps(report, indent=2) if args.json else f"no disk tier at {directory}")
         return 0

@@ -245,7 +245,7 @@ class DiskTier:
     def _entry_files(self) -> dict[str, Path]:
         out: dict[str, Path] = {}
         for sub in self.entries_dir.iterdir():
-            if SHARD_RE.match(sub.name) and sub.is_dir():
+            if SHARD_RE.match(sub.name) and sub.is_dir() and not sub.is_symlink():  # never follow a link out
                 for f in sub.iterdir():
                     if ENTRY_RE.match(f.name):
                         out[f.name[:40]] = f
@@ -521,7 +521,7 @@ class DiskTier:
             self._db.execute("COMMIT")
             if model is None:
                 for sub in self.entries_dir.iterdir():
-                    if SHARD_RE.match(sub.name) and sub.is_dir():
+                    if SHARD_RE.match(sub.name) and sub.is_dir() and not sub.is_symlink():
                         with contextlib.suppress(OSError):
                             sub.rmdir()  # only if empty: a file the tier did not make stays, with its directory
         return removed
