@@ -337,3 +337,64 @@ def test_the_planner_counts_the_tiers_staging_buffers(published, tmp_path):
     finally:
         plain.close()
         tiered.close()
+
+
+def test_tiered_source_keeps_the_byte_source_contract(tmp_path):
+    """Cold (fetched and kept) and warm (from the tier, O_DIRECT into aligned or staged into unaligned
+    destinations) reads give the inner source's bytes: aligned reads short only at the end, read_into
+    and pread at any offset, a range outside the object an OSError."""
+    from sluice.storage import AlignedBuffer, LocalFile
+    from sluice.storage.disk_tier import STAGING_BYTES
+
+    data = random.Random(3).randbytes(2 * STAGING_BYTES + 5000)
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(data)
+    tier = DiskTier(tmp_path / "tier", 64 << 20)
+    try:
+        for temperature in ("cold", "warm"):
+            src = TieredSource(LocalFile(str(blob)), tier, "m")
+            buf = AlignedBuffer(len(data) + 8192)
+            for off, n in [(0, 4096), (8192, 3 * 4096), (0, len(data)), (len(data) - 100, 4096)]:
+                got = src.read_aligned(buf.view(0, n), off)
+                assert got == min(n, len(data) - off) and bytes(buf.view(0, got)) == data[off:off + got]
+            for off, n in [(1, 10), (4095, 2), (12345, 70000), (3, STAGING_BYTES + 1000), (len(data) - 7, 7)]:
+                dest = bytearray(n)
+                src.read_into(memoryview(dest), off)
+                assert bytes(dest) == data[off:off + n], (temperature, off, n)
+                staged = bytearray(n + 1)  # the same range into a destination one byte off a page
+                src.read_into(memoryview(staged)[1:], off)
+                assert bytes(staged[1:]) == data[off:off + n]
+            assert src.pread(100, 17) == data[17:117] and src.pread(100, len(data) - 30) == data[-30:]
+            with pytest.raises(OSError, match=r"outside the object"):
+                src.read_into(memoryview(bytearray(10)), len(data) - 5)
+            stats = src.stats
+            if temperature == "cold":
+                assert stats.tier_hits == 5 and stats.tier_misses == 4 + 5 + 2  # each staged read: the same key, a hit
+            else:
+                assert stats.tier_misses == 0 and stats.tier_hits == 4 + 2 * 5 + 2
+    finally:
+        tier.close()
+
+
+def test_a_damaged_index_is_rebuilt_from_the_entries(tmp_path):
+    from sluice.storage import LocalFile
+
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(os.urandom(100000))
+    tier = DiskTier(tmp_path / "tier", 1 << 20)
+    src = TieredSource(LocalFile(str(blob)), tier, "m")
+    for off in range(0, 50000, 10000):
+        src.pread(10000, off)
+    before = tier.usage()
+    tier.close()
+    (tmp_path / "tier" / "index.sqlite").write_bytes(b"this is not a database" * 100)
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / "tier" / f"index.sqlite{suffix}").unlink(missing_ok=True)
+    with pytest.warns(UserWarning, match="index was damaged"):
+        tier = DiskTier(tmp_path / "tier", 1 << 20)
+    try:
+        assert tier.usage()["entries"] == before["entries"] == 5 and tier.usage()["bytes"] == before["bytes"]
+        src = TieredSource(LocalFile(str(blob)), tier, "m")
+        assert src.pread(10000, 20000) == blob.read_bytes()[20000:30000] and src.stats.tier_hits == 1
+    finally:
+        tier.close()
