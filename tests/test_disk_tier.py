@@ -23,7 +23,8 @@ import torch
 
 import sluice
 from conftest import prompt_ids
-from sluice.storage.disk_tier import ENTRY_RE, HEADER_BYTES, MARKER, DiskTier, DiskTierError, Key, TieredSource
+from sluice.storage.disk_tier import ENTRY_RE, HEADER_BYTES, MARKER, DiskTier, DiskTierError, Key
+from sluice.storage.tiered import TieredSource
 
 pytest.importorskip("obstore")
 

@@ -1,6 +1,6 @@
 """The local disk tier: byte ranges of remote objects kept on local disk, bounded by size.
 
-Memory (the expert cache) -> this tier -> the remote store. ``TieredSource`` wraps a remote
+Memory (the expert cache) -> this tier -> the remote store. ``tiered.TieredSource`` wraps a remote
 byte source (``location.open_source``/``open_store`` put it around every ``RemoteSource`` when
 a tier is given, so no caller knows): a read first looks for the same range in the tier, and
 a range fetched from the remote store is kept there. Expert records, spine tensors and
@@ -67,12 +67,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidArgumentError, SluiceError
-from ..units import format_size, parse_size
+from ..units import parse_size
 from .buffers import ALIGN, AlignedBuffer, align_down, align_up
 from .crc import crc32
 from .file import LocalFile
-from .source import ByteSource, WrappedSource
-from .store import Store, user_cache_dir
+from .store import user_cache_dir
 
 MARKER = "SLUICE-DISK-TIER"
 MARKER_TEXT = ("Sluice disk tier (format 1). Entries live in entries/, files being written in tmp/; "
@@ -446,8 +445,9 @@ class DiskTier:
                 self.counts["write_errors"] += 1
                 warn, self._warned = not self._warned, True
             if warn:
-                warnings.warn(f"disk tier {self.dir}: cannot keep an entry ({getattr(e, 'strerror', None) or e}); reads go on "
-                              "without keeping what they fetch", stacklevel=3)
+                reason = getattr(e, "strerror", None) or e
+                warnings.warn(f"disk tier {self.dir}: cannot keep an entry ({reason}); reads go on without keeping "
+                              "what they fetch", stacklevel=3)
             return False
 
     def _make_room(self, size: int) -> bool:
@@ -542,10 +542,6 @@ class DiskTier:
         with contextlib.suppress(Exception):
             self.close()
 
-    def describe(self) -> str:
-        cap = format_size(self.capacity) if self.capacity else "-"
-        return f"disk tier {self.dir} ({cap})"
-
     def __repr__(self) -> str:
         return f"<DiskTier {self.dir} capacity={self.capacity}>"
 
@@ -592,89 +588,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def open_tier(size, directory=None) -> DiskTier:
-    """The tier ``load()``'s ``disk_cache``/``disk_cache_dir`` options (``--disk-cache``/``--disk-cache-dir``) ask for."""
+    """The tier ``load()``'s ``disk_cache``/``disk_cache_dir`` options ask for (``--disk-cache``,
+    ``--disk-cache-dir``)."""
     capacity = parse_size(size, "disk_cache (--disk-cache)")
     if capacity <= 0:
         raise InvalidArgumentError(f"disk_cache (--disk-cache) must be more than 0 bytes, got {size!r}")
     return DiskTier(directory if directory is not None else default_dir(), capacity)
 
 
-class TieredSource(WrappedSource):
-    """A remote byte source read through a ``DiskTier``: every range read (aligned reads, ``read_into``,
-    ``pread``) is looked up in the tier by (URL, version, offset, length), and a range fetched from
-    ``inner`` is kept there. ``model``: the model (store) the entries are listed under.
-
-    Stats (the model's shared ``ReadStats``): a tier hit counts its bytes in ``bytes_read``,
-    ``tier_hits`` and ``tier_bytes``; a miss counts ``tier_misses`` and the inner source counts
-    what it fetched (``remote_bytes``)."""
-
-    def __init__(self, inner: ByteSource, tier: DiskTier, model: str):
-        super().__init__(inner)
-        self.tier, self.model = tier, model
-
-    # a hit read into a destination that is not page-aligned goes through the tier's staging buffer,
-    # which a reading thread keeps besides what the remote client holds during a miss
-    transfer_bytes = property(lambda self: self.inner.transfer_bytes + STAGING_BYTES)
-
-    def read_aligned(self, buf: memoryview, offset: int) -> int:
-        n = max(0, min(len(buf), self.size - offset))
-        if n:
-            self._read(buf[:n], offset)
-        return n
-
-    def read_into(self, dest: memoryview, offset: int) -> None:
-        n = len(dest)
-        if offset < 0 or offset + n > self.size:
-            raise OSError(f"read of {n} bytes at offset {offset} is outside the object ({self.size} bytes): {self.name}")
-        if n:
-            self._read(dest, offset)
-
-    def pread(self, nbytes: int, offset: int) -> bytes:
-        n = max(0, min(nbytes, self.size - offset))
-        out = bytearray(n)
-        if n:
-            self._read(memoryview(out), offset)
-        return bytes(out)
-
-    def _read(self, dest: memoryview, offset: int) -> None:
-        key = Key(self.name, self.version, offset, len(dest))
-        if self.tier.get(key, dest):
-            self.stats.tier_hit(len(dest))
-            return
-        self.inner.read_into(dest, offset)
-        self.stats.tier_miss()
-        self.tier.put(key, dest, self.model)
-
-
-class TieredStore(Store):
-    """A remote store whose data members are opened as ``TieredSource``s (metadata read whole, the
-    config and the index, goes to the remote store as before)."""
-
-    def __init__(self, inner: Store, tier: DiskTier):
-        self.inner, self.tier = inner, tier
-        self.location = inner.location
-        self.cache_dir = inner.cache_dir
-
-    def locate(self, name: str) -> str:
-        return self.inner.locate(name)
-
-    def exists(self, name: str) -> bool:
-        return self.inner.exists(name)
-
-    def is_directory(self) -> bool:
-        return self.inner.is_directory()
-
-    def names(self) -> list[str]:
-        return self.inner.names()
-
-    def read_bytes(self, name: str) -> bytes:
-        return self.inner.read_bytes(name)
-
-    def open(self, name: str, *, direct: bool | None = None, stats=None) -> ByteSource:
-        return TieredSource(self.inner.open(name, direct=direct, stats=stats), self.tier, self.location)
-
-    def __repr__(self) -> str:
-        return f"<TieredStore {self.location} via {self.tier.dir}>"
-
-
-__all__ = ["DiskTier", "DiskTierError", "Key", "TieredSource", "TieredStore", "default_dir", "entry_size", "open_tier"]
+__all__ = ["DiskTier", "DiskTierError", "Key", "default_dir", "entry_size", "open_tier"]

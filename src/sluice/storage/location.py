@@ -74,7 +74,7 @@ def open_source(location: str | os.PathLike, *, direct: bool | None = None,
     if is_url(location):
         source = _remote(location).RemoteSource(location, stats=stats, **remote_options)
         if disk_tier is not None:
-            from .disk_tier import TieredSource
+            from .tiered import TieredSource
 
             source = TieredSource(source, disk_tier, str(location).rpartition("/")[0])
         return source
@@ -89,7 +89,7 @@ def open_store(location: str | os.PathLike, *, disk_tier=None, **remote_options)
     if is_url(location):
         store = _remote(location).RemoteStore(str(location), **remote_options)
         if disk_tier is not None:
-            from .disk_tier import TieredStore
+            from .tiered import TieredStore
 
             store = TieredStore(store, disk_tier)
         return store
