@@ -164,9 +164,16 @@ class DiskTier:
         except OSError as e:
             self.close()
             raise DiskTierError(f"disk tier directory {self.dir}: cannot write in it ({e.strerror or e})") from None
-        with self._locked():
-            self._open_index()
-            self._sweep()
+        try:
+            with self._locked():
+                self._open_index()
+                self._sweep()
+        except BaseException as e:
+            self.close()
+            if isinstance(e, (OSError, sqlite3.Error)):
+                reason = getattr(e, "strerror", None) or e
+                raise DiskTierError(f"disk tier directory {self.dir}: cannot use it ({reason})") from None
+            raise
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -206,6 +213,7 @@ class DiskTier:
     def _open_index(self) -> None:
         path = self.dir / INDEX
         for attempt in (0, 1):
+            db = None
             try:
                 db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
                 db.execute("PRAGMA journal_mode=WAL")
@@ -220,9 +228,9 @@ class DiskTier:
                 self._db = db
                 return
             except sqlite3.DatabaseError as e:
-                with contextlib.suppress(Exception):
+                if db is not None:
                     db.close()
-                if attempt:
+                if attempt or isinstance(e, sqlite3.OperationalError):  # locked, read-only, no permission: not damage
                     raise DiskTierError(f"disk tier directory {self.dir}: cannot open its index {path} ({e})") from None
                 # a damaged index: it is only bookkeeping, rebuilt from the entries' headers by _sweep
                 warnings.warn(f"disk tier {self.dir}: its index was damaged ({e}); rebuilding it from the entries",
