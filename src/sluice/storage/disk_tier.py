@@ -70,7 +70,8 @@ from ..errors import InvalidArgumentError, SluiceError
 from ..units import parse_size
 from .buffers import ALIGN, AlignedBuffer, align_down, align_up
 from .crc import crc32
-from .file import LocalFile
+from .file import PIECE_BYTES, LocalFile
+from .source import ReadStats
 from .store import user_cache_dir
 
 MARKER = "SLUICE-DISK-TIER"
@@ -318,14 +319,14 @@ class DiskTier:
         was corrupt (then dropped, and ``dest`` holds nothing useful)."""
         name = key.name
         try:
-            f = LocalFile(str(self.path(name)), direct=self._direct)
+            f = _EntryFile(str(self.path(name)), self._direct)
         except OSError:
             return False  # not there (or unreadable: the caller fetches it)
         try:
             if self._direct is None:
-                self._direct = None if f.direct_io else False  # probe once per tier
+                self._direct = f.direct_io  # the first entry's probe decides for the tier's filesystem
             ok = self._read_entry(f, key, dest)
-            ino = os.fstat(f.fd).st_ino
+            ino = os.fstat(f.dfd if f.dfd is not None else f.fd).st_ino
         except OSError:
             ok, ino = False, None
         finally:
@@ -342,32 +343,49 @@ class DiskTier:
         return True
 
     def _read_entry(self, f: LocalFile, key: Key, dest: memoryview) -> bool:
+        """Header and payload, checked. One read for the header, the page-aligned part of the payload
+        (straight into ``dest`` when its address is page-aligned) and the start of the rest (through
+        the staging buffer); a payload of 8 MiB or more (aligned) is read in parallel pieces
+        (``LocalFile.read_aligned``) after its header."""
         n = key.length
         if f.size != entry_size(n):
             return False
         stage = self._staging()
-        if f.read_aligned(stage.view(0, HEADER_BYTES), 0) != HEADER_BYTES:
-            return False
+        fd = f.dfd if f.dfd is not None else f.fd
+        body = align_down(n, ALIGN) if np.frombuffer(dest, dtype=np.uint8).ctypes.data % ALIGN == 0 else 0
+        if body >= 2 * PIECE_BYTES:
+            first = 0
+            if f.read_aligned(stage.view(0, HEADER_BYTES), 0) != HEADER_BYTES or \
+                    f.read_aligned(dest[:body], HEADER_BYTES) != body:
+                return False
+        else:
+            first = min(n - body, STAGING_BYTES - HEADER_BYTES)
+            iov = [stage.view(0, HEADER_BYTES)] + ([dest[:body]] if body else [])
+            if first:
+                iov.append(stage.view(HEADER_BYTES, align_up(first, ALIGN)))
+            want = sum(len(v) for v in iov)
+            if os.preadv(fd, iov, 0) != want:
+                return False
         try:
             h = _parse_header(bytes(stage.view(0, HEADER_BYTES)))
             if (h["url"], h["version"], h["offset"], h["length"]) != (key.url, key.version, key.offset, n):
                 return False
-            want = int(h["crc"])
+            crc = int(h["crc"])
         except (ValueError, KeyError, TypeError):
             return False
-        pos = 0
-        if np.frombuffer(dest, dtype=np.uint8).ctypes.data % ALIGN == 0:
-            pos = align_down(n, ALIGN)  # the aligned part straight into the destination
-            if pos and f.read_aligned(dest[:pos], HEADER_BYTES) != pos:
-                return False
-        while pos < n:
+        if first:
+            dest[body:body + first] = stage.view(HEADER_BYTES, first)
+        pos = body + first
+        while pos < n:  # the rest of a payload read into a destination that is not page-aligned
             take = min(n - pos, STAGING_BYTES)
             span = align_up(take, ALIGN)
             if f.read_aligned(stage.view(0, span), HEADER_BYTES + pos) != span:
                 return False
             dest[pos:pos + take] = stage.view(0, take)
             pos += take
-        return crc32(dest) == want
+        if f.dfd is None:
+            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # buffered: leave no pages behind
+        return crc32(dest) == crc
 
     def _use(self, name: str) -> None:
         now = time.time()
@@ -552,6 +570,29 @@ class DiskTier:
 
     def __repr__(self) -> str:
         return f"<DiskTier {self.dir} capacity={self.capacity}>"
+
+
+class _EntryFile(LocalFile):
+    """An entry file read as ``LocalFile`` reads (O_DIRECT, the buffered fallback without page cache),
+    with one descriptor: the first entry a tier opens is probed (``known`` None); after that the
+    tier's answer is used (True: opened with O_DIRECT alone, no probe read; False: buffered)."""
+
+    def __init__(self, path: str, known: bool | None):
+        if known is None:
+            super().__init__(path)
+            return
+        self.path, self.stats, self.direct_error = path, ReadStats(), None
+        self.fd, self.dfd = -1, None
+        if known:
+            try:
+                self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise
+            except OSError as e:  # not expected on the filesystem that passed the probe: read buffered
+                self.direct_error = f"open with O_DIRECT failed: {e.strerror}"
+        if self.dfd is None:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.size = os.fstat(self.dfd if self.dfd is not None else self.fd).st_size
 
 
 def entry_size(length: int) -> int:
