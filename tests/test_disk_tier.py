@@ -233,6 +233,8 @@ def test_cache_list_and_clear_via_the_cli(text_model, remote_servers, tmp_path, 
     assert main(["run", urls["http"], *args]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["stats"]["disk_tier_misses"] > 0
+    assert main(["run", urls["http"], *[a for a in args if a != "--json"]]) == 0
+    assert "| disk tier " in capsys.readouterr().err  # the stats line: warm, hits from the tier
     assert main(["inspect", urls["http"], "--json", "--disk-cache", "64MiB", "--disk-cache-dir", str(tier)]) == 0
     report = json.loads(capsys.readouterr().out)["disk_tier"]
     assert report["model"]["entries"] > 0 and report["opening"]["misses"] == 0 and report["opening"]["hits"] > 0

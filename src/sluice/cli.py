@@ -110,6 +110,9 @@ def stats_line(stats: dict, finish_reason: str | None = None, max_new_tokens: in
         f"cache {stats['cache_slots']}/{stats['total_experts']} experts | "
         f"{'O_DIRECT' if stats['direct_io'] else 'buffered I/O'}"
     )
+    if stats.get("disk_tier_hits") or stats.get("disk_tier_misses"):  # memory -> disk tier -> remote
+        line += (f" | disk tier {stats['disk_tier_hits']} hits ({stats['disk_tier_bytes_read'] / 1e9:.2f} GB), "
+                 f"{stats['disk_tier_misses']} misses, fetched {stats['remote_bytes_read'] / 1e9:.2f} GB")
     from .text import limit_note
 
     cut = limit_note(finish_reason, stats.get("generated_tokens"), max_new_tokens)
