@@ -401,3 +401,23 @@ def test_a_damaged_index_is_rebuilt_from_the_entries(tmp_path):
         assert src.pread(10000, 20000) == blob.read_bytes()[20000:30000] and src.stats.tier_hits == 1
     finally:
         tier.close()
+
+
+def test_entries_of_an_older_version_are_dropped_when_the_object_changed(tmp_path):
+    from sluice.storage import LocalFile
+
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(os.urandom(50000))
+    tier = DiskTier(tmp_path / "tier", 1 << 20)
+    try:
+        old = TieredSource(LocalFile(str(blob)), tier, "m")
+        old.pread(10000, 0)
+        old.pread(10000, 10000)
+        assert tier.usage()["entries"] == 2
+        st = blob.stat()
+        os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # another version (LocalFile's includes mtime)
+        new = TieredSource(LocalFile(str(blob)), tier, "m")
+        assert new.version != old.version and tier.usage()["entries"] == 0 and not _entries(tmp_path / "tier")
+        assert new.pread(100, 0) == blob.read_bytes()[:100] and new.stats.tier_misses == 1
+    finally:
+        tier.close()

@@ -224,6 +224,7 @@ class DiskTier:
                            "NULL, size INTEGER NOT NULL, crc INTEGER NOT NULL, score REAL NOT NULL, hits INTEGER "
                            "NOT NULL, created REAL NOT NULL)")
                 db.execute("CREATE INDEX IF NOT EXISTS entries_score ON entries (score)")
+                db.execute("CREATE INDEX IF NOT EXISTS entries_url ON entries (url)")
                 db.execute("SELECT COUNT(*) FROM entries").fetchone()
                 db.create_function("lse2", 2, _lse2, deterministic=True)
                 self._db = db
@@ -509,6 +510,26 @@ class DiskTier:
             if not p.exists():
                 self._db.execute("DELETE FROM entries WHERE name = ?", (name,))
             self._pending.pop(name, None)
+
+    def forget_other_versions(self, url: str, version: str) -> int:
+        """Drop the entries of ``url`` kept for another version of it (the object changed since):
+        they can never be read again. Returns how many were dropped."""
+        if self._db is None:
+            return 0
+        with self._tlock:
+            stale = self._db.execute("SELECT name FROM entries WHERE url = ? AND version != ?",
+                                     (url, version)).fetchall()
+        if not stale:
+            return 0
+        with self._locked():
+            self._db.execute("BEGIN")
+            for (name,) in stale:
+                with contextlib.suppress(FileNotFoundError):
+                    self.path(name).unlink()
+                self._db.execute("DELETE FROM entries WHERE name = ?", (name,))
+                self._pending.pop(name, None)
+            self._db.execute("COMMIT")
+        return len(stale)
 
     # -- listing and clearing --------------------------------------------------------------
 

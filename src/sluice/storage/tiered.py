@@ -26,6 +26,7 @@ class TieredSource(WrappedSource):
     def __init__(self, inner: ByteSource, tier: DiskTier, model: str):
         super().__init__(inner)
         self.tier, self.model = tier, model
+        tier.forget_other_versions(inner.name, inner.version)  # the object changed: its old entries are dead
 
     # a hit read into a destination that is not page-aligned goes through the tier's staging buffer,
     # which a reading thread keeps besides what the remote client holds during a miss
