@@ -51,8 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
-import json
 import math
 import os
 import re
@@ -61,18 +59,15 @@ import sqlite3
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from ..errors import InvalidArgumentError, SluiceError
 from ..units import parse_size
-from .buffers import ALIGN, AlignedBuffer, align_down, align_up
+from .buffers import AlignedBuffer
 from .crc import crc32
-from .file import PIECE_BYTES, LocalFile
-from .source import ReadStats
 from .store import user_cache_dir
+from .tier_entry import (ENTRY_RE, HEADER_BYTES, STAGING_BYTES, EntryFile, Key, entry_size, fsync_dir, make_header,
+                         parse_header, read_entry, write_all)
 
 MARKER = "SLUICE-DISK-TIER"
 MARKER_TEXT = ("Sluice disk tier (format 1). Entries live in entries/, files being written in tmp/; "
@@ -81,16 +76,12 @@ INDEX = "index.sqlite"
 LOCK = "lock"
 ENTRIES = "entries"
 TMP = "tmp"
-MAGIC = b"SLUICE-DISK-TIER-ENTRY 1\n"
-HEADER_BYTES = ALIGN
-ENTRY_RE = re.compile(r"^[0-9a-f]{40}\.entry$")
 SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
 TMP_RE = re.compile(r"^[0-9a-f]{40}\.(\d+)\.[0-9a-f]{8}\.tmp$")
 HALF_LIFE_S = 6 * 3600.0  # scores halve every six hours of wall-clock time
 STALE_TMP_S = 3600.0  # a temporary file this old is a dead writer's, whatever its pid says
 FLUSH_HITS = 32
 FLUSH_S = 5.0
-STAGING_BYTES = 4 << 20  # per reading thread: an entry read into a destination that is not page-aligned
 
 
 class DiskTierError(SluiceError):
@@ -101,20 +92,6 @@ def default_dir() -> Path:
     """The tier's directory when ``--disk-cache-dir`` is not given: ``$XDG_CACHE_HOME/sluice/disk-tier``
     (``~/.cache/sluice/disk-tier``)."""
     return user_cache_dir() / "disk-tier"
-
-
-@dataclass(frozen=True)
-class Key:
-    """One byte range of one version of one object."""
-
-    url: str
-    version: str
-    offset: int
-    length: int
-
-    @property
-    def name(self) -> str:
-        return hashlib.sha1(f"{self.url}\0{self.version}\0{self.offset}\0{self.length}".encode()).hexdigest()
 
 
 def _lse2(a: float, b: float) -> float:
@@ -293,7 +270,7 @@ class DiskTier:
             with open(path, "rb") as f:
                 head = f.read(HEADER_BYTES)
                 size = os.fstat(f.fileno()).st_size
-            h = _parse_header(head)
+            h = parse_header(head)
             key = Key(h["url"], h["version"], int(h["offset"]), int(h["length"]))
             if key.name != name or size != entry_size(key.length):
                 raise ValueError("header does not match the file")
@@ -320,13 +297,13 @@ class DiskTier:
         was corrupt (then dropped, and ``dest`` holds nothing useful)."""
         name = key.name
         try:
-            f = _EntryFile(str(self.path(name)), self._direct)
+            f = EntryFile(str(self.path(name)), self._direct)
         except OSError:
             return False  # not there (or unreadable: the caller fetches it)
         try:
             if self._direct is None:
                 self._direct = f.direct_io  # the first entry's probe decides for the tier's filesystem
-            ok = self._read_entry(f, key, dest)
+            ok = read_entry(f, key, dest, self._staging())
             ino = os.fstat(f.dfd if f.dfd is not None else f.fd).st_ino
         except OSError:
             ok, ino = False, None
@@ -342,51 +319,6 @@ class DiskTier:
             return False
         self._use(name)
         return True
-
-    def _read_entry(self, f: LocalFile, key: Key, dest: memoryview) -> bool:
-        """Header and payload, checked. One read for the header, the page-aligned part of the payload
-        (straight into ``dest`` when its address is page-aligned) and the start of the rest (through
-        the staging buffer); a payload of 8 MiB or more (aligned) is read in parallel pieces
-        (``LocalFile.read_aligned``) after its header."""
-        n = key.length
-        if f.size != entry_size(n):
-            return False
-        stage = self._staging()
-        fd = f.dfd if f.dfd is not None else f.fd
-        body = align_down(n, ALIGN) if np.frombuffer(dest, dtype=np.uint8).ctypes.data % ALIGN == 0 else 0
-        if body >= 2 * PIECE_BYTES:
-            first = 0
-            if f.read_aligned(stage.view(0, HEADER_BYTES), 0) != HEADER_BYTES or \
-                    f.read_aligned(dest[:body], HEADER_BYTES) != body:
-                return False
-        else:
-            first = min(n - body, STAGING_BYTES - HEADER_BYTES)
-            iov = [stage.view(0, HEADER_BYTES)] + ([dest[:body]] if body else [])
-            if first:
-                iov.append(stage.view(HEADER_BYTES, align_up(first, ALIGN)))
-            want = sum(len(v) for v in iov)
-            if os.preadv(fd, iov, 0) != want:
-                return False
-        try:
-            h = _parse_header(bytes(stage.view(0, HEADER_BYTES)))
-            if (h["url"], h["version"], h["offset"], h["length"]) != (key.url, key.version, key.offset, n):
-                return False
-            crc = int(h["crc"])
-        except (ValueError, KeyError, TypeError):
-            return False
-        if first:
-            dest[body:body + first] = stage.view(HEADER_BYTES, first)
-        pos = body + first
-        while pos < n:  # the rest of a payload read into a destination that is not page-aligned
-            take = min(n - pos, STAGING_BYTES)
-            span = align_up(take, ALIGN)
-            if f.read_aligned(stage.view(0, span), HEADER_BYTES + pos) != span:
-                return False
-            dest[pos:pos + take] = stage.view(0, take)
-            pos += take
-        if f.dfd is None:
-            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # buffered: leave no pages behind
-        return crc32(dest) == crc
 
     def _use(self, name: str) -> None:
         now = time.time()
@@ -435,18 +367,18 @@ class DiskTier:
         if size > self.capacity or final.exists():
             return False
         crc = crc32(data)
-        header = _make_header(key, crc, model)
+        header = make_header(key, crc, model)
         if header is None:
             return False  # a URL too long for the header block: not kept
         tmp = self.tmp_dir / f"{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                _write_all(fd, memoryview(header))
-                _write_all(fd, data)
+                write_all(fd, memoryview(header))
+                write_all(fd, data)
                 pad = size - HEADER_BYTES - key.length
                 if pad:
-                    _write_all(fd, memoryview(bytes(pad)))
+                    write_all(fd, memoryview(bytes(pad)))
                 os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written once, read back with O_DIRECT
             finally:
@@ -458,7 +390,7 @@ class DiskTier:
                     return False
                 final.parent.mkdir(exist_ok=True)
                 os.replace(tmp, final)
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
                 now = time.time()
                 self._db.execute("INSERT OR REPLACE INTO entries VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                                  (name, model, key.url, key.version, key.offset, key.length, size, crc,
@@ -593,70 +525,6 @@ class DiskTier:
         return f"<DiskTier {self.dir} capacity={self.capacity}>"
 
 
-class _EntryFile(LocalFile):
-    """An entry file read as ``LocalFile`` reads (O_DIRECT, the buffered fallback without page cache),
-    with one descriptor: the first entry a tier opens is probed (``known`` None); after that the
-    tier's answer is used (True: opened with O_DIRECT alone, no probe read; False: buffered)."""
-
-    def __init__(self, path: str, known: bool | None):
-        if known is None:
-            super().__init__(path)
-            return
-        self.path, self.stats, self.direct_error = path, ReadStats(), None
-        self.fd, self.dfd = -1, None
-        if known:
-            try:
-                self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-            except FileNotFoundError:
-                raise
-            except OSError as e:  # not expected on the filesystem that passed the probe: read buffered
-                self.direct_error = f"open with O_DIRECT failed: {e.strerror}"
-        if self.dfd is None:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self.size = os.fstat(self.dfd if self.dfd is not None else self.fd).st_size
-
-
-def entry_size(length: int) -> int:
-    """Bytes an entry of ``length`` payload bytes takes on disk (header and padding)."""
-    return HEADER_BYTES + align_up(length, ALIGN)
-
-
-def _make_header(key: Key, crc: int, model: str) -> bytes | None:
-    body = json.dumps({"url": key.url, "version": key.version, "offset": key.offset, "length": key.length,
-                       "crc": crc, "model": model}, separators=(",", ":")).encode()
-    raw = MAGIC + body + b"\n"
-    if len(raw) > HEADER_BYTES:
-        return None
-    return raw + bytes(HEADER_BYTES - len(raw))
-
-
-def _parse_header(raw: bytes) -> dict:
-    if not raw.startswith(MAGIC):
-        raise ValueError("not a disk tier entry (bad magic)")
-    end = raw.find(b"\n", len(MAGIC))
-    if end < 0:
-        raise ValueError("entry header is not terminated")
-    h = json.loads(raw[len(MAGIC):end].decode("utf-8"))
-    if not isinstance(h, dict):
-        raise ValueError("entry header is not an object")
-    return h
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    data = data.cast("B") if data.format != "B" else data
-    pos = 0
-    while pos < len(data):
-        pos += os.write(fd, data[pos:])
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def open_tier(size, directory=None) -> DiskTier:
     """The tier ``load()``'s ``disk_cache``/``disk_cache_dir`` options ask for (``--disk-cache``,
     ``--disk-cache-dir``)."""
@@ -666,4 +534,5 @@ def open_tier(size, directory=None) -> DiskTier:
     return DiskTier(directory if directory is not None else default_dir(), capacity)
 
 
-__all__ = ["DiskTier", "DiskTierError", "Key", "default_dir", "entry_size", "open_tier"]
+__all__ = ["ENTRY_RE", "HEADER_BYTES", "STAGING_BYTES", "DiskTier", "DiskTierError", "Key", "default_dir", "entry_size",
+           "open_tier"]

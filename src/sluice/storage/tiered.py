@@ -9,7 +9,8 @@ storage knows the tier is there.
 
 from __future__ import annotations
 
-from .disk_tier import STAGING_BYTES, DiskTier, Key
+from .disk_tier import DiskTier
+from .tier_entry import STAGING_BYTES, Key
 from .source import ByteSource, WrappedSource
 from .store import Store
 
