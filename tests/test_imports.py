@@ -27,7 +27,8 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "base": ("errors, sizes, progress bars, system memory", ("errors", "units", "progress", "sysmem")),
     "kernels": ("C kernels and their ctypes bindings", ("kernels",)),
     "quant": ("weight formats and their matrix products", ("quant",)),
-    "storage": ("files and bytes: reads, buffers, safetensors tables, the container format, where a named model is",
+    "storage": ("files and bytes: reads, buffers, the disk tier of remote models, safetensors tables, the container "
+                "format, where a named model is",
                 ("storage", "checkpoint", "container", "resolve")),
     "layers": ("attention, MLA, linear attention, norms, rotary, routing, sampling", ("layers",)),
     "experts": ("the expert interface: sources, layouts, cache and policies, readers, compute", ("experts",)),

@@ -55,6 +55,7 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     g.add_argument("--ca-bundle", default=None, metavar="PEM",
                    help="a model at an https:// URL: a PEM file of extra CA certificates to trust "
                         "(TLS verification is always on)")
+    _add_disk_cache_args(g)
     g.add_argument("--trace-routing", default=None, metavar="FILE",
                    help="write every decode token's expert routing, router weights and lookahead predictions to "
                         "FILE (JSONL, the format sluice trace-replay reads)")
@@ -66,13 +67,24 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                             "experts (mixing weights stay the model's own), trading fidelity for fewer reads")
 
 
+def _add_disk_cache_args(g) -> None:
+    g.add_argument("--disk-cache", type=_size, default=None, metavar="SIZE",
+                   help="a model at a URL: keep what is fetched (expert records, spine, headers) in a local disk "
+                        "tier of at most SIZE, shared by processes, read back with O_DIRECT and checked by CRC "
+                        "(default: no disk tier)")
+    g.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                   help="the disk tier's directory (default $XDG_CACHE_HOME/sluice/disk-tier, i.e. "
+                        "~/.cache/sluice/disk-tier); a new or empty directory, or one a tier made")
+
+
 def _engine_options(args) -> dict:
     return dict(cache_experts=args.cache_experts, cache_policy=args.cache_policy, max_context=args.max_context,
                 threads=args.threads, reader_threads=args.reader_threads, prefetch=not args.no_prefetch,
                 verify_reads=args.verify_reads, moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached,
                 trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress,
-                ca_bundle=args.ca_bundle, parallel=args.parallel)
+                ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
+                disk_cache_dir=args.disk_cache_dir)
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -107,6 +119,9 @@ def stats_line(stats: dict, finish_reason: str | None = None, max_new_tokens: in
         f"cache {stats['cache_slots']}/{stats['total_experts']} experts | "
         f"{'O_DIRECT' if stats['direct_io'] else 'buffered I/O'}"
     )
+    if stats.get("disk_tier_hits") or stats.get("disk_tier_misses"):  # memory -> disk tier -> remote
+        line += (f" | disk tier {stats['disk_tier_hits']} hits ({stats['disk_tier_bytes_read'] / 1e9:.2f} GB), "
+                 f"{stats['disk_tier_misses']} misses, fetched {stats['remote_bytes_read'] / 1e9:.2f} GB")
     from .text import limit_note
 
     cut = limit_note(finish_reason, stats.get("generated_tokens"), max_new_tokens)
@@ -173,8 +188,43 @@ def cmd_inspect(args) -> int:
     from .inspect import inspect_model, render_inspect
 
     report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision,
-                           ca_bundle=args.ca_bundle, parallel=args.parallel)
+                           ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
+                           disk_cache_dir=args.disk_cache_dir)
     print(json.dumps(report, indent=2) if args.json else render_inspect(report))
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from .storage.disk_tier import DiskTier, default_dir
+
+    directory = args.disk_cache_dir or default_dir()
+    if not os.path.exists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
+        report = {"dir": str(directory), "exists": False, "models": [], "entries": 0, "bytes": 0}
+        print(json.dumps(report, indent=2) if args.json else f"no disk tier at {directory}")
+        return 0
+    tier = DiskTier(directory, create=False)
+    try:
+        if args.action == "clear":
+            if args.model is not None and not any(m["model"] == args.model for m in tier.models()):
+                raise SluiceError(f"the disk tier {tier.dir} holds nothing of {args.model} "
+                                  "(sluice cache list shows the models it holds)")
+            report = {"dir": str(tier.dir), "removed": tier.clear(args.model), **tier.usage()}
+            if not args.json:
+                r = report["removed"]
+                print(f"removed {r['entries']} entries ({format_size(r['bytes'])}) of "
+                      f"{args.model or 'every model'} from {tier.dir}; {report['entries']} entries "
+                      f"({format_size(report['bytes'])}) left")
+        else:
+            report = {"dir": str(tier.dir), "exists": True, "models": tier.models(), **tier.usage()}
+            if not args.json:
+                print(f"disk tier {tier.dir}: {report['entries']} entries, {format_size(report['bytes'])}")
+                for m in report["models"]:
+                    print(f"  {format_size(m['bytes']):>12}  {m['entries']:6d} entries  {m['objects']:4d} files  "
+                          f"{m['hits']:8d} hits  {m['model']}")
+        if args.json:
+            print(json.dumps(report, indent=2))
+    finally:
+        tier.close()
     return 0
 
 
@@ -360,7 +410,20 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.add_argument("--ca-bundle", default=None, metavar="PEM",
                    help="a model at an https:// URL: a PEM file of extra CA certificates to trust")
+    _add_disk_cache_args(i)
     i.set_defaults(func=cmd_inspect)
+
+    dc = sub.add_parser("cache", help="list or clear the local disk tier of remote models (--disk-cache)",
+                        description="list: the disk tier's entries grouped by model URL, with their sizes and "
+                                    "recorded hits, and the totals. clear: remove every entry, or only MODEL's. "
+                                    "Only files the tier made are removed; a directory that is not a disk tier "
+                                    "is refused.")
+    dc.add_argument("action", choices=["list", "clear"], help="what to do")
+    dc.add_argument("model", nargs="?", default=None, help="clear: only this model's entries (its URL, as listed)")
+    dc.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                    help="the disk tier's directory (default $XDG_CACHE_HOME/sluice/disk-tier)")
+    dc.add_argument("--json", action="store_true", help="print the report as JSON")
+    dc.set_defaults(func=cmd_cache)
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming or not), "

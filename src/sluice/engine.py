@@ -40,7 +40,8 @@ from .scheduler import Scheduler
 from .spine import LayerReads, SpineStreamer, layer_reads, streamable
 from .spine import buffer_bytes as spine_buffer_bytes
 from .stats import EngineCounters, EngineInfo, GenerationStats
-from .storage import open_store
+from .storage import is_url, open_store
+from .storage.disk_tier import open_tier
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
 from .trace import TraceWriter
@@ -63,6 +64,8 @@ class Options:
     huge_pages: bool = True  # transparent huge pages for read buffers: ~1.7-2x O_DIRECT throughput here
     direct_io: bool | None = None  # None: probe O_DIRECT, fall back to buffered
     ca_bundle: str | None = None  # a model at an https:// URL: PEM file of extra CA certificates to trust
+    disk_cache: int | str | None = None  # a model at a URL: keep what is fetched in a local disk tier of this size
+    disk_cache_dir: str | None = None  # the disk tier's directory (None: storage.disk_tier.default_dir())
     verify_reads: bool = True  # CRC32 of every expert record and streamed spine layer read from a container
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     parallel: int | None = None  # sequences run at once, each with KV/state for max_context (None: min(4, the budget's))
@@ -114,9 +117,17 @@ class ModelInfo:
     """An opened, validated model directory: config, family, tensor tables. Nothing loaded yet."""
 
     def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None,
-                 ca_bundle: str | None = None):
+                 ca_bundle: str | None = None, disk_cache: int | str | None = None,
+                 disk_cache_dir: str | os.PathLike | None = None):
+        if disk_cache_dir is not None and disk_cache is None:
+            raise InvalidArgumentError("disk_cache_dir (--disk-cache-dir) needs disk_cache (--disk-cache SIZE): "
+                                       "there is no disk tier without a size")
         self.path, self.model_id = resolve_model(path, revision)  # a local Path or a URL (str)
         remote = {"ca_bundle": os.fspath(ca_bundle)} if ca_bundle else {}
+        # memory -> disk tier -> remote store: only a model at a URL has one (a local file needs none)
+        self.disk_tier = open_tier(disk_cache, disk_cache_dir) if disk_cache is not None and is_url(self.path) else None
+        if self.disk_tier is not None:
+            remote["disk_tier"] = self.disk_tier
         try:
             self.store = store = open_store(self.path, **remote)  # the model's files, whatever holds them
             self.is_container = is_container(store)
@@ -124,10 +135,12 @@ class ModelInfo:
                 self.checkpoint = Container(store, direct=direct_io)
             else:
                 self.checkpoint = Checkpoint(store, direct=direct_io)
-        except SluiceError:
+        except BaseException as e:
+            self.close()
+            if isinstance(e, OSError) and not isinstance(e, SluiceError):
+                # a remote store that cannot be reached, listed or authenticated to
+                raise CheckpointError(f"{self.path}: cannot open the model: {e}") from None
             raise
-        except OSError as e:  # a remote store that cannot be reached, listed or authenticated to
-            raise CheckpointError(f"{self.path}: cannot open the model: {e}") from None
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
         self.config = self.family.parse_config(self.raw_config)
@@ -175,6 +188,14 @@ class ModelInfo:
     def spine_tensor_bytes(self, name: str) -> int:
         """Bytes spine tensor ``name`` takes as stored (every part of a quantized one)."""
         return quantized_spine.nbytes(name, self.spine_quant, self.checkpoint.tensors)
+
+    def close(self) -> None:
+        """Close the model's files and its disk tier (writing the tier's pending bookkeeping)."""
+        ckpt = getattr(self, "checkpoint", None)
+        if ckpt is not None:
+            ckpt.close()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
 
     def spine_bytes(self) -> int:
         """Bytes the whole spine takes resident: stored tensors plus fp32 copies of 1-D ones (norms)."""
@@ -244,7 +265,8 @@ class Engine:
         baseline = current_rss()
         self.threads = options.threads or os.cpu_count() or 1
         kernels.set_threads(self.threads)
-        self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle)
+        self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle,
+                                     disk_cache=options.disk_cache, disk_cache_dir=options.disk_cache_dir)
         self.path, self.model_id = info.path, info.model_id  # model_id: what a server reports
         self.checkpoint, self.raw_config, self.family = info.checkpoint, info.raw_config, info.family
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts
@@ -312,7 +334,7 @@ class Engine:
         if self.spine is not None:
             self.spine.close()
         self.experts.close()
-        self.checkpoint.close()
+        self.info.close()
 
     def __enter__(self):
         return self

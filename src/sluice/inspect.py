@@ -20,9 +20,17 @@ def format_params(n: int) -> str:
 
 
 def inspect_model(path: str | Path, memory: int | None = None, max_context: int | None = None,
-                  revision: str | None = None, ca_bundle: str | None = None, parallel: int | None = None) -> dict:
+                  revision: str | None = None, ca_bundle: str | None = None, parallel: int | None = None,
+                  disk_cache: int | str | None = None, disk_cache_dir: str | None = None) -> dict:
     """The model report; ``parallel``: sequences at once (None: the default rule per budget)."""
-    info = ModelInfo(path, revision=revision, ca_bundle=ca_bundle)
+    info = ModelInfo(path, revision=revision, ca_bundle=ca_bundle, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir)
+    try:
+        return _report(info, memory, max_context, parallel)
+    finally:
+        info.close()
+
+
+def _report(info: ModelInfo, memory: int | None, max_context: int | None, parallel: int | None) -> dict:
     d = info.desc
     total, active = info.param_counts()
     opts = Options(max_context=max_context, parallel=parallel)
@@ -83,7 +91,14 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
             report["plan"] = info.plan(memory, opts, baseline=baseline).to_dict()
         except BudgetError as e:
             report["plan_error"] = str(e)
-    info.checkpoint.close()
+    tier = info.disk_tier
+    if tier is not None:  # memory -> disk tier -> remote: what the tier holds of this model
+        stats = info.checkpoint.stats
+        report["disk_tier"] = {"dir": str(tier.dir), "capacity_bytes": tier.capacity, **tier.usage(),
+                               "model": {**tier.usage(info.store.location)},
+                               "opening": {"hits": stats.tier_hits, "misses": stats.tier_misses,
+                                           "bytes_from_tier": stats.tier_bytes,
+                                           "bytes_from_remote": stats.remote_bytes}}
     return report
 
 
@@ -124,6 +139,14 @@ def render_inspect(r: dict) -> str:
                      f"{len(p['streamed_layers'])} layers streamed")
     if "plan_error" in r:
         lines.append(f"  --memory: {r['plan_error']}")
+    if "disk_tier" in r:
+        t, m = r["disk_tier"], r["disk_tier"]["model"]
+        o = t["opening"]
+        lines.append(f"  disk tier         {t['dir']}: {format_size(t['bytes'])} of {format_size(t['capacity_bytes'])} "
+                     f"used ({t['entries']} entries); this model {format_size(m['bytes'])} in {m['entries']} entries, "
+                     f"{m['hits']} hits recorded")
+        lines.append(f"                    opening it: {o['hits']} tier hits ({format_size(o['bytes_from_tier'])}), "
+                     f"{o['misses']} misses, {format_size(o['bytes_from_remote'])} fetched")
     for n in r["notes"]:
         lines.append(f"  note: {n}")
     return "\n".join(lines)

@@ -203,6 +203,7 @@ class ModelRunner:
         """A snapshot of the engine's counters since load (subtract two for a delta)."""
         c = self._experts.counters
         spine = self._spine.stats if self._spine is not None else None
+        io = self._checkpoint.stats
         return EngineCounters(
             expert_lookups=c.lookups, expert_hits=c.hits, expert_misses=c.misses,
             prefill_lookups=c.prefill_lookups, demand_reads=c.demand_reads, prefetch_reads=c.prefetch_reads,
@@ -213,6 +214,8 @@ class ModelRunner:
             spine_bytes_read=spine.bytes_read if spine is not None else 0,
             spine_read_wait_s=spine.wait_s if spine is not None else 0.0,
             forwards=self._forwards, tokens_forwarded=self._tokens,
+            remote_bytes_read=io.remote_bytes, disk_tier_hits=io.tier_hits, disk_tier_misses=io.tier_misses,
+            disk_tier_bytes_read=io.tier_bytes,
         )
 
     def info(self) -> EngineInfo:

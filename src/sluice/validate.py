@@ -132,6 +132,15 @@ def _path(v, n):
         raise InvalidArgumentError(f"{n} must be a file path, got {shown(v)}")
 
 
+def _size(v, n):
+    if v is None:
+        return
+    from .units import parse_size
+
+    if parse_size(v, n) <= 0:
+        raise InvalidArgumentError(f"{n} must be a size above 0 bytes, got {shown(v)}")
+
+
 def _policy(v, n):
     from .experts.policy import make_policy
 
@@ -158,6 +167,8 @@ _OPTION_CHECKS = {
     "progress": _opt_bool(),
     "trace_routing": _path,
     "ca_bundle": _path,
+    "disk_cache": _size,
+    "disk_cache_dir": _path,
     "max_resident_layers": _opt_int(0),
     "moe_top_k": _opt_int(1),
     "prefer_cached": lambda v, n: number(v, n, lo=0.0),

@@ -125,7 +125,8 @@ class Metrics:
         self.requests: dict[tuple[str, str], int] = {}
         self.generations = {"completed": 0, "cancelled": 0, "failed": 0}
         self.totals = dict(prompt_tokens=0, prefilled_tokens=0, reused_prefix_tokens=0, generated_tokens=0,
-                           expert_lookups=0, expert_hits=0, bytes_read=0, prefill_seconds=0.0,
+                           expert_lookups=0, expert_hits=0, bytes_read=0, remote_bytes_read=0, disk_tier_hits=0,
+                           disk_tier_misses=0, disk_tier_bytes_read=0, prefill_seconds=0.0,
                            decode_seconds=0.0, decode_tokens=0, request_seconds=0.0, queue_seconds=0.0)
         self.last = dict(prefill_tok_s=0.0, decode_tok_s=0.0, hit_rate=0.0)
         self.queue_wait_count = 0
@@ -153,6 +154,8 @@ class Metrics:
                 t["expert_lookups"] += int(stats.get("expert_lookups", 0))
                 t["expert_hits"] += int(stats.get("expert_hits", 0))
                 t["bytes_read"] += int(stats.get("bytes_read", 0))
+                for k in ("remote_bytes_read", "disk_tier_hits", "disk_tier_misses", "disk_tier_bytes_read"):
+                    t[k] += int(stats.get(k, 0))
                 ttft, total = float(stats.get("ttft_s", 0.0)), float(stats.get("total_s", 0.0))
                 t["prefill_seconds"] += ttft
                 t["decode_seconds"] += max(0.0, total - ttft)
@@ -250,6 +253,14 @@ class Metrics:
                [({}, e.forwards if e else 0)])
         metric("sluice_engine_tokens_forwarded_total", "counter", "Positions those forwards computed.",
                [({}, e.tokens_forwarded if e else 0)])
+        metric("sluice_remote_bytes_read_total", "counter", "Of those, bytes fetched from a remote store (S3, HTTP).",
+               [({}, t["remote_bytes_read"])])
+        metric("sluice_disk_tier_hits_total", "counter", "Reads served by the local disk tier (--disk-cache).",
+               [({}, t["disk_tier_hits"])])
+        metric("sluice_disk_tier_misses_total", "counter", "Reads the disk tier did not have (fetched remotely).",
+               [({}, t["disk_tier_misses"])])
+        metric("sluice_disk_tier_bytes_read_total", "counter", "Of the bytes read, bytes served by the disk tier.",
+               [({}, t["disk_tier_bytes_read"])])
         return "\n".join(out) + "\n"
 
 
