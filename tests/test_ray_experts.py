@@ -1,0 +1,158 @@
+"""Experts sharded over Ray actors (``--ray``, sluice/cluster/): exact, and surviving a lost worker.
+
+A local Ray cluster of three logical nodes on this host (``ray.cluster_utils.Cluster``), pinned
+to 127.0.0.1, dashboard off, usage reporting off. Tiny models of three families (a hybrid one,
+qwen3_next, among them): logits ``torch.equal`` to one process for a prefill chunk and for
+token-by-token decoding with 1, 2 and 3 workers, with and without replicated hot experts; every
+worker computes experts; a worker killed mid-generation gives ``WorkerLostError`` (or, with
+replicas, the same tokens) and the next request succeeds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from sluice import load
+from sluice.errors import ExpertReadError, InvalidArgumentError
+
+HAVE_RAY = importlib.util.find_spec("ray") is not None  # imported by the fixture, after its environment
+
+SKIP_REASONS = {"no_ray": 'ray is not installed (pip install -e ".[ray]")'}
+pytestmark = pytest.mark.skipif(not HAVE_RAY, reason=SKIP_REASONS["no_ray"])
+
+FAMILIES = ["qwen3_next", "deepseek_v3", "mixtral"]  # hybrid, grouped top-4 of 16, sliding window
+PROMPT = [5, 17, 42, 99, 7, 130, 61, 18, 220, 3, 77, 150]
+DECODE = 4  # the last tokens of PROMPT run one at a time (the decode path: one row per layer)
+COMMON = dict(progress=False, cache_experts=6, max_context=64)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Three logical Ray nodes on 127.0.0.1 (head + 2), this process connected as the driver."""
+    env = {"RAY_USAGE_STATS_ENABLED": "0",
+           # every node and the driver on loopback, never the host's routable address (read when ray
+           # is first imported)
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    node = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=80 << 20)
+    c = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
+    for _ in range(2):
+        c.add_node(**node)
+    ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def logits_of(eng) -> torch.Tensor:
+    """Prefill logits of PROMPT[:-DECODE] (all positions), then DECODE tokens one by one."""
+    run, slot = eng.runner.run, eng.slot
+    slot.rewind(0)
+    n = len(PROMPT) - DECODE
+    out = [run(slot, PROMPT[:n], 0, last_n=n)]
+    for i in range(n, len(PROMPT)):
+        out.append(run(slot, [PROMPT[i]], i, last_n=1, decoding=True))
+    return torch.cat(out)
+
+
+@pytest.fixture(scope="module")
+def single(family_models):
+    """One process's logits per family: the reference."""
+    out = {}
+    for fam in FAMILIES:
+        with load(family_models.hf(fam), "2GiB", **COMMON) as eng:
+            out[fam] = logits_of(eng)
+    return out
+
+
+def use(eng, workers: int, replicate_hot: int) -> None:
+    """Route this engine's layers over its first ``workers`` workers (a fresh placement)."""
+    from sluice.cluster.placement import Placement
+
+    eng.experts.placement = Placement(eng.desc.moe_layers, eng.desc.n_experts, workers, replicate_hot)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bit_identical_to_one_process(family, family_models, cluster, single):
+    with load(family_models.hf(family), "2GiB", ray="auto", expert_workers=3, **COMMON) as eng:
+        assert eng.cache is None and eng.plan.cache_slots == 0  # the driver holds no expert cache
+        for workers, hot in ((1, 0), (2, 0), (3, 0), (2, 2), (3, eng.desc.n_experts)):
+            use(eng, workers, hot)
+            got = logits_of(eng)
+            assert torch.equal(got, single[family]), f"{family}: {workers} workers, replicate_hot={hot}"
+        stats = eng.experts.worker_stats()
+        assert all(s["experts_computed"] > 0 and s["rows_computed"] > 0 for s in stats), stats
+        c = eng.totals()
+        assert c.expert_lookups > 0 and c.bytes_read > 0 and c.demand_reads > 0
+
+
+def test_one_and_two_worker_engines(family_models, cluster, single):
+    """Engines started with 1 and 2 workers (not a placement over more), replicated hot experts on."""
+    fam = "qwen3_next"
+    for workers, hot in ((1, 0), (2, 2)):
+        with load(family_models.hf(fam), "2GiB", ray="auto", expert_workers=workers, replicate_hot=hot,
+                  **COMMON) as eng:
+            assert len(eng.experts.workers) == workers
+            for _ in range(2):  # the second pass: after the hot experts were re-chosen from counts
+                assert torch.equal(logits_of(eng), single[fam])
+                for _ in range(16):
+                    eng.experts.tick()
+            assert all(s["experts_computed"] > 0 for s in eng.experts.worker_stats())
+
+
+def test_prefer_cached_refused(family_models, cluster):
+    with pytest.raises(InvalidArgumentError, match="cannot be used with --ray"):
+        load(family_models.hf("mixtral"), "2GiB", ray="auto", prefer_cached=0.5, **COMMON)
+
+
+def _kill_during(eng, pid: int, after: int, **gen):
+    """Generate, SIGKILL worker ``pid`` after ``after`` tokens; (tokens, error, seconds to the error)."""
+    tokens, t_kill = [], None
+    try:
+        for step in eng.stream(PROMPT, max_new_tokens=12, ignore_eos=True, speculate=False, **gen):
+            tokens.append(step.token_id)
+            if len(tokens) == after:
+                os.kill(pid, signal.SIGKILL)
+                t_kill = time.monotonic()
+    except ExpertReadError as e:
+        return tokens, e, time.monotonic() - t_kill
+    return tokens, None, None
+
+
+def test_worker_killed_mid_generation(family_models, cluster):
+    from sluice.cluster.errors import WorkerLostError
+
+    path = family_models.hf("mixtral")
+    with load(path, "2GiB", **COMMON) as eng:
+        expected = eng.generate(PROMPT, max_new_tokens=12, ignore_eos=True, speculate=False).tokens
+    with load(path, "2GiB", ray="auto", expert_workers=2, **COMMON) as eng:
+        pid = eng.experts.info[0]["pid"]
+        tokens, err, seconds = _kill_during(eng, pid, 3)
+        assert isinstance(err, WorkerLostError), err
+        assert "expert worker" in str(err) and "restarts" in str(err)
+        assert seconds < 10, f"a dead worker took {seconds:.1f} s to notice"
+        assert tokens == expected[: len(tokens)]
+        # the driver keeps serving: Ray restarts the worker, the next request runs on it
+        again = eng.generate(PROMPT, max_new_tokens=12, ignore_eos=True, speculate=False).tokens
+        assert again == expected
+        assert eng.experts.worker_stats()[0]["pid"] != pid
+    # every expert with a replica: the lost worker's experts are retried there, the tokens unchanged
+    with load(path, "2GiB", ray="auto", expert_workers=2, replicate_hot=8, **COMMON) as eng:
+        tokens, err, _ = _kill_during(eng, eng.experts.info[1]["pid"], 3)
+        assert err is None and tokens == expected
+        assert eng.experts.retries >= 1
