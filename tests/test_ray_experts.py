@@ -139,7 +139,7 @@ def test_worker_killed_mid_generation(family_models, cluster):
 
     path = family_models.hf("mixtral")
     with load(path, "2GiB", **COMMON) as eng:
-        expected = eng.generate(PROMPT, max_new_tokens=12, ignore_eos=True, speculate=False).tokens
+        expected = eng.generate(PROMPT, max_new_tokens=12, ignore_eos=True, speculate=False).token_ids
     with load(path, "2GiB", ray="auto", expert_workers=2, **COMMON) as eng:
         pid = eng.experts.info[0]["pid"]
         tokens, err, seconds = _kill_during(eng, pid, 3)
@@ -148,7 +148,7 @@ def test_worker_killed_mid_generation(family_models, cluster):
         assert seconds < 10, f"a dead worker took {seconds:.1f} s to notice"
         assert tokens == expected[: len(tokens)]
         # the driver keeps serving: Ray restarts the worker, the next request runs on it
-        again = eng.generate(PROMPT, max_new_tokens=12, ignore_eos=True, speculate=False).tokens
+        again = eng.generate(PROMPT, max_new_tokens=12, ignore_eos=True, speculate=False).token_ids
         assert again == expected
         assert eng.experts.worker_stats()[0]["pid"] != pid
     # every expert with a replica: the lost worker's experts are retried there, the tokens unchanged

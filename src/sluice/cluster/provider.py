@@ -58,6 +58,7 @@ class RayExperts(ExpertInterface):
         self.dispatch_calls = 0  # MoE layers dispatched
         self.retries = 0  # worker calls re-sent to a replica after a worker was lost
         self.lost = 0  # worker calls that failed
+        self._down: set[int] = set()  # workers lost by an earlier call: waited for before the next
         opts = dict(worker_opts or {})
         opts["memory"] = worker_memory
         per_node = -(-self.n_workers // max(1, len(nodes)))
@@ -74,13 +75,49 @@ class RayExperts(ExpertInterface):
             self.close()
             raise ClusterError(f"expert workers could not start: {_cause(e)}") from None
         for h in hellos:
-            diff = differences(signature, h["signature"])
-            if diff:
-                self.close()
-                raise WorkerMismatchError(
-                    f"expert worker {h['index']} on {h['host']} would not give this process's bits: "
-                    + "; ".join(diff) + " (install the same sluice and torch, and the same model, on every machine)")
+            self._check(h, closing=True)
         self.info = hellos
+
+    def _check(self, h: dict, closing: bool = False) -> None:
+        diff = differences(self.signature, h["signature"])
+        if diff:
+            if closing:
+                self.close()
+            raise WorkerMismatchError(
+                f"expert worker {h['index']} on {h['host']} would not give this process's bits: "
+                + "; ".join(diff) + " (install the same sluice and torch, and the same model, on every machine)")
+
+    def _await_restarted(self, block: bool = True) -> None:
+        """Before a call: wait for workers lost earlier to be restarted by Ray (and check them again);
+        ``block=False``: only take back those already up."""
+        ray = self._ray
+        for w in sorted(self._down):
+            if not block:
+                try:
+                    h = ray.get(self.workers[w].hello.remote(), timeout=1.0)
+                except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                    continue
+                except ray.exceptions.RayActorError as e:
+                    raise WorkerLostError(f"expert worker {w} is gone for good: {_cause(e)}") from None
+                self._check(h)
+                self.info[w] = h
+                self._down.discard(w)
+                continue
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:
+                try:
+                    h = ray.get(self.workers[w].hello.remote(), timeout=START_TIMEOUT_S)
+                    break
+                except ray.exceptions.ActorUnavailableError:  # still restarting
+                    if time.monotonic() > deadline:
+                        raise WorkerLostError(f"expert worker {w} did not come back within {START_TIMEOUT_S:.0f} s "
+                                              "of being lost") from None
+                    time.sleep(0.2)
+                except ray.exceptions.RayActorError as e:
+                    raise WorkerLostError(f"expert worker {w} is gone for good: {_cause(e)}") from None
+            self._check(h)
+            self.info[w] = h
+            self._down.discard(w)
 
     # -- the interface -----------------------------------------------------------------------
 
@@ -182,6 +219,12 @@ class RayExperts(ExpertInterface):
 
     def _run(self, layer: int, x, one_row: bool, work: dict, assign: dict[int, int]) -> dict[int, torch.Tensor]:
         ray = self._ray
+        if self._down:  # run on replicas while a lost worker restarts; wait for it if some expert has none
+            self._await_restarted(block=False)
+            if self._down:
+                assign = self.placement.assign(layer, {e: 1 for e in assign}, exclude=self._down, count=False)
+                if any(w in self._down for w in assign.values()):
+                    self._await_restarted()
         prefetch, self._pending = self._pending, None
         calls = self._calls(layer, x, one_row, work, assign, prefetch)
         results: dict[int, torch.Tensor] = {}
@@ -194,6 +237,7 @@ class RayExperts(ExpertInterface):
                 if not isinstance(err, WorkerLostError):
                     raise err from None
                 self.lost += 1
+                self._down.add(w)
                 lost[w] = str(err)
                 continue
             self._count(deltas)
