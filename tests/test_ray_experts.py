@@ -24,7 +24,6 @@ from sluice.errors import ExpertReadError, InvalidArgumentError
 HAVE_RAY = importlib.util.find_spec("ray") is not None  # imported by the fixture, after its environment
 
 SKIP_REASONS = {"no_ray": 'ray is not installed (pip install -e ".[ray]")'}
-pytestmark = pytest.mark.skipif(not HAVE_RAY, reason=SKIP_REASONS["no_ray"])
 
 FAMILIES = ["qwen3_next", "deepseek_v3", "mixtral"]  # hybrid, grouped top-4 of 16, sliding window
 PROMPT = [5, 17, 42, 99, 7, 130, 61, 18, 220, 3, 77, 150]
@@ -35,6 +34,8 @@ COMMON = dict(progress=False, cache_experts=6, max_context=64)
 @pytest.fixture(scope="module")
 def cluster():
     """Three logical Ray nodes on 127.0.0.1 (head + 2), this process connected as the driver."""
+    if not HAVE_RAY:
+        pytest.skip(SKIP_REASONS["no_ray"])
     env = {"RAY_USAGE_STATS_ENABLED": "0",
            # every node and the driver on loopback, never the host's routable address (read when ray
            # is first imported)
@@ -116,6 +117,7 @@ def test_one_and_two_worker_engines(family_models, cluster, single):
 
 
 def test_prefer_cached_refused(family_models, cluster):
+    """Refused before any worker starts."""
     with pytest.raises(InvalidArgumentError, match="cannot be used with --ray"):
         load(family_models.hf("mixtral"), "2GiB", ray="auto", prefer_cached=0.5, **COMMON)
 
@@ -156,3 +158,33 @@ def test_worker_killed_mid_generation(family_models, cluster):
         tokens, err, _ = _kill_during(eng, eng.experts.info[1]["pid"], 3)
         assert err is None and tokens == expected
         assert eng.experts.retries >= 1
+
+
+def test_cli_run_with_ray_auto(text_model, cluster):
+    """``sluice run --ray auto`` finds the cluster through RAY_ADDRESS and gives one process's tokens."""
+    import json
+    import subprocess
+    import sys
+
+    args = [text_model, "--prompt", "def f():", "--max-new-tokens", "6", "--ignore-eos", "--memory", "2GiB",
+            "--cache-experts", "6", "--json"]
+    with load(text_model, "2GiB", progress=False, cache_experts=6) as eng:
+        expected = eng.generate("def f():", max_new_tokens=6, ignore_eos=True).token_ids
+    out = subprocess.run([sys.executable, "-m", "sluice.cli", "run", *map(str, args), "--ray", "auto",
+                          "--expert-workers", "2"], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, RAY_ADDRESS=cluster.address))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["token_ids"] == expected
+    assert "RAY_ADDRESS" in out.stderr and "2 expert worker(s)" in out.stderr
+
+
+def test_without_ray_installed_a_clear_error(monkeypatch):
+    """No ray module: ``--ray`` says what to install (this test runs without ray too)."""
+    import sys
+
+    from sluice.cluster.connect import require_ray
+    from sluice.cluster.errors import RayUnavailableError
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(RayUnavailableError, match=r'pip install "sluice\[ray\]"'):
+        require_ray()
