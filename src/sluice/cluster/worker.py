@@ -69,6 +69,10 @@ class ExpertWorker:
         return {"index": self.index, "signature": self.sig, "slots": self.cache.capacity, "pid": os.getpid(),
                 "host": socket.gethostname(), "started": self.started, "threads": self.threads}
 
+    def ping(self, x: torch.Tensor) -> torch.Tensor:
+        """Echo (benchmarks: the transport's round trip for a layer's rows, no compute)."""
+        return x
+
     def stats_now(self) -> dict:
         return dict(self.stats, index=self.index, pid=os.getpid(), slots=self.cache.capacity,
                     cached=len(self.cache), evictions=self.cache.evictions,
