@@ -20,6 +20,7 @@ import torch
 
 from sluice import load
 from sluice.errors import ExpertReadError, InvalidArgumentError
+from sluice.server.serving import Metrics
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None  # imported by the fixture, after its environment
 
@@ -114,6 +115,10 @@ def test_one_and_two_worker_engines(family_models, cluster, single):
                 for _ in range(16):
                     eng.experts.tick()
             assert all(s["experts_computed"] > 0 for s in eng.experts.worker_stats())
+            counted = eng.experts.worker_counters()  # the driver's own count, what /metrics shows
+            assert all(p["experts_computed_total"] > 0 and p["calls_total"] > 0 for p in counted), counted
+            text = Metrics("m").render(0, 0, 1, counted)
+            assert f'sluice_expert_worker_rows_computed_total{{worker="{workers - 1}"}}' in text
 
 
 def test_prefer_cached_refused(family_models, cluster):

@@ -59,6 +59,9 @@ class RayExperts(ExpertInterface):
         self.retries = 0  # worker calls re-sent to a replica after a worker was lost
         self.lost = 0  # worker calls that failed
         self._down: set[int] = set()  # workers lost by an earlier call: waited for before the next
+        # per worker, counted by the driver from the calls' answers (no call to read them: /metrics)
+        self._per = [dict(index=i, calls_total=0, experts_computed_total=0, rows_computed_total=0, lookups_total=0,
+                          hits_total=0, bytes_read_total=0, lost_total=0) for i in range(self.n_workers)]
         opts = dict(worker_opts or {})
         opts["memory"] = worker_memory
         per_node = -(-self.n_workers // max(1, len(nodes)))
@@ -237,10 +240,11 @@ class RayExperts(ExpertInterface):
                 if not isinstance(err, WorkerLostError):
                     raise err from None
                 self.lost += 1
+                self._per[w]["lost_total"] += 1
                 self._down.add(w)
                 lost[w] = str(err)
                 continue
-            self._count(deltas)
+            self._count(deltas, w, outs)
             results.update(zip(es, outs))
         if lost:
             todo = {e: w for e, w in assign.items() if e not in results}
@@ -258,7 +262,7 @@ class RayExperts(ExpertInterface):
                     outs, deltas = ray.get(ref, timeout=CALL_TIMEOUT_S)
                 except Exception as e:  # noqa: BLE001
                     raise self._classify(e) from None
-                self._count(deltas)
+                self._count(deltas, w, outs)
                 results.update(zip(es, outs))
         return results
 
@@ -273,9 +277,16 @@ class RayExperts(ExpertInterface):
             return inner if isinstance(inner, Exception) else ClusterError(_cause(e))
         return ClusterError(_cause(e))
 
-    def _count(self, d) -> None:
+    def _count(self, d, w: int, outs: list) -> None:
         c = self.counters
         lookups, hits, prefill, demand, pf_used, wait_s, compute_s, ev, br = d
+        p = self._per[w]
+        p["calls_total"] += 1
+        p["experts_computed_total"] += len(outs)
+        p["rows_computed_total"] += sum(y.shape[0] for y in outs)
+        p["lookups_total"] += lookups
+        p["hits_total"] += hits
+        p["bytes_read_total"] += br
         c.lookups += lookups
         c.hits += hits
         c.misses += lookups - hits
@@ -294,6 +305,10 @@ class RayExperts(ExpertInterface):
             self.counters.predicted_hits += len(set(experts).intersection(predicted))
 
     # -- workers -------------------------------------------------------------------------------
+
+    def worker_counters(self) -> list[dict]:
+        """Per worker, what the driver counted from its answers (``/metrics``; asks no worker)."""
+        return [dict(p) for p in self._per]
 
     def worker_stats(self) -> list[dict]:
         """Each worker's counters (calls, experts and rows computed, hits, reads, bytes, cache)."""
