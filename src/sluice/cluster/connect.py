@@ -46,6 +46,7 @@ def connect(address: str) -> str:
         return "experts on the Ray cluster running on this machine"
     except ConnectionError:
         pass
-    ray.init(include_dashboard=False, **quiet)
+    # a cluster of this process only: on loopback (Ray has no authentication), dashboard off
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **quiet)
     return ("no Ray cluster found (RAY_ADDRESS unset, none running here): started a local one for this "
             "process (ray start --head to run one that outlives it)")
