@@ -279,7 +279,11 @@ class RayExperts(ExpertInterface):
 
     def _count(self, d, w: int, outs: list) -> None:
         c = self.counters
-        lookups, hits, prefill, demand, pf_used, wait_s, compute_s, ev, br = d
+        lookups, hits, prefill, demand, pf_used, wait_s, compute_s, ev, br, started = d
+        if started != self.info[w]["started"]:  # Ray restarted it between calls: check it again
+            h = self._ray.get(self.workers[w].hello.remote(), timeout=START_TIMEOUT_S)
+            self._check(h)
+            self.info[w] = h
         p = self._per[w]
         p["calls_total"] += 1
         p["experts_computed_total"] += len(outs)

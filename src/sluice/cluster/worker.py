@@ -168,7 +168,7 @@ class ExpertWorker:
         st["compute_s"] += compute_s
         ev, br = self.cache.evictions, self.opened.checkpoint.stats.bytes_read
         deltas = (lookups, hits, prefill, demand, pf_used, wait_s if decoding else 0.0,
-                  compute_s if decoding else 0.0, ev - self._reported[0], br - self._reported[1])
+                  compute_s if decoding else 0.0, ev - self._reported[0], br - self._reported[1], self.started)
         self._reported = (ev, br)
         return outs, deltas
 
