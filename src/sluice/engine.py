@@ -366,7 +366,9 @@ class Engine:
     def _info(self) -> EngineInfo:
         """What every generation's stats report about this engine."""
         plan = self.plan
-        return EngineInfo(budget_bytes=plan.budget, cache_slots=plan.cache_slots, total_experts=plan.total_experts,
+        # with --ray: the workers' slots together (the driver itself holds none)
+        slots = getattr(self.experts, "pooled_slots", plan.cache_slots)
+        return EngineInfo(budget_bytes=plan.budget, cache_slots=slots, total_experts=plan.total_experts,
                           direct_io=self.experts_source.direct_io, load_s=self.load_s, lossy=dict(self.lossy),
                           spine_resident_bytes=plan.spine_bytes - plan.stream_buffer_bytes,
                           spine_streamed_layers=len(plan.streamed_layers))

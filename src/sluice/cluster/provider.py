@@ -324,6 +324,11 @@ class RayExperts(ExpertInterface):
                 out.append({"index": i, "error": _cause(e)})
         return out
 
+    @property
+    def pooled_slots(self) -> int:
+        """Expert cache slots of all workers together."""
+        return sum(h["slots"] for h in self.info)
+
     def describe(self) -> str:
         slots = sum(h["slots"] for h in self.info)
         hosts = sorted({h["host"] for h in self.info})
