@@ -187,7 +187,8 @@ def cmd_inspect(args) -> int:
 def cmd_convert(args) -> int:
     from .convert import convert
 
-    out = convert(args.model, args.output, experts=args.experts, progress=not args.no_progress, force=args.force)
+    out = convert(args.model, args.output, experts=args.experts, spine=args.spine, progress=not args.no_progress,
+                  force=args.force)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -323,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "of 32), mxfp4 (4.25 bits, OCP microscaling FP4), rvq3 (3 bits, residual vector "
                         "quantization); fp8 keeps block-scaled FP8 checkpoints as they are. Measured quality "
                         "and speed: docs/quantization.md")
+    c.add_argument("--spine", default=None, metavar="FORMAT",
+                   help="spine format (default: stored, as the checkpoint has it, exact); LOSSY: int8 stores the "
+                        "embedding, the head and every attention / shared-expert / dense projection as int8 with "
+                        "one scale per row (norms, biases and routers stay as stored), about a quarter of their "
+                        "bytes resident, the rest goes to the expert cache; results are flagged lossy. Quality: "
+                        "docs/quantization.md")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 

@@ -32,6 +32,7 @@ from .generation import Request, Result, Step
 from .layers.attention import SCORE_BLOCK_BYTES
 from .layers.sampling import SamplingParams
 from .models import get_family
+from .models import quantized_spine
 from .models.base import MoEBlock, check_tensor
 from .models.config import check_layer_count, eos_ids
 from .plan import Plan, activation_bytes, make_plan
@@ -144,8 +145,18 @@ class ModelInfo:
             for name, alt in aliases(self.config).items():
                 if name not in tensors and alt in tensors:
                     tensors[name] = tensors[alt]
+        # spine matrices a container stores in a weight format (an int8 spine): name -> format
+        self.spine_quant: dict[str, str] = dict(getattr(self.checkpoint, "spine_quant", {}))
+        for name in self.spine_quant:
+            if name not in self.desc.spine:
+                raise CheckpointError(f"{self.checkpoint.manifest_path}: {name!r} is stored quantized but is not "
+                                      "a spine tensor of this model")
         for name, shape in self.desc.spine.items():
             info = self.checkpoint.info(name)
+            if name in self.spine_quant:
+                quantized_spine.check(name, self.spine_quant[name], shape, self.checkpoint.tensors,
+                                      self.checkpoint.manifest_path)
+                continue
             check_tensor(name, info, shape)
             check_spine_dtype(name, info, self.desc.spine)
         if self.is_container:
@@ -161,6 +172,16 @@ class ModelInfo:
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
 
+    @property
+    def spine_format(self) -> str:
+        """How the spine's matrices are stored: "stored" (as the checkpoint has them) or a
+        format of ``quantized_spine.SPINE_FORMATS`` (lossy: ``convert --spine``)."""
+        return next(iter(self.spine_quant.values()), "stored")
+
+    def spine_tensor_bytes(self, name: str) -> int:
+        """Bytes spine tensor ``name`` takes as stored (every part of a quantized one)."""
+        return quantized_spine.nbytes(name, self.spine_quant, self.checkpoint.tensors)
+
     def spine_bytes(self) -> int:
         """Bytes the whole spine takes resident: stored tensors plus fp32 copies of 1-D ones (norms)."""
         glob, layers = self.spine_split()
@@ -174,16 +195,17 @@ class ModelInfo:
         for name in self.desc.spine:
             if name not in names:
                 info = self.checkpoint.info(name)
-                glob += info.nbytes + (info.numel * 4 if len(info.shape) == 1 else 0)
-        layers = {i: sum(self.checkpoint.info(n).nbytes for n in v) for i, v in movable.items()}
+                glob += self.spine_tensor_bytes(name) + (info.numel * 4 if len(info.shape) == 1 else 0)
+        layers = {i: sum(self.spine_tensor_bytes(n) for n in v) for i, v in movable.items()}
         return glob, layers
 
     def layer_reads(self) -> dict[int, LayerReads]:
-        return {i: layer_reads(self.checkpoint, i, names) for i, names in streamable(self.desc).items()}
+        return {i: layer_reads(self.checkpoint, i, quantized_spine.stored_names(names, self.spine_quant))
+                for i, names in streamable(self.desc).items()}
 
     def param_counts(self) -> tuple[int, int]:
         """(total parameters, parameters active per token)."""
-        spine = sum(self.checkpoint.info(n).numel for n in self.desc.spine)
+        spine = sum(quantized_spine.numel(n, self.desc) for n in self.desc.spine)
         per_expert = self.desc.expert.param_count() if self.desc.moe_layers else 0
         return spine + per_expert * self.desc.total_experts, spine + per_expert * self.desc.working_set
 
@@ -207,7 +229,7 @@ class ModelInfo:
             budget=budget, baseline=current_rss() if baseline is None else baseline,
             spine_global=glob, spine_layers=layers,
             stream_buffer=max((spine_buffer_bytes(r) for r in reads.values()), default=0),
-            state_bytes=self.desc.state_bytes_per_token * max_ctx + self.desc.state_bytes_fixed,
+            state_bytes=self.desc.state_bytes(max_ctx),
             activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx,
                                          score_block=SCORE_BLOCK_BYTES) + transfer,
             slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set if here else 0,
@@ -241,6 +263,9 @@ class Engine:
                                      make_policy(options.cache_policy), huge_pages=options.huge_pages)
             self.experts = ExpertProvider(self.experts_source, self.cache, self.desc.expert, self.desc.n_experts,
                                           reader_threads=options.reader_threads, verify_reads=options.verify_reads)
+        if info.spine_format != "stored":
+            warnings.warn(f"{info.path}: the spine is stored as {info.spine_format} (sluice convert --spine "
+                          f"{info.spine_format}): lossy, outputs differ from the model's", stacklevel=3)
         self.model = self.family.build(self.config, spine.__getitem__, self.experts)
         self.model.spine = self.spine
         del spine
@@ -270,7 +295,8 @@ class Engine:
                                        poison=self.options.poison_stream_buffers)
             for i in sorted(streamed):
                 out.update(self.spine.views(i))
-        names = [n for n in self.desc.spine if n not in out]
+        names = [n for n in quantized_spine.stored_names(list(self.desc.spine), self.info.spine_quant)
+                 if n not in out]
         total = sum(self.checkpoint.info(n).nbytes for n in names)
         bar = Progress(total, "loading spine", enabled=self.options.progress and total > (64 << 20))
         # per group: a container checks each spine group's CRC over the very bytes it loads
@@ -282,7 +308,7 @@ class Engine:
             out.update(self.checkpoint.read_tensors(batch))
             bar.update(sum(self.checkpoint.info(n).nbytes for n in batch))
         bar.close()
-        return out
+        return quantized_spine.assemble(out, self.info.spine_quant, self.desc)
 
     def _start_workers(self) -> RayExperts:
         """Experts on a Ray cluster (``--ray``): connect, start the workers, check their signatures."""
@@ -341,9 +367,11 @@ class Engine:
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.top_k = moe_top_k
                 layer.mlp.prefer_cached = prefer_cached
-        self.lossy = {k: v for k, v in (("moe_top_k", moe_top_k), ("prefer_cached", prefer_cached)) if v}
-        if self.lossy and warn:
-            warnings.warn(f"lossy routing enabled ({self.lossy}): outputs differ from the model's", stacklevel=2)
+        routing = {k: v for k, v in (("moe_top_k", moe_top_k), ("prefer_cached", prefer_cached)) if v}
+        spine = self.info.spine_format
+        self.lossy = {**routing, **({"spine": spine} if spine != "stored" else {})}  # every result's stats say so
+        if routing and warn:
+            warnings.warn(f"lossy routing enabled ({routing}): outputs differ from the model's", stacklevel=2)
 
     def _lookahead(self, layer: int, h: torch.Tensor) -> None:
         """After layer ``layer``'s attention, start reads for the next layer's predicted experts

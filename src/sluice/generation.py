@@ -171,10 +171,12 @@ def run(runner: ModelRunner, seq: SeqState, req: Request) -> Iterator[Step]:
             while a < len(draft) and draft[a] == preds[a]:
                 a += 1
             keep = pos + len(pending) + a
-            if seq.length > keep and seq.rewind(keep) < keep:  # no snapshot there: recompute
-                done = seq.length
-                tokens = pending + draft
-                runner.run(seq, tokens[done - pos : keep - pos], done, last_n=0, decoding=not prefill)
+            if seq.length > keep:
+                kept = seq.tokens[:keep]
+                # no snapshot there (recurrent), or the window is gone (sliding-window cache): recompute
+                done = seq.rewind(keep)
+                if done < keep:
+                    runner.run(seq, kept[done:], done, last_n=0, decoding=not prefill)
             drafter.feedback(len(draft), a)
             drafted += len(draft)
             accepted += a

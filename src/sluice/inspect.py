@@ -56,6 +56,7 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
         "expert_format": info.experts.format,
         "container": info.is_container,
         "spine_bytes": info.spine_bytes(),
+        "spine_format": info.spine_format,
         "spine_always_resident_bytes": glob,
         "spine_layer_bytes_max": max(layers.values(), default=0),
         "bytes_per_expert": expert_bytes,
@@ -90,7 +91,8 @@ def render_inspect(r: dict) -> str:
         f"{format_params(r['params_active_per_token'])} active per token",
         f"  expert format     {r['expert_format']}",
         f"  spine             {format_size(r['spine_bytes'])} ({format_size(r['spine_always_resident_bytes'])} always "
-        f"resident, largest layer {format_size(r['spine_layer_bytes_max'])})",
+        f"resident, largest layer {format_size(r['spine_layer_bytes_max'])})"
+        + (f", matrices {r['spine_format']} (lossy)" if r["spine_format"] != "stored" else ""),
         f"  one expert        {format_size(r['bytes_per_expert'])} ({format_size(r['slot_bytes'])} per cache slot)",
         f"  all experts       {r['experts_total']} = {format_size(r['expert_bytes_total'])}",
         f"  one token reads   {r['working_set_experts']} experts = {format_size(r['working_set_bytes'])} (cold)",

@@ -31,7 +31,6 @@ class GatedAttention(Attention):
         v = linear(x, self.wv, self.bv).view(t, self.n_kv, d)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k), cos, sin)
-        cache.write(start, k, v)
-        end = start + t
-        o = attend(q, cache.k[:, :end], cache.v[:, :end], start, self.scale, self.window, self.sinks)
+        keys, values, q0 = cache.update(start, k, v)
+        o = attend(q, keys, values, q0, self.scale, self.window, self.sinks)
         return linear(o.reshape(t, -1) * pointwise(torch.sigmoid, gate), self.wo, self.bo)

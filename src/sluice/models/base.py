@@ -30,7 +30,7 @@ from ..layers.norm import RMSNorm
 from ..layers.pointwise import pointwise
 from ..layers.rotary import Rotary
 from ..layers.routing import Router
-from ..quant import linear
+from ..quant import embed, linear
 
 
 
@@ -48,6 +48,10 @@ class ModelDescription:
     expert_tensors: Callable[[int, int], ExpertTensors]
     state_bytes_per_token: int  # KV cache bytes per position, all layers (fp32)
     state_bytes_fixed: int = 0  # recurrent state bytes, independent of length
+    # sliding-window layers (``WindowKVCache``): bytes per position, all such layers, and the
+    # positions each keeps at most (fewer when max_context is shorter)
+    window_bytes_per_token: int = 0
+    window_positions: int = 0
     max_position_embeddings: int = 4096
     attn_heads: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
@@ -55,6 +59,11 @@ class ModelDescription:
     # a quant format (``sluice.quant.FORMATS``) the checkpoint stores routed experts in natively,
     # as parts named "<role>.<part>" in ``expert_tensors``; None: plain f32/bf16/f16 tensors
     expert_format: str | None = None
+
+    def state_bytes(self, max_ctx: int) -> int:
+        """KV caches and recurrent states of one sequence of up to ``max_ctx`` positions."""
+        return (self.state_bytes_per_token * max_ctx + self.state_bytes_fixed
+                + self.window_bytes_per_token * min(max_ctx, self.window_positions))
 
     @property
     def working_set(self) -> int:
@@ -77,12 +86,13 @@ def check_tensor(name: str, info, expected: tuple[int, ...]) -> None:
 class State:
     """Per-sequence state: one entry per layer (KV cache or recurrent state) and the tokens.
 
-    A KV cache can be cut back to any length for free. A recurrent layer state (linear
-    attention) can only return to positions it kept a snapshot of; such states implement
-    ``restorable(n) -> int`` (the largest restorable position <= n), ``rewind(n)`` and
-    ``mark(n)`` (keep a snapshot of the current state, which is position n). Snapshots are
-    references to immutable tensors (a forward builds new state tensors, never updates them
-    in place), so marking costs nothing.
+    A KV cache can be cut back to any length for free. A layer that cannot return to every
+    position implements ``restorable(n) -> int`` (the largest restorable position <= n) and
+    ``rewind(n)``: a recurrent state (linear attention) returns only to positions it kept a
+    snapshot of with ``mark(n)`` (keep a snapshot of the current state, which is position n;
+    snapshots are references to immutable tensors, since a forward builds new state tensors
+    and never updates them in place, so marking costs nothing); a sliding-window cache
+    (``WindowKVCache``) only to positions whose window it still holds, else to 0.
     """
 
     def __init__(self, layers: list, max_ctx: int):
@@ -94,7 +104,7 @@ class State:
     @property
     def recurrent(self) -> bool:
         """True if some layer keeps recurrent state (rollback needs a snapshot)."""
-        return any(hasattr(s, "rewind") for s in self.layers)
+        return any(hasattr(s, "mark") for s in self.layers)
 
     def rewind(self, n: int) -> int:
         """Roll back to the first ``n`` positions, or fewer if a layer cannot; returns the length."""
@@ -197,7 +207,7 @@ class CausalLM:
 
         Writes the per-layer state for those positions; the caller advances ``state.length``.
         """
-        h = self.embed[ids].float()
+        h = embed(self.embed, ids)
         positions = torch.arange(start, start + ids.shape[0])
         cos, sin = self.rotary.cos_sin(positions) if self.rotary is not None else (None, None)
         spine = self.spine
