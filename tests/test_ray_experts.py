@@ -198,8 +198,8 @@ def test_without_ray_installed_a_clear_error(monkeypatch):
 
 def test_worker_with_other_bits_refused(family_models, cluster):
     """A worker whose signature differs from the driver's (here: another model at the path it opens)
-    is refused at start, naming what differs."""
-    from sluice.cluster.errors import WorkerMismatchError
+    is refused at start, naming what differs; a worker budget too small for one expert says so."""
+    from sluice.cluster.errors import ClusterError, WorkerMismatchError
     from sluice.cluster.model import open_experts, signature
     from sluice.cluster.provider import RayExperts
 
@@ -207,3 +207,7 @@ def test_worker_with_other_bits_refused(family_models, cluster):
     with pytest.raises(WorkerMismatchError, match=r"model: driver '\w+', worker '\w+'"):
         RayExperts(str(family_models.hf("qwen3_next")), signature(mine.checkpoint), mine.moe_layers, mine.n_experts,
                    workers=1, worker_memory=None, worker_opts={"cache_experts": 4})
+    with pytest.raises(ClusterError, match=r"could not start: BudgetError: expert worker 0: --worker-memory 1\.00 MiB "
+                                           r".*raise --worker-memory"):
+        RayExperts(str(family_models.hf("mixtral")), signature(mine.checkpoint), mine.moe_layers, mine.n_experts,
+                   workers=1, worker_memory=1 << 20)

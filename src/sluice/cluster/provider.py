@@ -19,6 +19,7 @@ Ray restarts the actor (``max_restarts``); calls made while it restarts wait for
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -346,8 +347,13 @@ class RayExperts(ExpertInterface):
 
 
 def _cause(e: BaseException) -> str:
-    """The first line of what Ray reports, without its traceback."""
-    text = str(e).strip().splitlines()
+    """What Ray reports, without its traceback: the worker's own error line if it raised one (a
+    failed ``__init__``: "BudgetError: ..."), else the first line."""
+    text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    for line in reversed(text):
+        m = re.match(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception)): (.+)$", line)
+        if m:
+            return f"{m.group(1)}: {m.group(2)}"
     return text[0] if text else type(e).__name__
 
 
