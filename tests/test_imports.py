@@ -34,6 +34,8 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "experts": ("the expert interface: sources, layouts, cache and policies, readers, compute", ("experts",)),
     "models": ("one module per model family, and what families share (config checks, the int8 spine)",
                ("models",)),
+    "cluster": ("experts sharded over Ray actors: the driver's provider, the workers, placement, signatures",
+                ("cluster",)),
     "planner": ("memory budget -> spine residency, KV cache, buffers, expert cache", ("plan",)),
     "runtime": ("the engine's moving parts: generation, scheduler, model runner, stats, speculation, spine "
                 "streaming, tokenizer, chat templates, traces",
@@ -53,11 +55,12 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "layers": ("quant", "kernels", "base"),
     "experts": ("layers", "quant", "kernels", "storage", "base"),
     "models": ("experts", "layers", "quant", "kernels", "base"),
+    "cluster": ("models", "experts", "layers", "quant", "kernels", "storage", "base"),
     "planner": ("base",),
     "runtime": ("layers", "storage", "base"),
-    "api": ("runtime", "planner", "models", "experts", "layers", "quant", "kernels", "storage", "base"),
-    "tools": ("api", "runtime", "planner", "models", "experts", "layers", "quant", "kernels", "storage", "base"),
-    "faces": ("tools", "api", "runtime", "planner", "models", "experts", "layers", "quant", "kernels", "storage",
+    "api": ("runtime", "planner", "cluster", "models", "experts", "layers", "quant", "kernels", "storage", "base"),
+    "tools": ("api", "runtime", "planner", "cluster", "models", "experts", "layers", "quant", "kernels", "storage", "base"),
+    "faces": ("tools", "api", "runtime", "planner", "cluster", "models", "experts", "layers", "quant", "kernels", "storage",
               "base"),
 }
 
@@ -70,6 +73,7 @@ THIRD_PARTY_ONLY: dict[str, tuple[str, ...]] = {
     "starlette": ("server",),
     "uvicorn": ("server",),
     "pydantic": ("server",),
+    "ray": ("cluster",),  # the optional ray extra (docs/scale-out.md)
 }
 
 

@@ -59,6 +59,19 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     g.add_argument("--trace-routing", default=None, metavar="FILE",
                    help="write every decode token's expert routing, router weights and lookahead predictions to "
                         "FILE (JSONL, the format sluice trace-replay reads)")
+    ray = p.add_argument_group("experts on a Ray cluster (docs/scale-out.md; the ray extra)")
+    ray.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                     help="compute the experts on Ray actors: auto (RAY_ADDRESS, else a cluster running here, else "
+                          "a new local one, said so) or a cluster's HOST:PORT. --memory is then this process's "
+                          "budget (spine, KV, buffers; no expert cache). Run Ray on a private network only")
+    ray.add_argument("--expert-workers", type=int_arg(1, 4096), default=None, metavar="N",
+                     help="expert workers (Ray actors) to start (default: one per node)")
+    ray.add_argument("--worker-memory", type=_size, default=None, metavar="SIZE",
+                     help="each expert worker's memory budget, its expert cache included (default: a safe share "
+                          "of its machine's available memory)")
+    ray.add_argument("--replicate-hot", type=int_arg(0), default=0, metavar="N",
+                     help="per MoE layer, the N most-routed experts may also run on a second worker (load "
+                          "balance and failover; exact either way)")
     lossy = p.add_argument_group("lossy speed switches (outputs differ from the model's; off by default)")
     lossy.add_argument("--moe-top-k", type=int_arg(1), default=None, metavar="N",
                        help="LOSSY: route each token to only N experts (fewer than the model was trained with)")
@@ -84,7 +97,8 @@ def _engine_options(args) -> dict:
                 trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress,
                 ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
-                disk_cache_dir=args.disk_cache_dir)
+                disk_cache_dir=args.disk_cache_dir, ray=args.ray, expert_workers=args.expert_workers,
+                worker_memory=args.worker_memory, replicate_hot=args.replicate_hot)
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import threading
 import time
 import warnings
@@ -21,6 +22,9 @@ from . import generation, kernels, validate
 from .checkpoint import Checkpoint
 from .container import Container, is_container
 from .errors import CheckpointError, InvalidArgumentError, SluiceError
+from .cluster.connect import connect as connect_cluster
+from .cluster.model import signature as cluster_signature
+from .cluster.provider import RayExperts
 from .experts.cache import ExpertCache
 from .experts.policy import make_policy
 from .experts.provider import ExpertProvider
@@ -78,6 +82,11 @@ class Options:
     # their first real fill, so a family that derives tensors from streamed weights at build time
     # gives NaN logits (the rule in spine.py); costs the buffers' memory up front
     poison_stream_buffers: bool = False
+    # experts on a Ray cluster (docs/scale-out.md): "auto" or the cluster's address; None: this process
+    ray: str | None = None
+    expert_workers: int | None = None  # Ray expert workers (None: one per node of the cluster)
+    worker_memory: int | str | None = None  # each worker's budget (None: a safe share of its machine's memory)
+    replicate_hot: int = 0  # per MoE layer, the N most-routed experts may also run on a second worker
 
 
 def load(path: str | os.PathLike, memory: int | str | None = None, *, revision: str | None = None,
@@ -237,6 +246,8 @@ class ModelInfo:
                                        "positions")
         budget = parse_size(memory, "memory") if memory is not None else default_budget()
         chunk = max(1, min(options.prefill_chunk, max_ctx))
+        # with --ray the experts live on the workers: this process plans no expert cache
+        here = not options.ray
         ffn = max(self.desc.expert.intermediate, getattr(self.config, "intermediate_size", 0) or 0)
         glob, layers = self.spine_split()
         reads = self.layer_reads()
@@ -250,9 +261,9 @@ class ModelInfo:
             state_bytes=self.desc.state_bytes(max_ctx),
             activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx,
                                          score_block=SCORE_BLOCK_BYTES) + transfer,
-            slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set,
-            total_experts=self.desc.total_experts, top_k=self.desc.top_k, max_context=max_ctx,
-            prefill_chunk=chunk, cache_experts=options.cache_experts,
+            slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set if here else 0,
+            total_experts=self.desc.total_experts, top_k=self.desc.top_k if here else 0, max_context=max_ctx,
+            prefill_chunk=chunk, cache_experts=options.cache_experts if here else 0,
             max_resident_layers=options.max_resident_layers,
         )
 
@@ -274,10 +285,14 @@ class Engine:
         self.plan: Plan = info.plan(memory, options, baseline)
         self.spine: SpineStreamer | None = None
         spine = self._load_spine()
-        self.cache = ExpertCache(self.plan.cache_slots, self.experts_source.slot_bytes,
-                                 make_policy(options.cache_policy), huge_pages=options.huge_pages)
-        self.experts = ExpertProvider(self.experts_source, self.cache, self.desc.expert, self.desc.n_experts,
-                                      reader_threads=options.reader_threads, verify_reads=options.verify_reads)
+        if options.ray:
+            self.cache = None  # the driver holds no expert cache
+            self.experts = self._start_workers()
+        else:
+            self.cache = ExpertCache(self.plan.cache_slots, self.experts_source.slot_bytes,
+                                     make_policy(options.cache_policy), huge_pages=options.huge_pages)
+            self.experts = ExpertProvider(self.experts_source, self.cache, self.desc.expert, self.desc.n_experts,
+                                          reader_threads=options.reader_threads, verify_reads=options.verify_reads)
         if info.spine_format != "stored":
             warnings.warn(f"{info.path}: the spine is stored as {info.spine_format} (sluice convert --spine "
                           f"{info.spine_format}): lossy, outputs differ from the model's", stacklevel=3)
@@ -327,6 +342,30 @@ class Engine:
         bar.close()
         return quantized_spine.assemble(out, self.info.spine_quant, self.desc)
 
+    def _start_workers(self) -> RayExperts:
+        """Experts on a Ray cluster (``--ray``): connect, start the workers, check their signatures."""
+        o = self.options
+        if o.prefer_cached:
+            raise InvalidArgumentError("prefer_cached (--prefer-cached) needs the expert cache in this process; "
+                                       "it cannot be used with --ray")
+        if o.expert_workers is not None and (not isinstance(o.expert_workers, int) or o.expert_workers < 1):
+            raise InvalidArgumentError(f"expert_workers (--expert-workers) must be at least 1, got {o.expert_workers!r}")
+        validate.number(o.replicate_hot, "replicate_hot (--replicate-hot)", lo=0)
+        worker_memory = parse_size(o.worker_memory, "worker_memory") if o.worker_memory is not None else None
+        note = connect_cluster(o.ray)
+        location = self.path if isinstance(self.path, str) else os.fspath(self.path.resolve())
+        experts = RayExperts(
+            location, cluster_signature(self.checkpoint), self.desc.moe_layers, self.desc.n_experts,
+            workers=o.expert_workers, worker_memory=worker_memory, replicate_hot=int(o.replicate_hot),
+            worker_opts=dict(reader_threads=o.reader_threads, cache_policy=o.cache_policy,
+                             verify_reads=o.verify_reads, huge_pages=o.huge_pages, direct_io=o.direct_io,
+                             ca_bundle=o.ca_bundle, cache_experts=o.cache_experts,
+                             max_rows=self.plan.prefill_chunk * self.desc.top_k))
+        self.cluster_note = f"{note}: {experts.describe()}"
+        if o.progress:
+            print(self.cluster_note, file=sys.stderr)
+        return experts
+
     def close(self) -> None:
         self.scheduler.close()
         if self.trace is not None:
@@ -352,6 +391,9 @@ class Engine:
             raise InvalidArgumentError(f"moe_top_k (--moe-top-k) must be between 1 and the model's {self.desc.top_k}, "
                                        f"got {moe_top_k!r}")
         validate.number(prefer_cached, "prefer_cached (--prefer-cached)", lo=0.0)
+        if prefer_cached and self.options.ray:
+            raise InvalidArgumentError("prefer_cached (--prefer-cached) needs the expert cache in this process; "
+                                       "it cannot be used with --ray")
         if moe_top_k == self.desc.top_k:
             moe_top_k = None  # the model's own top-k: exact, nothing lossy
         for layer in self.model.layers:
@@ -385,7 +427,9 @@ class Engine:
     def _info(self) -> EngineInfo:
         """What every generation's stats report about this engine."""
         plan = self.plan
-        return EngineInfo(budget_bytes=plan.budget, cache_slots=plan.cache_slots, total_experts=plan.total_experts,
+        # with --ray: the workers' slots together (the driver itself holds none)
+        slots = getattr(self.experts, "pooled_slots", plan.cache_slots)
+        return EngineInfo(budget_bytes=plan.budget, cache_slots=slots, total_experts=plan.total_experts,
                           direct_io=self.experts_source.direct_io, load_s=self.load_s, lossy=dict(self.lossy),
                           spine_resident_bytes=plan.spine_bytes - plan.stream_buffer_bytes,
                           spine_streamed_layers=len(plan.streamed_layers))

@@ -13,6 +13,7 @@ import os
 import warnings
 
 from .errors import InvalidArgumentError, UnknownOptionError, shown
+from .units import parse_size
 
 # The smallest positive temperature (0 is greedy decoding): below it a sampled distribution is
 # one-hot up to rounding, and far below it logits / temperature overflow. The server uses it too.
@@ -173,7 +174,16 @@ _OPTION_CHECKS = {
     "moe_top_k": _opt_int(1),
     "prefer_cached": lambda v, n: number(v, n, lo=0.0),
     "poison_stream_buffers": _opt_bool(),
+    "ray": lambda v, n: _ray_address(v, n),
+    "expert_workers": _opt_int(1),
+    "worker_memory": lambda v, n: v is None or parse_size(v, n),
+    "replicate_hot": _opt_int(0, none=False),
 }
+
+
+def _ray_address(value, name: str) -> None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise InvalidArgumentError(f"{name} must be 'auto' or a Ray cluster address (HOST:PORT), got {shown(value)}")
 
 
 def model_path(path) -> None:

@@ -176,9 +176,10 @@ class Metrics:
                         last=dict(self.last), queue_waits=self.queue_wait_count)
 
     def render(self, queue_depth: int, running: int, capacity: int, batch=None, parallel: int = 1,
-               totals=None) -> str:
+               totals=None, workers: list[dict] | None = None) -> str:
         """The Prometheus text; ``batch``: the engine scheduler's ``SchedulerStats``, ``totals``: the
-        engine's ``EngineCounters`` since load (None: not known)."""
+        engine's ``EngineCounters`` since load (None: not known); ``workers``: per expert worker
+        counters (``--ray``), else none."""
         s = self.snapshot()
         t = s["totals"]
         out: list[str] = []
@@ -261,7 +262,21 @@ class Metrics:
                [({}, t["disk_tier_misses"])])
         metric("sluice_disk_tier_bytes_read_total", "counter", "Of the bytes read, bytes served by the disk tier.",
                [({}, t["disk_tier_bytes_read"])])
+        if workers:  # experts on Ray workers (docs/scale-out.md): one sample per worker
+            for key, kind, help_ in _WORKER_METRICS:
+                metric(f"sluice_expert_worker_{key}", kind, help_, [({"worker": w["index"]}, w[key]) for w in workers])
         return "\n".join(out) + "\n"
+
+
+_WORKER_METRICS = (
+    ("calls_total", "counter", "Calls (one per MoE layer it had experts in) answered by each Ray expert worker."),
+    ("experts_computed_total", "counter", "Expert outputs computed by each Ray expert worker."),
+    ("rows_computed_total", "counter", "Token rows computed by each Ray expert worker."),
+    ("lookups_total", "counter", "Decode-time expert lookups in each Ray expert worker's cache."),
+    ("hits_total", "counter", "Those lookups that did not wait on a read."),
+    ("bytes_read_total", "counter", "Expert bytes each Ray expert worker read from storage."),
+    ("lost_total", "counter", "Calls to each Ray expert worker that failed because the worker was lost."),
+)
 
 
 def _num(v) -> str:
