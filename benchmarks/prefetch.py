@@ -32,15 +32,18 @@ if str(_SRC) not in sys.path:
 import sluice  # noqa: E402
 from sluice.bench import drop_cache, raw_read_bandwidth  # noqa: E402
 from sluice.experts.policy import parse_policy_spec  # noqa: E402
+from sluice.storage import file as file_io  # noqa: E402
 
+READER_CAP = 0
 DEFAULT_ARMS = ["off:prefetch=false", "ahead1:depth=1", "ahead2:depth=2"]
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
     name, params = parse_policy_spec(text)  # NAME:KEY=VALUE,... (same syntax as cache policies)
-    unknown = set(params) - {"prefetch", "depth", "min_prob"}
+    unknown = set(params) - {"prefetch", "depth", "min_prob", "reader_cap", "piece_cap"}
     if unknown:
-        raise SystemExit(f"arm {text!r}: unknown setting(s) {sorted(unknown)} (prefetch, depth, min_prob)")
+        raise SystemExit(f"arm {text!r}: unknown setting(s) {sorted(unknown)} "
+                         "(prefetch, depth, min_prob, reader_cap, piece_cap)")
     return name, params
 
 
@@ -48,6 +51,9 @@ def run_arm(engine, ids: list[int], tokens: int, params: dict, read_seconds: flo
     engine.options.prefetch = bool(params.get("prefetch", True))
     engine.lookahead_depth = int(params.get("depth", type(engine).lookahead_depth))
     engine.prefetch_min_prob = float(params.get("min_prob", type(engine).prefetch_min_prob))
+    # how many reader / piece threads may run prefetches at once (0: no limit)
+    engine.experts.pool.low_cap = int(params.get("reader_cap", READER_CAP)) or None
+    file_io._pieces().low_cap = int(params.get("piece_cap", file_io.PIECE_LOW_CAP)) or None
     drop_cache(engine)
     before = raw_read_bandwidth(engine, read_seconds, seed=seed)["bytes_per_s"]
     drop_cache(engine)
@@ -98,6 +104,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     arms = [parse_arm(a) for a in (args.arm or DEFAULT_ARMS)]
     engine = sluice.load(args.model, memory=args.memory, max_context=args.max_context, progress=False)
+    global READER_CAP
+    READER_CAP = engine.experts.pool.low_cap or 0
     ids = [(i * 7919) % (engine.desc.vocab - 3) + 3 for i in range(args.prompt_tokens)]
     first = engine.generate(ids, max_new_tokens=1, ignore_eos=True, speculate=False).token_ids
     ids = ids + first

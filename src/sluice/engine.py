@@ -327,9 +327,7 @@ class Engine:
                 return  # its router is still being read
             got = self.model.predict_weights(target, h)
             if got is None:
-                if distance == 1:
-                    return
-                continue
+                continue  # a dense layer (or past the last one)
             ids, probs = got
             if distance == 1 and traced is not None:
                 traced[target] = ids

@@ -19,8 +19,13 @@ __all__ = ["DEMAND", "PREFETCH", "ReaderPool", "Ticket"]
 
 
 class ReaderPool(PriorityPool):
-    def __init__(self, threads: int, name: str = "sluice-read"):
-        super().__init__(threads, name)
+    """``threads`` reader threads, at most half of them (at least one) on prefetches at once: a
+    prefetch holds its thread until all its pieces are read, and the layer that waits now must
+    find a thread for its demand reads."""
+
+    def __init__(self, threads: int, name: str = "sluice-read", low_cap: int | None = None):
+        threads = max(1, threads)
+        super().__init__(threads, name, low_cap=low_cap if low_cap is not None else max(1, threads // 2))
 
     def submit(self, fn, *args, priority: int = DEMAND, ticket: Ticket | None = None) -> Future:
         """Run ``fn(*args)`` on a reader thread; ``ticket`` (default: a new one at ``priority``)

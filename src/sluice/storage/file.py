@@ -26,6 +26,7 @@ READ_BYTES = 8 << 20
 # decode, 3 runs each: 0.41 tok/s unsplit, 0.47 with 4 threads, 0.50 with 8 (docs/optimizations.md).
 PIECE_BYTES = 4 << 20
 PIECE_THREADS = 8
+PIECE_LOW_CAP = 4  # at most this many piece threads on speculative (prefetch) pieces at once
 _piece_pool = None
 _piece_pool_lock = threading.Lock()
 
@@ -36,7 +37,7 @@ def _pieces() -> PriorityPool:
     if _piece_pool is None:
         with _piece_pool_lock:
             if _piece_pool is None:
-                _piece_pool = PriorityPool(PIECE_THREADS, "sluice-piece")
+                _piece_pool = PriorityPool(PIECE_THREADS, "sluice-piece", low_cap=PIECE_LOW_CAP)
     return _piece_pool
 
 

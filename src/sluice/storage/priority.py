@@ -13,6 +13,8 @@ local read split into pieces (``file.py``) queues its pieces with the same ticke
 
 ``PriorityPool`` runs queued tasks lowest ``(ticket.priority, submission order)`` first,
 looking the priority up when a thread takes the next task (queues are a few dozen tasks).
+``low_cap`` bounds how many of its threads may run speculative tasks at once, so that a
+demand read arriving while guesses are in flight shares the disk with fewer of them.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ class PriorityPool:
     oldest); a task whose ticket is cancelled before it starts is dropped (its future
     cancelled). Each task runs with its ticket as the thread's ``current()``."""
 
-    def __init__(self, threads: int, name: str):
+    def __init__(self, threads: int, name: str, low_cap: int | None = None):
+        self.low_cap = low_cap  # most threads running tasks above DEMAND priority at once (None: all)
+        self._running_low = 0
         self._tasks: dict[int, tuple] = {}  # seq -> (ticket, future, fn, args)
         self._cv = threading.Condition()
         self._seq = itertools.count()
@@ -82,32 +86,51 @@ class PriorityPool:
             self._cv.notify()
         return fut
 
+    @staticmethod
+    def _priority(task) -> int:
+        return task[0].priority if task[0] is not None else DEMAND
+
     def _take(self):
         with self._cv:
-            while not self._tasks and not self._closed:
-                self._cv.wait()
-            if not self._tasks:
-                return None
-            seq = min(self._tasks, key=lambda s: (self._tasks[s][0].priority if self._tasks[s][0] else DEMAND, s))
-            return self._tasks.pop(seq)
+            while True:
+                if not self._tasks:
+                    if self._closed:
+                        return None
+                    self._cv.wait()
+                    continue
+                seq = min(self._tasks, key=lambda s: (self._priority(self._tasks[s]), s))
+                low = self._priority(self._tasks[seq]) > DEMAND
+                if low and self.low_cap is not None and self._running_low >= self.low_cap:
+                    # a queued guess may be raised to demand meanwhile: look again soon
+                    self._cv.wait(0.002)
+                    continue
+                if low:
+                    self._running_low += 1
+                return self._tasks.pop(seq), low
 
     def _work(self) -> None:
         while True:
-            task = self._take()
-            if task is None:
+            got = self._take()
+            if got is None:
                 return
-            ticket, fut, fn, args = task
-            if ticket is not None and ticket.cancelled:
-                fut.cancel()
-            if not fut.set_running_or_notify_cancel():
-                continue  # cancelled while queued
+            (ticket, fut, fn, args), low = got
             try:
-                with carrying(ticket):
-                    result = fn(*args)
-            except BaseException as e:  # delivered to whoever waits on the future
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
+                if ticket is not None and ticket.cancelled:
+                    fut.cancel()
+                if not fut.set_running_or_notify_cancel():
+                    continue  # cancelled while queued
+                try:
+                    with carrying(ticket):
+                        result = fn(*args)
+                except BaseException as e:  # delivered to whoever waits on the future
+                    fut.set_exception(e)
+                else:
+                    fut.set_result(result)
+            finally:
+                if low:
+                    with self._cv:
+                        self._running_low -= 1
+                        self._cv.notify()
 
     def shutdown(self) -> None:
         """Cancel what has not started, let running tasks finish, stop the threads."""
