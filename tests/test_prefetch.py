@@ -47,7 +47,7 @@ def test_pool_runs_lowest_priority_first_and_sees_raises():
     fb = pool.submit(order.append, "near", ticket=b)
     fc = pool.submit(order.append, "raised", ticket=c)
     fd = pool.submit(order.append, "demand", ticket=Ticket(DEMAND))
-    c.priority = DEMAND  # raised while queued: as urgent as a demand read, and older than it
+    c.raise_to(DEMAND)  # raised while queued: as urgent as a demand read, and older than it
     gate.set()
     for f in (fa, fb, fc, fd):
         f.result(10)
@@ -77,9 +77,12 @@ def test_pool_low_cap_keeps_threads_for_demand():
     g1 = pool.submit(lambda: (running.set(), release.wait(10)), ticket=Ticket(PREFETCH))
     assert running.wait(10)
     g2 = pool.submit(lambda: "g2", ticket=Ticket(PREFETCH))
+    g3 = pool.submit(lambda: "g3", ticket=(t3 := Ticket(PREFETCH)))
     d = pool.submit(lambda: "d", ticket=Ticket(DEMAND))
     assert d.result(10) == "d"
-    assert not g2.done()  # the one guess thread is busy; g2 still queued
+    assert not g2.done() and not g3.done()  # the one guess thread is busy; both still queued
+    t3.raise_to(DEMAND)  # the layer needs g3 now: it runs on the free thread
+    assert g3.result(10) == "g3" and not g2.done()
     release.set()
     assert g2.result(10) == "g2" and g1.result(10)
     pool.shutdown()
@@ -232,3 +235,23 @@ def test_multi_row_lookahead_prefetches_and_is_exact(model_dir):
     assert on.experts.counters.prefetch_reads == before
     off.close()
     on.close()
+
+
+def test_lookahead_runs_after_the_layers_demand_reads():
+    """The engine defers its guesses into the layer's MoE call, after that layer's demand
+    reads are submitted; a deferral for another layer is dropped."""
+    p, pool = _provider()
+    order = []
+    real = pool.submit
+
+    def submit(fn, *args, priority=DEMAND, ticket=None):
+        order.append((args[1], args[2], ticket.priority))
+        return real(fn, *args, priority=priority, ticket=ticket)
+
+    pool.submit = submit
+    p.after_reads(0, lambda: p.prefetch(1, [4]))
+    p.moe(0, torch.zeros(1, 1), torch.tensor([[2, 3]]), torch.ones(1, 2))
+    assert order == [(0, 2, DEMAND), (0, 3, DEMAND), (1, 4, PREFETCH)]
+    p.after_reads(5, lambda: p.prefetch(6, [1]))
+    p.moe(2, torch.zeros(1, 1), torch.tensor([[9]]), torch.ones(1, 1))  # not layer 5: dropped
+    assert (6, 1) not in p.cache and p._deferred is None

@@ -321,6 +321,13 @@ class Engine:
         prefetch = self.options.prefetch and h.shape[0] <= self.lookahead_max_rows
         if traced is None and not prefetch:
             return
+        if isinstance(self.model.layers[layer].mlp, MoEBlock):
+            # guess once this layer's own demand reads are issued (inside its MoE call)
+            self.experts.after_reads(layer, lambda: self._predict_ahead(layer, h, prefetch, traced))
+        else:
+            self._predict_ahead(layer, h, prefetch, traced)
+
+    def _predict_ahead(self, layer: int, h: torch.Tensor, prefetch: bool, traced) -> None:
         for distance in range(1, (self.lookahead_depth if prefetch else 1) + 1):
             target = layer + distance
             if self.spine is not None and not self.spine.ready(target):

@@ -64,6 +64,7 @@ class ExpertProvider:
         self._predictions: dict[int, list[int]] = {}  # layer -> experts predicted one layer ahead
         self._far: dict[int, list[int]] = {}  # layer -> experts predicted two layers ahead
         self._issued: dict[int, set[int]] = {}  # layer -> experts speculatively read for it
+        self._deferred: tuple[int, object] | None = None  # (layer, fn): see ``after_reads``
         # when set (tracing): layer -> (ids [T, K], weights [T, K]) of the last forward, and
         # layer -> ids [T, K] the engine's lookahead predicted for it in that forward
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -145,12 +146,23 @@ class ExpertProvider:
             key = (layer, e)
             slot = self.cache.lookup(key)
             if slot is not None:
-                if slot.ticket is not None and slot.speculative and slot.ticket.priority > priority:
-                    slot.ticket.priority = priority  # a nearer prediction of a read already queued
+                if slot.ticket is not None and slot.speculative:
+                    slot.ticket.raise_to(priority)  # a nearer prediction of a read already queued
                 continue
             if self._start_read(key, speculative=True, priority=priority) is None:
                 break
             issued.add(e)
+
+    def after_reads(self, layer: int, fn) -> None:
+        """Run ``fn()`` inside ``moe(layer, ...)`` once that layer's demand reads are issued (the
+        engine's lookahead: guessing later layers must not delay the reads this layer waits
+        on). Dropped if the next ``moe`` call is for another layer."""
+        self._deferred = (layer, fn)
+
+    def _run_deferred(self, layer: int) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None and deferred[0] == layer:
+            deferred[1]()
 
     def _check_predictions(self, layer: int, used: set[int]) -> None:
         predicted = self._predictions.pop(layer, None)
@@ -220,6 +232,8 @@ class ExpertProvider:
                 g[0].append(r)
                 g[1].append(c)
             experts = sorted(groups)
+        if self._deferred is not None and self._deferred[0] != layer:
+            self._deferred = None  # a lookahead left over from a forward that did not reach it
         self._check_predictions(layer, set(experts))
         self.cache.policy.begin_layer(layer)
         out_of_order = t * x.shape[1] * 4 * len(experts) <= _OUT_OF_ORDER_BYTES
@@ -245,7 +259,7 @@ class ExpertProvider:
                     slot.speculative = False
                     c.prefetch_used += 1
                 if slot.ticket is not None:
-                    slot.ticket.priority = DEMAND  # a prefetch still being read: now the layer waits on it
+                    slot.ticket.raise_to(DEMAND)  # a prefetch still being read: now the layer waits on it
                 slot.pins += 1
                 slots[e] = slot
                 self.cache.policy.access(key)
@@ -263,6 +277,8 @@ class ExpertProvider:
                         break
                     slot.pins += 1
                     slots[missing.pop(0)] = slot
+                if self._deferred is not None:
+                    self._run_deferred(layer)  # the lookahead, now that this layer's reads are on their way
                 pick = self._pick(experts, next_fold, slots, done, out_of_order)
                 if pick is None:
                     self._wait(experts, next_fold, slots, done, out_of_order, missing)

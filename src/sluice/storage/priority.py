@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from concurrent.futures import Future
 from contextlib import contextmanager
 
@@ -41,8 +42,16 @@ class Ticket:
     def __repr__(self) -> str:
         return f"Ticket(priority={self.priority}, cancelled={self.cancelled})"
 
+    def raise_to(self, priority: int) -> None:
+        """Make the read (and its queued pieces) at least this urgent."""
+        if priority < self.priority:
+            self.priority = priority
+            for pool in list(_pools):
+                pool.poke()
+
 
 _local = threading.local()
+_pools: weakref.WeakSet = weakref.WeakSet()  # every PriorityPool: a raised ticket wakes them
 
 
 def current() -> Ticket | None:
@@ -76,6 +85,12 @@ class PriorityPool:
                          for i in range(max(1, threads))]
         for t in self._threads:
             t.start()
+        _pools.add(self)
+
+    def poke(self) -> None:
+        """Look at the queue again (a queued task's priority was raised)."""
+        with self._cv:
+            self._cv.notify_all()
 
     def submit(self, fn, *args, ticket: Ticket | None = None) -> Future:
         fut: Future = Future()
@@ -101,8 +116,7 @@ class PriorityPool:
                 seq = min(self._tasks, key=lambda s: (self._priority(self._tasks[s]), s))
                 low = self._priority(self._tasks[seq]) > DEMAND
                 if low and self.low_cap is not None and self._running_low >= self.low_cap:
-                    # a queued guess may be raised to demand meanwhile: look again soon
-                    self._cv.wait(0.002)
+                    self._cv.wait()  # until a guess finishes, a task comes, or a ticket is raised
                     continue
                 if low:
                     self._running_low += 1
