@@ -35,15 +35,15 @@ from sluice.experts.policy import parse_policy_spec  # noqa: E402
 from sluice.storage import file as file_io  # noqa: E402
 
 READER_CAP = 0
-DEFAULT_ARMS = ["off:prefetch=false", "ahead1:depth=1", "ahead2:depth=2"]
+DEFAULT_ARMS = ["off:prefetch=false", "ahead1:depth=1", "ahead2:depth=2", "ahead1p10:depth=1,min_prob=0.1"]
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
     name, params = parse_policy_spec(text)  # NAME:KEY=VALUE,... (same syntax as cache policies)
-    unknown = set(params) - {"prefetch", "depth", "min_prob", "reader_cap", "piece_cap"}
+    unknown = set(params) - {"prefetch", "depth", "min_prob", "reader_cap", "piece_cap", "spec_hot"}
     if unknown:
         raise SystemExit(f"arm {text!r}: unknown setting(s) {sorted(unknown)} "
-                         "(prefetch, depth, min_prob, reader_cap, piece_cap)")
+                         "(prefetch, depth, min_prob, reader_cap, piece_cap, spec_hot)")
     return name, params
 
 
@@ -54,6 +54,10 @@ def run_arm(engine, ids: list[int], tokens: int, params: dict, read_seconds: flo
     # how many reader / piece threads may run prefetches at once (0: no limit)
     engine.experts.pool.low_cap = int(params.get("reader_cap", READER_CAP)) or None
     file_io._pieces().low_cap = int(params.get("piece_cap", file_io.PIECE_LOW_CAP)) or None
+    # lfru: a guess may evict a stale key only below this hotness
+    policy = engine.cache.policy
+    if hasattr(policy, "speculative_max_hotness"):
+        policy.speculative_max_hotness = float(params.get("spec_hot", type(policy).speculative_max_hotness))
     drop_cache(engine)
     before = raw_read_bandwidth(engine, read_seconds, seed=seed)["bytes_per_s"]
     drop_cache(engine)

@@ -305,7 +305,7 @@ class Engine:
             warnings.warn(f"lossy routing enabled ({self.lossy}): outputs differ from the model's", stacklevel=2)
 
     # Lookahead prefetch (measured in docs/io.md): predict this many layers ahead (1 or 2) ...
-    lookahead_depth = 2
+    lookahead_depth = 1
     # ... read a guess only if some row gives it at least this router probability ...
     prefetch_min_prob = 0.0
     # ... and predict for forwards of at most this many rows (decode, a batch of sequences'
