@@ -4,7 +4,7 @@ cache's abandoned slots, ranking guesses over several rows, and exactness with i
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 
 import pytest
 import torch
@@ -77,12 +77,17 @@ def test_pool_low_cap_keeps_threads_for_demand():
     g1 = pool.submit(lambda: (running.set(), release.wait(10)), ticket=Ticket(PREFETCH))
     assert running.wait(10)
     g2 = pool.submit(lambda: "g2", ticket=Ticket(PREFETCH))
+    g4 = pool.submit(lambda: "g4", ticket=(t4 := Ticket(PREFETCH)))
     g3 = pool.submit(lambda: "g3", ticket=(t3 := Ticket(PREFETCH)))
     d = pool.submit(lambda: "d", ticket=Ticket(DEMAND))
     assert d.result(10) == "d"
     assert not g2.done() and not g3.done()  # the one guess thread is busy; both still queued
     t3.raise_to(DEMAND)  # the layer needs g3 now: it runs on the free thread
     assert g3.result(10) == "g3" and not g2.done()
+    t4.cancel()  # a wrong guess queued behind the cap: dropped without waiting for it
+    with pytest.raises(CancelledError):
+        g4.result(10)
+    assert not g2.done()
     release.set()
     assert g2.result(10) == "g2" and g1.result(10)
     pool.shutdown()

@@ -182,7 +182,7 @@ class ExpertProvider:
             if slot is None or not slot.speculative or slot.state != LOADING:
                 continue
             if slot.ticket is not None:
-                slot.ticket.cancelled = True
+                slot.ticket.cancel()
             if slot.future.cancel():
                 self.cache.discard(slot)
                 self.counters.prefetch_cancelled += 1

@@ -42,6 +42,13 @@ class Ticket:
     def __repr__(self) -> str:
         return f"Ticket(priority={self.priority}, cancelled={self.cancelled})"
 
+    def cancel(self) -> None:
+        """Stop the read: its queued tasks and pieces are dropped, running pieces finish."""
+        if not self.cancelled:
+            self.cancelled = True
+            for pool in list(_pools):
+                pool.poke()
+
     def raise_to(self, priority: int) -> None:
         """Make the read (and its queued pieces) at least this urgent."""
         if priority < self.priority:
@@ -112,6 +119,10 @@ class PriorityPool:
                     if self._closed:
                         return None
                     self._cv.wait()
+                    continue
+                for dead in [q for q, t in self._tasks.items() if t[0] is not None and t[0].cancelled]:
+                    self._tasks.pop(dead)[1].cancel()  # dropped at once, cap or not
+                if not self._tasks:
                     continue
                 seq = min(self._tasks, key=lambda s: (self._priority(self._tasks[s]), s))
                 low = self._priority(self._tasks[seq]) > DEMAND
