@@ -198,7 +198,6 @@ AVX2 static void dense_tiled_avx2(const dense_args *a, int n0, int n1) {
  * lanes 8-15 are b0: the same fma chain per lane), and the final hsum8(low + high) is
  * dense_rows_avx2's hsum8(a0 + b0). 32 registers fit a tile of 4 rows x 6 tokens.
  */
-#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
 AVX512 static inline __m512 load16z(const void *w, size_t idx, int wtype) {
     if (wtype == WT_BF16) {
@@ -211,24 +210,21 @@ AVX512 static inline __m512 load16z(const void *w, size_t idx, int wtype) {
 }
 
 __attribute__((always_inline)) AVX512 static inline void dense_tile512(const dense_args *a, int n, int nr, int t0,
-                                                                       const int NT) {
+                                                                       const int NT, const int NR) {
     const int K = a->K, wt = a->wtype;
     const int K16 = K & ~15;
     __m512 acc[4][6];
-    for (int r = 0; r < 4; r++)
-        for (int t = 0; t < 6; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int r = 0; r < NR; r++)
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
     size_t wr[4];
-    for (int r = 0; r < 4; r++) wr[r] = (size_t)(n + (r < nr ? r : 0)) * K;
+    for (int r = 0; r < NR; r++) wr[r] = (size_t)(n + (r < nr ? r : 0)) * K;
     const float *x0 = a->x + (size_t)t0 * K;
     for (int k = 0; k < K16; k += 16) {
-        const __m512 w0 = load16z(a->w, wr[0] + k, wt), w1 = load16z(a->w, wr[1] + k, wt);
-        const __m512 w2 = load16z(a->w, wr[2] + k, wt), w3 = load16z(a->w, wr[3] + k, wt);
+        __m512 wv[4];
+        for (int r = 0; r < NR; r++) wv[r] = load16z(a->w, wr[r] + k, wt);
         for (int t = 0; t < NT; t++) {
             const __m512 xv = _mm512_loadu_ps(x0 + (size_t)t * K + k);
-            acc[0][t] = _mm512_fmadd_ps(w0, xv, acc[0][t]);
-            acc[1][t] = _mm512_fmadd_ps(w1, xv, acc[1][t]);
-            acc[2][t] = _mm512_fmadd_ps(w2, xv, acc[2][t]);
-            acc[3][t] = _mm512_fmadd_ps(w3, xv, acc[3][t]);
+            for (int r = 0; r < NR; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
         }
     }
     for (int r = 0; r < nr; r++)
@@ -245,7 +241,7 @@ __attribute__((always_inline)) AVX512 static inline void dense_tile512(const den
 AVX512 static void dense_tiled_avx512(const dense_args *a, int n0, int n1) {
     const int T = a->T;
     int t0 = 0;
-#define SK_TILE_ROWS(NT_) for (int n = n0; n < n1; n += 4) dense_tile512(a, n, n1 - n < 4 ? n1 - n : 4, t0, NT_)
+#define SK_TILE_ROWS(NT_) for (int n = n0; n < n1; n += 4) dense_tile512(a, n, n1 - n < 4 ? n1 - n : 4, t0, NT_, 4)
     for (; t0 + 6 <= T; t0 += 6) SK_TILE_ROWS(6);
     switch (T - t0) {
     case 5: SK_TILE_ROWS(5); break;
@@ -258,26 +254,46 @@ AVX512 static void dense_tiled_avx512(const dense_args *a, int n0, int n1) {
 #undef SK_TILE_ROWS
 }
 
-static int g_have_avx512 = -1;
-static int g_allow_avx512 = 1;
+/* ISA levels (sk.h): what the CPU has, capped by SLUICE_KERNELS_NO_AVX512=1 (AVX2 at most) and by
+ * sk_set_isa_cap (tests and benchmarks). Every level computes the same bits as SK_ISA_AVX2. */
+static int g_isa_host = -1;
+static int g_isa_cap = SK_ISA_VNNI512;
 
-static int sk_avx512(void) {
-    if (g_have_avx512 < 0) {
+static int isa_host(void) {
+    if (g_isa_host < 0) {
         __builtin_cpu_init();
+        int level = sk_avx2() ? SK_ISA_AVX2 : SK_ISA_PORTABLE;
         const char *off = getenv("SLUICE_KERNELS_NO_AVX512");
-        g_have_avx512 = __builtin_cpu_supports("avx512f") && !(off && off[0] == '1');
+        if (level == SK_ISA_AVX2 && __builtin_cpu_supports("avx512f") && !(off && off[0] == '1')) {
+            level = SK_ISA_AVX512;
+            if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                __builtin_cpu_supports("avx512vnni"))
+                level = SK_ISA_VNNI512;
+        }
+        g_isa_host = level;
     }
-    return g_have_avx512 && g_allow_avx512;
+    return g_isa_host;
 }
 
-/* Tests and benchmarks: 0 keeps the tiled kernel on AVX2 (same bits), 1 allows AVX-512 (default), -1 asks;
- * returns whether the CPU has AVX-512F (and SLUICE_KERNELS_NO_AVX512 is not 1). */
+int sk_isa(void) {
+    int h = isa_host();
+    return h < g_isa_cap ? h : g_isa_cap;
+}
+
+/* Cap the level the kernels use (cap < 0: only ask); returns the host's level. */
+EXPORT int sk_set_isa_cap(int cap) {
+    if (cap >= 0) g_isa_cap = cap;
+    return isa_host();
+}
+
+static int sk_avx512(void) { return sk_isa() >= SK_ISA_AVX512; }
+
+/* Tests and benchmarks (older interface): 0 caps the kernels at AVX2 (same bits), 1 allows every level
+ * the CPU has (default), -1 asks; returns whether the CPU has AVX-512F (and SLUICE_KERNELS_NO_AVX512 is
+ * not 1). */
 EXPORT int sk_allow_avx512(int on) { /* on < 0: only ask */
-    int keep = g_allow_avx512;
-    g_allow_avx512 = 1;
-    int have = sk_avx512();
-    g_allow_avx512 = on < 0 ? keep : on ? 1 : 0;
-    return have;
+    if (on >= 0) g_isa_cap = on ? SK_ISA_VNNI512 : SK_ISA_AVX2;
+    return isa_host() >= SK_ISA_AVX512;
 }
 
 static int g_have_avx2 = -1;
@@ -296,7 +312,7 @@ int sk_avx2(void) {
 
 /* ------------------------------------------------------------------ scratch ------- */
 
-#define SCRATCH_SLOTS 5
+#define SCRATCH_SLOTS 6
 static _Thread_local struct { void *p; size_t n; } scratch[SCRATCH_SLOTS];
 
 void *sk_scratch(int which, size_t bytes) {
@@ -468,7 +484,7 @@ int sk_chunk_rows(size_t row_bytes, int nrows) {
 static void dense_task(void *ctx, int n0, int n1) {
     const dense_args *a = (const dense_args *)ctx;
     if (sk_avx2()) {
-        if (a->T > 1 && sk_avx512()) dense_tiled_avx512(a, n0, n1);
+        if (sk_avx512()) dense_tiled_avx512(a, n0, n1);
         else if (a->T > 1) dense_tiled_avx2(a, n0, n1);
         else dense_rows_avx2(a, n0, n1);
     } else dense_rows_c(a, n0, n1);

@@ -39,6 +39,7 @@ typedef struct {
     const float *x;           /* [T, K] natural order */
     const float *xp;          /* [T, K] permuted (nibble formats, ACT_F32) */
     const int8_t *xq;         /* [T, K] int8 (permuted for nibble formats) */
+    const int8_t *xq4;        /* [T, K] xq in LAYOUT_QUAD (nibble formats, ACT_Q8, AVX-512 VNNI) */
     const float *xd;          /* [T, G] activation block scales */
     const float *xs;          /* [T, G] xd * sum of the block's int8 values */
     const uint8_t *w;         /* int8 weights / nibble blocks / rvq codes */
@@ -323,12 +324,43 @@ AVX2 INLINE __m256 nib_pair_q8(const uint8_t *b, const int8_t *xq, const int MX)
  * 0.5-0.8 (2 KiB and 8 KiB a little less, 16 KiB worse; no gain for int8 or dense). */
 #define NIB_PREFETCH 4096
 
+/* The groups after the last whole step of 8 (g0 .. G) and the final sums: shared by the AVX2 and
+ * AVX-512 kernels, so that both compile it alike and every output keeps one summation order. */
+AVX2 INLINE float nib_finish(const uint8_t *b, const void *scales, int G, int g0, const float *xp, const int8_t *xq,
+                             const float *xd, const float *xs, __m256 a0, __m256 a1, __m256 corr, const int MX,
+                             const int Q8) {
+    const uint8_t *se = (const uint8_t *)scales;
+    const uint16_t *sh = (const uint16_t *)scales;
+    float corr_tail = 0.0f;
+    for (int g = g0; g < G; g++) {
+        float v = MX ? e8m0_half(se[g]) : _cvtsh_ss(sh[g]);
+        if (Q8) {
+            corr_tail += v * xs[g];
+            v *= xd[g];
+            if (g + 1 < G) { /* a pair */
+                float v1 = MX ? e8m0_half(se[g + 1]) : _cvtsh_ss(sh[g + 1]);
+                corr_tail += v1 * xs[g + 1];
+                v1 *= xd[g + 1];
+                __m256 sv = _mm256_set_m128(_mm_set1_ps(v1), _mm_set1_ps(v));
+                a0 = _mm256_fmadd_ps(nib_pair_q8(b + (size_t)g * 16, xq + g * 32, MX), sv, a0);
+                g++;
+                continue;
+            }
+        }
+        __m256 p = nib_block(b + (size_t)g * 16, xp + g * 32, xq + g * 32, MX, Q8);
+        if ((g - g0) & 1) a1 = _mm256_fmadd_ps(p, _mm256_set1_ps(v), a1);
+        else a0 = _mm256_fmadd_ps(p, _mm256_set1_ps(v), a0);
+    }
+    float s = sk_hsum8(_mm256_add_ps(a0, a1));
+    if (Q8) s -= (MX ? 12.0f : 8.0f) * (sk_hsum8(corr) + corr_tail);
+    return s;
+}
+
 AVX2 INLINE float nib_dot(const uint8_t *b, const void *scales, int G, const float *xp, const int8_t *xq,
                           const float *xd, const float *xs, const int MX, const int Q8) {
     const uint8_t *se = (const uint8_t *)scales;
     const uint16_t *sh = (const uint16_t *)scales;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), corr = _mm256_setzero_ps();
-    float corr_tail = 0.0f;
     int g0 = 0;
     for (; g0 + 8 <= G; g0 += 8) {
         _mm_prefetch((const char *)(b + (size_t)g0 * 16 + NIB_PREFETCH), _MM_HINT_T0);
@@ -358,29 +390,111 @@ AVX2 INLINE float nib_dot(const uint8_t *b, const void *scales, int G, const flo
             a1 = _mm256_fmadd_ps(p1, _mm256_broadcast_ss(sc + i + 1), a1);
         }
     }
-    for (int g = g0; g < G; g++) {
-        float v = MX ? e8m0_half(se[g]) : _cvtsh_ss(sh[g]);
-        if (Q8) {
-            corr_tail += v * xs[g];
-            v *= xd[g];
-            if (g + 1 < G) { /* a pair */
-                float v1 = MX ? e8m0_half(se[g + 1]) : _cvtsh_ss(sh[g + 1]);
-                corr_tail += v1 * xs[g + 1];
-                v1 *= xd[g + 1];
-                __m256 sv = _mm256_set_m128(_mm_set1_ps(v1), _mm_set1_ps(v));
-                a0 = _mm256_fmadd_ps(nib_pair_q8(b + (size_t)g * 16, xq + g * 32, MX), sv, a0);
-                g++;
-                continue;
-            }
-        }
-        __m256 p = nib_block(b + (size_t)g * 16, xp + g * 32, xq + g * 32, MX, Q8);
-        if ((g - g0) & 1) a1 = _mm256_fmadd_ps(p, _mm256_set1_ps(v), a1);
-        else a0 = _mm256_fmadd_ps(p, _mm256_set1_ps(v), a0);
-    }
-    float s = sk_hsum8(_mm256_add_ps(a0, a1));
-    if (Q8) s -= (MX ? 12.0f : 8.0f) * (sk_hsum8(corr) + corr_tail);
-    return s;
+    return nib_finish(b, scales, G, g0, xp, xq, xd, xs, a0, a1, corr, MX, Q8);
 }
+
+/*
+ * AVX-512 VNNI form of nib_dot's ACT_Q8 path, for up to 4 tokens per pass over a row (the
+ * nibbles are unpacked once for all of them). One zmm accumulator per token holds nib_dot's a0
+ * (lanes 0-7) and a1 (lanes 8-15): each step of 8 groups multiplies [pair g0 | pair g0+2], then
+ * [pair g0+4 | pair g0+6], into it with the same scales in the same order as nib_dot's four
+ * fmas. vpdpbusd gives exactly nib_pair_q8's int32 sums (integer arithmetic, no saturation at
+ * these magnitudes), so every output has nib_dot's bits. The activations come in LAYOUT_QUAD:
+ * LAYOUT_PAIR with the 32-byte chunks of every 4 blocks in whole steps reordered (0, 2, 1, 3),
+ * so that one 64-byte load holds the low-nibble activations of two pairs and the next the high.
+ */
+#define NIB_TOKENS 4
+
+AVX512VNNI INLINE void nib_dot512(const uint8_t *b, const void *scales, int G, const int8_t *const *xq4,
+                                  const int8_t *const *xq, const float *const *xd, const float *const *xs,
+                                  float *out, const int NT, const int MX) {
+    const uint8_t *se = (const uint8_t *)scales;
+    const uint16_t *sh = (const uint16_t *)scales;
+    const __m512i lut_u = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    const __m512i m = _mm512_set1_epi8(15);
+    const __m512i i0123 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i i4567 = _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+    __m512 acc[NIB_TOKENS];
+    __m256 corr[NIB_TOKENS];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps(), corr[t] = _mm256_setzero_ps();
+    int g0 = 0;
+    for (; g0 + 8 <= G; g0 += 8) {
+        _mm_prefetch((const char *)(b + (size_t)g0 * 16 + NIB_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b + (size_t)g0 * 16 + NIB_PREFETCH + 64), _MM_HINT_T0);
+        if ((g0 & 31) == 0) _mm_prefetch((const char *)scales + (size_t)g0 * (MX ? 1 : 2) + NIB_PREFETCH / 8, _MM_HINT_T0);
+        const __m256 v = MX ? e8m0_half8(se + g0) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sh + g0)));
+        const uint8_t *bg = b + (size_t)g0 * 16;
+        const __m512i r0 = _mm512_loadu_si512((const void *)bg), r1 = _mm512_loadu_si512((const void *)(bg + 64));
+        __m512i lo0 = _mm512_and_si512(r0, m), hi0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), m);
+        __m512i lo1 = _mm512_and_si512(r1, m), hi1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), m);
+        if (MX) {
+            lo0 = _mm512_shuffle_epi8(lut_u, lo0), hi0 = _mm512_shuffle_epi8(lut_u, hi0);
+            lo1 = _mm512_shuffle_epi8(lut_u, lo1), hi1 = _mm512_shuffle_epi8(lut_u, hi1);
+        }
+        for (int t = 0; t < NT; t++) {
+            corr[t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs[t] + g0), corr[t]);
+            const __m512 vt = _mm512_castps256_ps512(_mm256_mul_ps(v, _mm256_loadu_ps(xd[t] + g0)));
+            const int8_t *qg = xq4[t] + g0 * 32;
+            __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, _mm512_loadu_si512((const void *)qg));
+            p0 = _mm512_dpbusd_epi32(p0, hi0, _mm512_loadu_si512((const void *)(qg + 64)));
+            __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo1, _mm512_loadu_si512((const void *)(qg + 128)));
+            p1 = _mm512_dpbusd_epi32(p1, hi1, _mm512_loadu_si512((const void *)(qg + 192)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(i0123, vt), acc[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(i4567, vt), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        const __m256 a0 = _mm512_castps512_ps256(acc[t]);
+        const __m256 a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1));
+        out[t] = nib_finish(b, scales, G, g0, NULL, xq[t], xd[t], xs[t], a0, a1, corr[t], MX, 1);
+    }
+}
+
+/* LAYOUT_PAIR activations [T, K] -> LAYOUT_QUAD (see nib_dot512) */
+static void quad_layout(const int8_t *xq, int8_t *xq4, int T, int K) {
+    const int G8 = (K / 32) & ~7;
+    for (int t = 0; t < T; t++) {
+        const int8_t *src = xq + (size_t)t * K;
+        int8_t *dst = xq4 + (size_t)t * K;
+        for (int g = 0; g < G8; g += 4) {
+            memcpy(dst + g * 32, src + g * 32, 32);
+            memcpy(dst + g * 32 + 32, src + g * 32 + 64, 32);
+            memcpy(dst + g * 32 + 64, src + g * 32 + 32, 32);
+            memcpy(dst + g * 32 + 96, src + g * 32 + 96, 32);
+        }
+        memcpy(dst + G8 * 32, src + G8 * 32, (size_t)(K - G8 * 32));
+    }
+}
+
+AVX512VNNI INLINE void nib_rows512_body(const qjob *j, int n0, int n1, const int MX) {
+    const int K = j->K, G = j->G, T = j->T, N = j->N;
+    const uint8_t *se = (const uint8_t *)j->s;
+    const uint16_t *sh = (const uint16_t *)j->s;
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *b = j->w + (size_t)n * G * 16;
+        const void *sc = MX ? (const void *)(se + (size_t)n * G) : (const void *)(sh + (size_t)n * G);
+        for (int t0 = 0; t0 < T; t0 += NIB_TOKENS) {
+            const int nt = T - t0 < NIB_TOKENS ? T - t0 : NIB_TOKENS;
+            const int8_t *q4[NIB_TOKENS], *q[NIB_TOKENS];
+            const float *d[NIB_TOKENS], *s[NIB_TOKENS];
+            float out[NIB_TOKENS];
+            for (int t = 0; t < nt; t++) {
+                q4[t] = j->xq4 + (size_t)(t0 + t) * K, q[t] = j->xq + (size_t)(t0 + t) * K;
+                d[t] = j->xd + (size_t)(t0 + t) * G, s[t] = j->xs + (size_t)(t0 + t) * G;
+            }
+            switch (nt) {
+            case 4: nib_dot512(b, sc, G, q4, q, d, s, out, 4, MX); break;
+            case 3: nib_dot512(b, sc, G, q4, q, d, s, out, 3, MX); break;
+            case 2: nib_dot512(b, sc, G, q4, q, d, s, out, 2, MX); break;
+            default: nib_dot512(b, sc, G, q4, q, d, s, out, 1, MX); break;
+            }
+            for (int t = 0; t < nt; t++) j->y[(size_t)(t0 + t) * N + n] = out[t] + (j->bias ? j->bias[n] : 0.0f);
+        }
+    }
+}
+
+AVX512VNNI static void q4_rows512(const qjob *j, int n0, int n1) { nib_rows512_body(j, n0, n1, 0); }
+AVX512VNNI static void mx_rows512(const qjob *j, int n0, int n1) { nib_rows512_body(j, n0, n1, 1); }
 
 AVX2 INLINE void nib_rows_body(const qjob *j, int n0, int n1, const int MX, const int Q8) {
     const int K = j->K, G = j->G, T = j->T, N = j->N;
@@ -583,7 +697,10 @@ static void rows_task(void *ctx, int n0, int n1) {
     switch (j->fmt) {
     case FMT_INT8: avx ? (j->act == ACT_Q8 ? int8_rows_q8 : int8_rows_f32)(j, n0, n1) : int8_rows_c(j, n0, n1); break;
     case FMT_Q4:
-    case FMT_MXFP4: avx ? nib_rows_avx2(j, n0, n1) : nib_rows_c(j, n0, n1); break;
+    case FMT_MXFP4:
+        if (j->xq4) (j->fmt == FMT_MXFP4 ? mx_rows512 : q4_rows512)(j, n0, n1);
+        else avx ? nib_rows_avx2(j, n0, n1) : nib_rows_c(j, n0, n1);
+        break;
     case FMT_RVQ3: rvq_rows_c(j, n0, n1); break;
     }
 }
@@ -665,6 +782,12 @@ EXPORT int sk_qmatmul(int fmt, int act, const float *x, const void *w, const voi
         j.xq = xq, j.xd = xd, j.xs = xd + (size_t)T * j.G;
         if (sk_avx2()) prep_avx2(x, T, K, layout, 1, NULL, xq, xd, (float *)j.xs);
         else prep_c(x, T, K, layout, 1, NULL, xq, xd, (float *)j.xs);
+        if (perm && sk_isa() >= SK_ISA_VNNI512) {
+            int8_t *xq4 = (int8_t *)sk_scratch(5, (size_t)T * K);
+            if (!xq4) return -2;
+            quad_layout(xq, xq4, T, K);
+            j.xq4 = xq4;
+        }
     } else if (perm) {
         float *xp = (float *)sk_scratch(0, (size_t)T * K * sizeof(float));
         if (!xp) return -2;
