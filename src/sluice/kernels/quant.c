@@ -306,16 +306,25 @@ AVX2 INLINE __m256 nib_block(const uint8_t *b, const float *xp, const int8_t *xq
  * activations, so both multiply straight away; the int16 sums of the two halves add
  * (at most 2 * 2 * 24 * 127, no overflow) and one vpmaddwd gives 4 int32 lanes per block,
  * scaled by [s_g x4 | s_g+1 x4]. */
-AVX2 INLINE __m256 nib_pair_q8(const uint8_t *b, const int8_t *xq, const int MX) {
+AVX2 INLINE void nib_pair_unpack(const uint8_t *b, __m256i *lo, __m256i *hi, const int MX) {
     const __m256i lut_u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                            12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
     const __m256i m = _mm256_set1_epi8(15);
     __m256i raw = _mm256_loadu_si256((const __m256i *)b);
-    __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
-    if (MX) lo = _mm256_shuffle_epi8(lut_u, lo), hi = _mm256_shuffle_epi8(lut_u, hi);
+    *lo = _mm256_and_si256(raw, m), *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
+    if (MX) *lo = _mm256_shuffle_epi8(lut_u, *lo), *hi = _mm256_shuffle_epi8(lut_u, *hi);
+}
+
+AVX2 INLINE __m256 nib_pair_dot(__m256i lo, __m256i hi, const int8_t *xq) {
     __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)),
                                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 32))));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+}
+
+AVX2 INLINE __m256 nib_pair_q8(const uint8_t *b, const int8_t *xq, const int MX) {
+    __m256i lo, hi;
+    nib_pair_unpack(b, &lo, &hi, MX);
+    return nib_pair_dot(lo, hi, xq);
 }
 
 /* Software prefetch distance of the nibble kernels. Their instruction density per byte is
@@ -496,6 +505,68 @@ AVX512VNNI INLINE void nib_rows512_body(const qjob *j, int n0, int n1, const int
 AVX512VNNI static void q4_rows512(const qjob *j, int n0, int n1) { nib_rows512_body(j, n0, n1, 0); }
 AVX512VNNI static void mx_rows512(const qjob *j, int n0, int n1) { nib_rows512_body(j, n0, n1, 1); }
 
+/* nib_dot's ACT_Q8 path for NT tokens (<= NIB_TOKENS_AVX2) per pass over a row: each pair of
+ * groups is unpacked once and multiplied into every token's a0 / a1 in nib_dot's order, so each
+ * output has nib_dot's bits (the tiled integer GEMM of prefill chunks on AVX2 hosts). */
+#define NIB_TOKENS_AVX2 3
+
+AVX2 INLINE void nib_dot_q8_tokens(const uint8_t *b, const void *scales, int G, const int8_t *const *xq,
+                                   const float *const *xd, const float *const *xs, float *out, const int NT,
+                                   const int MX) {
+    const uint8_t *se = (const uint8_t *)scales;
+    const uint16_t *sh = (const uint16_t *)scales;
+    __m256 acc[NIB_TOKENS_AVX2][2], corr[NIB_TOKENS_AVX2];
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = corr[t] = _mm256_setzero_ps();
+    int g0 = 0;
+    for (; g0 + 8 <= G; g0 += 8) {
+        _mm_prefetch((const char *)(b + (size_t)g0 * 16 + NIB_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b + (size_t)g0 * 16 + NIB_PREFETCH + 64), _MM_HINT_T0);
+        if ((g0 & 31) == 0) _mm_prefetch((const char *)scales + (size_t)g0 * (MX ? 1 : 2) + NIB_PREFETCH / 8, _MM_HINT_T0);
+        const __m256 v = MX ? e8m0_half8(se + g0) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sh + g0)));
+        __m256 vt[NIB_TOKENS_AVX2];
+        for (int t = 0; t < NT; t++) {
+            corr[t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs[t] + g0), corr[t]);
+            vt[t] = _mm256_mul_ps(v, _mm256_loadu_ps(xd[t] + g0));
+        }
+        for (int p = 0; p < 4; p++) {
+            const __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+            __m256i lo, hi;
+            nib_pair_unpack(b + (size_t)g0 * 16 + 32 * p, &lo, &hi, MX);
+            for (int t = 0; t < NT; t++)
+                acc[t][p & 1] = _mm256_fmadd_ps(nib_pair_dot(lo, hi, xq[t] + g0 * 32 + 64 * p),
+                                                _mm256_permutevar8x32_ps(vt[t], idx), acc[t][p & 1]);
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        out[t] = nib_finish(b, scales, G, g0, NULL, xq[t], xd[t], xs[t], acc[t][0], acc[t][1], corr[t], MX, 1);
+}
+
+AVX2 INLINE void nib_rows_q8_tokens(const qjob *j, int n0, int n1, const int MX) {
+    const int K = j->K, G = j->G, T = j->T, N = j->N;
+    const uint8_t *se = (const uint8_t *)j->s;
+    const uint16_t *sh = (const uint16_t *)j->s;
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *b = j->w + (size_t)n * G * 16;
+        const void *sc = MX ? (const void *)(se + (size_t)n * G) : (const void *)(sh + (size_t)n * G);
+        for (int t0 = 0; t0 < T; t0 += NIB_TOKENS_AVX2) {
+            const int nt = T - t0 < NIB_TOKENS_AVX2 ? T - t0 : NIB_TOKENS_AVX2;
+            const int8_t *q[NIB_TOKENS_AVX2];
+            const float *d[NIB_TOKENS_AVX2], *s[NIB_TOKENS_AVX2];
+            float out[NIB_TOKENS_AVX2];
+            for (int t = 0; t < nt; t++) {
+                q[t] = j->xq + (size_t)(t0 + t) * K;
+                d[t] = j->xd + (size_t)(t0 + t) * G, s[t] = j->xs + (size_t)(t0 + t) * G;
+            }
+            switch (nt) {
+            case 3: nib_dot_q8_tokens(b, sc, G, q, d, s, out, 3, MX); break;
+            case 2: nib_dot_q8_tokens(b, sc, G, q, d, s, out, 2, MX); break;
+            default: out[0] = nib_dot(b, sc, G, NULL, q[0], d[0], s[0], MX, 1); break;
+            }
+            for (int t = 0; t < nt; t++) j->y[(size_t)(t0 + t) * N + n] = out[t] + (j->bias ? j->bias[n] : 0.0f);
+        }
+    }
+}
+
 AVX2 INLINE void nib_rows_body(const qjob *j, int n0, int n1, const int MX, const int Q8) {
     const int K = j->K, G = j->G, T = j->T, N = j->N;
     const uint8_t *w = j->w;
@@ -516,9 +587,15 @@ AVX2 INLINE void nib_rows_body(const qjob *j, int n0, int n1, const int MX, cons
 }
 
 AVX2 static void q4_rows_f32(const qjob *j, int n0, int n1) { nib_rows_body(j, n0, n1, 0, 0); }
-AVX2 static void q4_rows_q8(const qjob *j, int n0, int n1) { nib_rows_body(j, n0, n1, 0, 1); }
+AVX2 static void q4_rows_q8(const qjob *j, int n0, int n1) {
+    if (j->T > 1) nib_rows_q8_tokens(j, n0, n1, 0);
+    else nib_rows_body(j, n0, n1, 0, 1);
+}
 AVX2 static void mx_rows_f32(const qjob *j, int n0, int n1) { nib_rows_body(j, n0, n1, 1, 0); }
-AVX2 static void mx_rows_q8(const qjob *j, int n0, int n1) { nib_rows_body(j, n0, n1, 1, 1); }
+AVX2 static void mx_rows_q8(const qjob *j, int n0, int n1) {
+    if (j->T > 1) nib_rows_q8_tokens(j, n0, n1, 1);
+    else nib_rows_body(j, n0, n1, 1, 1);
+}
 
 AVX2 static void nib_rows_avx2(const qjob *j, int n0, int n1) {
     if (j->fmt == FMT_MXFP4) (j->act == ACT_Q8 ? mx_rows_q8 : mx_rows_f32)(j, n0, n1);
