@@ -65,3 +65,28 @@ def test_quantized_every_level(fmt, n, k):
     b = torch.randn(n, generator=g)
     x = torch.randn(11, k, generator=g)
     check_levels(lambda v: m.matmul(v, b), x)
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_swiglu_expert_every_level(t):
+    """The one-call expert (gate and up in one pool job, then down) at every level and thread count:
+    the AVX2 level's bits, and the value of the three products done separately."""
+    g = torch.Generator().manual_seed(3)
+    gate, up = (torch.randn(200, 256, generator=g).to(torch.bfloat16) for _ in range(2))
+    down = torch.randn(256, 200, generator=g).to(torch.bfloat16)
+    x = torch.randn(t, 256, generator=g)
+
+    def fn(v):
+        return kernels.swiglu_rows(v.contiguous(), gate, up, down, 0.7) if t > 1 else kernels.swiglu(v, gate, up, down, 0.7)
+
+    ref = at_level(1, lambda: fn(x))
+    for threads in (1, 2):
+        kernels.set_threads(threads)
+        try:
+            for level in LEVELS:
+                assert torch.equal(at_level(level, lambda: fn(x)), ref), (threads, kernels.ISA_LEVELS[level])
+        finally:
+            kernels.set_threads(torch.get_num_threads())
+    h = torch.nn.functional.silu(linear(x, gate).double()) * linear(x, up).double()
+    want = 0.7 * (h @ down.double().T)
+    assert torch.allclose(ref.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

@@ -490,13 +490,8 @@ static void dense_task(void *ctx, int n0, int n1) {
     } else dense_rows_c(a, n0, n1);
 }
 
-/* y[T, N] = x[T, K] @ W[N, K]^T (+ bias), W in f32 / bf16 / f16. */
-EXPORT void sk_dense(const float *x, const void *w, const float *bias, float *y, int T, int N, int K, int wtype,
-                     int nthreads) {
-    dense_args a = {x, w, bias, y, T, N, K, wtype};
-    size_t row_bytes = (size_t)K * (wtype == WT_F32 ? 4 : 2);
-    /* small matrices: not worth waking the pool */
-    if ((size_t)N * row_bytes < (64u << 10)) nthreads = 1;
+/* Rows per chunk of sk_dense's job over N rows of row_bytes each. */
+static int dense_chunk(int T, int N, size_t row_bytes, int nthreads) {
     int chunk = sk_chunk_rows(row_bytes, N);
     if (T > 1) { /* tiled: ~256 KiB of rows per chunk (L2), so the activations are re-read less often */
         size_t r = (256u << 10) / (row_bytes ? row_bytes : 1);
@@ -505,7 +500,36 @@ EXPORT void sk_dense(const float *x, const void *w, const float *bias, float *y,
         if (r < (size_t)chunk) r = chunk;
         chunk = r > (size_t)N ? N : (int)r;
     }
-    sk_parallel(dense_task, &a, N, chunk, nthreads);
+    return chunk;
+}
+
+/* y[T, N] = x[T, K] @ W[N, K]^T (+ bias), W in f32 / bf16 / f16. */
+EXPORT void sk_dense(const float *x, const void *w, const float *bias, float *y, int T, int N, int K, int wtype,
+                     int nthreads) {
+    dense_args a = {x, w, bias, y, T, N, K, wtype};
+    size_t row_bytes = (size_t)K * (wtype == WT_F32 ? 4 : 2);
+    /* small matrices: not worth waking the pool */
+    if ((size_t)N * row_bytes < (64u << 10)) nthreads = 1;
+    sk_parallel(dense_task, &a, N, dense_chunk(T, N, row_bytes, nthreads), nthreads);
+}
+
+/* Two products of one x in one job (gate and up of an expert): rows [0, N) of the first, then
+ * [0, N) of the second, so the pool is woken and joined once. Each row is sk_dense's. */
+typedef struct { dense_args a, b; } dense_pair_args;
+
+static void dense_pair_task(void *ctx, int i0, int i1) {
+    const dense_pair_args *p = (const dense_pair_args *)ctx;
+    const int N = p->a.N;
+    if (i0 < N) dense_task((void *)&p->a, i0, i1 < N ? i1 : N);
+    if (i1 > N) dense_task((void *)&p->b, (i0 > N ? i0 : N) - N, i1 - N);
+}
+
+static void sk_dense_pair(const float *x, const void *w0, const void *w1, float *y0, float *y1, int T, int N, int K,
+                          int wtype, int nthreads) {
+    dense_pair_args p = {{x, w0, NULL, y0, T, N, K, wtype}, {x, w1, NULL, y1, T, N, K, wtype}};
+    size_t row_bytes = (size_t)K * (wtype == WT_F32 ? 4 : 2);
+    if ((size_t)2 * N * row_bytes < (64u << 10)) nthreads = 1;
+    sk_parallel(dense_pair_task, &p, 2 * N, dense_chunk(T, 2 * N, row_bytes, nthreads), nthreads);
 }
 
 /* ------------------------------------------------------- one SwiGLU expert ---- */
@@ -513,13 +537,13 @@ EXPORT void sk_dense(const float *x, const void *w, const float *bias, float *y,
 /*
  * One token through one expert: y = scale * down(silu(gate(x)) * up(x)), in a single call so
  * decoding pays one foreign call per expert instead of a handful of small tensor operations.
- * Each matrix product is sk_dense's (same rows, same summation order); scratch holds 2 * I floats.
+ * Each matrix product is sk_dense's (same rows, same summation order; gate and up in one pool job);
+ * scratch holds 2 * I floats.
  */
 EXPORT void sk_swiglu(const float *x, const void *gate, const void *up, const void *down, float *scratch, float *y,
                       int H, int I, int wtype, float scale, int nthreads) {
     float *g = scratch, *u = scratch + I;
-    sk_dense(x, gate, NULL, g, 1, I, H, wtype, nthreads);
-    sk_dense(x, up, NULL, u, 1, I, H, wtype, nthreads);
+    sk_dense_pair(x, gate, up, g, u, 1, I, H, wtype, nthreads);
     for (int i = 0; i < I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     sk_dense(g, down, NULL, y, 1, H, I, wtype, nthreads);
     for (int i = 0; i < H; i++) y[i] *= scale;
@@ -530,8 +554,7 @@ EXPORT void sk_swiglu(const float *x, const void *gate, const void *up, const vo
 EXPORT void sk_swiglu_rows(const float *x, const void *gate, const void *up, const void *down, float *scratch,
                            float *y, int T, int H, int I, int wtype, float scale, int nthreads) {
     float *g = scratch, *u = scratch + (size_t)T * I;
-    sk_dense(x, gate, NULL, g, T, I, H, wtype, nthreads);
-    sk_dense(x, up, NULL, u, T, I, H, wtype, nthreads);
+    sk_dense_pair(x, gate, up, g, u, T, I, H, wtype, nthreads);
     for (size_t i = 0; i < (size_t)T * I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     sk_dense(g, down, NULL, y, T, H, I, wtype, nthreads);
     for (size_t i = 0; i < (size_t)T * H; i++) y[i] *= scale;
