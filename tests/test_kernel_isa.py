@@ -13,6 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import sluice
+from conftest import prompt_ids
+from families import FAMILY_NAMES, kinds
 from sluice import kernels
 from sluice.quant import QuantMatrix, linear
 
@@ -90,3 +93,17 @@ def test_swiglu_expert_every_level(t):
     h = torch.nn.functional.silu(linear(x, gate).double()) * linear(x, up).double()
     want = 0.7 * (h @ down.double().T)
     assert torch.allclose(ref.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not WIDE, reason="this host has no level above AVX2 (the AVX2 path runs everywhere else)")
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_model_logits_every_level(family, family_models):
+    """Every family, every checkpoint kind of the registry: a 12-token prompt's logits (tiled
+    products, attention, experts) at the widest level equal the AVX2 level's, bit for bit."""
+    ids = prompt_ids(12)
+    for kind in kinds(family):
+        with sluice.load(family_models.hf(family, kind), memory="2G", progress=False) as eng:
+            ref = at_level(1, lambda: eng.forward(ids))
+            for level in WIDE:
+                got = at_level(level, lambda: eng.forward(ids))
+                assert torch.equal(got, ref), (kind, kernels.ISA_LEVELS[level], (got - ref).abs().max().item())
