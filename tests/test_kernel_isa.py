@@ -16,7 +16,7 @@ import torch
 import sluice
 from conftest import prompt_ids
 from families import FAMILY_NAMES, kinds
-from sluice import kernels
+from sluice import kernels, quant
 from sluice.quant import QuantMatrix, linear
 
 LEVELS = kernels.isa_levels()
@@ -59,15 +59,21 @@ def test_dense_every_level(dtype, n, k):
     check_levels(lambda v: linear(v, w, b), x)
 
 
+@pytest.mark.parametrize("mode", ["q8", "f32"])
 @pytest.mark.parametrize("fmt", ["q4", "mxfp4", "int8"])
 @pytest.mark.parametrize("n,k", [(45, 32 * 13), (33, 32 * 16), (7, 32 * 9), (64, 32 * 64), (5, 32)])
-def test_quantized_every_level(fmt, n, k):
-    """Nibble formats with q8 activations (the default): AVX-512 VNNI, 1-4 tokens per pass."""
+def test_quantized_every_level(fmt, n, k, mode):
+    """Nibble formats with q8 activations (the default: AVX-512 VNNI, 1-4 tokens per pass) and
+    with fp32 activations (GPT-OSS's native MXFP4: AVX-512F, two groups per zmm)."""
     g = torch.Generator().manual_seed(n + k)
     m = QuantMatrix.quantize(fmt, torch.randn(n, k, generator=g) * 0.05)
     b = torch.randn(n, generator=g)
     x = torch.randn(11, k, generator=g)
-    check_levels(lambda v: m.matmul(v, b), x)
+    quant.set_activations(mode)
+    try:
+        check_levels(lambda v: m.matmul(v, b), x)
+    finally:
+        quant.set_activations(None)
 
 
 @pytest.mark.parametrize("t", [1, 5])

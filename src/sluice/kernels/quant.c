@@ -40,6 +40,7 @@ typedef struct {
     const float *xp;          /* [T, K] permuted (nibble formats, ACT_F32) */
     const int8_t *xq;         /* [T, K] int8 (permuted for nibble formats) */
     const int8_t *xq4;        /* [T, K] xq in LAYOUT_QUAD (nibble formats, ACT_Q8, AVX-512 VNNI) */
+    const float *xp2;         /* [T, K] xp with pairs of blocks interleaved by 8 (ACT_F32, AVX-512) */
     const float *xd;          /* [T, G] activation block scales */
     const float *xs;          /* [T, G] xd * sum of the block's int8 values */
     const uint8_t *w;         /* int8 weights / nibble blocks / rvq codes */
@@ -502,6 +503,86 @@ AVX512VNNI INLINE void nib_rows512_body(const qjob *j, int n0, int n1, const int
     }
 }
 
+/*
+ * AVX-512F form of nib_dot's ACT_F32 path (fp32 activations: GPT-OSS's native MXFP4 experts).
+ * One zmm holds nib_dot's p0 (group g, lanes 0-7) and p1 (group g+1, lanes 8-15): the same
+ * multiply and three fmas per lane on the same values, then one fma into an accumulator that
+ * holds a0 and a1 side by side. The activations come re-laid per pair of blocks as
+ * [g 0-7 | g+1 0-7 | g 8-15 | g+1 8-15 | ...] (LAYOUT_BLOCK order inside each block), so each
+ * step loads 64 bytes; the group tail and the final sums are nib_finish, as in nib_dot.
+ */
+AVX512 INLINE float nib_dot512_f32(const uint8_t *b, const void *scales, int G, const float *xp, const float *xp2,
+                                   const int MX) {
+    const uint8_t *se = (const uint8_t *)scales;
+    const uint16_t *sh = (const uint16_t *)scales;
+    const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                         0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m256i m = _mm256_set1_epi8(15);
+    __m512 acc = _mm512_setzero_ps();
+    int g0 = 0;
+    for (; g0 + 8 <= G; g0 += 8) {
+        _mm_prefetch((const char *)(b + (size_t)g0 * 16 + NIB_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b + (size_t)g0 * 16 + NIB_PREFETCH + 64), _MM_HINT_T0);
+        if ((g0 & 31) == 0) _mm_prefetch((const char *)scales + (size_t)g0 * (MX ? 1 : 2) + NIB_PREFETCH / 8, _MM_HINT_T0);
+        const __m256 v = MX ? e8m0_half8(se + g0) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sh + g0)));
+        const __m512 vz = _mm512_castps256_ps512(v);
+        for (int i = 0; i < 8; i += 2) {
+            const int g = g0 + i;
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (size_t)g * 16)); /* groups g, g+1 */
+            __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
+            if (MX) lo = _mm256_shuffle_epi8(lut, lo), hi = _mm256_shuffle_epi8(lut, hi);
+            else lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(8)), hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(8));
+            lo = _mm256_permute4x64_epi64(lo, 0xD8), hi = _mm256_permute4x64_epi64(hi, 0xD8); /* [g 0-7, g+1 0-7 | g 8-15, g+1 8-15] */
+            const float *x = xp2 + (size_t)g * 32;
+            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(lo)));
+            const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(lo, 1)));
+            const __m512 w2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(hi)));
+            const __m512 w3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(hi, 1)));
+            __m512 p = _mm512_mul_ps(w0, _mm512_loadu_ps(x));
+            p = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), p);
+            p = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x + 32), p);
+            p = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x + 48), p);
+            const __m512i idx = _mm512_setr_epi32(i, i, i, i, i, i, i, i, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1);
+            acc = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(idx, vz), acc);
+        }
+    }
+    const __m256 a0 = _mm512_castps512_ps256(acc);
+    const __m256 a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
+    return nib_finish(b, scales, G, g0, xp, NULL, NULL, NULL, a0, a1, _mm256_setzero_ps(), MX, 0);
+}
+
+/* LAYOUT_BLOCK activations [T, K] -> pairs of blocks interleaved by 8 (see nib_dot512_f32) */
+static void pair8_layout(const float *xp, float *xp2, int T, int K) {
+    const int G8 = (K / 32) & ~7;
+    for (int t = 0; t < T; t++) {
+        const float *src = xp + (size_t)t * K;
+        float *dst = xp2 + (size_t)t * K;
+        for (int g = 0; g < G8; g += 2)
+            for (int c = 0; c < 4; c++) {
+                memcpy(dst + g * 32 + 16 * c, src + g * 32 + 8 * c, 8 * sizeof(float));
+                memcpy(dst + g * 32 + 16 * c + 8, src + (g + 1) * 32 + 8 * c, 8 * sizeof(float));
+            }
+        memcpy(dst + G8 * 32, src + G8 * 32, sizeof(float) * (size_t)(K - G8 * 32));
+    }
+}
+
+AVX512 INLINE void nib_rows512_f32_body(const qjob *j, int n0, int n1, const int MX) {
+    const int K = j->K, G = j->G, T = j->T, N = j->N;
+    const uint8_t *se = (const uint8_t *)j->s;
+    const uint16_t *sh = (const uint16_t *)j->s;
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *b = j->w + (size_t)n * G * 16;
+        const void *sc = MX ? (const void *)(se + (size_t)n * G) : (const void *)(sh + (size_t)n * G);
+        for (int t = 0; t < T; t++) {
+            float v = nib_dot512_f32(b, sc, G, j->xp + (size_t)t * K, j->xp2 + (size_t)t * K, MX);
+            j->y[(size_t)t * N + n] = v + (j->bias ? j->bias[n] : 0.0f);
+        }
+    }
+}
+
+AVX512 static void q4_rows512_f32(const qjob *j, int n0, int n1) { nib_rows512_f32_body(j, n0, n1, 0); }
+AVX512 static void mx_rows512_f32(const qjob *j, int n0, int n1) { nib_rows512_f32_body(j, n0, n1, 1); }
+
 AVX512VNNI static void q4_rows512(const qjob *j, int n0, int n1) { nib_rows512_body(j, n0, n1, 0); }
 AVX512VNNI static void mx_rows512(const qjob *j, int n0, int n1) { nib_rows512_body(j, n0, n1, 1); }
 
@@ -776,6 +857,7 @@ static void rows_task(void *ctx, int n0, int n1) {
     case FMT_Q4:
     case FMT_MXFP4:
         if (j->xq4) (j->fmt == FMT_MXFP4 ? mx_rows512 : q4_rows512)(j, n0, n1);
+        else if (j->xp2) (j->fmt == FMT_MXFP4 ? mx_rows512_f32 : q4_rows512_f32)(j, n0, n1);
         else avx ? nib_rows_avx2(j, n0, n1) : nib_rows_c(j, n0, n1);
         break;
     case FMT_RVQ3: rvq_rows_c(j, n0, n1); break;
@@ -871,6 +953,12 @@ EXPORT int sk_qmatmul(int fmt, int act, const float *x, const void *w, const voi
         j.xp = xp;
         if (sk_avx2()) prep_avx2(x, T, K, LAYOUT_BLOCK, 0, xp, NULL, NULL, NULL);
         else prep_c(x, T, K, LAYOUT_BLOCK, 0, xp, NULL, NULL, NULL);
+        if (sk_isa() >= SK_ISA_AVX512) {
+            float *xp2 = (float *)sk_scratch(5, (size_t)T * K * sizeof(float));
+            if (!xp2) return -2;
+            pair8_layout(xp, xp2, T, K);
+            j.xp2 = xp2;
+        }
     }
     sk_parallel(rows_task, &j, N, chunk, nthreads);
     return 0;
