@@ -98,6 +98,13 @@ class ExpertProvider:
             self.counters.demand_reads += 1
         return slot
 
+    def _promote(self, slot: Slot) -> None:
+        """A prefetch the running layer needs: if its read is still queued, it joins the demand
+        lane (it must not wait behind other prefetches); one in flight is waited for as it is."""
+        promote = getattr(self.pool, "promote", None)  # the replay's pool has no queue
+        if promote is not None and slot.state == LOADING and slot.future is not None:
+            promote(slot.future)
+
     def _settle(self, slot: Slot) -> None:
         """Turn a finished read into a READY slot, or discard it and raise its error."""
         try:
@@ -207,6 +214,7 @@ class ExpertProvider:
                 if slot.speculative:
                     slot.speculative = False
                     c.prefetch_used += 1
+                    self._promote(slot)
                 slot.pins += 1
                 slots[e] = slot
                 self.cache.policy.access(key)
