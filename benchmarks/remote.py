@@ -25,7 +25,10 @@ ceiling) / bytes a token needs``, all measured in the same run: the server's cei
 ``http.client`` range reads of one expert record each, 16 in flight, straight at the server;
 the path's ceiling the same reads through the proxy (latency and rate applied); the bytes a
 token needs are the local-disk run's bytes read per decode token with the same cache (the
-remote run's own bytes fetched per token are reported beside it). Local-disk rows (the same
+remote run's own bytes fetched per token are reported beside it). Beside it, the serial bound
+``1 / (bytes per token / link + MoE layers x latency + compute)``: without speculation a
+layer's reads can start only once its router has run, so every MoE layer pays one round trip,
+and compute (the all-in-memory row's seconds per token) does not overlap the link. Local-disk rows (the same
 cold runs from the local directory) and an all-in-memory row (every expert cached: the
 compute-only speed on this machine) are measured for comparison; medians of ``--repeats``.
 
@@ -203,11 +206,12 @@ def main(argv=None) -> int:
     opts = {"cache_experts": args.cache_experts, "reader_threads": args.reader_threads}
     if args.cache_policy:
         opts["cache_policy"] = args.cache_policy
-    result: dict = {"model": str(model), "model_bytes": sum(p.stat().st_size for p in model.iterdir()),
+    result: dict = {"model": model.name, "model_bytes": sum(p.stat().st_size for p in model.iterdir()),
                     "options": opts, "prompt_tokens": args.prompt, "tokens": args.tokens, "repeats": args.repeats,
                     "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
     eng = sluice.load(str(model), memory="8GiB", progress=False)
     record = eng.experts_source.record_bytes
+    moe_layers = len(eng.desc.moe_layers)
     result["record_bytes"] = record
     eng.close()
 
@@ -262,13 +266,18 @@ def main(argv=None) -> int:
                 runs = [decode_run(url, prompt, args.tokens, **opts) for _ in range(args.repeats)]
                 row = median_of(runs)
                 limit = min(rate, direct[server], path_ceiling)
+                # without speculation a layer's reads start at its router: each MoE layer pays one round
+                # trip, and the token's compute does not overlap the link
+                serial = 1 / (need / limit + moe_layers * latency + 1 / result["memory"]["decode_tok_s"])
                 row.update(link=rate, latency_s=latency, path_ceiling=path_ceiling, roofline_bytes_s=limit,
                            needed_bytes_per_token=need, roofline_tok_s=limit / need,
                            of_roofline=row["decode_tok_s"] / (limit / need),
-                           fetched_vs_local=row["bytes_per_token"] / need)
+                           fetched_vs_local=row["bytes_per_token"] / need,
+                           serial_bound_tok_s=serial, of_serial_bound=row["decode_tok_s"] / serial)
                 print(f"{name}: {row['decode_tok_s']:.2f} tok/s, {row['bytes_per_token'] / MB:.1f} MB/token fetched "
                       f"({row['fetched_vs_local']:.2f}x local), path ceiling {path_ceiling / MB:.0f} MB/s, roofline "
-                      f"{row['roofline_tok_s']:.2f} tok/s -> {row['of_roofline']:.2f} of roofline "
+                      f"{row['roofline_tok_s']:.2f} tok/s -> {row['of_roofline']:.2f} of roofline, "
+                      f"{row['of_serial_bound']:.2f} of the serial bound {serial:.2f} tok/s "
                       f"(read wait {row['read_wait_s']:.2f} s, compute {row['compute_s']:.2f} s per run)", flush=True)
                 if disk_cache:
                     tier = dict(opts, disk_cache=disk_cache, disk_cache_dir=str(root / f"tier-{name}"))
