@@ -71,3 +71,15 @@ def test_a_broken_file_is_named_without_its_contents(files, tmp_path):
     with pytest.raises(AwsConfigError) as err:
         profile_settings({**files, "AWS_SHARED_CREDENTIALS_FILE": str(bad)})
     assert str(bad) in str(err.value) and "line 1" in str(err.value) and SECRET not in str(err.value)
+
+
+def test_no_credentials_with_the_metadata_service_off(files, tmp_path):
+    from sluice.storage.aws_config import missing_credentials
+
+    bare = {"HOME": str(tmp_path), "AWS_EC2_METADATA_DISABLED": "true"}
+    assert "no AWS credentials" in missing_credentials({}, bare)
+    assert missing_credentials({}, {**bare, "AWS_EC2_METADATA_DISABLED": "false"}) is None  # the client asks IMDS
+    assert missing_credentials(profile_settings({**files, **bare}), {**files, **bare}) is None  # the profile's keys
+    for var in ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_SKIP_SIGNATURE"):
+        assert missing_credentials({}, {**bare, var: "true"}) is None
+    assert missing_credentials({}, {**bare, "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b"}) is None

@@ -198,6 +198,11 @@ def test_credentials_from_an_aws_profile_file(remote_models, s3_auth_server, tmp
     with pytest.raises(CheckpointError) as err:
         sluice.load("s3://locked/model", memory="4GiB", progress=False)
     assert "s3://locked/model" in str(err.value) and stale not in str(err.value) and secret not in str(err.value)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)  # no keys anywhere, IMDS off: said before any request
+    monkeypatch.setenv("AWS_PROFILE", "sluice")
+    with pytest.raises(CheckpointError, match="no AWS credentials") as err:
+        sluice.load("s3://locked/model", memory="4GiB", progress=False)
+    assert "s3://locked/model" in str(err.value)
     monkeypatch.setenv("AWS_PROFILE", "nowhere")
     with pytest.raises(CheckpointError, match="AWS profile 'nowhere' \\(from AWS_PROFILE\\) is in neither") as err:
         sluice.load("s3://locked/model", memory="4GiB", progress=False)

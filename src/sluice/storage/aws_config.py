@@ -14,6 +14,10 @@ reads them (``configparser``; no boto dependency), with the AWS precedence rules
   ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` (and not with
   ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true``).
 
+With the instance metadata service switched off (``AWS_EC2_METADATA_DISABLED=true``) and no
+credentials anywhere, ``missing_credentials`` says so before any request (the client would
+otherwise still ask the metadata address).
+
 A profile named explicitly that is in neither file, a profile with half a key pair, or one that
 gets its credentials some other way (``role_arn``, ``credential_process``, SSO: not read here)
 is an ``AwsConfigError`` naming the profile and the files, never a silent fall-through to other
@@ -123,3 +127,22 @@ def profile_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]
             and not _truthy(env.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")) and conf.get("endpoint_url"):
         out["endpoint"] = conf["endpoint_url"]
     return out
+
+
+def missing_credentials(settings: Mapping[str, str], environ: Mapping[str, str] | None = None) -> str | None:
+    """Why S3 requests could not be signed, or None. Only when the instance metadata service is
+    switched off (``AWS_EC2_METADATA_DISABLED=true``, as the AWS SDKs honour it; obstore would ask it
+    anyway): no keys in the environment or ``settings`` (the profile), no web identity or container
+    credentials, and no ``AWS_SKIP_SIGNATURE``."""
+    env = os.environ if environ is None else environ
+    if not _truthy(env.get("AWS_EC2_METADATA_DISABLED")) or _truthy(env.get("AWS_SKIP_SIGNATURE")):
+        return None
+    if settings.get("access_key_id") or (env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY")):
+        return None
+    if any(env.get(v) for v in ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                                "AWS_CONTAINER_CREDENTIALS_FULL_URI")):
+        return None
+    profile = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
+    return (f"no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or keys for profile {profile!r} "
+            "in the AWS credentials file (the instance metadata service is off: AWS_EC2_METADATA_DISABLED=true; "
+            "AWS_SKIP_SIGNATURE=true reads a public bucket unsigned)")

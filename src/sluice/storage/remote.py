@@ -25,7 +25,7 @@ import re
 from datetime import timedelta
 from urllib.parse import urlsplit
 
-from .aws_config import AwsConfigError, profile_settings
+from .aws_config import AwsConfigError, missing_credentials, profile_settings
 from .source import ByteSource, ReadStats
 from .store import Store
 
@@ -88,6 +88,9 @@ def open_object_store(url: str, *, ca_bundle: str | None = None, endpoint: str |
         except AwsConfigError as e:
             raise OSError(f"s3://{bucket}: {e}") from None
         _SECRETS.update(v for k, v in config.items() if k in ("secret_access_key", "session_token"))
+        missing = missing_credentials(config)
+        if missing:
+            raise OSError(f"s3://{bucket}: {missing}")
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") \
             or config.pop("endpoint", None)
         if endpoint:
