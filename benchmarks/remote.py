@@ -34,8 +34,9 @@ compute-only speed on this machine) are measured for comparison; medians of ``--
 
 Warm disk tier: with ``--disk-cache SIZE``, and when this build's ``load()`` has the
 ``disk_cache`` option, each remote scenario is also run with the tier filled by one earlier
-run (memory cache cold, disk tier warm) and compared with the local-disk median; without the
-option the rows are skipped with a message saying so.
+run (memory cache cold, disk tier warm), each run paired with a local-disk run just before it
+(the load of a shared machine drifts between minutes): the ratio is the median of the pairs'
+ratios. Without the option the rows are skipped with a message saying so.
 """
 
 from __future__ import annotations
@@ -282,11 +283,18 @@ def main(argv=None) -> int:
                 if disk_cache:
                     tier = dict(opts, disk_cache=disk_cache, disk_cache_dir=str(root / f"tier-{name}"))
                     decode_run(url, prompt, args.tokens, **tier)  # fills the tier
-                    warm = median_of([decode_run(url, prompt, args.tokens, **tier) for _ in range(args.repeats)])
-                    warm["vs_local"] = warm["decode_tok_s"] / local["decode_tok_s"]
+                    pairs = []  # interleaved with local-disk runs: the machine's load drifts between minutes
+                    for _ in range(args.repeats):
+                        pairs.append((decode_run(str(model), prompt, args.tokens, **opts),
+                                      decode_run(url, prompt, args.tokens, **tier)))
+                    warm = median_of([w for _, w in pairs])
+                    near = median_of([loc for loc, _ in pairs])
+                    warm.update(local_beside=near["decode_tok_s"], fetched_per_token=warm["bytes_per_token"],
+                                vs_local=statistics.median(w["decode_tok_s"] / loc["decode_tok_s"] for loc, w in pairs))
                     row["warm_tier"] = warm
-                    print(f"{name} warm disk tier: {warm['decode_tok_s']:.2f} tok/s = {warm['vs_local']:.2f} of local "
-                          "disk", flush=True)
+                    print(f"{name} warm disk tier: {warm['decode_tok_s']:.2f} tok/s, local disk beside it "
+                          f"{near['decode_tok_s']:.2f} tok/s: {warm['vs_local']:.2f} of local (median of pair ratios)",
+                          flush=True)
                 rows[name] = row
             finally:
                 proxy.close()
