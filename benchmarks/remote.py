@@ -64,7 +64,7 @@ for p in (ROOT / "src", ROOT / "tests", BENCH):
 
 import sluice  # noqa: E402  (first: it sets OpenMP's wait policy before torch loads)
 from remote_servers import (ACCESS_KEY, CLIENT_ENV, HOST, REGION, SECRET_KEY, FaultProxy, NginxServer,  # noqa: E402
-                            RemoteServers, S3Server)
+                            ProxyProcess, RemoteServers, S3Server)
 
 MB = 1e6
 SCENARIOS = {  # name: (server, link bytes/s, added latency s)
@@ -195,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--disk-cache", default=None, help="also run each scenario with a warm disk tier of SIZE")
+    ap.add_argument("--proxy-process", action="store_true",
+                    help="run the proxy in a child process (default: a thread of this process, as in the tests)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -209,7 +211,7 @@ def main(argv=None) -> int:
         opts["cache_policy"] = args.cache_policy
     result: dict = {"model": model.name, "model_bytes": sum(p.stat().st_size for p in model.iterdir()),
                     "options": opts, "prompt_tokens": args.prompt, "tokens": args.tokens, "repeats": args.repeats,
-                    "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
+                    "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "proxy_process": args.proxy_process}
     eng = sluice.load(str(model), memory="8GiB", progress=False)
     record = eng.experts_source.record_bytes
     moe_layers = len(eng.desc.moe_layers)
@@ -255,7 +257,7 @@ def main(argv=None) -> int:
         rows = result["scenarios"] = {}
         for name in args.scenarios.split(","):
             server, rate, latency = SCENARIOS[name]
-            proxy = FaultProxy(ports[server], latency=latency, rate=rate)
+            proxy = (ProxyProcess if args.proxy_process else FaultProxy)(ports[server], latency=latency, rate=rate)
             try:
                 path_ceiling = server_ceiling(proxy.port, paths[server], file_size, record, 1.5 * rate, s3=server == "s3")
                 if server == "s3":

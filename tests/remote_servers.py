@@ -470,6 +470,34 @@ class FaultProxy:
         await writer.drain()
 
 
+class ProxyProcess:
+    """A ``FaultProxy`` with fixed ``latency``/``rate`` in a child process (for benchmarks: the
+    relay then does not share the measuring process's GIL). ``url``/``port`` as ``FaultProxy``."""
+
+    def __init__(self, upstream_port: int, latency: float = 0.0, rate: float | None = None):
+        code = ("import sys, threading; sys.path.insert(0, sys.argv[1]); from remote_servers import FaultProxy; "
+                "p = FaultProxy(int(sys.argv[2]), latency=float(sys.argv[3]), "
+                "rate=float(sys.argv[4]) if sys.argv[4] != 'None' else None); "
+                "print(p.port, flush=True); sys.stdin.read(); p.close()")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(upstream_port), str(latency),
+             str(rate)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=_die_with_parent)
+        line = self.proc.stdout.readline()
+        if not line.strip():
+            _stop(self.proc)
+            raise RuntimeError(f"proxy process exited with status {self.proc.poll()} before listening")
+        self.port = int(line)
+        self.url = f"http://{HOST}:{self.port}"
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()  # the child reads stdin to its end, then stops
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _stop(self.proc)
+
+
 def _abort(writer: asyncio.StreamWriter) -> None:
     """Close with a TCP RST (SO_LINGER 0), as a dropped connection looks to the client."""
     sock = writer.get_extra_info("socket")
