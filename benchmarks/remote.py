@@ -111,9 +111,12 @@ def measure(eng, prompt: list[int], tokens: int) -> dict:
     (t1, b1, r1), (t2, b2, r2) = marks[1], marks[-1]  # from the end of the first decode step
     n = len(marks) - 2
     c = eng.experts.counters
-    return {"decode_tok_s": n / (t2 - t1), "bytes_per_token": (b2 - b1) / n, "reads_per_token": (r2 - r1) / n,
-            "hit_rate": c.hits / max(1, c.lookups), "prefetch_reads": c.prefetch_reads,
-            "read_wait_s": c.read_wait_s, "compute_s": c.compute_s, "tokens": n}
+    out = {"decode_tok_s": n / (t2 - t1), "bytes_per_token": (b2 - b1) / n, "reads_per_token": (r2 - r1) / n,
+           "hit_rate": c.hits / max(1, c.lookups), "prefetch_reads": c.prefetch_reads,
+           "read_wait_s": c.read_wait_s, "compute_s": c.compute_s, "tokens": n}
+    last = eng.last_stats  # the whole generation's; the disk tier's counters where the build has them
+    out.update({k: last[k] for k in ("disk_tier_hits", "disk_tier_misses", "disk_tier_bytes_read") if k in last})
+    return out
 
 
 def server_ceiling(port: int, path: str, file_size: int, record: int, nbytes: float, inflight: int = 16,
