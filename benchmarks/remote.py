@@ -7,7 +7,8 @@
 Starts on loopback the servers of ``tests/remote_servers.py`` (the ``moto`` S3 server, nginx
 with HTTP Range) and, per scenario, the tests' fault proxy in front of one of them with a link
 limit and added latency (the proxy adds the latency before each response's first byte and
-shares the rate among all connections). Scenarios (``--scenarios``):
+shares the rate among all connections), in a child process of its own (``--proxy-thread``: in
+a thread of this process, as in the tests). Scenarios (``--scenarios``):
 
 - ``s3-100``: S3 (moto) at 100 MB/s with 20 ms added latency;
 - ``http-100``: HTTP (nginx) at 100 MB/s with 20 ms;
@@ -198,8 +199,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--disk-cache", default=None, help="also run each scenario with a warm disk tier of SIZE")
-    ap.add_argument("--proxy-process", action="store_true",
-                    help="run the proxy in a child process (default: a thread of this process, as in the tests)")
+    ap.add_argument("--proxy-thread", action="store_true",
+                    help="run the proxy in a thread of this process, as the tests do (default: a child process, "
+                         "so that the link's relay does not share the engine's GIL)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
         opts["cache_policy"] = args.cache_policy
     result: dict = {"model": model.name, "model_bytes": sum(p.stat().st_size for p in model.iterdir()),
                     "options": opts, "prompt_tokens": args.prompt, "tokens": args.tokens, "repeats": args.repeats,
-                    "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "proxy_process": args.proxy_process}
+                    "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "proxy_process": not args.proxy_thread}
     eng = sluice.load(str(model), memory="8GiB", progress=False)
     record = eng.experts_source.record_bytes
     moe_layers = len(eng.desc.moe_layers)
@@ -260,7 +262,7 @@ def main(argv=None) -> int:
         rows = result["scenarios"] = {}
         for name in args.scenarios.split(","):
             server, rate, latency = SCENARIOS[name]
-            proxy = (ProxyProcess if args.proxy_process else FaultProxy)(ports[server], latency=latency, rate=rate)
+            proxy = (FaultProxy if args.proxy_thread else ProxyProcess)(ports[server], latency=latency, rate=rate)
             try:
                 path_ceiling = server_ceiling(proxy.port, paths[server], file_size, record, 1.5 * rate, s3=server == "s3")
                 if server == "s3":
