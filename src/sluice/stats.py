@@ -39,6 +39,12 @@ class EngineCounters:
     spine_read_wait_s: float = 0.0
     forwards: int = 0  # model forwards run (one per prefill chunk or decode step)
     tokens_forwarded: int = 0  # positions those forwards computed
+    # per forward and MoE layer (summed): expert computations (one per expert of the union, however
+    # many sequences' rows routed to it), the union's size, and the sum of each sequence's own union
+    # (what the sequences would have looked up run alone; equal to expert_union for one sequence)
+    expert_compute_calls: int = 0
+    expert_union: int = 0
+    expert_seq_union: int = 0
 
     def __sub__(self, other: EngineCounters) -> EngineCounters:
         return EngineCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})

@@ -90,6 +90,13 @@ class LinearState:
         while len(self.snaps) > self.keep:
             del self.snaps[next(iter(self.snaps))]
 
+    def save(self) -> tuple:
+        return self.pos, self.conv, self.rec, dict(self.snaps)
+
+    def restore(self, saved: tuple) -> None:
+        self.pos, self.conv, self.rec, snaps = saved
+        self.snaps = dict(snaps)
+
     def advance(self, start: int, conv: torch.Tensor, rec: torch.Tensor, t: int) -> None:
         self.conv, self.rec, self.pos = conv, rec, start + t
 

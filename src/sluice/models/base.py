@@ -111,11 +111,34 @@ class State:
         del self.tokens[n:]
         return n
 
+    def save(self):
+        """Where the state is now, for ``restore`` (free: references to immutable tensors; a KV
+        cache needs nothing, positions past the length are never read)."""
+        return self.length, [s.save() if hasattr(s, "save") else None for s in self.layers]
+
+    def restore(self, saved) -> None:
+        """Return to what ``save`` returned, whatever forwards ran since (a failed step's undo)."""
+        length, layers = saved
+        for s, v in zip(self.layers, layers):
+            if v is not None:
+                s.restore(v)
+        self.length = length
+        del self.tokens[length:]
+
     def mark(self) -> None:
         """Let every recurrent layer keep a snapshot at the current length."""
         for s in self.layers:
             if hasattr(s, "mark"):
                 s.mark(self.length)
+
+
+@dataclass
+class Segment:
+    """One sequence's part of a forward: tokens ``ids`` [T] at positions start.. on ``state``."""
+
+    ids: torch.Tensor
+    state: State
+    start: int
 
 
 class DecoderLayer:
@@ -196,17 +219,43 @@ class CausalLM:
         """Run tokens ``ids`` [T] at positions start..start+T-1; returns final hidden [T, H].
 
         Writes the per-layer state for those positions; the caller advances ``state.length``.
+        One sequence is the one-segment case of ``forward_segments``.
         """
+        return self.forward_segments([Segment(ids, state, start)])
+
+    def forward_segments(self, segments: list[Segment]) -> torch.Tensor:
+        """Run several sequences' tokens as one forward; final hidden [sum T, H], rows in order.
+
+        Each segment's attention (projections, rotary at its own positions, its KV cache or
+        recurrent state) runs on its own rows exactly as when it runs alone; everything that is
+        per row (norms, routers, experts, dense and shared MLPs) runs on all rows at once, so
+        each routed expert is read and computed once for every row of the step that needs it.
+        With batch-invariant kernels a segment's rows are bit-identical to its solo forward.
+        """
+        one = len(segments) == 1
+        ids = segments[0].ids if one else torch.cat([s.ids for s in segments])
         h = self.embed[ids].float()
-        positions = torch.arange(start, start + ids.shape[0])
-        cos, sin = self.rotary.cos_sin(positions) if self.rotary is not None else (None, None)
+        bounds: list[tuple[int, int]] = []
+        r0 = 0
+        for s in segments:
+            bounds.append((r0, r0 + s.ids.shape[0]))
+            r0 += s.ids.shape[0]
+        rope = [self.rotary.cos_sin(torch.arange(s.start, s.start + s.ids.shape[0])) if self.rotary is not None
+                else (None, None) for s in segments]
         spine = self.spine
         if spine is not None:
             spine.start()
         for i, layer in enumerate(self.layers):
             if spine is not None:
                 spine.acquire(i)
-            a = h + layer.attn(layer.input_norm(h), start, state.layers[i], cos, sin)
+            x = layer.input_norm(h)
+            if one:
+                s = segments[0]
+                attn = layer.attn(x, s.start, s.state.layers[i], *rope[0])
+            else:
+                attn = torch.cat([layer.attn(x[b0:b1], s.start, s.state.layers[i], *cs)
+                                  for s, (b0, b1), cs in zip(segments, bounds, rope)])
+            a = h + attn
             if self.lookahead is not None:
                 self.lookahead(i, a)
             h = a + layer.mlp(layer.post_norm(a))
