@@ -226,36 +226,33 @@ class CausalLM:
     def forward_segments(self, segments: list[Segment]) -> torch.Tensor:
         """Run several sequences' tokens as one forward; final hidden [sum T, H], rows in order.
 
-        Each segment's attention (projections, rotary at its own positions, its KV cache or
-        recurrent state) runs on its own rows exactly as when it runs alone; everything that is
-        per row (norms, routers, experts, dense and shared MLPs) runs on all rows at once, so
-        each routed expert is read and computed once for every row of the step that needs it.
-        With batch-invariant kernels a segment's rows are bit-identical to its solo forward.
+        Everything that is per row runs on all rows at once: projections, norms, routers,
+        experts (each routed expert read and computed once for every row of the step that needs
+        it), dense and shared MLPs, rotary at each row's own position. Attention proper runs per
+        sequence on its own KV cache or recurrent state (``attn.segments(x, [(first row, end
+        row, start, layer state), ...], cos, sin)``). With batch-invariant kernels a segment's
+        rows are bit-identical to its solo forward.
         """
         one = len(segments) == 1
         ids = segments[0].ids if one else torch.cat([s.ids for s in segments])
         h = self.embed[ids].float()
-        bounds: list[tuple[int, int]] = []
-        r0 = 0
+        bounds: list[tuple[int, int, int]] = []  # (first row, end row, start position)
+        r = 0
         for s in segments:
-            bounds.append((r0, r0 + s.ids.shape[0]))
-            r0 += s.ids.shape[0]
-        rope = [self.rotary.cos_sin(torch.arange(s.start, s.start + s.ids.shape[0])) if self.rotary is not None
-                else (None, None) for s in segments]
+            bounds.append((r, r + s.ids.shape[0], s.start))
+            r += s.ids.shape[0]
+        cos = sin = None
+        if self.rotary is not None:
+            positions = torch.cat([torch.arange(p, p + r1 - r0) for r0, r1, p in bounds])
+            cos, sin = self.rotary.cos_sin(positions)
         spine = self.spine
         if spine is not None:
             spine.start()
         for i, layer in enumerate(self.layers):
             if spine is not None:
                 spine.acquire(i)
-            x = layer.input_norm(h)
-            if one:
-                s = segments[0]
-                attn = layer.attn(x, s.start, s.state.layers[i], *rope[0])
-            else:
-                attn = torch.cat([layer.attn(x[b0:b1], s.start, s.state.layers[i], *cs)
-                                  for s, (b0, b1), cs in zip(segments, bounds, rope)])
-            a = h + attn
+            segs = [(r0, r1, p, s.state.layers[i]) for (r0, r1, p), s in zip(bounds, segments)]
+            a = h + layer.attn.segments(layer.input_norm(h), segs, cos, sin)
             if self.lookahead is not None:
                 self.lookahead(i, a)
             h = a + layer.mlp(layer.post_norm(a))
