@@ -10,7 +10,10 @@ A family module (``models/<model_type>.py``) provides:
   routes MoE layers through the expert interface (it never reads files). Every MoE layer is
   a ``MoEBlock`` over a ``layers.routing.Router`` (families keep no routing code of their
   own), and nothing is derived at build time from a tensor of two or more dimensions
-  (it may be a stream buffer's view, filled only before its forward: see ``spine.py``);
+  (it may be a stream buffer's view, filled only before its forward: see ``spine.py``).
+  Attention layers take the rows of several sequences at once:
+  ``attn.segments(x, [(first row, end row, start, layer state), ...], cos, sin)`` (every
+  attention class of ``layers/`` has it; ``attn(x, start, state, cos, sin)`` is one segment);
 - optionally ``tensor_aliases(cfg) -> {name: other name}``: spine tensors that some
   checkpoints store under another name (looked up there when ``name`` is absent).
 
