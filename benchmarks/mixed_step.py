@@ -6,8 +6,9 @@
 Each run loads the model, prefills ``--seqs`` different random prompts (each alone, in its
 own state slot), then decodes ``--rounds`` greedy tokens per sequence: ``mixed`` runs each
 round as one ``ModelRunner.step`` of all sequences, ``solo`` as one step per sequence. Modes
-alternate (mixed, solo, mixed, ...), each on a fresh load (a cold expert cache; reads are
-O_DIRECT where the file system allows, so the page cache does not carry over). Reported per
+alternate (mixed, solo, mixed, ...), each on a fresh load in a child process of its own (a
+cold expert cache, the same memory baseline; reads are O_DIRECT where the file system allows,
+so the page cache does not carry over). Reported per
 mode (medians over ``--repeat``; ``--warmup`` rounds decoded first are not counted): decode wall seconds, expert bytes read from storage, demand
 reads, expert compute calls, the union of the experts routed per forward and MoE layer next
 to the sum of each sequence's own union, and whether the generated tokens are the same in
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,11 +74,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0, help="decode rounds before measuring (a warm cache)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json")
+    ap.add_argument("--child", choices=("mixed", "solo"), help=argparse.SUPPRESS)  # one run, JSON on stdout
     a = ap.parse_args()
+    if a.child:
+        print(json.dumps(run(a.model, a.child, a.memory, a.seqs, a.rounds, a.prompt_tokens, a.warmup)))
+        return
     runs: dict[str, list[dict]] = {"mixed": [], "solo": []}
     for _ in range(a.repeat):
         for mode in ("mixed", "solo"):
-            r = run(a.model, mode, a.memory, a.seqs, a.rounds, a.prompt_tokens, a.warmup)
+            cmd = [sys.executable, __file__, a.model, "--child", mode, "--memory", a.memory, "--seqs", str(a.seqs),
+                   "--rounds", str(a.rounds), "--prompt-tokens", str(a.prompt_tokens), "--warmup", str(a.warmup)]
+            r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
             runs[mode].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
     same = all(r["tokens"] == runs["solo"][0]["tokens"] for rs in runs.values() for r in rs)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ExpertReadError, InvalidArgumentError
-from .models.base import Segment
 from .stats import EngineCounters, EngineInfo
 
 TORCH_SERIAL_TOKENS = 64
@@ -185,13 +184,13 @@ class ModelRunner:
         try:
             for k in range(n_forwards):
                 c0 = k * chunk
-                segments: list[Segment] = []
+                segments: list[tuple[torch.Tensor, object, int]] = []  # (ids, model state, start)
                 rows: list[tuple[int, int, int, int]] = []  # (item, first row, end row, its token offset)
                 r = 0
                 for i, w in enumerate(work):
                     part = w.tokens[c0 : c0 + chunk]
                     if part:
-                        segments.append(Segment(torch.tensor(part, dtype=torch.long), w.seq.model_state, w.start + c0))
+                        segments.append((torch.tensor(part, dtype=torch.long), w.seq.model_state, w.start + c0))
                         rows.append((i, r, r + len(part), c0))
                         r += len(part)
                 self._rows = rows

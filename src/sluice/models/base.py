@@ -135,15 +135,6 @@ class State:
                 s.mark(self.length)
 
 
-@dataclass
-class Segment:
-    """One sequence's part of a forward: tokens ``ids`` [T] at positions start.. on ``state``."""
-
-    ids: torch.Tensor
-    state: State
-    start: int
-
-
 class DecoderLayer:
     """Pre-norm residual block: ``h += attn(norm1(h)); h += mlp(norm2(h))`` (see CausalLM)."""
 
@@ -224,10 +215,11 @@ class CausalLM:
         Writes the per-layer state for those positions; the caller advances ``state.length``.
         One sequence is the one-segment case of ``forward_segments``.
         """
-        return self.forward_segments([Segment(ids, state, start)])
+        return self.forward_segments([(ids, state, start)])
 
-    def forward_segments(self, segments: list[Segment]) -> torch.Tensor:
+    def forward_segments(self, segments: list[tuple[torch.Tensor, State, int]]) -> torch.Tensor:
         """Run several sequences' tokens as one forward; final hidden [sum T, H], rows in order.
+        ``segments`` holds each sequence's (token ids [T], state, start position).
 
         Everything that is per row runs on all rows at once: projections, norms, routers,
         experts (each routed expert read and computed once for every row of the step that needs
@@ -236,14 +228,13 @@ class CausalLM:
         row, start, layer state), ...], cos, sin)``). With batch-invariant kernels a segment's
         rows are bit-identical to its solo forward.
         """
-        one = len(segments) == 1
-        ids = segments[0].ids if one else torch.cat([s.ids for s in segments])
+        ids = segments[0][0] if len(segments) == 1 else torch.cat([s[0] for s in segments])
         h = self.embed[ids].float()
         bounds: list[tuple[int, int, int]] = []  # (first row, end row, start position)
         r = 0
-        for s in segments:
-            bounds.append((r, r + s.ids.shape[0], s.start))
-            r += s.ids.shape[0]
+        for seg_ids, _, start in segments:
+            bounds.append((r, r + seg_ids.shape[0], start))
+            r += seg_ids.shape[0]
         cos = sin = None
         if self.rotary is not None:
             positions = torch.cat([torch.arange(p, p + r1 - r0) for r0, r1, p in bounds])
@@ -254,7 +245,7 @@ class CausalLM:
         for i, layer in enumerate(self.layers):
             if spine is not None:
                 spine.acquire(i)
-            segs = [(r0, r1, p, s.state.layers[i]) for (r0, r1, p), s in zip(bounds, segments)]
+            segs = [(r0, r1, p, s[1].layers[i]) for (r0, r1, p), s in zip(bounds, segments)]
             a = h + layer.attn.segments(layer.input_norm(h), segs, cos, sin)
             if self.lookahead is not None:
                 self.lookahead(i, a)
