@@ -96,7 +96,8 @@ def main() -> None:
         s["tok_s"] = generated / s["decode_s"]
         s["expert_bytes_per_token"] = s["expert_bytes_read"] / generated
     out = {"model": a.model, "memory": a.memory, "seqs": a.seqs, "rounds": a.rounds, "warmup": a.warmup,
-           "prompt_tokens": a.prompt_tokens, "repeat": a.repeat, "tokens_identical": same, "summary": summary}
+           "prompt_tokens": a.prompt_tokens, "repeat": a.repeat, "tokens_identical": same, "summary": summary,
+           "runs": {mode: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for mode, rs in runs.items()}}
     print(f"{'':10} {'mixed':>14} {'solo':>14}")
     for k in ("decode_s", "tok_s", "expert_bytes_per_token", "demand_reads", "expert_compute_calls",
               "expert_union", "expert_seq_union", "forwards", "hit_rate"):

@@ -31,7 +31,7 @@ _OUT_OF_ORDER_BYTES = 8 << 20
 
 @dataclass
 class ExpertCounters:
-    lookups: int = 0  # decode-time expert lookups
+    lookups: int = 0  # decode-time expert lookups (experts some decoding row of the forward routed to)
     hits: int = 0  # decode-time lookups that did not wait on a read
     misses: int = 0
     prefill_lookups: int = 0
