@@ -301,9 +301,9 @@ class FamilyModels:
 
         return self._once(("native", family, kind), build)
 
-    def container(self, family: str, kind: str = "f32", experts: str | None = None) -> Path:
+    def container(self, family: str, kind: str = "f32", experts: str | None = None, spine: str | None = None) -> Path:
         from sluice.convert import convert
 
-        return self._once(("box", family, kind, experts), lambda: convert(
-            self.hf(family, kind), self.root / f"{family}-{kind}-{experts or 'stored'}.sluice", experts=experts,
-            progress=False))
+        name = f"{family}-{kind}-{experts or 'stored'}" + (f"-spine-{spine}" if spine else "")
+        return self._once(("box", family, kind, experts, spine), lambda: convert(
+            self.hf(family, kind), self.root / f"{name}.sluice", experts=experts, spine=spine, progress=False))

@@ -20,7 +20,7 @@ axes that share code (``CODE_SHARING``), and a pairwise covering array over all 
 skipped only with a reason in ``SKIP_REASONS``, and may be expected to fail only for a bug in
 ``KNOWN_BUGS`` (conftest turns any other skip or xfail into a failure).
 
-Below the matrix: the lossy switches and quantized containers on every family.
+Below the matrix: the lossy switches, quantized containers and the int8 spine on every family.
 """
 
 from __future__ import annotations
@@ -350,6 +350,40 @@ def test_quantized_container(family_models, family, fmt):
         assert eng.generate(IDS.tolist(), max_new_tokens=4, ignore_eos=True).token_ids
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= QUANT_MIN_AGREEMENT[fmt], f"teacher-forced top-1 agreement {agree:.2f} with the bf16 container"
+
+
+# -- the int8 spine (sluice convert --spine int8) ----------------------------------------------
+
+SPINE_MIN_AGREEMENT = 0.9  # teacher-forced top-1 against the bf16 container (measured 0.92-1.00 on "bf16-std")
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.filterwarnings("ignore:.*the spine is stored as int8")
+def test_int8_spine(family_models, family):
+    """The lossy int8 spine on every family: it runs (resident, and streamed one layer at a time
+    from poisoned buffers: bit-identical), changes the output, every result says it is lossy, the
+    resident spine shrinks, and teacher-forced top-1 agrees with the bf16 container."""
+    ref_box = family_models.container(family, "bf16-std")
+    with sluice.load(ref_box, memory=MEMORY, progress=False) as eng:
+        seq = IDS.tolist() + eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True).token_ids
+        want = eng.forward(seq)
+        spine_bytes = eng.plan.spine_bytes
+        assert eng.lossy == {}
+    box = family_models.container(family, "bf16-std", spine="int8")
+    with pytest.warns(UserWarning, match="spine is stored as int8"):
+        eng = sluice.load(box, memory=MEMORY, progress=False)
+    with eng:
+        got = eng.forward(seq)
+        assert torch.isfinite(got).all() and not torch.equal(got, want)
+        result = eng.generate(IDS.tolist(), max_new_tokens=4, ignore_eos=True)
+        assert result.stats["lossy"] == {"spine": "int8"} and eng.info.spine_format == "int8"
+        assert eng.plan.spine_bytes < 0.75 * spine_bytes  # bf16 -> int8 + scales; norms, routers stay
+    with sluice.load(box, memory=MEMORY, progress=False, max_resident_layers=0, poison_stream_buffers=True) as eng:
+        assert eng.plan.streamed_layers
+        assert torch.equal(eng.forward(seq), got)
+        assert eng.generate(IDS.tolist(), max_new_tokens=4, ignore_eos=True).token_ids == result.token_ids
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= SPINE_MIN_AGREEMENT, f"teacher-forced top-1 agreement {agree:.2f} with the bf16 container"
 
 
 # -- the skip rule ------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from .errors import (
     ChatTemplateError,
     CheckpointError,
     ConfigError,
+    ConvertError,
     ExpertReadError,
     GenerationCancelled,
     InvalidArgumentError,
@@ -59,7 +60,7 @@ def __dir__():
 
 
 __all__ = [
-    "BudgetError", "ChatTemplateError", "CheckpointError", "ConfigError", "Engine", "ExpertReadError",
+    "BudgetError", "ChatTemplateError", "CheckpointError", "ConfigError", "ConvertError", "Engine", "ExpertReadError",
     "GenerationCancelled", "InvalidArgumentError", "Options", "Result",
     "SluiceError", "Step", "UnsupportedModelError", "format_size", "load", "parse_size", "__version__",
 ]

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .engine import load
+from .errors import SluiceError
 from .storage import AlignedBuffer
 
 
@@ -51,8 +52,11 @@ def raw_read_bandwidth(engine, seconds: float = 3.0, threads: int | None = None,
 
 def drop_cache(engine) -> None:
     """Empty the expert cache (a cold start for the next measurement)."""
-    engine.experts.drain()
     cache = engine.cache
+    if cache is None:
+        raise SluiceError("sluice bench measures the expert cache of this process; with --ray the experts are on "
+                          "the workers (benchmarks/scale_out.py measures those)")
+    engine.experts.drain()
     for key in list(cache.keys()):
         cache.discard(cache.lookup(key))
 

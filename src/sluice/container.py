@@ -181,8 +181,15 @@ class Container:
         self.spine_file = store.locate(member_file(spine.get("file"), mpath))
         sfile = self.file(self.spine_file)
         self.tensors: dict[str, TensorInfo] = {}
+        # spine matrices stored in a weight format (``convert --spine int8``): name -> format name;
+        # the tensor under ``name`` is the format's ``weight`` part, others follow as "<name>.<part>"
+        self.spine_quant: dict[str, str] = {}
         for name, t in _obj(spine, "tensors", mpath).items():
             self.tensors[name] = _spine_tensor(name, t, self.spine_file, sfile.size, mpath)
+            if isinstance(t, dict) and "format" in t:
+                if not isinstance(t["format"], str):
+                    raise CheckpointError(f"{mpath}: spine tensor {name!r} has a malformed format {t['format']!r}")
+                self.spine_quant[name] = t["format"]
         self.spine_groups: dict[str, tuple[int, int, int]] = {}
         for k, v in (spine.get("groups") or {}).items():
             try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import math
 import os
 import shutil
 from contextlib import closing
@@ -41,13 +42,14 @@ from .container import (
     seal_manifest,
 )
 from .engine import ModelInfo
-from .errors import CheckpointError, InvalidArgumentError, SluiceError
+from .errors import CheckpointError, ConvertError, InvalidArgumentError, SluiceError
 from .experts.fused import canonical_layout, canonical_weights
 from .experts.source import views
+from .models import quantized_spine
 from .progress import Progress
 from .resolve import resolve_model
 from .quant.fp8 import FORMAT as FP8_FORMAT
-from .quant import QuantMatrix, assemble
+from .quant import FORMATS, QuantMatrix, assemble
 from .storage.crc import crc32
 from .storage import AlignedBuffer, align_up
 
@@ -68,8 +70,6 @@ def part_specs(fmt: str, layout) -> list[tuple[str, str, tuple[int, ...]]]:
         elif fmt == FP8_FORMAT:  # stored as is; "<role>_scale_inv" follows among the other parts
             specs.append((role, DTYPE_NAMES[v.dtype], tuple(v.shape)))
         else:
-            from .quant.formats import FORMATS
-
             n, k = v.shape
             for part, (dtype, shape) in FORMATS[fmt].parts(n, k).items():
                 specs.append((f"{role}.{part}", DTYPE_NAMES[dtype], tuple(shape)))
@@ -98,8 +98,6 @@ def encode_parts(fmt: str, weights: dict[str, torch.Tensor], parts, record: Alig
         elif fmt == FP8_FORMAT:
             encoded[role] = w
         else:
-            from .quant.formats import FORMATS
-
             for part, t in FORMATS[fmt].quantize(w.float()).items():
                 encoded[f"{role}.{part}"] = t
     for p in parts:
@@ -124,10 +122,6 @@ def _group_order(g: str) -> tuple[int, int]:
     if g.startswith("layer."):
         return (1, int(g.split(".")[1]))
     return (2, 0)
-
-
-class ConvertError(SluiceError, OSError):
-    """``sluice convert`` refused its output path or could not write it (nothing was deleted)."""
 
 
 PARTIAL_MARK = ".sluice-partial"  # inside DST.partial / DST.old: a directory convert made and may delete
@@ -277,9 +271,13 @@ def _install(tmp: Path, dst: Path) -> None:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | None = None,
-            progress: bool = True, force: bool = False) -> Path:
+            spine: str | None = None, progress: bool = True, force: bool = False) -> Path:
     """Convert ``src`` (a Hugging Face directory, ``demo``, a cached repo id, or the ``s3://`` or
     ``http(s)://`` URL of a directory) into a container at ``dst``; returns ``dst``.
+
+    ``spine``: None or "stored" keeps the spine tensors as the checkpoint stores them; "int8"
+    (lossy, opt-in) stores the spine's matrices (``quantized_spine.quantizable``) as int8 with
+    one fp32 scale per row.
 
     An existing container at ``dst`` is replaced only with ``force``; any other existing path,
     and an output that is, lies inside or contains ``src``, is refused (``ConvertError``).
@@ -293,6 +291,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     info = ModelInfo(src, direct_io=None)
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
     fmt = experts or source.format
+    spine = spine or "stored"
+    if spine != "stored" and spine not in quantized_spine.SPINE_FORMATS:
+        raise InvalidArgumentError(f"spine (--spine): unknown spine format {spine!r} (choose from: stored, "
+                                   f"{', '.join(quantized_spine.SPINE_FORMATS)})")
     if fmt not in FORMAT_IDS:
         raise InvalidArgumentError(f"experts (--experts): unknown expert format {fmt!r} (choose from: "
                                    f"{', '.join(FORMAT_IDS)})")
@@ -320,7 +322,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     (tmp / PARTIAL_MARK).touch()
     writing = tmp
     try:
-        writing = _write(src, tmp, info, fmt, parts, payload, rec, progress, dst.name)
+        writing = _write(src, tmp, info, fmt, parts, payload, rec, progress, dst.name, spine)
         writing = dst
         _install(tmp, dst)
     except BaseException as e:
@@ -361,9 +363,58 @@ def _copy_tensor(ckpt, info, f, crc: int, chunk: AlignedBuffer, bar: Progress) -
     return crc
 
 
+def _quantize_tensor(ckpt, name: str, spine: str, f, off: int, crc: int, chunk: AlignedBuffer,
+                     bar: Progress) -> tuple[dict, int, int]:
+    """Write spine matrix ``name`` in format ``spine``: its ``weight`` part quantized from row
+    blocks of at most ``chunk`` source bytes, then its other parts (64-byte aligned). Returns
+    (the parts' tensor-table entries without their group, the offset after them, the CRC)."""
+    info = ckpt.info(name)  # (its bytes may be stored under an alias's name)
+    n, k = info.shape
+    file = ckpt.file(info.file)
+    row_bytes = info.nbytes // max(n, 1)
+    step = max(1, chunk.nbytes // max(row_bytes, 1))
+    rest: dict[str, list[torch.Tensor]] = {}
+    names = quantized_spine.part_names(name, spine)
+    entries = {}
+    for r0 in range(0, n, step):
+        r = min(step, n - r0)
+        data = chunk.view(0, r * row_bytes)
+        try:
+            file.read_into(data, info.offset + r0 * row_bytes)
+        except OSError as e:
+            raise CheckpointError(f"{info.file}: reading tensor {info.name!r} failed: {e}") from None
+        q = quantized_spine.quantize_rows(spine, chunk.tensor(0, info.torch_dtype, (r, k)))
+        out = memoryview(q["weight"].contiguous().view(torch.uint8).numpy()).cast("B")
+        f.write(out)
+        crc = crc32(out, crc)
+        for part, t in q.items():
+            if part != "weight":
+                rest.setdefault(part, []).append(t)
+        bar.update(r * row_bytes)
+    specs = FORMATS[spine].parts(n, k)
+    dtype, shape = specs["weight"]
+    entries[names["weight"]] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "offset": off, "format": spine}
+    off += math.prod(shape) * dtype.itemsize
+    for part, pieces in rest.items():
+        pad = b"\0" * (align_up(off, 64) - off)
+        f.write(pad)
+        crc = crc32(pad, crc)
+        off += len(pad)
+        t = torch.cat(pieces).contiguous()
+        data = memoryview(t.view(torch.uint8).numpy()).cast("B")
+        f.write(data)
+        crc = crc32(data, crc)
+        entries[names[part]] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(specs[part][1]), "offset": off}
+        off += len(data)
+    return entries, off, crc
+
+
 def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec: int,
-           progress: bool, label: str) -> Path:
+           progress: bool, label: str, spine: str = "stored") -> Path:
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
+    quantize = set()
+    if spine != "stored":  # float matrices only: FP8 weights stay as stored (one byte already)
+        quantize = {n for n in quantized_spine.quantizable(desc) if ckpt.info(n).dtype in ("F32", "BF16", "F16")}
     shapes = desc.expert.matrix_shapes()
     # counts the bytes it writes as data (not alignment padding), so it ends at 100%
     written = sum(ckpt.info(n).nbytes for n in desc.spine) + rec * desc.total_experts
@@ -389,6 +440,10 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
                 crc = crc32(pad, crc)
                 off += len(pad)
                 info_t = ckpt.info(name)
+                if name in quantize:
+                    entries, off, crc = _quantize_tensor(ckpt, name, spine, f, off, crc, chunk, bar)
+                    tensors.update({n: {**e, "group": g} for n, e in entries.items()})
+                    continue
                 crc = _copy_tensor(ckpt, info_t, f, crc, chunk, bar)
                 tensors[name] = {"dtype": DTYPE_NAMES[info_t.torch_dtype], "shape": list(info_t.shape), "offset": off, "group": g}
                 off += info_t.nbytes
@@ -435,6 +490,7 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
         "config": info.raw_config,
         "generation_config": ckpt.generation_config,
         "expert_format": fmt,
+        "spine_format": spine,
         "source": {"path": Path(src).name, "expert_dtype": source.format},
         "spine": {"file": "spine.bin", "tensors": tensors, "groups": group_table},
         "experts": {"record_bytes": rec, "layers": bank_table},

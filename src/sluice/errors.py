@@ -43,6 +43,10 @@ class ExpertReadError(SluiceError, OSError):
     """Reading an expert's bytes from storage failed (I/O error, short read, bad CRC)."""
 
 
+class ConvertError(SluiceError, OSError):
+    """``sluice convert`` refused its output path or could not write it (nothing was deleted)."""
+
+
 class GenerationCancelled(SluiceError):
     """A generation was cancelled by its caller."""
 

@@ -7,9 +7,14 @@ proposal costs a dict lookup. The draft length adapts to recent acceptance.
 
 from __future__ import annotations
 
+from .layers.attention import MAX_DRAFT
+
 
 class NgramDrafter:
-    def __init__(self, tokens: list[int], n_max: int = 6, n_min: int = 2, max_draft: int = 12,
+    """``max_draft`` is at most ``MAX_DRAFT``: sliding-window caches keep that many positions
+    beyond their window, so that a rejected draft rolls back without recomputation."""
+
+    def __init__(self, tokens: list[int], n_max: int = 6, n_min: int = 2, max_draft: int = MAX_DRAFT,
                  start_draft: int = 4):
         self.tokens: list[int] = []
         self.n_max, self.n_min, self.max_draft = n_max, n_min, max_draft

@@ -21,6 +21,7 @@ from ..quant.fp8 import assemble
 from .cache import LOADING, READY, ExpertCache, Slot
 from .reader import DEMAND, PREFETCH, ReaderPool
 from .compute import expert_forward, expert_output
+from .interface import ExpertInterface
 from .source import ExpertSource
 from .spec import ExpertSpec
 
@@ -48,7 +49,7 @@ class ExpertCounters:
     seq_union: int = 0  # ... counted per sequence of the forward: what the sequences would look up alone
 
 
-class ExpertProvider:
+class ExpertProvider(ExpertInterface):
     def __init__(self, source: ExpertSource, cache: ExpertCache, spec: ExpertSpec, n_experts: int,
                  reader_threads: int = 4, verify_reads: bool = False, *, pool=None, compute=None):
         """``pool`` (default: a ``ReaderPool`` of ``reader_threads``) runs the reads: anything with
@@ -82,6 +83,13 @@ class ExpertProvider:
 
     def close(self) -> None:
         self.pool.shutdown()
+
+    def tick(self) -> None:
+        self.cache.policy.tick()
+
+    @property
+    def evictions(self) -> int:
+        return self.cache.evictions
 
     # -- reads ---------------------------------------------------------------------------
 

@@ -17,6 +17,12 @@ from .rotary import apply_rotary
 SCORE_BLOCK_BYTES = 64 << 20
 
 
+# The longest speculative draft (``speculative.NgramDrafter`` never proposes more): a
+# sliding-window cache keeps this many positions beyond its window, so that rejecting a draft
+# rolls it back without recomputing anything.
+MAX_DRAFT = 12
+
+
 class KVCache:
     """Keys and values of one attention layer for up to ``max_ctx`` positions (fp32).
 
@@ -37,6 +43,88 @@ class KVCache:
         t = k.shape[0]
         self.k[:, start : start + t] = k.transpose(0, 1)
         self.v[:, start : start + t] = v.transpose(0, 1)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Write positions start.. and return the keys [Hkv, L, D] and values the new queries
+        attend over, with the first query's index among those keys (here: all, from 0)."""
+        self.write(start, k, v)
+        end = start + k.shape[0]
+        return self.k[:, :end], self.v[:, :end], start
+
+
+class WindowKVCache:
+    """Keys and values of a sliding-window layer: only the positions it may still need.
+
+    A query at position p sees keys p-W+1..p (W the window). The cache keeps the last
+    ``keep = W - 1 + MAX_DRAFT`` positions before each forward (what the next queries see,
+    plus a rejected speculative draft's worth to roll back) in a buffer of ``2 * keep``
+    positions (at most ``max_ctx``): new positions are written in place while they fit, then
+    the kept positions move to the front (one copy per ``keep`` tokens). Keys stay contiguous,
+    so attention reads them as a slice, in the order a full cache has them: the C kernel
+    visits the same keys in the same order, and the logits are bit-identical.
+
+    Positions before ``base`` are gone: ``restorable(n)`` is ``n`` while n's window is still
+    held, else 0 (the state is rewound to nothing and the caller prefills again).
+    """
+
+    def __init__(self, n_kv: int, max_ctx: int, k_dim: int, window: int, v_dim: int | None = None,
+                 rollback: int = MAX_DRAFT):
+        self.window = window
+        self.keep = window - 1 + rollback
+        self.cap = self.positions(window, max_ctx, rollback)
+        self.k = torch.empty(n_kv, self.cap, k_dim)
+        self.v = torch.empty(n_kv, self.cap, v_dim or k_dim)
+        self.base = 0  # position of buffer slot 0
+        self.end = 0  # positions base..end-1 are held
+
+    @staticmethod
+    def positions(window: int, max_ctx: int | None = None, rollback: int = MAX_DRAFT) -> int:
+        """Positions the buffer holds for a context of ``max_ctx`` (None: any length)."""
+        cap = max(1, 2 * (window - 1 + rollback))
+        return cap if max_ctx is None else min(max_ctx, cap)
+
+    def restorable(self, n: int) -> int:
+        """The largest length <= n this cache can continue from: n if keys n-W+1..n-1 are held."""
+        n = min(n, self.end)
+        return n if self.base == 0 or n - self.window + 1 >= self.base else 0
+
+    def rewind(self, n: int) -> None:
+        self.end = n
+        if n == 0:
+            self.base = 0
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Write positions start..start+T-1 (k, v [T, Hkv, D]); returns the keys and values the
+        queries attend over (from the first position the first query sees) and the first
+        query's index among them."""
+        t = k.shape[0]
+        end = start + t
+        if start > self.end or (self.base > 0 and start - self.window + 1 < self.base):
+            raise RuntimeError(f"sliding-window cache holds positions {self.base}..{self.end - 1}, "
+                               f"cannot continue at {start}")
+        lo = max(0, start - self.window + 1)  # the first key the first query sees
+        if end - self.base > self.cap:  # no room: keep the last `keep` positions before start
+            base = max(self.base, start - self.keep)
+            if base > self.base:
+                n = start - base
+                a = base - self.base
+                self.k[:, :n] = self.k[:, a : a + n].clone()
+                self.v[:, :n] = self.v[:, a : a + n].clone()
+                self.base = base
+        self.end = end
+        if end - self.base <= self.cap:
+            o = start - self.base
+            self.k[:, o : o + t] = k.transpose(0, 1)
+            self.v[:, o : o + t] = v.transpose(0, 1)
+            return self.k[:, lo - self.base : end - self.base], self.v[:, lo - self.base : end - self.base], start - lo
+        # a chunk longer than the free room: attend over a joined copy, keep its last positions
+        keys = torch.cat([self.k[:, lo - self.base : start - self.base], k.transpose(0, 1)], dim=1)
+        values = torch.cat([self.v[:, lo - self.base : start - self.base], v.transpose(0, 1)], dim=1)
+        n = min(self.cap, end - lo)
+        self.k[:, :n] = keys[:, -n:]
+        self.v[:, :n] = values[:, -n:]
+        self.base = end - n
+        return keys, values, start - lo
 
 
 def attend(
@@ -123,10 +211,14 @@ class Attention:
         self.sinks = sinks.float() if sinks is not None else None
         self.scale = scale if scale is not None else head_dim**-0.5
 
-    def new_cache(self, max_ctx: int) -> KVCache:
+    def new_cache(self, max_ctx: int) -> KVCache | WindowKVCache:
+        if self.window is not None:
+            return WindowKVCache(self.n_kv, max_ctx, self.head_dim, self.window)
         return KVCache(self.n_kv, max_ctx, self.head_dim)
 
     def cache_bytes(self, max_ctx: int) -> int:
+        if self.window is not None:
+            max_ctx = WindowKVCache.positions(self.window, max_ctx)
         return KVCache.nbytes(self.n_kv, max_ctx, self.head_dim)
 
     def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,8 +252,6 @@ class Attention:
         """Write each sequence's keys and values to its cache and attend over it: [T, Hq, D]."""
         outs = []
         for r0, r1, start, cache in segs:
-            cache.write(start, k[r0:r1], v[r0:r1])
-            end = start + r1 - r0
-            outs.append(attend(q[r0:r1], cache.k[:, :end], cache.v[:, :end], start, self.scale, self.window,
-                               self.sinks))
+            keys, values, q0 = cache.update(start, k[r0:r1], v[r0:r1])
+            outs.append(attend(q[r0:r1], keys, values, q0, self.scale, self.window, self.sinks))
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -33,7 +33,7 @@ from ..layers.norm import RMSNorm
 from ..layers.pointwise import pointwise
 from ..layers.rotary import Rotary
 from ..layers.routing import Router
-from ..quant import linear
+from ..quant import embed, linear
 
 
 
@@ -51,6 +51,10 @@ class ModelDescription:
     expert_tensors: Callable[[int, int], ExpertTensors]
     state_bytes_per_token: int  # KV cache bytes per position, all layers (fp32)
     state_bytes_fixed: int = 0  # recurrent state bytes, independent of length
+    # sliding-window layers (``WindowKVCache``): bytes per position, all such layers, and the
+    # positions each keeps at most (fewer when max_context is shorter)
+    window_bytes_per_token: int = 0
+    window_positions: int = 0
     max_position_embeddings: int = 4096
     attn_heads: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
@@ -58,6 +62,11 @@ class ModelDescription:
     # a quant format (``sluice.quant.FORMATS``) the checkpoint stores routed experts in natively,
     # as parts named "<role>.<part>" in ``expert_tensors``; None: plain f32/bf16/f16 tensors
     expert_format: str | None = None
+
+    def state_bytes(self, max_ctx: int) -> int:
+        """KV caches and recurrent states of one sequence of up to ``max_ctx`` positions."""
+        return (self.state_bytes_per_token * max_ctx + self.state_bytes_fixed
+                + self.window_bytes_per_token * min(max_ctx, self.window_positions))
 
     @property
     def working_set(self) -> int:
@@ -80,12 +89,13 @@ def check_tensor(name: str, info, expected: tuple[int, ...]) -> None:
 class State:
     """Per-sequence state: one entry per layer (KV cache or recurrent state) and the tokens.
 
-    A KV cache can be cut back to any length for free. A recurrent layer state (linear
-    attention) can only return to positions it kept a snapshot of; such states implement
-    ``restorable(n) -> int`` (the largest restorable position <= n), ``rewind(n)`` and
-    ``mark(n)`` (keep a snapshot of the current state, which is position n). Snapshots are
-    references to immutable tensors (a forward builds new state tensors, never updates them
-    in place), so marking costs nothing.
+    A KV cache can be cut back to any length for free. A layer that cannot return to every
+    position implements ``restorable(n) -> int`` (the largest restorable position <= n) and
+    ``rewind(n)``: a recurrent state (linear attention) returns only to positions it kept a
+    snapshot of with ``mark(n)`` (keep a snapshot of the current state, which is position n;
+    snapshots are references to immutable tensors, since a forward builds new state tensors
+    and never updates them in place, so marking costs nothing); a sliding-window cache
+    (``WindowKVCache``) only to positions whose window it still holds, else to 0.
     """
 
     def __init__(self, layers: list, max_ctx: int):
@@ -97,7 +107,7 @@ class State:
     @property
     def recurrent(self) -> bool:
         """True if some layer keeps recurrent state (rollback needs a snapshot)."""
-        return any(hasattr(s, "rewind") for s in self.layers)
+        return any(hasattr(s, "mark") for s in self.layers)
 
     def rewind(self, n: int) -> int:
         """Roll back to the first ``n`` positions, or fewer if a layer cannot; returns the length."""
@@ -120,13 +130,15 @@ class State:
         return self.length, [s.save() if hasattr(s, "save") else None for s in self.layers]
 
     def restore(self, saved) -> None:
-        """Return to what ``save`` returned, whatever forwards ran since (a failed step's undo)."""
+        """Return to what ``save`` returned, whatever forwards ran since (a failed step's undo), or
+        as far back as a layer can: a sliding-window cache that has dropped the window of the
+        saved length rewinds the state to 0 (``rewind``), and the caller prefills again."""
         length, layers = saved
         for s, v in zip(self.layers, layers):
             if v is not None:
                 s.restore(v)
-        self.length = length
-        del self.tokens[length:]
+        self.length = max(self.length, length)
+        self.rewind(length)
 
     def mark(self) -> None:
         """Let every recurrent layer keep a snapshot at the current length."""
@@ -229,7 +241,7 @@ class CausalLM:
         rows are bit-identical to its solo forward.
         """
         ids = segments[0][0] if len(segments) == 1 else torch.cat([s[0] for s in segments])
-        h = self.embed[ids].float()
+        h = embed(self.embed, ids)
         bounds: list[tuple[int, int, int]] = []  # (first row, end row, start position)
         r = 0
         for seg_ids, _, start in segments:

@@ -281,7 +281,7 @@ def build(cfg: Config, w, experts) -> CausalLM:
         weight = w(module + ".weight")
         if cfg.quantized(module):
             return BlockFP8(weight, w(module + ".weight" + SCALE_SUFFIX), cfg.block, module + ".weight")
-        if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if isinstance(weight, torch.Tensor) and weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise CheckpointError(
                 f"tensor {module + '.weight'!r} is {weight.dtype}, but config.json declares no block-scaled "
                 "quantization for it (quantization_config / modules_to_not_convert)")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
 from ..experts.spec import ExpertSpec, TensorRef
-from ..layers.attention import Attention, KVCache
+from ..layers.attention import MAX_DRAFT, Attention, KVCache, WindowKVCache
 from ..layers.norm import RMSNorm
 from ..layers.rotary import SUPPORTED_ROPE_TYPES, Rotary, rope_parameters
 from ..layers.routing import TopKSoftmaxRouter
@@ -197,11 +197,16 @@ def describe(cfg: Config) -> ModelDescription:
         return refs
 
     n_sliding = cfg.layer_types.count("sliding_attention")
+    kv_per_token = KVCache.nbytes(cfg.num_key_value_heads, 1, d)
+    window_positions = WindowKVCache.positions(cfg.sliding_window) if n_sliding else 0
     stored = ("MXFP4 blocks/scales (gate_up rows interleaved), computed in 4-bit form"
               if cfg.mxfp4 else "fused, input-major, gate/up interleaved")
     notes = [
         f"attention: {n_sliding} sliding-window layers (window {cfg.sliding_window}) and "
         f"{cfg.num_hidden_layers - n_sliding} full layers, learned sinks; RoPE {cfg.rope.get('rope_type')}",
+        *([f"KV: each sliding-window layer keeps at most {window_positions} positions (the window, "
+           f"{MAX_DRAFT} for a speculative draft, room to append), full layers the whole context"]
+          if n_sliding else []),
         f"experts: a Hugging Face directory stores them {stored} and is streamed one expert slice at a time as "
         "stored; a container holds canonical de-interleaved records",
     ]
@@ -209,7 +214,8 @@ def describe(cfg: Config) -> ModelDescription:
         model_type=MODEL_TYPE, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
         moe_layers=list(range(cfg.num_hidden_layers)), n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
         expert=spec, expert_tensors=expert_tensors,
-        state_bytes_per_token=KVCache.nbytes(cfg.num_key_value_heads, 1, d) * cfg.num_hidden_layers,
+        state_bytes_per_token=kv_per_token * (cfg.num_hidden_layers - n_sliding),
+        window_bytes_per_token=kv_per_token * n_sliding, window_positions=window_positions,
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads, notes=notes,
         expert_format="mxfp4" if cfg.mxfp4 else None,
     )

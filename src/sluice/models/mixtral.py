@@ -11,7 +11,7 @@ from ..layers.routing import SoftmaxRouter
 from .base import CausalLM, ModelDescription, MoEBlock
 from .config import REQUIRED, MAX_EXPERTS, MAX_POSITIONS, RawConfig, check_rope
 from .standard import (AttnShape, attention_spine, build_attention, causal_lm, decoder_layer, expert_refs,
-                       global_spine, kv_bytes_per_token, prefix)
+                       global_spine, prefix, window_state)
 
 MODEL_TYPE = "mixtral"
 _ROLE_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
@@ -79,7 +79,7 @@ def describe(cfg: Config) -> ModelDescription:
         expert=spec,
         expert_tensors=expert_refs(spec, "model.layers.{layer}.block_sparse_moe.experts.{e}.{name}.weight",
                                    _ROLE_NAMES),
-        state_bytes_per_token=kv_bytes_per_token(a, cfg.num_hidden_layers),
+        **window_state(a, cfg.num_hidden_layers, cfg.sliding_window),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
     )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..experts.spec import ExpertSpec, TensorRef
-from ..layers.attention import Attention, KVCache
+from ..layers.attention import Attention, KVCache, WindowKVCache
 from ..layers.norm import RMSNorm
 from .base import CausalLM, DecoderLayer
 
@@ -69,6 +69,15 @@ def build_attention(w, p: str, a: AttnShape, eps: float, **extra) -> Attention:
 
 def kv_bytes_per_token(a: AttnShape, layers: int) -> int:
     return KVCache.nbytes(a.n_kv, 1, a.head_dim) * layers
+
+
+def window_state(a: AttnShape, layers: int, window: int | None) -> dict[str, int]:
+    """``ModelDescription`` state fields for ``layers`` attention layers, all with ``window``
+    (None: full attention, KV for the whole context)."""
+    if window is None:
+        return {"state_bytes_per_token": kv_bytes_per_token(a, layers)}
+    return {"state_bytes_per_token": 0, "window_bytes_per_token": kv_bytes_per_token(a, layers),
+            "window_positions": WindowKVCache.positions(window)}
 
 
 def expert_refs(spec: ExpertSpec, template: str, names: dict[str, str]):

@@ -8,9 +8,9 @@ activations and fp32 results. See ``formats`` for the interface and docs/quantiz
 """
 
 from . import int8, mxfp4, q4, rvq3  # noqa: F401  (register the formats)
-from .dense import linear, linear_chain, linear_t
+from .dense import embed, linear, linear_chain, linear_t
 from .formats import (FORMATS, Format, QuantMatrix, activations, assemble, fake_quantize_activations,
                       record_layout, set_activations)
 
-__all__ = ["FORMATS", "Format", "QuantMatrix", "activations", "assemble", "fake_quantize_activations", "linear",
+__all__ = ["FORMATS", "Format", "QuantMatrix", "activations", "assemble", "embed", "fake_quantize_activations", "linear",
            "linear_chain", "linear_t", "record_layout", "set_activations"]

@@ -34,6 +34,14 @@ def _rows(kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*lead, y.shape[-1])
 
 
+def embed(weight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table as fp32 [T, H]: a tensor's rows upcast, or a
+    ``QuantMatrix``'s rows dequantized (an int8 spine's embedding)."""
+    if isinstance(weight, torch.Tensor):
+        return weight[ids].float()
+    return weight.rows(ids)
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` in fp32. x: [T, K] fp32, weight: [N, K] f32/bf16/f16 tensor, or a
     ``QuantMatrix`` / ``BlockFP8`` (anything with ``.linear(x, bias)``).

@@ -100,6 +100,10 @@ class Format:
         """Reference: rows [r0, r1) as fp32 [r1 - r0, padded_k(k)], plain torch."""
         raise NotImplementedError
 
+    def gather_rows(self, parts: dict[str, torch.Tensor], n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any order, repeats allowed) as fp32 [len(ids), k] (an embedding lookup)."""
+        return torch.cat([self.dequantize_rows(parts, n, k, i, i + 1)[:, :k] for i in ids.tolist()])
+
     def dequantize(self, parts: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
         """Reference: the whole matrix as fp32 [n, k], plain torch."""
         return self.dequantize_rows(parts, n, k, 0, n)[:, :k]
@@ -227,6 +231,10 @@ class QuantMatrix:
 
     def dequantize(self) -> torch.Tensor:
         return self.format.dequantize(self.parts, self.n, self.k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` dequantized to fp32 [len(ids), k] (an embedding lookup)."""
+        return self.format.gather_rows(self.parts, self.n, self.k, ids)
 
     def __repr__(self) -> str:
         return f"QuantMatrix({self.format.name}, n={self.n}, k={self.k}, {self.nbytes} bytes)"

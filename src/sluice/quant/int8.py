@@ -61,6 +61,9 @@ class Int8(Format):
     def dequantize_rows(self, parts, n, k, r0, r1):
         return parts["weight"][r0:r1].float() * parts["scales"][r0:r1, None]
 
+    def gather_rows(self, parts, n, k, ids):
+        return parts["weight"][ids, :k].float() * parts["scales"][ids, None]
+
     def _kernel_parts(self, parts):
         return parts["weight"], parts["scales"]
 

@@ -177,7 +177,7 @@ class RemoteSource(ByteSource):
         if len(data) != n:
             raise OSError(f"short read: {len(data)} of {n} bytes at offset {offset}: {self.name}")
         dest[:] = memoryview(data)
-        self.stats.add(n)
+        self.stats.add(n, remote=True)
 
     def close(self) -> None:
         self._store = None
