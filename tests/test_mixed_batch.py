@@ -10,6 +10,7 @@ sequences that needed it (the others are re-run, the failed ones rewound to thei
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,21 +106,23 @@ def test_mixed_step_equals_solo_runs_and_reads_each_expert_once(family, family_m
 
 
 class FailingExpert(WrappedSource):
-    """Reads at ``offsets`` fail with EIO (one expert's records); clear the set to heal."""
+    """Reads at ``places`` ((file name, offset): one expert's) fail with EIO; clear the set to heal."""
 
-    def __init__(self, inner, offsets: set[int]):
+    def __init__(self, inner, places: set[tuple[str, int]]):
         super().__init__(inner)
-        self.offsets = offsets
+        self.places = places
 
     def read_aligned(self, buf, offset: int) -> int:
-        if offset in self.offsets:
+        if (Path(self.name).name, offset) in self.places:
             raise OSError(errno.EIO, f"injected I/O error reading at offset {offset}", self.name)
         return self.inner.read_aligned(buf, offset)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "olmoe"])
+# recurrent, KV and sliding-window caches; GPT-OSS's experts share pages in its fused tensors, so
+# its container (one aligned record per expert) lets one expert's reads fail alone
+@pytest.mark.parametrize("family", ["qwen3_next", "olmoe", "gpt_oss"])
 def test_a_failing_expert_read_fails_only_the_sequences_that_routed_to_it(family, family_models):
-    path = family_models.hf(family)
+    path = family_models.container(family) if family == "gpt_oss" else family_models.hf(family)
     with _engine(path) as eng:
         want, _, first, _ = _scenario(eng, together=False, record=True)
     used = [{(layer, e) for layer, r in res.routing.items() for e in r.reshape(-1).tolist()} for res in first]
@@ -130,11 +133,14 @@ def test_a_failing_expert_read_fails_only_the_sequences_that_routed_to_it(family
     doomed = {i for i, u in enumerate(used) if key in u}
 
     with _engine(path, cache_experts=64) as eng:
-        offsets: set[int] = set()
-        eng.checkpoint.sources.wrap(lambda s: FailingExpert(s, offsets))
-        bad = {r.offset for r in eng.experts_source.layout(*key).reads}
-        others = {r.offset for k in set().union(*used) - {key} for r in eng.experts_source.layout(*k).reads}
-        assert not bad & others
+        places: set[tuple[str, int]] = set()
+        eng.checkpoint.sources.wrap(lambda s: FailingExpert(s, places))
+
+        def reads(k):
+            return {(Path(r.file).name, r.offset) for r in eng.experts_source.layout(*k).reads}
+
+        bad = reads(key)
+        assert not bad & set().union(*(reads(k) for k in set().union(*used) - {key}))
         runner = eng.runner
         pa, pb, pc, draft = _prompts()
         a, b, c = (_slot(eng, i) for i in range(3))
@@ -142,7 +148,7 @@ def test_a_failing_expert_read_fails_only_the_sequences_that_routed_to_it(family
         runner.run(c, pc[:-1], 0, last_n=0)
         if key in eng.cache:  # read by the context prefills: drop it, so the step must read it
             eng.cache.discard(eng.cache.lookup(key))
-        offsets |= bad  # from now on the expert cannot be read
+        places |= bad  # from now on the expert cannot be read
         items = [SeqWork(a, pa, 0, last_n=3), SeqWork(b, pb[-1:], len(pb) - 1, decoding=True),
                  SeqWork(c, pc[-1:] + draft, len(pc) - 1, last_n=4, decoding=True)]
         starts = [(s.length, s.tokens) for s in (a, b, c)]
@@ -162,7 +168,7 @@ def test_a_failing_expert_read_fails_only_the_sequences_that_routed_to_it(family
             runner.step([items[i]])
         assert ((a, b, c)[i].length, (a, b, c)[i].tokens) == starts[i]
         # healed storage: the failed sequences continue from their start as if nothing happened
-        offsets.clear()
+        places.clear()
         for i in sorted(doomed):
             r = runner.step([items[i]])[0]
             assert torch.equal(r.logits, want[i][: r.logits.shape[0]])
