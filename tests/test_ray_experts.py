@@ -116,7 +116,7 @@ def test_bit_identical_to_one_process(family, family_models, cluster, single):
         assert all(s["experts_computed"] > 0 and s["rows_computed"] > 0 for s in stats), stats
         counted = eng.experts.worker_counters()  # the driver's own count, what /metrics shows
         assert all(p["experts_computed_total"] > 0 and p["calls_total"] > 0 for p in counted), counted
-        text = Metrics("m").render(0, 0, 1, counted)
+        text = Metrics("m").render(0, 0, 1, workers=counted)
         assert f'sluice_expert_worker_rows_computed_total{{worker="{n - 1}"}}' in text
         c = eng.totals()
         assert c.expert_lookups > 0 and c.bytes_read > 0 and c.demand_reads > 0

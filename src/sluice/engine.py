@@ -26,6 +26,7 @@ from .cluster.connect import connect as connect_cluster
 from .cluster.model import signature as cluster_signature
 from .cluster.provider import RayExperts
 from .experts.cache import ExpertCache
+from .experts.lookahead import rank_guesses
 from .experts.policy import make_policy
 from .experts.provider import ExpertProvider
 from .experts.source import CheckpointExperts, ContainerExperts
@@ -406,21 +407,42 @@ class Engine:
         if routing and warn:
             warnings.warn(f"lossy routing enabled ({routing}): outputs differ from the model's", stacklevel=2)
 
+    # Lookahead prefetch (measured in docs/io.md): predict this many layers ahead (1 or 2) ...
+    lookahead_depth = 1
+    # ... read a guess only if some row gives it at least this router probability ...
+    prefetch_min_prob = 0.0
+    # ... and predict for forwards of at most this many rows (decode, a batch of sequences'
+    # decode rows, speculative verification); a prefill chunk reads each expert once anyway
+    lookahead_max_rows = 64
+
     def _lookahead(self, layer: int, h: torch.Tensor) -> None:
-        """After layer ``layer``'s attention, start reads for the next layer's predicted experts
-        (and, when tracing routing, record the prediction for every token of the forward)."""
+        """After layer ``layer``'s attention, start reads for the experts the next layers are
+        predicted to use (and, when tracing routing, record the next layer's prediction for
+        every token of the forward). With several rows (sequences batched in one forward, a
+        verified draft), the union of the rows' guesses, by predicted weight mass."""
         traced = self.experts.predicted_routing
-        if traced is None and (h.shape[0] != 1 or not self.options.prefetch):
-            return  # prefill reads each expert once per layer anyway
-        if self.spine is not None and not self.spine.ready(layer + 1):
-            return  # its router is still being read
-        ids = self.model.predict(layer + 1, h)
-        if ids is None:
+        prefetch = self.options.prefetch and h.shape[0] <= self.lookahead_max_rows
+        if traced is None and not prefetch:
             return
-        if traced is not None:
-            traced[layer + 1] = ids
-        if h.shape[0] == 1 and self.options.prefetch:
-            self.experts.prefetch(layer + 1, ids[0].tolist())
+        if isinstance(self.model.layers[layer].mlp, MoEBlock):
+            # guess once this layer's own demand reads are issued (inside its MoE call)
+            self.experts.after_reads(layer, lambda: self._predict_ahead(layer, h, prefetch, traced))
+        else:
+            self._predict_ahead(layer, h, prefetch, traced)
+
+    def _predict_ahead(self, layer: int, h: torch.Tensor, prefetch: bool, traced) -> None:
+        for distance in range(1, (self.lookahead_depth if prefetch else 1) + 1):
+            target = layer + distance
+            if self.spine is not None and not self.spine.ready(target):
+                return  # its router is still being read
+            got = self.model.predict_weights(target, h)
+            if got is None:
+                continue  # a dense layer (or past the last one)
+            ids, probs = got
+            if distance == 1 and traced is not None:
+                traced[target] = ids
+            if prefetch:
+                self.experts.prefetch(target, rank_guesses(ids, probs, self.prefetch_min_prob), distance=distance)
 
     # -- model access ------------------------------------------------------------------------
 

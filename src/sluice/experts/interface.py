@@ -37,9 +37,15 @@ class ExpertInterface(ABC):
         in ascending expert order."""
 
     @abstractmethod
-    def prefetch(self, layer: int, experts: list[int], read: bool = True) -> None:
-        """The lookahead's prediction for ``layer``: tell the cache policy, and start reads unless
-        ``read`` is False. Results never depend on it."""
+    def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1) -> None:
+        """The lookahead's prediction for ``layer`` (made ``distance`` layers ahead), most likely
+        first: tell the cache policy, and start reads unless ``read`` is False. Results never
+        depend on it."""
+
+    def after_reads(self, layer: int, fn) -> None:
+        """Run the lookahead ``fn()`` for ``layer`` once that layer's demand reads are issued; by
+        default at once (an implementation that sends the prediction with the layer's request)."""
+        fn()
 
     @abstractmethod
     def resident_mask(self, layer: int) -> torch.Tensor:
