@@ -6,10 +6,13 @@ cache, checkpoint, spine streamer, routing trace) and owns it.
 
 A step is a list of ``SeqWork`` items: a sequence's state slot (``SeqState``), the tokens to
 run at positions ``start..`` (a prefill chunk, a decode token, or a token plus a speculative
-draft) and how many of the last positions' logits to return. Today ``step`` runs the items
-one after another, each split into prefill chunks exactly as when it runs alone, and the
-engine holds one state slot; continuous batching runs the items of a step as one forward
-(docs/architecture.md, "Engine: scheduler and model runner").
+draft) and how many of the last positions' logits to return. ``step`` runs the items as
+one forward (``CausalLM.forward_segments``): attention per sequence on its own state and
+positions, everything per-row (norms, routers, experts, MLPs, head) on all rows at once, so
+an expert two sequences route to is read and computed once. An item longer than
+``prefill_chunk`` is split into the chunks it gets alone (forward k of the step holds chunk k
+of every item), so with batch-invariant kernels each item's logits are bit-identical to its
+solo run (docs/architecture.md, "Engine: scheduler and model runner").
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidArgumentError
+from .errors import ExpertReadError, InvalidArgumentError
 from .stats import EngineCounters, EngineInfo
 
 TORCH_SERIAL_TOKENS = 64
@@ -82,6 +85,9 @@ class SeqResult:
     routing: dict[int, torch.Tensor] | None = None  # MoE layer -> expert ids [len(tokens), K]
     weights: dict[int, torch.Tensor] | None = None  # MoE layer -> their mixing weights [len(tokens), K]
     predicted: dict[int, torch.Tensor] | None = None  # MoE layer -> the lookahead's prediction [len(tokens), K]
+    # the step failed this item (an expert its rows needed could not be read; the others ran):
+    # its state is as before the step and the other fields are None
+    error: BaseException | None = None
 
 
 class ModelRunner:
@@ -101,11 +107,20 @@ class ModelRunner:
         self.slots = [SeqState(model.new_state(max_context), i) for i in range(slots)]
         self._forwards = 0
         self._tokens = 0
+        self._rows: list[tuple[int, int, int, int]] = []  # the running forward's (item, first row, end row, offset)
 
     # -- execution -------------------------------------------------------------------------
 
     def step(self, work: list[SeqWork]) -> list[SeqResult]:
-        """Run one step: every item on its own state; one ``SeqResult`` per item, in order."""
+        """Run one step: every item on its own state; one ``SeqResult`` per item, in order.
+
+        The items run as one forward (several when an item is longer than ``prefill_chunk``:
+        forward k holds chunk k of every item that has one, so each item is split exactly as
+        when it runs alone). A step either happens for an item or not: on an error every state
+        returns to where it was. An expert read that fails (``ExpertReadError``) fails only the
+        items whose rows routed to that expert: the others are re-run without them, and the
+        failed ones get a ``SeqResult`` with ``error`` set. A step of one item raises instead.
+        """
         seen: set[int] = set()
         for w in work:
             if id(w.seq) in seen:
@@ -113,7 +128,7 @@ class ModelRunner:
             seen.add(id(w.seq))
             self._check(w)
         with torch.inference_mode():
-            return [self._run(w) for w in work]
+            return self._step(list(work))
 
     def run(self, seq: SeqState, tokens: list[int], start: int, last_n: int = 1, *, decoding: bool = False,
             record_routing: bool = False) -> torch.Tensor | None:
@@ -131,54 +146,112 @@ class ModelRunner:
         if not 0 <= w.last_n <= len(w.tokens):
             raise InvalidArgumentError(f"last_n={w.last_n} with {len(w.tokens)} tokens")
 
-    def _run(self, w: SeqWork) -> SeqResult:
-        """Forward the tokens in prefill chunks; logits [last_n, V] of the last positions."""
-        state, ids, start = w.seq.model_state, w.tokens, w.start
-        outs: list[torch.Tensor] = []
-        routed: dict[int, list[torch.Tensor]] | None = {} if w.record_routing else None
-        weighed: dict[int, list[torch.Tensor]] = {}
-        predicted: dict[int, list[torch.Tensor]] = {}
-        chunks = 0
-        chunk = self.prefill_chunk
-        first_logit = len(ids) - w.last_n
-        self._experts.decoding = w.decoding
+    def _step(self, work: list[SeqWork]) -> list[SeqResult]:
+        saved = [w.seq.model_state.save() for w in work]
+        self._rows = []
         try:
-            for c0 in range(0, len(ids), chunk):
-                part = ids[c0 : c0 + chunk]
+            return self._run_forwards(work)
+        except BaseException as err:
+            for w, state in zip(work, saved):
+                w.seq.model_state.restore(state)
+            failed = self._failed(err)
+            if len(work) == 1 or not failed:
+                raise
+            error = err
+        survivors = [w for i, w in enumerate(work) if i not in failed]
+        rerun = iter(self._step(survivors) if survivors else ())
+        return [SeqResult(None, error=error) if i in failed else next(rerun) for i in range(len(work))]
+
+    def _failed(self, err: BaseException) -> set[int]:
+        """The items of the forward that raised ``err`` whose rows needed the expert it could not read."""
+        rows = getattr(err, "rows", None) if isinstance(err, ExpertReadError) else None
+        if not rows:
+            return set()
+        return {i for i, r0, r1, _ in self._rows if any(r0 <= r < r1 for r in rows)}
+
+    def _run_forwards(self, work: list[SeqWork]) -> list[SeqResult]:
+        """Forward the items' tokens, chunk k of each item in forward k; logits of each item's last
+        ``last_n`` positions, and its routing when asked."""
+        chunk = self.prefill_chunk
+        n_forwards = max(((len(w.tokens) + chunk - 1) // chunk for w in work), default=0)
+        outs: list[list[torch.Tensor]] = [[] for _ in work]
+        record = any(w.record_routing for w in work)
+        routed: list[dict[int, list[torch.Tensor]]] = [{} for _ in work]
+        weighed: list[dict[int, list[torch.Tensor]]] = [{} for _ in work]
+        predicted: list[dict[int, list[torch.Tensor]]] = [{} for _ in work]
+        chunks = [0] * len(work)
+        experts = self._experts
+        try:
+            for k in range(n_forwards):
+                c0 = k * chunk
+                segments: list[tuple[torch.Tensor, object, int]] = []  # (ids, model state, start)
+                rows: list[tuple[int, int, int, int]] = []  # (item, first row, end row, its token offset)
+                r = 0
+                for i, w in enumerate(work):
+                    part = w.tokens[c0 : c0 + chunk]
+                    if part:
+                        segments.append((torch.tensor(part, dtype=torch.long), w.seq.model_state, w.start + c0))
+                        rows.append((i, r, r + len(part), c0))
+                        r += len(part)
+                self._rows = rows
                 # steps of up to 64 tokens (decode, speculation, short prompts) run torch single-threaded:
                 # their ops are too small to share, and an OpenMP barrier stalls the whole step whenever
                 # another process holds the other core (measured: index_add_ on [15, 1024] took 76 ms);
                 # the C kernels split the large matrix products with their own work-claiming pool.
-                torch.set_num_threads(1 if len(part) <= TORCH_SERIAL_TOKENS else self.threads)
+                torch.set_num_threads(1 if r <= TORCH_SERIAL_TOKENS else self.threads)
                 self._experts.tick()
-                if routed is not None:
-                    self._experts.routing, self._experts.predicted_routing = {}, {}
-                h = self._model.forward(torch.tensor(part, dtype=torch.long), state, start + c0)
-                state.length = start + c0 + len(part)
-                state.tokens[start + c0 :] = part
+                experts.decoding = any(work[i].decoding for i, *_ in rows)
+                experts.segments = None if len(rows) == 1 else [(r0, r1, work[i].decoding) for i, r0, r1, _ in rows]
+                if record:
+                    experts.routing, experts.predicted_routing = {}, {}
+                h = self._model.forward_segments(segments)
+                for i, r0, r1, off in rows:
+                    w = work[i]
+                    state = w.seq.model_state
+                    state.length = w.start + off + r1 - r0
+                    state.tokens[w.start + off :] = w.tokens[off : off + r1 - r0]
                 self._forwards += 1
-                self._tokens += len(part)
-                if routed is not None:
-                    chunks += 1
-                    for layer, (r, wt) in self._experts.routing.items():
-                        routed.setdefault(layer, []).append(r)
-                        weighed.setdefault(layer, []).append(wt)
-                    for layer, r in self._experts.predicted_routing.items():
-                        predicted.setdefault(layer, []).append(r)
-                if c0 + len(part) > first_logit and w.last_n:
-                    outs.append(self._model.logits(h[max(0, first_logit - c0) :]))
+                self._tokens += r
+                if record:
+                    for i, r0, r1, _ in rows:
+                        if not work[i].record_routing:
+                            continue
+                        chunks[i] += 1
+                        for layer, (ids, wt) in experts.routing.items():
+                            routed[i].setdefault(layer, []).append(ids[r0:r1])
+                            weighed[i].setdefault(layer, []).append(wt[r0:r1])
+                        for layer, ids in experts.predicted_routing.items():
+                            predicted[i].setdefault(layer, []).append(ids[r0:r1])
+                want = []  # (item, first row, end row) whose logits the item asked for
+                for i, r0, r1, off in rows:
+                    w = work[i]
+                    first = len(w.tokens) - w.last_n
+                    if w.last_n and off + r1 - r0 > first:
+                        want.append((i, r0 + max(0, first - off), r1))
+                if want:
+                    picked = h[want[0][1] : want[0][2]] if len(want) == 1 else torch.cat([h[a:b] for _, a, b in want])
+                    logits = self._model.logits(picked)
+                    at = 0
+                    for i, a, b in want:
+                        outs[i].append(logits[at : at + b - a])
+                        at += b - a
         finally:
-            self._experts.decoding = False
-            self._experts.routing = self._experts.predicted_routing = None
-        logits = (torch.cat(outs) if len(outs) > 1 else outs[0]) if outs else None
-        if routed is None:
-            return SeqResult(logits)
+            experts.decoding = False
+            experts.segments = None
+            experts.routing = experts.predicted_routing = None
+        results = []
+        for i, w in enumerate(work):
+            logits = (torch.cat(outs[i]) if len(outs[i]) > 1 else outs[i][0]) if outs[i] else None
+            if not w.record_routing:
+                results.append(SeqResult(logits))
+                continue
 
-        def joined(parts: dict[int, list[torch.Tensor]]) -> dict[int, torch.Tensor]:
-            # a layer predicted in some chunks only (its router was still streaming) has no prediction
-            return {layer: torch.cat(r) if len(r) > 1 else r[0] for layer, r in parts.items() if len(r) == chunks}
+            def joined(parts: dict[int, list[torch.Tensor]], n: int = chunks[i]) -> dict[int, torch.Tensor]:
+                # a layer predicted in some chunks only (its router was still streaming) has no prediction
+                return {layer: torch.cat(r) if len(r) > 1 else r[0] for layer, r in parts.items() if len(r) == n}
 
-        return SeqResult(logits, joined(routed), joined(weighed), joined(predicted))
+            results.append(SeqResult(logits, joined(routed[i]), joined(weighed[i]), joined(predicted[i])))
+        return results
 
     # -- routing trace ---------------------------------------------------------------------
 
@@ -215,6 +288,7 @@ class ModelRunner:
             spine_bytes_read=spine.bytes_read if spine is not None else 0,
             spine_read_wait_s=spine.wait_s if spine is not None else 0.0,
             forwards=self._forwards, tokens_forwarded=self._tokens,
+            expert_compute_calls=c.compute_calls, expert_union=c.union, expert_seq_union=c.seq_union,
             remote_bytes_read=io.remote_bytes, disk_tier_hits=io.tier_hits, disk_tier_misses=io.tier_misses,
             disk_tier_bytes_read=io.tier_bytes,
         )

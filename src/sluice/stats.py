@@ -43,6 +43,12 @@ class EngineCounters:
     disk_tier_hits: int = 0  # reads the local disk tier served
     disk_tier_misses: int = 0  # reads the disk tier did not have (fetched from the remote store)
     disk_tier_bytes_read: int = 0  # of bytes_read: from the disk tier
+    # per forward and MoE layer (summed): expert computations (one per expert of the union, however
+    # many sequences' rows routed to it), the union's size, and the sum of each sequence's own union
+    # (what the sequences would have looked up run alone; equal to expert_union for one sequence)
+    expert_compute_calls: int = 0
+    expert_union: int = 0
+    expert_seq_union: int = 0
 
     def __sub__(self, other: EngineCounters) -> EngineCounters:
         return EngineCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})

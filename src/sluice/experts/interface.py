@@ -18,12 +18,16 @@ class ExpertInterface(ABC):
     """What the engine reaches for. Attributes every implementation keeps:
 
     - ``counters``: an ``experts.provider.ExpertCounters`` (lookups, hits, reads, waits, ...);
-    - ``decoding``: set by the runner, lookups count toward the hit rate only while True;
+    - ``decoding``: set by the runner, lookups count toward the hit rate only while True (some
+      row of the forward is decoding);
+    - ``segments``: None, or the runner's (first row, end row, decoding) of each sequence of a
+      forward of several (per-row lookup kinds and the ``union``/``seq_union`` counters);
     - ``routing`` / ``predicted_routing``: None, or dicts the runner sets to record each MoE
       layer's (ids, weights) and the lookahead's predicted ids during a forward.
     """
 
     decoding: bool = False
+    segments: list | None = None
     routing: dict | None = None
     predicted_routing: dict | None = None
 

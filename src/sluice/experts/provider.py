@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ExpertReadError
 from ..quant.fp8 import assemble
 from .cache import LOADING, READY, ExpertCache, Slot
 from .reader import DEMAND, PREFETCH, ReaderPool, Ticket
@@ -31,7 +32,7 @@ _OUT_OF_ORDER_BYTES = 8 << 20
 
 @dataclass
 class ExpertCounters:
-    lookups: int = 0  # decode-time expert lookups
+    lookups: int = 0  # decode-time expert lookups (experts some decoding row of the forward routed to)
     hits: int = 0  # decode-time lookups that did not wait on a read
     misses: int = 0
     prefill_lookups: int = 0
@@ -46,6 +47,9 @@ class ExpertCounters:
     predicted_far_hits: int = 0
     read_wait_s: float = 0.0  # decode-time seconds spent waiting on expert reads
     compute_s: float = 0.0  # decode-time seconds spent computing experts
+    compute_calls: int = 0  # expert computations: one per expert of a layer's union per forward
+    union: int = 0  # per forward and MoE layer, the distinct experts its rows routed to (summed)
+    seq_union: int = 0  # ... counted per sequence of the forward: what the sequences would look up alone
 
 
 class ExpertProvider(ExpertInterface):
@@ -62,6 +66,10 @@ class ExpertProvider(ExpertInterface):
         self.verify_reads = verify_reads
         self.counters = ExpertCounters()
         self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
+        # set by the runner for a forward of several sequences: (first row, end row, decoding) per
+        # sequence; an expert some decoding row routed to counts as a decode lookup, others as prefill
+        # lookups. None: one sequence, all rows decoding or not as ``decoding`` says.
+        self.segments: list[tuple[int, int, bool]] | None = None
         self._predictions: dict[int, list[int]] = {}  # layer -> experts predicted one layer ahead
         self._far: dict[int, list[int]] = {}  # layer -> experts predicted two layers ahead
         self._issued: dict[int, set[int]] = {}  # layer -> experts speculatively read for it
@@ -218,7 +226,11 @@ class ExpertProvider(ExpertInterface):
     # -- compute -------------------------------------------------------------------------
 
     def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of routed experts. x [T, H] fp32, ids/weights [T, K] -> [T, H]."""
+        """Weighted sum of routed experts. x [T, H] fp32, ids/weights [T, K] -> [T, H].
+
+        The rows may belong to several sequences (``segments``): each expert of the union is
+        read once and computed once on all its rows. A failed read raises its
+        ``ExpertReadError`` with ``layer``, ``expert`` and ``rows`` (the rows that needed it)."""
         t = x.shape[0]
         if self.routing is not None:
             self.routing[layer] = (ids, weights)
@@ -246,13 +258,14 @@ class ExpertProvider(ExpertInterface):
         self.cache.policy.begin_layer(layer)
         out_of_order = t * x.shape[1] * 4 * len(experts) <= _OUT_OF_ORDER_BYTES
         c = self.counters
+        decode_experts = self._count_union(ids, experts)
 
         slots: dict[int, Slot] = {}
         missing: list[int] = []
         for e in experts:
             key = (layer, e)
             slot = self.cache.lookup(key)
-            if self.decoding:
+            if e in decode_experts:
                 c.lookups += 1
                 if slot is not None and (slot.state == READY or (slot.future is not None and slot.future.done())):
                     c.hits += 1
@@ -293,7 +306,12 @@ class ExpertProvider(ExpertInterface):
                     continue
                 slot = slots[pick]
                 if slot.state == LOADING:
-                    self._settle(slot)
+                    try:
+                        self._settle(slot)
+                    except ExpertReadError as err:  # name the rows that needed it: the runner fails only them
+                        err.layer, err.expert = layer, pick
+                        err.rows = [0] if t == 1 else sorted(set(groups[pick][0]))
+                        raise
                 t0 = time.perf_counter()
                 if t == 1:
                     y = self._output(self.spec, slot.weights, x, wrow[first[pick]])
@@ -303,6 +321,7 @@ class ExpertProvider(ExpertInterface):
                     idx = torch.tensor(rows_e)
                     y = self._forward(self.spec, slot.weights, x[idx])
                     y = y * weights[idx, torch.tensor(cols_e)].to(y.dtype)[:, None]
+                c.compute_calls += 1
                 if self.decoding:
                     c.compute_s += time.perf_counter() - t0
                 slot.pins -= 1
@@ -325,6 +344,22 @@ class ExpertProvider(ExpertInterface):
             self._quiesce(slots)
             raise error
         return acc
+
+    def _count_union(self, ids: torch.Tensor, experts: list[int]) -> set[int]:
+        """Count the layer's union and the sequences' own unions; the experts decoding rows need."""
+        c = self.counters
+        c.union += len(experts)
+        segs = self.segments
+        if segs is None or len(segs) == 1:
+            c.seq_union += len(experts)
+            return set(experts) if (self.decoding if segs is None else segs[0][2]) else set()
+        decode: set[int] = set()
+        for r0, r1, decoding in segs:
+            own = set(ids[r0:r1].reshape(-1).tolist())
+            c.seq_union += len(own)
+            if decoding:
+                decode |= own
+        return decode
 
     def _pick(self, experts, next_fold, slots, done, out_of_order) -> int | None:
         if not out_of_order:

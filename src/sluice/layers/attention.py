@@ -222,6 +222,13 @@ class Attention:
         return KVCache.nbytes(self.n_kv, max_ctx, self.head_dim)
 
     def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.segments(x, [(0, x.shape[0], start, cache)], cos, sin)
+
+    def segments(self, x: torch.Tensor, segs: list[tuple[int, int, int, KVCache]], cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+        """Rows of several sequences: ``segs`` holds (first row, end row, start position, cache) of
+        each; cos/sin [T, d] are each row's own. Projections run on all rows at once, attention
+        per sequence over its own cache."""
         t = x.shape[0]
         q = linear(x, self.wq, self.bq)
         k = linear(x, self.wk, self.bk)
@@ -238,6 +245,13 @@ class Attention:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        keys, values, q0 = cache.update(start, k, v)
-        o = attend(q, keys, values, q0, self.scale, self.window, self.sinks)
+        o = self.attend_segments(q, k, v, segs)
         return linear(o.reshape(t, -1), self.wo, self.bo)
+
+    def attend_segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs) -> torch.Tensor:
+        """Write each sequence's keys and values to its cache and attend over it: [T, Hq, D]."""
+        outs = []
+        for r0, r1, start, cache in segs:
+            keys, values, q0 = cache.update(start, k[r0:r1], v[r0:r1])
+            outs.append(attend(q[r0:r1], keys, values, q0, self.scale, self.window, self.sinks))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

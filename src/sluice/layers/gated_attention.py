@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import linear
-from .attention import Attention, attend
+from .attention import Attention
 from .norm import RMSNorm
 from .pointwise import pointwise
 from .rotary import apply_rotary
@@ -23,7 +23,7 @@ class GatedAttention(Attention):
         self.q_norm = RMSNorm(kw["q_norm"], eps, offset=norm_offset)
         self.k_norm = RMSNorm(kw["k_norm"], eps, offset=norm_offset)
 
-    def __call__(self, x: torch.Tensor, start: int, cache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def segments(self, x: torch.Tensor, segs, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         qg = linear(x, self.wq, self.bq).view(t, self.n_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(t, -1)
@@ -31,6 +31,5 @@ class GatedAttention(Attention):
         v = linear(x, self.wv, self.bv).view(t, self.n_kv, d)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k), cos, sin)
-        keys, values, q0 = cache.update(start, k, v)
-        o = attend(q, keys, values, q0, self.scale, self.window, self.sinks)
+        o = self.attend_segments(q, k, v, segs)
         return linear(o.reshape(t, -1) * pointwise(torch.sigmoid, gate), self.wo, self.bo)

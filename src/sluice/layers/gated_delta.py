@@ -90,6 +90,13 @@ class LinearState:
         while len(self.snaps) > self.keep:
             del self.snaps[next(iter(self.snaps))]
 
+    def save(self) -> tuple:
+        return self.pos, self.conv, self.rec, dict(self.snaps)
+
+    def restore(self, saved: tuple) -> None:
+        self.pos, self.conv, self.rec, snaps = saved
+        self.snaps = dict(snaps)
+
     def advance(self, start: int, conv: torch.Tensor, rec: torch.Tensor, t: int) -> None:
         self.conv, self.rec, self.pos = conv, rec, start + t
 
@@ -229,10 +236,32 @@ class _LinearAttention:
         """The depthwise conv kernel over the concatenated q/k/v channels, fp32 [C, K]."""
         raise NotImplementedError
 
-    def _mix(self, qkv: torch.Tensor, state: LinearState, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal conv + activation over the concatenated q/k/v [T, C]; (y, new window)."""
-        state.check(start)
-        return causal_conv(qkv, state.conv, self.conv_weight(), self.act)
+    def __call__(self, x: torch.Tensor, start: int, state: LinearState, cos=None, sin=None) -> torch.Tensor:
+        return self.segments(x, [(0, x.shape[0], start, state)])
+
+    def _mix(self, qkv: torch.Tensor, segs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Causal conv + activation over the concatenated q/k/v [T, C], each sequence's rows from its
+        own window; (y, each sequence's new window)."""
+        weight = self.conv_weight()
+        ys, windows = [], []
+        for r0, r1, start, state in segs:
+            state.check(start)
+            y, window = causal_conv(qkv[r0:r1], state.conv, weight, self.act)
+            ys.append(y)
+            windows.append(window)
+        return (ys[0] if len(ys) == 1 else torch.cat(ys)), windows
+
+    @staticmethod
+    def _recur(q, k, v, g, beta, segs, windows) -> torch.Tensor:
+        """The delta rule per sequence from its own state ([T, H, ...] inputs); advances the states.
+        Returns o [T, H, Dv]."""
+        outs = []
+        for (r0, r1, start, state), window in zip(segs, windows):
+            o, rec = delta_rule(q[r0:r1].transpose(0, 1), k[r0:r1].transpose(0, 1), v[r0:r1].transpose(0, 1),
+                                g[r0:r1].transpose(0, 1), beta[r0:r1].t(), state.rec)
+            state.advance(start, window, rec, r1 - r0)
+            outs.append(o.transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class GatedDeltaNet(_LinearAttention):
@@ -256,7 +285,10 @@ class GatedDeltaNet(_LinearAttention):
         w = self.conv
         return w.float().reshape(w.shape[0], -1)  # a view for fp32 weights, an upcast per call otherwise
 
-    def __call__(self, x: torch.Tensor, start: int, state: LinearState, cos=None, sin=None) -> torch.Tensor:
+    def segments(self, x: torch.Tensor, segs: list[tuple[int, int, int, LinearState]], cos=None, sin=None
+                 ) -> torch.Tensor:
+        """Rows of several sequences (first row, end row, start position, state): projections on all
+        rows at once, the conv window and the recurrence per sequence on its own state."""
         t = x.shape[0]
         nk, r, dk, dv = self.n_k, self.n_v // self.n_k, self.dk, self.dv
         qkvz = linear(x, self.w_qkvz).view(t, nk, 2 * dk + 2 * r * dv)
@@ -264,7 +296,7 @@ class GatedDeltaNet(_LinearAttention):
         ba = linear(x, self.w_ba).view(t, nk, 2 * r)
         b, a = ba[..., :r].reshape(t, self.n_v), ba[..., r:].reshape(t, self.n_v)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        mixed, window = self._mix(mixed, state, start)
+        mixed, windows = self._mix(mixed, segs)
         kd = nk * dk
         q = mixed[:, :kd].view(t, nk, dk)
         k = mixed[:, kd : 2 * kd].view(t, nk, dk)
@@ -275,9 +307,8 @@ class GatedDeltaNet(_LinearAttention):
         k = l2norm(k)
         beta = pointwise(torch.sigmoid, b)
         g = self.neg_a * pointwise(F.softplus, a + self.dt_bias)
-        o, rec = delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(), state.rec)
-        state.advance(start, window, rec, t)
-        o = gated_rms_norm(o.transpose(0, 1), z.reshape(t, self.n_v, dv), self.norm_weight, self.eps, F.silu)
+        o = self._recur(q, k, v, g, beta, segs, windows)
+        o = gated_rms_norm(o, z.reshape(t, self.n_v, dv), self.norm_weight, self.eps, F.silu)
         return linear(o.reshape(t, -1), self.w_out)
 
 
@@ -302,11 +333,12 @@ class KimiDeltaAttention(_LinearAttention):
         w = torch.cat(self.convs, dim=0)
         return w.float().reshape(w.shape[0], -1)
 
-    def __call__(self, x: torch.Tensor, start: int, state: LinearState, cos=None, sin=None) -> torch.Tensor:
+    def segments(self, x: torch.Tensor, segs: list[tuple[int, int, int, LinearState]], cos=None, sin=None
+                 ) -> torch.Tensor:
         t = x.shape[0]
         h, d = self.n_heads, self.head_dim
         mixed = torch.cat([linear(x, self.wq), linear(x, self.wk), linear(x, self.wv)], dim=-1)
-        mixed, window = self._mix(mixed, state, start)
+        mixed, windows = self._mix(mixed, segs)
         mixed = mixed.view(t, 3, h, d)
         q = l2norm(mixed[:, 0]) * d**-0.5
         k = l2norm(mixed[:, 1])
@@ -314,9 +346,7 @@ class KimiDeltaAttention(_LinearAttention):
         f = linear(linear(x, self.f_a), self.f_b).view(t, h, d) + self.dt_bias
         g = -self.a_log.float().exp().reshape(h, 1) * pointwise(F.softplus, f)  # [T, H, D]
         beta = pointwise(torch.sigmoid, linear(x, self.w_b))  # [T, H]
-        o, rec = delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.transpose(0, 1), beta.t(),
-                            state.rec)
-        state.advance(start, window, rec, t)
+        o = self._recur(q, k, v, g, beta, segs, windows)
         gate = linear(linear(x, self.g_a), self.g_b).view(t, h, d)
-        o = gated_rms_norm(o.transpose(0, 1), gate, self.norm_weight, self.eps, torch.sigmoid)
+        o = gated_rms_norm(o, gate, self.norm_weight, self.eps, torch.sigmoid)
         return linear(o.reshape(t, -1), self.w_out)

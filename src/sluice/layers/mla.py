@@ -147,6 +147,12 @@ class MLA:
         return absorbed < naive
 
     def __call__(self, x: torch.Tensor, start: int, cache: LatentCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.segments(x, [(0, x.shape[0], start, cache)], cos, sin)
+
+    def segments(self, x: torch.Tensor, segs: list[tuple[int, int, int, LatentCache]], cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+        """Rows of several sequences (first row, end row, start position, cache): projections on all
+        rows at once, attention per sequence over its own latent cache."""
         t = x.shape[0]
         if self.wq is not None:
             q = linear(x, self.wq)
@@ -157,12 +163,15 @@ class MLA:
         c = linear(x, self.wkv_a, self.bkv_a)
         kv = self.kv_a_norm(c[:, : self.rank])
         k_pe = self._rope(c[:, None, self.rank :], cos, sin)[:, 0]
-        cache.write(start, kv, k_pe)
-        end = start + t
-        if self.use_absorbed(t, end):
-            o = self._absorbed(q_nope, q_pe, cache.ckv[:end], start)
-        else:
-            o = self._naive(q_nope, q_pe, cache.ckv[:end], start)
+        outs = []
+        for r0, r1, start, cache in segs:
+            cache.write(start, kv[r0:r1], k_pe[r0:r1])
+            end = start + r1 - r0
+            if self.use_absorbed(r1 - r0, end):
+                outs.append(self._absorbed(q_nope[r0:r1], q_pe[r0:r1], cache.ckv[:end], start))
+            else:
+                outs.append(self._naive(q_nope[r0:r1], q_pe[r0:r1], cache.ckv[:end], start))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
         return linear(o.reshape(t, self.h * self.dv), self.wo, self.bo)
 
     # -- naive: expand K/V --------------------------------------------------------------------

@@ -10,7 +10,10 @@ A family module (``models/<model_type>.py``) provides:
   routes MoE layers through the expert interface (it never reads files). Every MoE layer is
   a ``MoEBlock`` over a ``layers.routing.Router`` (families keep no routing code of their
   own), and nothing is derived at build time from a tensor of two or more dimensions
-  (it may be a stream buffer's view, filled only before its forward: see ``spine.py``);
+  (it may be a stream buffer's view, filled only before its forward: see ``spine.py``).
+  Attention layers take the rows of several sequences at once:
+  ``attn.segments(x, [(first row, end row, start, layer state), ...], cos, sin)`` (every
+  attention class of ``layers/`` has it; ``attn(x, start, state, cos, sin)`` is one segment);
 - optionally ``tensor_aliases(cfg) -> {name: other name}``: spine tensors that some
   checkpoints store under another name (looked up there when ``name`` is absent).
 
@@ -121,6 +124,22 @@ class State:
         del self.tokens[n:]
         return n
 
+    def save(self):
+        """Where the state is now, for ``restore`` (free: references to immutable tensors; a KV
+        cache needs nothing, positions past the length are never read)."""
+        return self.length, [s.save() if hasattr(s, "save") else None for s in self.layers]
+
+    def restore(self, saved) -> None:
+        """Return to what ``save`` returned, whatever forwards ran since (a failed step's undo), or
+        as far back as a layer can: a sliding-window cache that has dropped the window of the
+        saved length rewinds the state to 0 (``rewind``), and the caller prefills again."""
+        length, layers = saved
+        for s, v in zip(self.layers, layers):
+            if v is not None:
+                s.restore(v)
+        self.length = max(self.length, length)
+        self.rewind(length)
+
     def mark(self) -> None:
         """Let every recurrent layer keep a snapshot at the current length."""
         for s in self.layers:
@@ -215,17 +234,40 @@ class CausalLM:
         """Run tokens ``ids`` [T] at positions start..start+T-1; returns final hidden [T, H].
 
         Writes the per-layer state for those positions; the caller advances ``state.length``.
+        One sequence is the one-segment case of ``forward_segments``.
         """
+        return self.forward_segments([(ids, state, start)])
+
+    def forward_segments(self, segments: list[tuple[torch.Tensor, State, int]]) -> torch.Tensor:
+        """Run several sequences' tokens as one forward; final hidden [sum T, H], rows in order.
+        ``segments`` holds each sequence's (token ids [T], state, start position).
+
+        Everything that is per row runs on all rows at once: projections, norms, routers,
+        experts (each routed expert read and computed once for every row of the step that needs
+        it), dense and shared MLPs, rotary at each row's own position. Attention proper runs per
+        sequence on its own KV cache or recurrent state (``attn.segments(x, [(first row, end
+        row, start, layer state), ...], cos, sin)``). With batch-invariant kernels a segment's
+        rows are bit-identical to its solo forward.
+        """
+        ids = segments[0][0] if len(segments) == 1 else torch.cat([s[0] for s in segments])
         h = embed(self.embed, ids)
-        positions = torch.arange(start, start + ids.shape[0])
-        cos, sin = self.rotary.cos_sin(positions) if self.rotary is not None else (None, None)
+        bounds: list[tuple[int, int, int]] = []  # (first row, end row, start position)
+        r = 0
+        for seg_ids, _, start in segments:
+            bounds.append((r, r + seg_ids.shape[0], start))
+            r += seg_ids.shape[0]
+        cos = sin = None
+        if self.rotary is not None:
+            positions = torch.cat([torch.arange(p, p + r1 - r0) for r0, r1, p in bounds])
+            cos, sin = self.rotary.cos_sin(positions)
         spine = self.spine
         if spine is not None:
             spine.start()
         for i, layer in enumerate(self.layers):
             if spine is not None:
                 spine.acquire(i)
-            a = h + layer.attn(layer.input_norm(h), start, state.layers[i], cos, sin)
+            segs = [(r0, r1, p, s[1].layers[i]) for (r0, r1, p), s in zip(bounds, segments)]
+            a = h + layer.attn.segments(layer.input_norm(h), segs, cos, sin)
             if self.lookahead is not None:
                 self.lookahead(i, a)
             h = a + layer.mlp(layer.post_norm(a))
