@@ -5,7 +5,8 @@ to 127.0.0.1, dashboard off, usage reporting off. Tiny models of three families 
 qwen3_next, among them): logits ``torch.equal`` to one process for a prefill chunk and for
 token-by-token decoding with 1, 2 and 3 workers, with and without replicated hot experts; every
 worker computes experts; a worker killed mid-generation gives ``WorkerLostError`` (or, with
-replicas, the same tokens) and the next request succeeds.
+replicas, the same tokens) and the next request succeeds. A mixed step of three sequences and
+``Engine.generate([p1, p2])`` give one process's logits and tokens, and the same routing counters.
 """
 
 from __future__ import annotations
@@ -211,3 +212,59 @@ def test_worker_with_other_bits_refused(family_models, cluster):
                                            r".*raise --worker-memory"):
         RayExperts(str(family_models.hf("mixtral")), signature(mine.checkpoint), mine.moe_layers, mine.n_experts,
                    workers=1, worker_memory=1 << 20)
+
+
+# -- several sequences in one step (the runner's batching) --------------------------------------
+
+MIXED_CHUNK = 4  # prefill_chunk: sequence a's 10-token prefill runs as chunks of 4, 4, 2
+# counters that follow from the routing alone, so --ray counts them as one process does; hits,
+# misses, reads, evictions and bytes depend on which cache holds what (the driver's one cache vs
+# the workers' several) and are not compared
+SAME_COUNTERS = ("forwards", "tokens_forwarded", "expert_union", "expert_seq_union", "expert_compute_calls",
+                 "expert_lookups", "prefill_lookups")
+
+
+def mixed_step(eng):
+    """One step of three sequences (as tests/test_mixed_batch.py): a prefills 10 tokens, b decodes
+    one token after its 7-token context, c verifies a token and a draft of 3 after its 6-token
+    context. Returns (per-sequence logits, the counters the step moved)."""
+    from sluice.runner import SeqState, SeqWork
+
+    runner = eng.runner
+    pa, pb, pc = PROMPT[:10], PROMPT[2:9], PROMPT[5:11]
+    a, b, c = (SeqState(eng.model.new_state(COMMON["max_context"]), i) for i in range(3))
+    runner.run(b, pb[:-1], 0, last_n=0)
+    runner.run(c, pc[:-1], 0, last_n=0)
+    before = runner.counters()
+    res = runner.step([SeqWork(a, pa, 0, last_n=3), SeqWork(b, pb[-1:], len(pb) - 1, decoding=True),
+                       SeqWork(c, pc[-1:] + [11, 12, 13], len(pc) - 1, last_n=4, decoding=True)])
+    return [r.logits for r in res], runner.counters() - before
+
+
+def test_mixed_step_and_batched_generate_as_one_process(family_models, cluster):
+    """A mixed three-sequence step under --ray gives one process's logits bit for bit and the same
+    routing counters (union, per-sequence unions, compute calls, decode and prefill lookups by
+    segment); ``Engine.generate([p1, p2])`` (the scheduler batching two sequences) gives one
+    process's tokens and counters."""
+    path = family_models.hf("qwen3_next")
+    prompts = [PROMPT, PROMPT[3:] + [9, 8]]
+    gen = dict(max_new_tokens=5, ignore_eos=True, speculate=False)
+    opts = dict(COMMON, prefill_chunk=MIXED_CHUNK, prefetch=False)
+    with load(path, "2GiB", **opts) as eng:
+        want, want_d = mixed_step(eng)
+        before = eng.totals()
+        want_gen = [r.token_ids for r in eng.generate(prompts, **gen)]
+        want_gen_d = eng.totals() - before
+    with load(path, "2GiB", ray="auto", expert_workers=2, **opts) as eng:
+        got, d = mixed_step(eng)
+        before = eng.totals()
+        got_gen = [r.token_ids for r in eng.generate(prompts, **gen)]
+        gen_d = eng.totals() - before
+    for i in range(3):
+        assert torch.equal(got[i], want[i]), f"sequence {i}"
+    assert d.expert_seq_union > d.expert_union > 0 and d.expert_lookups > 0 and d.prefill_lookups > 0
+    assert d.expert_compute_calls == d.expert_union
+    assert {k: getattr(d, k) for k in SAME_COUNTERS} == {k: getattr(want_d, k) for k in SAME_COUNTERS}
+    assert got_gen == want_gen
+    assert gen_d.expert_seq_union > gen_d.expert_union  # the two sequences shared steps
+    assert {k: getattr(gen_d, k) for k in SAME_COUNTERS} == {k: getattr(want_gen_d, k) for k in SAME_COUNTERS}

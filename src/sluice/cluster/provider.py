@@ -50,6 +50,7 @@ class RayExperts(ExpertInterface):
         self.placement = Placement(moe_layers, n_experts, self.n_workers, replicate_hot)
         self.counters = ExpertCounters()
         self.decoding = False
+        self.segments = None  # set by the runner: see ExpertInterface
         self.routing = self.predicted_routing = None
         self._evictions = 0
         self._bytes = 0
@@ -174,6 +175,7 @@ class RayExperts(ExpertInterface):
             experts = sorted(groups)
             rows_of = {e: len(groups[e][0]) for e in experts}
         self._check_predictions(layer, experts)
+        decode = self._count_union(ids, experts)  # union, seq_union; the decode lookups (as ExpertProvider)
         # per expert: (global row index tensor or None, weight)
         work: dict[int, tuple[torch.Tensor | None, object]] = {}
         for e in experts:
@@ -182,7 +184,7 @@ class RayExperts(ExpertInterface):
             else:
                 idx = torch.tensor(groups[e][0])
                 work[e] = (idx, weights[idx, torch.tensor(groups[e][1])])
-        results = self._run(layer, x, t == 1, work, self.placement.assign(layer, rows_of))
+        results = self._run(layer, x, t == 1, work, self.placement.assign(layer, rows_of), decode)
         acc = torch.zeros_like(x)
         for e in experts:  # the single process's fold: ascending experts
             idx, y = work[e][0], results[e]
@@ -196,8 +198,11 @@ class RayExperts(ExpertInterface):
 
     # -- dispatch ------------------------------------------------------------------------------
 
-    def _calls(self, layer: int, x: torch.Tensor, one_row: bool, work: dict, assign: dict[int, int], prefetch):
-        """Send one call per worker with experts; returns {ref: (worker, [experts])}."""
+    def _calls(self, layer: int, x: torch.Tensor, one_row: bool, work: dict, assign: dict[int, int], decode: set[int],
+               prefetch):
+        """Send one call per worker with experts; returns {ref: (worker, [experts])}. ``decode``: the
+        experts some decoding row routed to (the worker counts them as decode lookups, the rest as
+        prefill lookups)."""
         per: dict[int, list[int]] = {}
         for e, w in assign.items():
             per.setdefault(w, []).append(e)
@@ -217,13 +222,14 @@ class RayExperts(ExpertInterface):
                 xs = x[torch.tensor(used)]
                 items = [(e, torch.tensor([local[r] for r in work[e][0].tolist()]), work[e][1]) for e in es]
             ref = self.workers[w].compute.remote(layer, one_row, xs, items, by_worker.pop(w, None), self.decoding,
-                                                 threads)
+                                                 threads, [e for e in es if e in decode])
             calls[ref] = (w, es)
         for w, pf in by_worker.items():  # workers with nothing this layer: the prediction alone
             self.workers[w].prefetch.remote(*pf)
         return calls
 
-    def _run(self, layer: int, x, one_row: bool, work: dict, assign: dict[int, int]) -> dict[int, torch.Tensor]:
+    def _run(self, layer: int, x, one_row: bool, work: dict, assign: dict[int, int],
+             decode: set[int]) -> dict[int, torch.Tensor]:
         ray = self._ray
         if self._down:  # run on replicas while a lost worker restarts; wait for it if some expert has none
             self._await_restarted(block=False)
@@ -232,7 +238,7 @@ class RayExperts(ExpertInterface):
                 if any(w in self._down for w in assign.values()):
                     self._await_restarted()
         prefetch, self._pending = self._pending, None
-        calls = self._calls(layer, x, one_row, work, assign, prefetch)
+        calls = self._calls(layer, x, one_row, work, assign, decode, prefetch)
         results: dict[int, torch.Tensor] = {}
         lost: dict[int, str] = {}
         for ref, (w, es) in calls.items():
@@ -259,7 +265,7 @@ class RayExperts(ExpertInterface):
                     f"{sorted(e for e in todo if retry[e] in lost)} have no live replica. Ray restarts the "
                     "worker; the next request runs on it") from None
             self.retries += 1
-            again = self._calls(layer, x, one_row, work, retry, None)
+            again = self._calls(layer, x, one_row, work, retry, decode, None)
             for ref, (w, es) in again.items():
                 try:
                     outs, deltas = ray.get(ref, timeout=CALL_TIMEOUT_S)
@@ -288,6 +294,7 @@ class RayExperts(ExpertInterface):
             self._check(h)
             self.info[w] = h
         p = self._per[w]
+        c.compute_calls += len(outs)  # one per expert of the layer's union (a lost call's are counted on retry)
         p["calls_total"] += 1
         p["experts_computed_total"] += len(outs)
         p["rows_computed_total"] += sum(y.shape[0] for y in outs)

@@ -86,10 +86,12 @@ class ExpertWorker:
                 break
 
     def compute(self, layer: int, one_row: bool, x: torch.Tensor, items: list, prefetch, decoding: bool,
-                torch_threads: int):
+                torch_threads: int, decode: list[int]):
         """``items``: ascending ``(expert, rows, w)``; ``rows`` index ``x`` (None for one row), ``w``
-        the weight (a float for one row, else a tensor [n]). Returns (outputs in items' order, counter
-        deltas)."""
+        the weight (a float for one row, else a tensor [n]). ``decode``: the experts of ``items``
+        that count as decode lookups (some decoding row routed to them; the others are prefill
+        lookups), as the driver's ``segments`` say; ``decoding``: some row is decoding (the wait and
+        compute times count). Returns (outputs in items' order, counter deltas)."""
         if torch.get_num_threads() != torch_threads:
             torch.set_num_threads(torch_threads)  # as the driver ran: the same bits in torch's ops
         st = self.stats
@@ -99,10 +101,11 @@ class ExpertWorker:
         self.cache.policy.begin_layer(layer)
         slots: dict[int, Slot] = {}
         missing: list[int] = []
+        decode = set(decode)
         for e, _, _ in items:
             key = (layer, e)
             slot = self.cache.lookup(key)
-            if decoding:
+            if e in decode:
                 lookups += 1
                 if slot is not None and (slot.state == READY or slot.future.done()):
                     hits += 1

@@ -42,6 +42,25 @@ class ExpertInterface(ABC):
         first: tell the cache policy, and start reads unless ``read`` is False. Results never
         depend on it."""
 
+    def _count_union(self, ids: torch.Tensor, experts: list[int]) -> set[int]:
+        """Count a MoE layer's ``union`` (``experts``, the distinct experts of all rows) and the
+        sequences' own unions (``seq_union``); return the experts some decoding row routed to (the
+        decode lookups; the rest are prefill lookups). Shared so both implementations count the
+        same from the same routing."""
+        c = self.counters
+        c.union += len(experts)
+        segs = self.segments
+        if segs is None or len(segs) == 1:
+            c.seq_union += len(experts)
+            return set(experts) if (self.decoding if segs is None else segs[0][2]) else set()
+        decode: set[int] = set()
+        for r0, r1, decoding in segs:
+            own = set(ids[r0:r1].reshape(-1).tolist())
+            c.seq_union += len(own)
+            if decoding:
+                decode |= own
+        return decode
+
     def after_reads(self, layer: int, fn) -> None:
         """Run the lookahead ``fn()`` for ``layer`` once that layer's demand reads are issued; by
         default at once (an implementation that sends the prediction with the layer's request)."""

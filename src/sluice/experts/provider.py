@@ -345,22 +345,6 @@ class ExpertProvider(ExpertInterface):
             raise error
         return acc
 
-    def _count_union(self, ids: torch.Tensor, experts: list[int]) -> set[int]:
-        """Count the layer's union and the sequences' own unions; the experts decoding rows need."""
-        c = self.counters
-        c.union += len(experts)
-        segs = self.segments
-        if segs is None or len(segs) == 1:
-            c.seq_union += len(experts)
-            return set(experts) if (self.decoding if segs is None else segs[0][2]) else set()
-        decode: set[int] = set()
-        for r0, r1, decoding in segs:
-            own = set(ids[r0:r1].reshape(-1).tolist())
-            c.seq_union += len(own)
-            if decoding:
-                decode |= own
-        return decode
-
     def _pick(self, experts, next_fold, slots, done, out_of_order) -> int | None:
         if not out_of_order:
             e = experts[next_fold]
