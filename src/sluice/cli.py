@@ -371,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "4096-aligned, CRC-protected record per expert, so one expert is one read. "
                                    "Reads the source tensor by tensor (small memory); writes to OUTPUT.partial "
                                    "and renames when complete.")
-    c.add_argument("model", help="Hugging Face model directory ('demo' and repo ids in the local Hugging Face "
-                                 "cache are found too)")
+    c.add_argument("model", help="Hugging Face model directory, or an s3://, http:// or https:// URL of one (the "
+                                 "remote extra); 'demo' and repo ids in the local Hugging Face cache are found too")
     c.add_argument("output", help="container directory to write (an existing container there is replaced only "
                                   "with --force; any other existing path is refused)")
     c.add_argument("--force", action="store_true", help="replace an existing Sluice container at OUTPUT")
@@ -407,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the speedup. spec: decode with and without n-gram speculation (identical "
                                    "tokens required), tokens per forward.")
     b.add_argument("what", choices=["io", "lossy", "spec"], help="what to measure")
-    b.add_argument("model", help="Hugging Face model directory or container")
+    b.add_argument("model", help="Hugging Face model directory or container (or a model named as for sluice run: "
+                                 "'demo', a cached repo id, an s3:// or http(s):// URL)")
     b.add_argument("--prompt", "-p", default="def fibonacci(n):\n", metavar="TEXT", help="prompt (lossy, spec)")
     b.add_argument("--tokens", type=int_arg(1), default=64, metavar="N", help="tokens to generate per arm (default 64)")
     b.add_argument("--json", action="store_true", help="print the report as JSON")

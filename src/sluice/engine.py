@@ -1,8 +1,11 @@
 """The public engine: load a model under a memory budget, run forwards, generate tokens.
 
 ``load()`` opens a Hugging Face directory (or a packed container), plans memory, loads the
-spine and wires the family's layers to the expert interface. ``Engine.stream()`` is the
-core step generator; ``generate()``, the CLI and the server are built on it.
+spine and wires the family's layers to the expert interface (``ExpertProvider`` here, or
+``RayExperts`` with ``ray``). ``Engine.stream()`` submits a generation to the scheduler
+(``scheduler.py``), which runs every running generation in each step of the model runner
+(``runner.py``), from any number of threads; ``generate()``, the CLI and the server are built
+on it.
 """
 
 from __future__ import annotations

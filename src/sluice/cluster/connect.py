@@ -46,7 +46,8 @@ def connect(address: str) -> str:
         return "experts on the Ray cluster running on this machine"
     except ConnectionError:
         pass
-    # a cluster of this process only: on loopback (Ray has no authentication), dashboard off
+    # a cluster of this process only: on loopback, dashboard off (Ray 2.60 itself turns its token
+    # authentication on for a new local cluster, with a warning, unless RAY_AUTH_MODE is set)
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **quiet)
     return ("no Ray cluster found (RAY_ADDRESS unset, none running here): started a local one for this "
             "process (ray start --head to run one that outlives it)")
