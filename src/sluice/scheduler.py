@@ -51,9 +51,6 @@ from .stats import EngineCounters
 log = logging.getLogger("sluice.scheduler")
 IDLE_EXIT_S = 2.0  # an idle scheduler thread ends after this long
 _END = object()  # a sequence's queue: nothing more follows
-# EngineCounters fields of the batched runner, when it counts them: per forward and MoE layer (summed), the
-# distinct experts its rows routed to, and the sum of each sequence's own (what they would read alone)
-UNION_FIELD, SEQ_UNION_FIELD = "expert_union", "expert_seq_union"
 
 
 _open: weakref.WeakSet = weakref.WeakSet()  # schedulers whose thread may run
@@ -110,9 +107,9 @@ class SchedulerStats:
     queue_wait_s: float = 0.0  # their summed wait for a slot
     running: int = 0  # sequences holding a slot now
     waiting: int = 0  # sequences waiting for one
-    union_last: int | None = None  # distinct experts of the last step's rows, summed over MoE layers, if counted
-    union_total: int | None = None  # ... summed over steps
-    seq_union_total: int | None = None  # each sequence's own union summed over sequences and steps (no sharing)
+    union_last: int = 0  # distinct experts of the last step's rows, summed over MoE layers
+    union_total: int = 0  # ... summed over steps
+    seq_union_total: int = 0  # each sequence's own union summed over sequences and steps (no sharing)
 
 
 class Scheduler:
@@ -402,7 +399,6 @@ class Scheduler:
         now = self.runner.counters()
         delta = now - self._last
         self._last = now
-        union, seq_union = getattr(delta, UNION_FIELD, None), getattr(delta, SEQ_UNION_FIELD, None)
         with self._cond:
             st = self._stats
             st.steps += 1
@@ -410,11 +406,9 @@ class Scheduler:
             st.last_batch_size = len(plan)
             st.max_batch_size = max(st.max_batch_size, len(plan))
             st.tokens += sum(len(w.tokens) for _, w, _ in plan)
-            if union is not None:
-                st.union_last = int(union)
-                st.union_total = (st.union_total or 0) + int(union)
-            if seq_union is not None:
-                st.seq_union_total = (st.seq_union_total or 0) + int(seq_union)
+            st.union_last = delta.expert_union
+            st.union_total += delta.expert_union
+            st.seq_union_total += delta.expert_seq_union
         for (seq, w, whole), result in zip(plan, results):
             seq.charged = seq.charged + delta
             error = getattr(result, "error", None)
@@ -432,4 +426,4 @@ class Scheduler:
             self._advance(seq, result)
 
 
-__all__ = ["EngineClosed", "SEQ_UNION_FIELD", "Scheduler", "SchedulerStats", "Sequence", "UNION_FIELD"]
+__all__ = ["EngineClosed", "Scheduler", "SchedulerStats", "Sequence"]

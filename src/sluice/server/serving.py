@@ -209,17 +209,14 @@ class Metrics:
                [({}, b.steps if b else 0)])
         metric("sluice_batched_sequences_total", "counter", "Sequences summed over engine steps (divided by "
                "sluice_engine_steps_total: the mean batch size).", [({}, b.stepped_sequences if b else 0)])
-        def known(v):
-            return v if v is not None else float("nan")
-
         metric("sluice_expert_union_size", "gauge", "Distinct experts the rows of the engine's most recent step "
-               "routed to, over all its sequences, summed over MoE layers (NaN where the engine does not count it).",
-               [({}, known(b.union_last if b else None))])
-        metric("sluice_expert_union_total", "counter", "Those per-step unions summed over steps (NaN where the "
-               "engine does not count them).", [({}, known(b.union_total if b else None))])
+               "routed to, over all its sequences, summed over MoE layers.",
+               [({}, b.union_last if b else 0)])
+        metric("sluice_expert_union_total", "counter", "Those per-step unions summed over steps.",
+               [({}, b.union_total if b else 0)])
         metric("sluice_expert_sequence_union_total", "counter", "Each sequence's own union of experts summed over "
                "the sequences of each step and over steps: what they would have looked up one by one.",
-               [({}, known(b.seq_union_total if b else None))])
+               [({}, b.seq_union_total if b else 0)])
         metric("sluice_prompt_tokens_total", "counter", "Prompt tokens of generations run.", [({}, t["prompt_tokens"])])
         metric("sluice_prefilled_tokens_total", "counter", "Prompt tokens actually prefilled (not reused).",
                [({}, t["prefilled_tokens"])])
