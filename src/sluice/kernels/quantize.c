@@ -169,3 +169,89 @@ SK_EXPORT SK_CLONES void sk_q4_quantize(
                      scales + r * groups + g);
         }
 }
+
+/* sk_mxfp4_quantize: the mxfp4 format's quantizer (see quant/mxfp4.py) for rows [r0, r1) of a
+ * row-major fp32 matrix [rows, kp]: per group of 32 the shared exponent s = floor(log2(amax)) - 2
+ * + 127 (0 where amax is 0, NaN or below 2^-125; 124 where it is inf, as torch's frexp gives
+ * exponent 0 there), clamped to [0, 254], or s + 1 where that has a strictly smaller squared error
+ * (summed as the fixed pairwise tree); E2M1 codes nearest, ties to even, saturating at 6. Eight
+ * groups per step, one per lane. Dividing by the scale 2^(s - 127) is a multiplication by the exact
+ * power of two 2^(127 - s) (every such power is a float), so the quotients are those of torch. */
+static inline __attribute__((always_inline)) float pow2f(int e) { /* 2^e for e in [-149, 127], exact */
+    uint32_t u = e >= -126 ? (uint32_t)(e + 127) << 23 : 1u << (e + 149);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) void mx_lanes(const float *w, int nl, uint8_t *blocks, uint8_t *scales) {
+    float W[GROUP][LANES], T[GROUP][LANES];
+    v8i C[2][GROUP];
+    float e[2][LANES], scale[LANES], inv[LANES];
+    int base[LANES];
+    for (int l = 0; l < LANES; l++)
+        for (int i = 0; i < GROUP; i++) W[i][l] = l < nl ? w[l * GROUP + i] : 0.0f;
+    /* largest |w| as bits: a NaN's bits exceed inf's, so a NaN wins as in torch's amax */
+    v8u amax = {0}, absmask = amax + 0x7fffffffu;
+    for (int i = 0; i < GROUP; i++) {
+        v8u u;
+        memcpy(&u, W[i], sizeof u);
+        u &= absmask;
+        amax = (v8u)select8((v8i)(u > amax), (v8f)u, (v8f)amax);
+    }
+    for (int l = 0; l < LANES; l++) {
+        const int ex = (int)(amax[l] >> 23);
+        base[l] = amax[l] > 0x7f800000u ? 0 : ex == 255 ? 124 : ex - 2 < 0 ? 0 : ex - 2;
+    }
+    const v8f one = {1, 1, 1, 1, 1, 1, 1, 1};
+    const v8i ione = {1, 1, 1, 1, 1, 1, 1, 1}, izero = {0};
+    for (int extra = 0; extra < 2; extra++) {
+        for (int l = 0; l < LANES; l++) {
+            const int s = base[l] + extra > 254 ? 254 : base[l] + extra;
+            scale[l] = pow2f(s - 127);
+            inv[l] = pow2f(127 - s);
+        }
+        v8f sv, iv;
+        memcpy(&sv, scale, sizeof sv);
+        memcpy(&iv, inv, sizeof iv);
+        for (int i = 0; i < GROUP; i++) {
+            v8f x;
+            memcpy(&x, W[i], sizeof x);
+            const v8f a = x * iv, m = (v8f)((v8i)a & (v8i)absmask);
+            /* nearest E2M1 index, ties to even (each comparison is -1 where true); NaN gives 0 */
+            const v8i idx = -((m > 0.25f * one) + (m >= 0.75f * one) + (m > 1.25f * one) + (m >= 1.75f * one) +
+                              (m > 2.5f * one) + (m >= 3.5f * one) + (m > 5.0f * one));
+            /* its magnitude: 0, .5, 1, 1.5, 2, 3, 4, 6 */
+            v8f mag = __builtin_convertvector(idx, v8f) * (0.5f * one);
+            mag = select8(idx == 5 * ione, 3.0f * one, mag);
+            mag = select8(idx == 6 * ione, 4.0f * one, mag);
+            mag = select8(idx == 7 * ione, 6.0f * one, mag);
+            const v8i neg = (a < 0.0f * one) & (idx > izero);
+            C[extra][i] = idx | (neg & (8 * ione));
+            const v8f v = select8(neg, -mag, mag), d = v * sv - x;
+            const v8f sq = d * d;
+            memcpy(T[i], &sq, sizeof sq);
+        }
+        tree_sum(T, e[extra]);
+    }
+    for (int l = 0; l < nl; l++) {
+        const int better = e[1][l] < e[0][l]; /* strictly: a tie or a NaN keeps the first */
+        const int s0 = base[l] > 254 ? 254 : base[l];
+        const v8i *src = C[better];
+        uint8_t *out = blocks + l * (GROUP / 2);
+        for (int i = 0; i < GROUP / 2; i++) out[i] = (uint8_t)(src[2 * i][l] | (src[2 * i + 1][l] << 4));
+        scales[l] = (uint8_t)(better ? (s0 + 1 > 254 ? 254 : s0 + 1) : s0);
+    }
+}
+
+SK_EXPORT SK_CLONES void sk_mxfp4_quantize(const float *w, int64_t r0, int64_t r1, int64_t kp, uint8_t *blocks,
+                                           uint8_t *scales) {
+    const int64_t groups = kp / GROUP;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t g = 0; g < groups; g += LANES) {
+            int nl = groups - g < LANES ? (int)(groups - g) : LANES;
+            mx_lanes(w + r * kp + g * GROUP, nl, blocks + (r * groups + g) * (GROUP / 2), scales + r * groups + g);
+        }
+}

@@ -1,4 +1,4 @@
-"""ctypes bindings to the converter's C quantizers (kernels/quantize.c), run on a few threads.
+"""ctypes bindings to the converter's C quantizers (kernels/quantize.c: q4, mxfp4), run on a few threads.
 
 Each function returns None where the C kernels are not built: the caller then uses its torch
 implementation, which gives the same bytes.
@@ -26,13 +26,14 @@ def _load():
         if path is not None:
             try:
                 lib = ctypes.CDLL(path)
-                f = lib.sk_q4_quantize
+                f, g = lib.sk_q4_quantize, lib.sk_mxfp4_quantize
             except (OSError, AttributeError):
                 lib = None
             else:
                 p, i64 = ctypes.c_void_p, ctypes.c_int64
                 f.argtypes = [p, i64, i64, i64, p, ctypes.c_int, p, p]
-                f.restype = None
+                g.argtypes = [p, i64, i64, i64, p, p]
+                f.restype = g.restype = None
         _lib = lib or False
     return _lib or None
 
@@ -71,6 +72,24 @@ def q4_quantize(w: torch.Tensor, candidates: torch.Tensor):
     def run(r0: int, r1: int) -> None:
         lib.sk_q4_quantize(w.data_ptr(), r0, r1, kp, cands.data_ptr(), cands.numel(), blocks.data_ptr(),
                            scales.data_ptr())
+
+    _split(r, run)
+    return blocks, scales
+
+
+def mxfp4_quantize(w: torch.Tensor):
+    """mxfp4 blocks [r, G, 16] and scales [r, G] (E8M0) of fp32 rows ``w`` [r, Kp], or None without C."""
+    lib = _load()
+    if lib is None:
+        return None
+    w = w.float().contiguous()
+    r, kp = w.shape
+    g = kp // 32
+    blocks = torch.empty(r, g, 16, dtype=torch.uint8)
+    scales = torch.empty(r, g, dtype=torch.uint8)
+
+    def run(r0: int, r1: int) -> None:
+        lib.sk_mxfp4_quantize(w.data_ptr(), r0, r1, kp, blocks.data_ptr(), scales.data_ptr())
 
     _split(r, run)
     return blocks, scales

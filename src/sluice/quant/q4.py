@@ -96,6 +96,11 @@ class Q4(Format):
         kp = self.padded_k(k)
         if kp != k:
             w = torch.nn.functional.pad(w, (0, kp - k))
+        from .cquant import q4_quantize
+
+        out = q4_quantize(w, _CANDIDATES)  # the C quantizer: the whole matrix at once, rows split over threads
+        if out is not None:
+            return {"blocks": out[0], "scales": out[1]}
         blocks = torch.empty(n, kp // GROUP, 16, dtype=torch.uint8)
         scales = torch.empty(n, kp // GROUP, dtype=torch.float16)
         step = max(1, (1 << 22) // kp)
@@ -107,10 +112,7 @@ class Q4(Format):
 
     @staticmethod
     def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from .cquant import q4_quantize
-
-        out = q4_quantize(w, _CANDIDATES)
-        return out if out is not None else _quantize_rows_torch(w)
+        return _quantize_rows_torch(w)
 
     def dequantize_rows(self, parts, n, k, r0, r1):
         q = unpack_nibbles(parts["blocks"][r0:r1]).float() - 8.0  # [r, G, 32]
