@@ -1,0 +1,184 @@
+/* The lane kernels of quantize.c, included once per instruction set with LANES (8 or 16) and
+ * SUFFIX defined; N(x) names this copy's x. Per group the operations and their order do not
+ * depend on LANES, so every copy gives the same bytes. No include guard: included several times. */
+#define N2(x, s) x##_##s
+#define N1(x, s) N2(x, s)
+#define N(x) N1(x, SUFFIX)
+
+/* LANES groups at a time, one per lane ([element][lane] arrays), so that every step is the same
+ * operation across lanes and the compiler vectorizes it; per group the operations and their order
+ * are exactly those of quant/q4.py's torch form. */
+
+static inline __attribute__((always_inline)) void N(tree_sum)(float t[GROUP][LANES], float *out) {
+    for (int n = GROUP / 2; n >= 1; n /= 2)
+        for (int i = 0; i < n; i++)
+            for (int l = 0; l < LANES; l++) t[i][l] = t[2 * i][l] + t[2 * i + 1][l];
+    for (int l = 0; l < LANES; l++) out[l] = t[0][l];
+}
+
+/* round(w / d) to nearest even, clamped to [-8, 7]; 0 where d is 0 or the quotient is NaN
+ * (the sign of a zero level never matters) */
+typedef float N(vf) __attribute__((vector_size(LANES * 4)));
+typedef int32_t N(vi) __attribute__((vector_size(LANES * 4)));
+
+static inline __attribute__((always_inline)) N(vf) N(vsel)(N(vi) m, N(vf) a, N(vf) b) { /* m ? a : b per lane */
+    return (N(vf))(((N(vi))a & m) | ((N(vi))b & ~m));
+}
+
+static inline __attribute__((always_inline)) void N(levels)(float w[GROUP][LANES], const float *d, float q[GROUP][LANES]) {
+    N(vf) dv, zero = {0}, one = zero + 1.0f, big = one * 12582912.0f;
+    memcpy(&dv, d, sizeof dv);
+    const N(vi) dzero = dv == zero;
+    const N(vf) safe = N(vsel)(dzero, one, dv);
+    for (int i = 0; i < GROUP; i++) {
+        N(vf) x;
+        memcpy(&x, w[i], sizeof x);
+        x = x / safe;
+        x = N(vsel)(x < -9.0f * one, -9.0f * one, x);  /* NaN passes, as in torch */
+        x = N(vsel)(x > 9.0f * one, 9.0f * one, x);
+        x = (x + big) - big;                           /* + 1.5 * 2^23 - 1.5 * 2^23: round to even */
+        const N(vi) nan = x != x;
+        x = N(vsel)(x < -8.0f * one, -8.0f * one, x);
+        x = N(vsel)(x > 7.0f * one, 7.0f * one, x);
+        x = N(vsel)(nan | dzero, zero, x);              /* a NaN level is 0; 0 where d is 0 */
+        memcpy(q[i], &x, sizeof x);
+    }
+}
+
+/* groups [g0, g0 + nl) of one row (nl <= LANES; unused lanes hold zeros and are not stored) */
+static inline __attribute__((always_inline)) void N(q4_lanes)(const float *w, int nl, const float *cands, int ncand,
+                                                           uint8_t *blocks, uint16_t *scales) {
+    float W[GROUP][LANES], Q[GROUP][LANES], T[GROUP][LANES];
+    float m[LANES], d[LANES], qq[LANES], wq[LANES], e[LANES], best_e[LANES] = {0}, best_d[LANES] = {0};
+    for (int l = 0; l < LANES; l++)
+        for (int i = 0; i < GROUP; i++) W[i][l] = l < nl ? w[l * GROUP + i] : 0.0f;
+    for (int l = 0; l < LANES; l++) { /* signed value of largest magnitude (first; a NaN wins, as argmax) */
+        int am = 0;
+        float best_abs = W[0][l] < 0 ? -W[0][l] : W[0][l];
+        for (int i = 1; i < GROUP && best_abs == best_abs; i++) {
+            float a = W[i][l] < 0 ? -W[i][l] : W[i][l];
+            if (a > best_abs || a != a) {
+                best_abs = a;
+                am = i;
+            }
+        }
+        m[l] = W[am][l];
+    }
+    for (int c = 0; c < ncand; c++) {
+        for (int l = 0; l < LANES; l++) d[l] = m[l] / cands[c];
+        N(levels)(W, d, Q);
+        for (int i = 0; i < GROUP; i++)
+            for (int l = 0; l < LANES; l++) T[i][l] = Q[i][l] * Q[i][l];
+        N(tree_sum)(T, qq);
+        for (int i = 0; i < GROUP; i++)
+            for (int l = 0; l < LANES; l++) T[i][l] = Q[i][l] * W[i][l];
+        N(tree_sum)(T, wq);
+        for (int l = 0; l < LANES; l++) d[l] = to_half(qq[l] > 0 ? wq[l] / (qq[l] < 1e-30f ? 1e-30f : qq[l]) : 0.0f);
+        N(levels)(W, d, Q);
+        for (int i = 0; i < GROUP; i++)
+            for (int l = 0; l < LANES; l++) {
+                float x = Q[i][l] * d[l] - W[i][l];
+                T[i][l] = x * x;
+            }
+        N(tree_sum)(T, e);
+        for (int l = 0; l < LANES; l++)
+            if (c == 0 || e[l] < best_e[l]) {
+                best_e[l] = e[l];
+                best_d[l] = d[l];
+            }
+    }
+    N(levels)(W, best_d, Q);
+    for (int l = 0; l < nl; l++) {
+        uint8_t *out = blocks + l * (GROUP / 2);
+        for (int i = 0; i < GROUP / 2; i++)
+            out[i] = (uint8_t)((int)(Q[2 * i][l] + 8.0f) | ((int)(Q[2 * i + 1][l] + 8.0f) << 4));
+        scales[l] = half_bits(best_d[l]);
+    }
+}
+
+typedef uint32_t N(vu) __attribute__((vector_size(LANES * 4)));
+
+static inline __attribute__((always_inline)) void N(mx_lanes)(const float *w, int nl, uint8_t *blocks, uint8_t *scales) {
+    float W[GROUP][LANES], T[GROUP][LANES];
+    N(vi) C[2][GROUP];
+    float e[2][LANES], scale[LANES], inv[LANES];
+    int base[LANES];
+    for (int l = 0; l < LANES; l++)
+        for (int i = 0; i < GROUP; i++) W[i][l] = l < nl ? w[l * GROUP + i] : 0.0f;
+    /* largest |w| as bits: a NaN's bits exceed inf's, so a NaN wins as in torch's amax */
+    N(vu) amax = {0}, absmask = amax + 0x7fffffffu;
+    for (int i = 0; i < GROUP; i++) {
+        N(vu) u;
+        memcpy(&u, W[i], sizeof u);
+        u &= absmask;
+        amax = (N(vu))N(vsel)((N(vi))(u > amax), (N(vf))u, (N(vf))amax);
+    }
+    for (int l = 0; l < LANES; l++) {
+        const int ex = (int)(amax[l] >> 23);
+        base[l] = amax[l] > 0x7f800000u ? 0 : ex == 255 ? 124 : ex - 2 < 0 ? 0 : ex - 2;
+    }
+    const N(vf) one = (N(vf)){0} + 1.0f;
+    const N(vi) izero = {0}, ione = izero + 1;
+    for (int extra = 0; extra < 2; extra++) {
+        for (int l = 0; l < LANES; l++) {
+            const int s = base[l] + extra > 254 ? 254 : base[l] + extra;
+            scale[l] = pow2f(s - 127);
+            inv[l] = pow2f(127 - s);
+        }
+        N(vf) sv, iv;
+        memcpy(&sv, scale, sizeof sv);
+        memcpy(&iv, inv, sizeof iv);
+        for (int i = 0; i < GROUP; i++) {
+            N(vf) x;
+            memcpy(&x, W[i], sizeof x);
+            const N(vf) a = x * iv, m = (N(vf))((N(vi))a & (N(vi))absmask);
+            /* nearest E2M1 index, ties to even (each comparison is -1 where true); NaN gives 0 */
+            const N(vi) idx = -((m > 0.25f * one) + (m >= 0.75f * one) + (m > 1.25f * one) + (m >= 1.75f * one) +
+                              (m > 2.5f * one) + (m >= 3.5f * one) + (m > 5.0f * one));
+            /* its magnitude: 0, .5, 1, 1.5, 2, 3, 4, 6 */
+            N(vf) mag = __builtin_convertvector(idx, N(vf)) * (0.5f * one);
+            mag = N(vsel)(idx == 5 * ione, 3.0f * one, mag);
+            mag = N(vsel)(idx == 6 * ione, 4.0f * one, mag);
+            mag = N(vsel)(idx == 7 * ione, 6.0f * one, mag);
+            const N(vi) neg = (a < 0.0f * one) & (idx > izero);
+            C[extra][i] = idx | (neg & (8 * ione));
+            const N(vf) v = N(vsel)(neg, -mag, mag), d = v * sv - x;
+            const N(vf) sq = d * d;
+            memcpy(T[i], &sq, sizeof sq);
+        }
+        N(tree_sum)(T, e[extra]);
+    }
+    for (int l = 0; l < nl; l++) {
+        const int better = e[1][l] < e[0][l]; /* strictly: a tie or a NaN keeps the first */
+        const int s0 = base[l] > 254 ? 254 : base[l];
+        const N(vi) *src = C[better];
+        uint8_t *out = blocks + l * (GROUP / 2);
+        for (int i = 0; i < GROUP / 2; i++) out[i] = (uint8_t)(src[2 * i][l] | (src[2 * i + 1][l] << 4));
+        scales[l] = (uint8_t)(better ? (s0 + 1 > 254 ? 254 : s0 + 1) : s0);
+    }
+}
+
+
+static void N(q4_rows)(const float *w, int64_t r0, int64_t r1, int64_t kp, const float *cands, int ncand,
+                       uint8_t *blocks, uint16_t *scales) {
+    const int64_t groups = kp / GROUP;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t g = 0; g < groups; g += LANES) {
+            int nl = groups - g < LANES ? (int)(groups - g) : LANES;
+            N(q4_lanes)(w + r * kp + g * GROUP, nl, cands, ncand, blocks + (r * groups + g) * (GROUP / 2),
+                        scales + r * groups + g);
+        }
+}
+
+static void N(mx_rows)(const float *w, int64_t r0, int64_t r1, int64_t kp, uint8_t *blocks, uint8_t *scales) {
+    const int64_t groups = kp / GROUP;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t g = 0; g < groups; g += LANES) {
+            int nl = groups - g < LANES ? (int)(groups - g) : LANES;
+            N(mx_lanes)(w + r * kp + g * GROUP, nl, blocks + (r * groups + g) * (GROUP / 2), scales + r * groups + g);
+        }
+}
+
+#undef N
+#undef N1
+#undef N2
