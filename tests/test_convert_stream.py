@@ -1,5 +1,6 @@
 """``sluice convert`` at speed: spine tensors streamed in bounded pieces (same bytes as whole
-reads), and the C q4 quantizer (same bytes as its torch fallback, the documented algorithm)."""
+reads), and the C q4 and mxfp4 quantizers (same bytes as their torch fallbacks, the documented
+algorithms, on every instruction set the CPU has)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sluice.convert as conv
 from sluice import kernels
 from sluice.checkpoint import Checkpoint
 from sluice.convert import convert
-from sluice.quant import FORMATS, q4
+from sluice.quant import FORMATS, mxfp4, q4
 from sluice.quant import cquant
 
 needs_c = pytest.mark.skipif(not kernels.available(), reason="C kernels not built on this machine")
@@ -118,6 +119,101 @@ def test_q4_threads_do_not_change_bytes(monkeypatch):
     monkeypatch.setattr(cquant, "threads", lambda: 3)
     three = FORMATS["q4"].quantize(w)
     assert torch.equal(one["blocks"], three["blocks"]) and torch.equal(one["scales"], three["scales"])
+
+
+def _mx_matrix(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Random rows, then edge cases: zeros, subnormals, ties, huge values, every E2M1 value exactly,
+    infs and NaNs (defined, not refused: see quant/mxfp4.py)."""
+    w = _matrix(rows, k, seed)
+    w[3, :32] *= 2.0**-3  # the tie pattern at the block's own scale: x.25 / x.75 boundaries
+    w[5, :32] = torch.tensor(mxfp4.FP4_VALUES * 2) * 2.0**-127  # representable at the smallest scale (subnormals)
+    w[6, :32] = torch.tensor(mxfp4.FP4_VALUES * 2) * 2.0**100
+    w[7, :32] = 3.4e38  # the largest exponent: 4 * 2^(253 - 127) overflows, so 252 stays
+    w[8, :32] = -0.0
+    w[9, 3] = float("inf")
+    w[10, 5] = float("nan")
+    w[11, 0] = -float("inf")
+    w[12, :32] = float("nan")
+    w[13, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0] * 4) * torch.tensor([1.0, -1.0] * 16)
+    return w
+
+
+def _isa_levels():
+    best = cquant.isa() if kernels.available() else None
+    return [] if best is None else list(range(best + 1))
+
+
+@pytest.fixture
+def isa_level(request):
+    yield cquant.isa(request.param)
+    cquant.isa(99)  # back to the CPU's best
+
+
+@needs_c
+@pytest.mark.parametrize("isa_level", _isa_levels(), indirect=True)
+@pytest.mark.parametrize("shape", [(16, 32), (37, 96), (130, 544), (64, 4096)])
+def test_mxfp4_c_quantizer_equals_its_torch_fallback(shape, isa_level, monkeypatch):
+    w = _mx_matrix(*shape, seed=shape[0])
+    with_c = FORMATS["mxfp4"].quantize(w)
+    monkeypatch.setattr(cquant, "_lib", False)
+    fallback = FORMATS["mxfp4"].quantize(w)
+    assert torch.equal(with_c["blocks"], fallback["blocks"]) and torch.equal(with_c["scales"], fallback["scales"])
+
+
+@needs_c
+@pytest.mark.parametrize("isa_level", _isa_levels(), indirect=True)
+def test_q4_every_instruction_set_gives_the_same_bytes(isa_level, monkeypatch):
+    w = _matrix(70, 800, seed=11)
+    with_c = FORMATS["q4"].quantize(w)
+    monkeypatch.setattr(cquant, "_lib", False)
+    fallback = FORMATS["q4"].quantize(w)
+    assert torch.equal(with_c["blocks"], fallback["blocks"])
+    assert torch.equal(with_c["scales"].view(torch.int16), fallback["scales"].view(torch.int16))
+
+
+def test_mxfp4_edge_cases_are_defined():
+    fmt = FORMATS["mxfp4"]
+    w = _mx_matrix(16, 32, seed=1)
+    q = fmt.quantize(w)
+    s = q["scales"][:, 0].tolist()
+    assert s[0] == 0 and s[8] == 0  # zeros (and -0.0): exponent 0, codes 0
+    assert q["blocks"][0].eq(0).all() and q["blocks"][8].eq(0).all()
+    assert s[7] == 252  # floor(log2(3.4e38)) - 2 + 127: one more would overflow to inf
+    assert s[9] == 124 and s[12] == 0  # inf: torch's frexp exponent 0; NaN: 0
+    back = fmt.dequantize(q, 16, 32)
+    assert torch.equal(back[5], w[5]) and torch.equal(back[6], w[6])  # representable: exact
+    codes = q4.unpack_nibbles(q["blocks"][13]).reshape(-1)  # ties to the even code, signs kept
+    assert codes[:8].tolist() == [0, 8 | 2, 2, 8 | 4, 4, 8 | 6, 6, 8 | 7]
+
+
+def _mxfp4_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mxfp4 quantizer as before the C one (errors summed in torch's own order)."""
+    r, kp = w.shape
+    wg = w.reshape(r, kp // 32, 32)
+    amax = wg.abs().amax(-1, keepdim=True)
+    _, ex = torch.frexp(amax)
+    biased = torch.where(amax > 0, ex - 3 + 127, torch.zeros_like(ex)).clamp(0, 254)
+    best = None
+    for extra in (0, 1):
+        s = (biased + extra).clamp(0, 254)
+        scale = mxfp4.e8m0_half(s) * 2
+        codes = mxfp4.e2m1_codes(wg / scale)
+        err = ((mxfp4._LUT[codes.long()] * scale - wg) ** 2).sum(-1, keepdim=True)
+        if best is None:
+            best = (err, codes, s)
+        else:
+            better = err < best[0]
+            best = (torch.where(better, err, best[0]), torch.where(better, codes, best[1]),
+                    torch.where(better, s, best[2]))
+    return q4.pack_nibbles(best[1]), best[2].squeeze(-1).to(torch.uint8)
+
+
+def test_mxfp4_matches_the_plain_algorithm_except_near_ties():
+    w = _matrix(256, 1024, seed=9)
+    got = FORMATS["mxfp4"].quantize(w)
+    ref_blocks, ref_scales = _mxfp4_reference(w)
+    differ = (got["blocks"] != ref_blocks).any(-1) | (got["scales"] != ref_scales)
+    assert int(differ.sum()) <= differ.numel() // 1000
 
 
 def _int8_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

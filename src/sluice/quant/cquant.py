@@ -34,8 +34,17 @@ def _load():
                 f.argtypes = [p, i64, i64, i64, p, ctypes.c_int, p, p]
                 g.argtypes = [p, i64, i64, i64, p, p]
                 f.restype = g.restype = None
+                lib.sk_quantize_isa.argtypes = [ctypes.c_int]
+                lib.sk_quantize_isa.restype = ctypes.c_int
         _lib = lib or False
     return _lib or None
+
+
+def isa(level: int = -1) -> int | None:
+    """The quantizers' instruction set (0 portable C, 1 AVX2, 2 AVX-512F; None without C). A
+    ``level`` >= 0 selects min(level, the CPU's best), for the tests: every level gives the same bytes."""
+    lib = _load()
+    return None if lib is None else int(lib.sk_quantize_isa(level))
 
 
 def threads() -> int:
