@@ -171,6 +171,20 @@ def test_q4_every_instruction_set_gives_the_same_bytes(isa_level, monkeypatch):
     assert torch.equal(with_c["scales"].view(torch.int16), fallback["scales"].view(torch.int16))
 
 
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["q4", "mxfp4"])
+def test_c_quantizers_widen_and_pad_in_c(name, dtype, monkeypatch):
+    """bf16/f16 rows are read as stored (widened exactly in C) and a K that is not a multiple of 32
+    is padded with zeros in C: the same bytes as widening and padding in torch first."""
+    w = _mx_matrix(40, 200, seed=4).clamp(-6e4, 6e4).to(dtype)  # 200: the last group is 8 wide
+    direct = FORMATS[name].quantize(w)
+    monkeypatch.setattr(cquant, "_lib", False)
+    fallback = FORMATS[name].quantize(w.float())
+    for part in direct:
+        assert torch.equal(direct[part].view(torch.uint8), fallback[part].view(torch.uint8)), part
+
+
 def test_mxfp4_edge_cases_are_defined():
     fmt = FORMATS["mxfp4"]
     w = _mx_matrix(16, 32, seed=1)

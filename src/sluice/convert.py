@@ -98,7 +98,7 @@ def encode_parts(fmt: str, weights: dict[str, torch.Tensor], parts, record: Alig
         elif fmt == FP8_FORMAT:
             encoded[role] = w
         else:
-            for part, t in FORMATS[fmt].quantize(w.float()).items():
+            for part, t in FORMATS[fmt].quantize(w if w.dtype in _TORCH_DENSE.values() else w.float()).items():
                 encoded[f"{role}.{part}"] = t
     for p in parts:
         t = encoded[p.name] if p.name in encoded else weights[p.name]

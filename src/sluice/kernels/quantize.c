@@ -2,7 +2,8 @@
  * FMA contraction and no reordering of floating-point sums; halves converted in integer code).
  *
  * sk_q4_quantize: the q4 format's scale search (see quant/q4.py) for rows [r0, r1) of a
- * row-major fp32 matrix [rows, kp] (kp a multiple of 32). Every sum over a group of 32 is
+ * row-major f32, bf16 or f16 matrix [rows, k], widened exactly and zero-padded to kp columns.
+ * Every sum over a group of 32 is
  * the fixed pairwise tree ((x0+x1)+(x2+x3))+..., which quant/q4.py's torch fallback computes
  * in the same order: the bytes are the same with or without this library, on every host.
  * Callers run disjoint row ranges on several threads (ctypes releases the GIL).
@@ -65,7 +66,7 @@ static inline __attribute__((always_inline)) float to_half(float x) {
 }
 
 /* sk_mxfp4_quantize: the mxfp4 format's quantizer (see quant/mxfp4.py) for rows [r0, r1) of a
- * row-major fp32 matrix [rows, kp]: per group of 32 the shared exponent s = floor(log2(amax)) - 2
+ * row-major matrix (as sk_q4_quantize's): per group of 32 the shared exponent s = floor(log2(amax)) - 2
  * + 127 (0 where amax is 0, NaN or below 2^-125; 124 where it is inf, as torch's frexp gives
  * exponent 0 there), clamped to [0, 254], or s + 1 where that has a strictly smaller squared error
  * (summed as the fixed pairwise tree); E2M1 codes nearest, ties to even, saturating at 6. LANES
@@ -125,24 +126,26 @@ SK_EXPORT int sk_quantize_isa(int want) {
     return isa_level;
 }
 
-SK_EXPORT void sk_q4_quantize(const float *w, int64_t r0, int64_t r1, int64_t kp, const float *cands, int ncand,
-                              uint8_t *blocks, uint16_t *scales) {
+/* ``w``: rows of k elements of dtype 0 (f32), 1 (bf16) or 2 (f16), widened exactly to fp32 and
+ * padded with zeros to kp columns (a multiple of 32) */
+SK_EXPORT void sk_q4_quantize(const void *w, int dtype, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                              const float *cands, int ncand, uint8_t *blocks, uint16_t *scales) {
     switch (sk_quantize_isa(-1)) {
 #ifdef SK_X86
-    case 2: q4_rows_avx512(w, r0, r1, kp, cands, ncand, blocks, scales); return;
-    case 1: q4_rows_avx2(w, r0, r1, kp, cands, ncand, blocks, scales); return;
+    case 2: q4_rows_avx512(w, dtype, r0, r1, k, kp, cands, ncand, blocks, scales); return;
+    case 1: q4_rows_avx2(w, dtype, r0, r1, k, kp, cands, ncand, blocks, scales); return;
 #endif
-    default: q4_rows_c(w, r0, r1, kp, cands, ncand, blocks, scales);
+    default: q4_rows_c(w, dtype, r0, r1, k, kp, cands, ncand, blocks, scales);
     }
 }
 
-SK_EXPORT void sk_mxfp4_quantize(const float *w, int64_t r0, int64_t r1, int64_t kp, uint8_t *blocks,
-                                 uint8_t *scales) {
+SK_EXPORT void sk_mxfp4_quantize(const void *w, int dtype, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                                 uint8_t *blocks, uint8_t *scales) {
     switch (sk_quantize_isa(-1)) {
 #ifdef SK_X86
-    case 2: mx_rows_avx512(w, r0, r1, kp, blocks, scales); return;
-    case 1: mx_rows_avx2(w, r0, r1, kp, blocks, scales); return;
+    case 2: mx_rows_avx512(w, dtype, r0, r1, k, kp, blocks, scales); return;
+    case 1: mx_rows_avx2(w, dtype, r0, r1, k, kp, blocks, scales); return;
 #endif
-    default: mx_rows_c(w, r0, r1, kp, blocks, scales);
+    default: mx_rows_c(w, dtype, r0, r1, k, kp, blocks, scales);
     }
 }

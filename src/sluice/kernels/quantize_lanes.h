@@ -159,23 +159,54 @@ static inline __attribute__((always_inline)) void N(mx_lanes)(const float *w, in
 }
 
 
-static void N(q4_rows)(const float *w, int64_t r0, int64_t r1, int64_t kp, const float *cands, int ncand,
-                       uint8_t *blocks, uint16_t *scales) {
+/* elements [start, start + n) of a row of ``w`` (dtype 0 f32, 1 bf16, 2 f16: widened exactly) as
+ * fp32 in out[0, n), zeros from ``valid`` on (the padding to a multiple of 32) */
+static inline __attribute__((always_inline)) void N(widen)(const void *w, int dtype, int64_t start, int64_t valid,
+                                                           int64_t n, float *out) {
+    const int64_t m = valid < n ? valid : n;
+    if (dtype == 1) {
+        const uint16_t *src = (const uint16_t *)w + start;
+        for (int64_t i = 0; i < m; i++) {
+            const uint32_t u = (uint32_t)src[i] << 16;
+            memcpy(out + i, &u, 4);
+        }
+    } else if (dtype == 2) {
+        const uint16_t *src = (const uint16_t *)w + start;
+        for (int64_t i = 0; i < m; i++) out[i] = half_to_float(src[i]);
+    } else {
+        memcpy(out, (const float *)w + start, (size_t)(m > 0 ? m : 0) * sizeof(float));
+    }
+    for (int64_t i = m > 0 ? m : 0; i < n; i++) out[i] = 0.0f;
+}
+
+/* rows [r0, r1) of a row-major matrix [rows, k] (k <= kp, kp a multiple of 32; columns k..kp are zeros) */
+static void N(q4_rows)(const void *w, int dtype, int64_t r0, int64_t r1, int64_t k, int64_t kp, const float *cands,
+                       int ncand, uint8_t *blocks, uint16_t *scales) {
     const int64_t groups = kp / GROUP;
+    float buf[LANES * GROUP];
     for (int64_t r = r0; r < r1; r++)
         for (int64_t g = 0; g < groups; g += LANES) {
-            int nl = groups - g < LANES ? (int)(groups - g) : LANES;
-            N(q4_lanes)(w + r * kp + g * GROUP, nl, cands, ncand, blocks + (r * groups + g) * (GROUP / 2),
-                        scales + r * groups + g);
+            const int nl = groups - g < LANES ? (int)(groups - g) : LANES;
+            const int64_t c0 = g * GROUP, n = (int64_t)nl * GROUP;
+            const float *src = buf;
+            if (dtype == 0 && c0 + n <= k) src = (const float *)w + r * k + c0;
+            else N(widen)(w, dtype, r * k + c0, k - c0, n, buf);
+            N(q4_lanes)(src, nl, cands, ncand, blocks + (r * groups + g) * (GROUP / 2), scales + r * groups + g);
         }
 }
 
-static void N(mx_rows)(const float *w, int64_t r0, int64_t r1, int64_t kp, uint8_t *blocks, uint8_t *scales) {
+static void N(mx_rows)(const void *w, int dtype, int64_t r0, int64_t r1, int64_t k, int64_t kp, uint8_t *blocks,
+                       uint8_t *scales) {
     const int64_t groups = kp / GROUP;
+    float buf[LANES * GROUP];
     for (int64_t r = r0; r < r1; r++)
         for (int64_t g = 0; g < groups; g += LANES) {
-            int nl = groups - g < LANES ? (int)(groups - g) : LANES;
-            N(mx_lanes)(w + r * kp + g * GROUP, nl, blocks + (r * groups + g) * (GROUP / 2), scales + r * groups + g);
+            const int nl = groups - g < LANES ? (int)(groups - g) : LANES;
+            const int64_t c0 = g * GROUP, n = (int64_t)nl * GROUP;
+            const float *src = buf;
+            if (dtype == 0 && c0 + n <= k) src = (const float *)w + r * k + c0;
+            else N(widen)(w, dtype, r * k + c0, k - c0, n, buf);
+            N(mx_lanes)(src, nl, blocks + (r * groups + g) * (GROUP / 2), scales + r * groups + g);
         }
 }
 

@@ -31,8 +31,8 @@ def _load():
                 lib = None
             else:
                 p, i64 = ctypes.c_void_p, ctypes.c_int64
-                f.argtypes = [p, i64, i64, i64, p, ctypes.c_int, p, p]
-                g.argtypes = [p, i64, i64, i64, p, p]
+                f.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, ctypes.c_int, p, p]
+                g.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, p]
                 f.restype = g.restype = None
                 lib.sk_quantize_isa.argtypes = [ctypes.c_int]
                 lib.sk_quantize_isa.restype = ctypes.c_int
@@ -66,39 +66,51 @@ def _split(rows: int, fn) -> None:
         f.result()
 
 
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _source(w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``w`` as the C quantizers read it: f32, bf16 or f16 as stored (widened in C, exactly), else f32."""
+    if w.dtype not in _DTYPES:
+        w = w.float()
+    return w.contiguous(), _DTYPES[w.dtype]
+
+
 def q4_quantize(w: torch.Tensor, candidates: torch.Tensor):
-    """q4 blocks [r, G, 16] and scales [r, G] (f16) of fp32 rows ``w`` [r, Kp], or None without C."""
+    """q4 blocks [r, G, 16] and scales [r, G] (f16) of the rows of ``w`` [r, k] (zero-padded to a
+    multiple of 32), or None without C."""
     lib = _load()
     if lib is None:
         return None
-    w = w.float().contiguous()
-    r, kp = w.shape
-    g = kp // 32
+    w, dtype = _source(w)
+    r, k = w.shape
+    g = -(-k // 32)
     blocks = torch.empty(r, g, 16, dtype=torch.uint8)
     scales = torch.empty(r, g, dtype=torch.float16)
     cands = candidates.float().contiguous()
 
     def run(r0: int, r1: int) -> None:
-        lib.sk_q4_quantize(w.data_ptr(), r0, r1, kp, cands.data_ptr(), cands.numel(), blocks.data_ptr(),
-                           scales.data_ptr())
+        lib.sk_q4_quantize(w.data_ptr(), dtype, r0, r1, k, g * 32, cands.data_ptr(), cands.numel(),
+                           blocks.data_ptr(), scales.data_ptr())
 
     _split(r, run)
     return blocks, scales
 
 
 def mxfp4_quantize(w: torch.Tensor):
-    """mxfp4 blocks [r, G, 16] and scales [r, G] (E8M0) of fp32 rows ``w`` [r, Kp], or None without C."""
+    """mxfp4 blocks [r, G, 16] and scales [r, G] (E8M0) of the rows of ``w`` [r, k] (zero-padded to
+    a multiple of 32), or None without C."""
     lib = _load()
     if lib is None:
         return None
-    w = w.float().contiguous()
-    r, kp = w.shape
-    g = kp // 32
+    w, dtype = _source(w)
+    r, k = w.shape
+    g = -(-k // 32)
     blocks = torch.empty(r, g, 16, dtype=torch.uint8)
     scales = torch.empty(r, g, dtype=torch.uint8)
 
     def run(r0: int, r1: int) -> None:
-        lib.sk_mxfp4_quantize(w.data_ptr(), r0, r1, kp, blocks.data_ptr(), scales.data_ptr())
+        lib.sk_mxfp4_quantize(w.data_ptr(), dtype, r0, r1, k, g * 32, blocks.data_ptr(), scales.data_ptr())
 
     _split(r, run)
     return blocks, scales

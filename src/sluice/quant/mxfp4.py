@@ -90,17 +90,17 @@ class MXFP4(Format):
         return {"blocks": (torch.uint8, (n, g, 16)), "scales": (torch.uint8, (n, g))}
 
     def quantize(self, w: torch.Tensor, seed: int = 0, search: bool = True) -> dict[str, torch.Tensor]:
-        w = w.float()
-        n, k = w.shape
-        kp = self.padded_k(k)
-        if kp != k:
-            w = torch.nn.functional.pad(w, (0, kp - k))
-        if search:  # the C quantizer: the whole matrix at once, rows split over threads
+        if search:  # the C quantizer: the whole matrix at once (bf16/f16 widened and padded in C), rows over threads
             from .cquant import mxfp4_quantize
 
             out = mxfp4_quantize(w)
             if out is not None:
                 return {"blocks": out[0], "scales": out[1]}
+        w = w.float()
+        n, k = w.shape
+        kp = self.padded_k(k)
+        if kp != k:
+            w = torch.nn.functional.pad(w, (0, kp - k))
         blocks = torch.empty(n, kp // GROUP, 16, dtype=torch.uint8)
         scales = torch.empty(n, kp // GROUP, dtype=torch.uint8)
         step = max(1, (1 << 22) // kp)

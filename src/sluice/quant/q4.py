@@ -91,16 +91,17 @@ class Q4(Format):
         return {"blocks": (torch.uint8, (n, g, 16)), "scales": (torch.float16, (n, g))}
 
     def quantize(self, w: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
+        from .cquant import q4_quantize
+
+        # the C quantizer: the whole matrix at once (bf16/f16 widened and padded in C), rows over threads
+        out = q4_quantize(w, _CANDIDATES)
+        if out is not None:
+            return {"blocks": out[0], "scales": out[1]}
         w = w.float()
         n, k = w.shape
         kp = self.padded_k(k)
         if kp != k:
             w = torch.nn.functional.pad(w, (0, kp - k))
-        from .cquant import q4_quantize
-
-        out = q4_quantize(w, _CANDIDATES)  # the C quantizer: the whole matrix at once, rows split over threads
-        if out is not None:
-            return {"blocks": out[0], "scales": out[1]}
         blocks = torch.empty(n, kp // GROUP, 16, dtype=torch.uint8)
         scales = torch.empty(n, kp // GROUP, dtype=torch.float16)
         step = max(1, (1 << 22) // kp)
