@@ -87,6 +87,7 @@ _TORCH_DENSE = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float
 def encode_parts(fmt: str, weights: dict[str, torch.Tensor], parts, record: AlignedBuffer, base: int) -> None:
     """Write each part of one expert (cast or quantized from ``weights``) into ``record``."""
     encoded: dict[str, torch.Tensor] = {}
+    todo: dict[str, torch.Tensor] = {}
     for role in MATRIX_ROLES:
         w = weights[role]
         if isinstance(w, QuantMatrix):  # stored quantized (a native MXFP4 checkpoint): kept as is if
@@ -99,12 +100,30 @@ def encode_parts(fmt: str, weights: dict[str, torch.Tensor], parts, record: Alig
         elif fmt == FP8_FORMAT:
             encoded[role] = w
         else:
-            for part, t in FORMATS[fmt].quantize(w if w.dtype in _TORCH_DENSE.values() else w.float()).items():
-                encoded[f"{role}.{part}"] = t
+            todo[role] = w if w.dtype in _TORCH_DENSE.values() else w.float()
+    if todo:
+        quant = FORMATS[fmt]
+        if getattr(quant, "threads_per_matrix", 0) == 1 and len(todo) > 1:  # one thread each: matrices in parallel
+            results = dict(zip(todo, _matrix_pool().map(quant.quantize, todo.values())))
+        else:  # the quantizer spreads one matrix over the cores itself
+            results = {role: quant.quantize(w) for role, w in todo.items()}
+        for role, out in results.items():
+            encoded.update({f"{role}.{part}": t for part, t in out.items()})
     for p in parts:
         t = encoded[p.name] if p.name in encoded else weights[p.name]
         dest = record.tensor(base + p.offset, t.dtype, tuple(t.shape))
         dest.copy_(t)
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _matrix_pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max(1, min(torch.get_num_threads(), os.cpu_count() or 1, len(MATRIX_ROLES))),
+                                   thread_name_prefix="sluice-quantize-matrix")
+    return _POOL
 
 
 def spine_group(name: str) -> str:

@@ -149,3 +149,185 @@ SK_EXPORT void sk_mxfp4_quantize(const void *w, int dtype, int64_t r0, int64_t r
     default: mx_rows_c(w, dtype, r0, r1, k, kp, blocks, scales);
     }
 }
+
+/* ---------------------------------------------------------------------------------- rvq3 -----
+ * sk_rvq3_quantize: quant/rvq3.py's codebooks and codes of n 8-dim subvectors (one matrix), in C.
+ * Per stage: a sample of at most ``sample`` residual subvectors (selection sampling, in order),
+ * k-means on it (k-means++ seeding, ``seed_batch`` seeds drawn per round without replacement;
+ * Lloyd iterations until the assignment repeats or ``iters``; an empty cluster is re-seeded at the
+ * worst-served point), centroids rounded to f16, then every subvector assigned to the nearest
+ * f16 centroid and the residual updated. One thread, fixed orders and a splitmix64 stream from
+ * ``seed``: the same bytes for the same input on every host and instruction set. Returns 0, or
+ * -1 when memory runs out. */
+#include <stdlib.h>
+
+typedef void (*nearest_fn)(const float *, int64_t, const float *, const float *, int32_t *, float *);
+
+static nearest_fn pick_nearest(void) {
+    switch (sk_quantize_isa(-1)) {
+#ifdef SK_X86
+    case 2: return rvq_nearest_avx512;
+    case 1: return rvq_nearest_avx2;
+#endif
+    default: return rvq_nearest_c;
+    }
+}
+
+static uint64_t splitmix(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double uniform(uint64_t *s) { return (double)(splitmix(s) >> 11) * (1.0 / 9007199254740992.0); }
+
+static void prepare(const float *c, float *ct, float *cn) { /* [256][8] -> [8][256] and squared norms */
+    for (int j = 0; j < 256; j++) {
+        float n = 0.0f;
+        for (int d = 0; d < 8; d++) {
+            ct[d * 256 + j] = c[j * 8 + d];
+            n += c[j * 8 + d] * c[j * 8 + d];
+        }
+        cn[j] = n;
+    }
+}
+
+/* 256 centroids of the m points p into c; scratch: idx, prev (int32 [m]), dist (float [m]) */
+static int kmeans256(const float *p, int64_t m, int iters, int seed_batch, uint64_t *rng, float *c, int32_t *idx,
+                      int32_t *prev, float *dist, nearest_fn nearest) {
+    memset(c, 0, 256 * 8 * sizeof(float));
+    if (m <= 256) {
+        memcpy(c, p, (size_t)m * 8 * sizeof(float));
+        return 0;
+    }
+    /* k-means++ seeding: dist holds each point's squared distance to the nearest chosen centroid;
+     * the points transposed (pt [8][m]) so that the distance updates run across points */
+    float *pt = malloc((size_t)m * 8 * sizeof(float));
+    double *prefix = malloc((size_t)m * sizeof(double));
+    if (!pt || !prefix) {
+        free(pt);
+        free(prefix);
+        return -1;
+    }
+    for (int64_t i = 0; i < m; i++)
+        for (int d = 0; d < 8; d++) pt[d * m + i] = p[i * 8 + d];
+    const int64_t first = (int64_t)(splitmix(rng) % (uint64_t)m);
+    memcpy(c, p + first * 8, 8 * sizeof(float));
+    for (int64_t i = 0; i < m; i++) dist[i] = 3.4028235e38f;
+    int k = 0, fresh = 1; /* centroids [k, k + fresh) are not yet in dist */
+    while (1) {
+        for (int g = k; g < k + fresh; g++) {
+            const float *cg = c + g * 8;
+            for (int64_t i = 0; i < m; i++) {
+                float s = 0.0f;
+                for (int d = 0; d < 8; d++) {
+                    const float x = pt[d * m + i] - cg[d];
+                    s += x * x;
+                }
+                dist[i] = s < dist[i] ? s : dist[i];
+            }
+        }
+        k += fresh;
+        if (k >= 256) break;
+        double total = 0.0;
+        for (int64_t i = 0; i < m; i++) prefix[i] = total += dist[i];
+        if (!(total > 0.0)) { /* every point is a centroid already */
+            for (int j = k; j < 256; j++) memcpy(c + j * 8, c, 8 * sizeof(float));
+            break;
+        }
+        const int b = seed_batch < 256 - k ? seed_batch : 256 - k;
+        int got = 0;
+        for (int tries = 0; got < b && tries < 4 * b; tries++) { /* proportional to dist, no repeats */
+            const double u = uniform(rng) * total;
+            int64_t lo = 0, hi = m - 1; /* the first i with prefix[i] > u: dist[i] > 0 there */
+            while (lo < hi) {
+                const int64_t mid = lo + (hi - lo) / 2;
+                if (prefix[mid] > u) hi = mid;
+                else lo = mid + 1;
+            }
+            int dup = dist[lo] <= 0.0f;
+            for (int g = 0; g < got && !dup; g++) dup = memcmp(c + (k + g) * 8, p + lo * 8, 8 * sizeof(float)) == 0;
+            if (dup) continue;
+            memcpy(c + (k + got) * 8, p + lo * 8, 8 * sizeof(float));
+            got++;
+        }
+        if (got == 0) { /* only repeats drawn: fill with the first centroid */
+            for (int j = k; j < 256; j++) memcpy(c + j * 8, c, 8 * sizeof(float));
+            break;
+        }
+        fresh = got;
+    }
+    free(pt);
+    free(prefix);
+    float ct[8 * 256], cn[256];
+    double sums[256 * 8];
+    int64_t counts[256];
+    for (int it = 0; it < iters; it++) {
+        prepare(c, ct, cn);
+        nearest(p, m, ct, cn, idx, dist);
+        if (it > 0 && memcmp(idx, prev, (size_t)m * sizeof(int32_t)) == 0) break;
+        memcpy(prev, idx, (size_t)m * sizeof(int32_t));
+        memset(sums, 0, sizeof sums);
+        memset(counts, 0, sizeof counts);
+        for (int64_t i = 0; i < m; i++) {
+            counts[idx[i]]++;
+            for (int d = 0; d < 8; d++) sums[idx[i] * 8 + d] += p[i * 8 + d];
+        }
+        for (int j = 0; j < 256; j++) {
+            if (counts[j] > 0) {
+                for (int d = 0; d < 8; d++) c[j * 8 + d] = (float)(sums[j * 8 + d] / (double)counts[j]);
+            } else { /* re-seed at the worst-served point not yet taken (its distance then cleared) */
+                int64_t w = 0;
+                for (int64_t i = 1; i < m; i++)
+                    if (dist[i] > dist[w]) w = i;
+                memcpy(c + j * 8, p + w * 8, 8 * sizeof(float));
+                dist[w] = -1.0f;
+            }
+        }
+    }
+    return 0;
+}
+
+SK_EXPORT int sk_rvq3_quantize(const float *v, int64_t n, int64_t sample, int iters, int seed_batch, uint64_t seed,
+                               uint8_t *codes, uint16_t *books) {
+    const nearest_fn nearest = pick_nearest();
+    const int64_t m_max = n < sample ? n : sample;
+    float *r = malloc((size_t)n * 8 * sizeof(float)), *pts = malloc((size_t)m_max * 8 * sizeof(float));
+    float *dist = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    int32_t *idx = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t)), *prev = malloc((size_t)(m_max > 0 ? m_max : 1) * sizeof(int32_t));
+    int rc = -1;
+    if (!r || !pts || !dist || !idx || !prev) goto done;
+    memcpy(r, v, (size_t)n * 8 * sizeof(float));
+    uint64_t rng = seed;
+    for (int s = 0; s < 3; s++) {
+        const float *p = r;
+        int64_t m = n;
+        if (n > sample) { /* selection sampling: each subset of ``sample`` equally likely, kept in order */
+            m = 0;
+            for (int64_t i = 0; i < n && m < sample; i++)
+                if (uniform(&rng) * (double)(n - i) < (double)(sample - m)) memcpy(pts + 8 * m++, r + i * 8, 8 * sizeof(float));
+            p = pts;
+        }
+        float c[256 * 8], ct[8 * 256], cn[256];
+        if (kmeans256(p, m, iters, seed_batch, &rng, c, idx, prev, dist, nearest) != 0) goto done;
+        for (int j = 0; j < 256 * 8; j++) {
+            books[s * 256 * 8 + j] = half_bits(c[j] < -65504.0f ? -65504.0f : c[j] > 65504.0f ? 65504.0f : c[j]);
+            c[j] = half_to_float(books[s * 256 * 8 + j]);
+        }
+        prepare(c, ct, cn);
+        nearest(r, n, ct, cn, idx, NULL);
+        for (int64_t i = 0; i < n; i++) {
+            codes[i * 3 + s] = (uint8_t)idx[i];
+            for (int d = 0; d < 8; d++) r[i * 8 + d] -= c[idx[i] * 8 + d];
+        }
+    }
+    rc = 0;
+done:
+    free(r);
+    free(pts);
+    free(dist);
+    free(idx);
+    free(prev);
+    return rc;
+}

@@ -210,6 +210,61 @@ static void N(mx_rows)(const void *w, int dtype, int64_t r0, int64_t r1, int64_t
         }
 }
 
+/* rvq3's assignment: for each of the m 8-dim points p, the index of the nearest of the 256 centroids
+ * (given as ct [8][256] and their squared norms cn [256]) by |c|^2 - 2 p.c (products summed as a
+ * fixed tree), the lowest index on a tie, and the squared distance |p|^2 + that (at least 0). Four
+ * points at a time (independent chains). The same operations in the same order for every LANES
+ * (no contraction), so every copy gives the same codes. */
+#define RVQ_PTS 4
+static void N(rvq_nearest)(const float *pts, int64_t m, const float *ct, const float *cn, int32_t *idx,
+                           float *dist) {
+    N(vi) lane;
+    for (int l = 0; l < LANES; l++) lane[l] = l;
+    for (int64_t i0 = 0; i0 < m; i0 += RVQ_PTS) {
+        float a[RVQ_PTS][8];
+        for (int q = 0; q < RVQ_PTS; q++) {
+            const float *p = pts + (i0 + q < m ? i0 + q : m - 1) * 8;
+            for (int d = 0; d < 8; d++) a[q][d] = -2.0f * p[d];
+        }
+        N(vf) best[RVQ_PTS];
+        N(vi) bj[RVQ_PTS];
+        for (int q = 0; q < RVQ_PTS; q++) {
+            best[q] = (N(vf)){0} + __builtin_inff();
+            bj[q] = (N(vi)){0};
+        }
+        for (int j = 0; j < 256; j += LANES) {
+            N(vf) c[8], cnv;
+            memcpy(&cnv, cn + j, sizeof cnv);
+            for (int d = 0; d < 8; d++) memcpy(&c[d], ct + d * 256 + j, sizeof cnv);
+            const N(vi) lj = lane + j;
+            for (int q = 0; q < RVQ_PTS; q++) {
+                const N(vf) acc = cnv + (((a[q][0] * c[0] + a[q][1] * c[1]) + (a[q][2] * c[2] + a[q][3] * c[3])) +
+                                         ((a[q][4] * c[4] + a[q][5] * c[5]) + (a[q][6] * c[6] + a[q][7] * c[7])));
+                const N(vi) lt = acc < best[q];
+                best[q] = N(vsel)(lt, acc, best[q]);
+                bj[q] = (N(vi))N(vsel)(lt, (N(vf))lj, (N(vf))bj[q]);
+            }
+        }
+        for (int q = 0; q < RVQ_PTS && i0 + q < m; q++) {
+            float bv = best[q][0]; /* the smallest value, then the lowest index holding it (branch-free) */
+            for (int l = 1; l < LANES; l++) bv = best[q][l] < bv ? best[q][l] : bv;
+            int32_t bi = 256;
+            for (int l = 0; l < LANES; l++) {
+                const int32_t cand = best[q][l] == bv ? bj[q][l] : 256;
+                bi = cand < bi ? cand : bi;
+            }
+            idx[i0 + q] = bi == 256 ? 0 : bi; /* 256: every distance NaN */
+            if (dist) {
+                const float *p = pts + (i0 + q) * 8;
+                const float pp = ((p[0] * p[0] + p[1] * p[1]) + (p[2] * p[2] + p[3] * p[3])) +
+                                 ((p[4] * p[4] + p[5] * p[5]) + (p[6] * p[6] + p[7] * p[7]));
+                dist[i0 + q] = bv + pp > 0.0f ? bv + pp : 0.0f;
+            }
+        }
+    }
+}
+#undef RVQ_PTS
+
 #undef N
 #undef N1
 #undef N2

@@ -34,6 +34,8 @@ def _load():
                 f.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, ctypes.c_int, p, p]
                 g.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, p]
                 f.restype = g.restype = None
+                lib.sk_rvq3_quantize.argtypes = [p, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, p, p]
+                lib.sk_rvq3_quantize.restype = ctypes.c_int
                 lib.sk_quantize_isa.argtypes = [ctypes.c_int]
                 lib.sk_quantize_isa.restype = ctypes.c_int
         _lib = lib or False
@@ -114,3 +116,18 @@ def mxfp4_quantize(w: torch.Tensor):
 
     _split(r, run)
     return blocks, scales
+
+
+def rvq3_quantize(v: torch.Tensor, sample: int, iters: int, seed_batch: int, seed: int):
+    """rvq3 codes [n, 3] (uint8) and codebooks [3, 256, 8] (f16) of the 8-dim rows ``v`` [n, 8] (one
+    matrix, one thread: run several matrices on several threads), or None without C."""
+    lib = _load()
+    if lib is None:
+        return None
+    v = v.float().contiguous()
+    codes = torch.empty(v.shape[0], 3, dtype=torch.uint8)
+    books = torch.empty(3, 256, 8, dtype=torch.float16)
+    if lib.sk_rvq3_quantize(v.data_ptr(), v.shape[0], sample, iters, seed_batch, seed & (2**64 - 1),
+                            codes.data_ptr(), books.data_ptr()) != 0:
+        raise MemoryError(f"rvq3: out of memory quantizing {v.shape[0]} subvectors")
+    return codes, books
