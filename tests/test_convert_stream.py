@@ -254,3 +254,54 @@ def test_int8_bytes_unchanged_by_the_speed_up():
     ref_q, ref_s = _int8_reference(w)
     assert torch.equal(got["weight"][:, :1000], ref_q)
     assert torch.equal(got["scales"].view(torch.int32), ref_s.view(torch.int32))
+
+
+# ---------------------------------------------------------------------------- rvq3 in C -----
+
+
+@needs_c
+@pytest.mark.parametrize("isa_level", _isa_levels(), indirect=True)
+def test_rvq3_c_quantizer_same_bytes_on_every_instruction_set(isa_level):
+    w = torch.randn(96, 520, generator=torch.Generator().manual_seed(2))  # 520: padded to 528
+    got = FORMATS["rvq3"].quantize(w, seed=3)
+    cquant.isa(99)
+    best = FORMATS["rvq3"].quantize(w, seed=3)
+    assert torch.equal(got["codes"], best["codes"]) and torch.equal(got["codebooks"], best["codebooks"])
+    err = (FORMATS["rvq3"].dequantize(got, 96, 520) - w).norm() / w.norm()
+    assert err < 0.2
+
+
+@needs_c
+def test_rvq3_c_quantizer_sampled_and_edge_cases():
+    fmt = FORMATS["rvq3"]
+    small = type(fmt)(sample=2000)  # 5120 subvectors: k-means fits a sample, all are assigned
+    w = torch.randn(80, 512, generator=torch.Generator().manual_seed(4))
+    q = small.quantize(w)
+    assert (small.dequantize(q, 80, 512) - w).norm() / w.norm() < 0.25
+    assert torch.equal(q["codes"], small.quantize(w)["codes"])  # deterministic
+    # fewer subvectors than centroids: each is its own centroid (exact up to f16), the rest zeros
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    q = fmt.quantize(w)
+    assert (fmt.dequantize(q, 4, 64) - w).abs().max() < 1e-2
+    # all zeros, and all subvectors equal: no division by zero, exact
+    for w in (torch.zeros(32, 64), torch.ones(32, 64)):
+        q = fmt.quantize(w)
+        assert torch.equal(fmt.dequantize(q, 32, 64), w)
+
+
+@needs_c
+def test_rvq3_parallel_matrices_give_the_same_container(model_dir, tmp_path, monkeypatch):
+    """convert quantizes an expert's three matrices on several threads: the same bytes as one at a time."""
+    src = model_dir("qwen3_moe")
+    par = convert(src, tmp_path / "par.sluice", experts="rvq3", progress=False)
+    monkeypatch.setattr(FORMATS["rvq3"], "threads_per_matrix", 0)
+    seq = convert(src, tmp_path / "seq.sluice", experts="rvq3", progress=False)
+    assert _digests(par) == _digests(seq)
+
+
+def test_rvq3_torch_fallback_still_quantizes(monkeypatch):
+    monkeypatch.setattr(cquant, "_lib", False)
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
+    q = FORMATS["rvq3"].quantize(w, seed=1)
+    assert (FORMATS["rvq3"].dequantize(q, 64, 256) - w).norm() / w.norm() < 0.2
+    assert torch.equal(q["codes"], FORMATS["rvq3"].quantize(w, seed=1)["codes"])
