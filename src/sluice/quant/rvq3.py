@@ -93,7 +93,7 @@ class RVQ3(Format):
 
     threads_per_matrix = 1  # the C quantizer: convert runs an expert's matrices on several threads
 
-    def __init__(self, sample: int = 1 << 15, iters: int = 10, seed_batch: int = 16):
+    def __init__(self, sample: int = 1 << 15, iters: int = 8, seed_batch: int = 16):
         self.sample = sample
         self.iters = iters
         self.seed_batch = seed_batch
