@@ -3,10 +3,11 @@
  *
  * sk_q4_quantize: the q4 format's scale search (see quant/q4.py) for rows [r0, r1) of a
  * row-major f32, bf16 or f16 matrix [rows, k], widened exactly and zero-padded to kp columns.
- * Every sum over a group of 32 is
- * the fixed pairwise tree ((x0+x1)+(x2+x3))+..., which quant/q4.py's torch fallback computes
- * in the same order: the bytes are the same with or without this library, on every host.
- * Callers run disjoint row ranges on several threads (ctypes releases the GIL).
+ * Every sum over a group of 32 is the fixed pairwise tree ((x0+x1)+(x2+x3))+..., which
+ * quant/q4.py's torch fallback computes in the same order: the bytes are the same with or
+ * without this library, on every host. sk_mxfp4_quantize likewise (quant/mxfp4.py). Callers
+ * run disjoint row ranges on several threads (ctypes releases the GIL). sk_rvq3_quantize
+ * (below) learns one matrix's codebooks on one thread.
  *
  * The lane kernels (quantize_lanes.h) are compiled three times: 16 lanes for AVX-512F, 8 for
  * AVX2, 8 in portable C; the copy is chosen at run time (sk_quantize_isa forces a lower one,
@@ -18,7 +19,6 @@
 #pragma GCC diagnostic ignored "-Wpsabi"  /* vector helpers are always inlined: no ABI crosses */
 #define SK_EXPORT __attribute__((visibility("default")))
 #define GROUP 32
-
 
 /* fp32 -> IEEE half bits, round to nearest even (subnormals included; NaN stays a NaN); in
  * integer arithmetic, so that no compiler support for a half type is needed */
