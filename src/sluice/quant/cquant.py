@@ -1,7 +1,8 @@
-"""ctypes bindings to the converter's C quantizers (kernels/quantize.c: q4, mxfp4), run on a few threads.
+"""ctypes bindings to the converter's C quantizers (kernels/quantize.c: q4, mxfp4, rvq3).
 
 Each function returns None where the C kernels are not built: the caller then uses its torch
-implementation, which gives the same bytes.
+implementation, which gives the same bytes (q4, mxfp4) or other codebooks of the same
+algorithm (rvq3: torch's random streams). q4 and mxfp4 split rows over a few threads.
 """
 
 from __future__ import annotations
