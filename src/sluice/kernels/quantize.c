@@ -14,6 +14,7 @@
  * for the tests). IEEE elementwise operations without contraction: the same bytes from each.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #pragma GCC diagnostic ignored "-Wpsabi"  /* vector helpers are always inlined: no ABI crosses */
@@ -109,10 +110,11 @@ static inline __attribute__((always_inline)) float pow2f(int e) { /* 2^e for e i
 /* 0 portable, 1 AVX2, 2 AVX-512F: the best the CPU has, unless lowered by sk_quantize_isa */
 static int isa_level = -1;
 
-static int best_isa(void) {
+static int best_isa(void) { /* SLUICE_KERNELS_NO_AVX512=1 keeps AVX2, as for the other kernels (same bytes) */
 #ifdef SK_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return 2;
+    const char *off = getenv("SLUICE_KERNELS_NO_AVX512");
+    if (__builtin_cpu_supports("avx512f") && !(off && off[0] == '1')) return 2;
     if (__builtin_cpu_supports("avx2")) return 1;
 #endif
     return 0;
@@ -159,7 +161,6 @@ SK_EXPORT void sk_mxfp4_quantize(const void *w, int dtype, int64_t r0, int64_t r
  * f16 centroid and the residual updated. One thread, fixed orders and a splitmix64 stream from
  * ``seed``: the same bytes for the same input on every host and instruction set. Returns 0, or
  * -1 when memory runs out. */
-#include <stdlib.h>
 
 typedef void (*nearest_fn)(const float *, int64_t, const float *, const float *, int32_t *, float *);
 
