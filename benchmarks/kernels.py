@@ -110,6 +110,7 @@ def measure(variants: dict, x: torch.Tensor, reps: int) -> tuple[dict[str, float
             times[label].append(time_pool(pool, x))
     quant.set_activations(None)
     kernels.set_schedule(True)
+    kernels.set_isa_cap(max(kernels.ISA_LEVELS))
     return {label: statistics.median(v) for label, v in times.items()}, statistics.median(bw)
 
 
@@ -122,6 +123,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES])
     ap.add_argument("--prefill-tokens", type=int, default=64)
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--schedules", action="store_true", help="bf16 at 2+ threads: dynamic vs static pool schedule")
+    ap.add_argument("--isa", action="store_true",
+                    help="also time each format on the AVX2 path (default activations) beside the host's widest")
     ap.add_argument("--baseline-so", help="an older build of the C kernels, to compare its bf16 GEMV side by side")
     ap.add_argument("--hot", action="store_true",
                     help="instead: one thread, one cache-resident matrix, CPU time (the kernels' compute"
@@ -150,11 +154,14 @@ def main() -> None:
             for name in args.formats:
                 pool = make_pool(name, n, k, args.pool << 20)
                 nb = FORMATS[name].nbytes(n, k)
-                variants = {"": (pool, lambda: None)}
+                top = max(kernels.ISA_LEVELS)
+                variants = {"": (pool, lambda: kernels.set_isa_cap(top))}
                 if name in ("int8", "q4", "mxfp4"):
-                    variants = {"f32": (pool, lambda: quant.set_activations("f32")),
-                                "q8": (pool, lambda: quant.set_activations("q8"))}
-                if name == "bf16" and th > 1:
+                    variants = {"f32": (pool, lambda: (quant.set_activations("f32"), kernels.set_isa_cap(top))),
+                                "q8": (pool, lambda: (quant.set_activations("q8"), kernels.set_isa_cap(top)))}
+                if args.isa and len(kernels.isa_levels()) > 1:  # the same bits on the AVX2 path, side by side
+                    variants["avx2"] = (pool, lambda: (quant.set_activations(None), kernels.set_isa_cap(1)))
+                if name == "bf16" and th > 1 and args.schedules:
                     variants = {"dynamic": (pool, lambda: kernels.set_schedule(True)),
                                 "static": (pool, lambda: kernels.set_schedule(False))}
                 if name == "bf16" and baseline is not None:
@@ -198,21 +205,27 @@ def hot(args) -> None:
         for name in args.formats:
             fmt = FORMATS[name]
             m = QuantMatrix(fmt, random_parts(fmt, n, k, gen), n, k)
+            levels = [max(kernels.isa_levels() or [1])] + ([1] if args.isa and len(kernels.isa_levels()) > 1 else [])
             for mode in (("f32", "q8") if name in ("int8", "q4", "mxfp4") else (None,)):
                 quant.set_activations(mode)
                 for t in (1, 8):
                     x = torch.randn(t, k)
                     reps = 20
-                    samples = []
-                    for _ in range(args.reps):
-                        c = time.thread_time()
-                        for _ in range(reps):
-                            m.matmul(x)
-                        samples.append((time.thread_time() - c) / reps)
-                    s = statistics.median(samples)
-                    print(f"hot {n:5d}x{k:<5d} {name:6s} {mode or '':4s} T={t}  {s * 1e6:8.1f} us CPU"
-                          f"  {fmt.nbytes(n, k) * t / s / 1e9:6.2f} GB/s x tokens  {n * k * t / s / 1e9:6.1f} Gweights/s")
+                    samples = {lv: [] for lv in levels}
+                    for _ in range(args.reps):  # the levels interleaved
+                        for lv in levels:
+                            kernels.set_isa_cap(lv)
+                            c = time.thread_time()
+                            for _ in range(reps):
+                                m.matmul(x)
+                            samples[lv].append((time.thread_time() - c) / reps)
+                    for lv in levels:
+                        s = statistics.median(samples[lv])
+                        print(f"hot {n:5d}x{k:<5d} {name:6s} {mode or '':4s} {kernels.ISA_LEVELS[lv]:11s} T={t}"
+                              f"  {s * 1e6:8.1f} us CPU  {fmt.nbytes(n, k) * t / s / 1e9:6.2f} GB/s x tokens"
+                              f"  {n * k * t / s / 1e9:6.1f} Gweights/s")
             quant.set_activations(None)
+            kernels.set_isa_cap(max(kernels.ISA_LEVELS))
 
 
 def _cpu_name() -> str:

@@ -370,7 +370,7 @@ def scenario_sweep(b: Bench) -> dict:
 
     info = ModelInfo(model)
     ctx = max(256, a.prompt_tokens + a.new_tokens + 16)
-    plan = info.plan(1 << 50, Options(max_context=ctx), baseline=None)
+    plan = info.plan(1 << 50, Options(max_context=ctx, parallel=1), baseline=None)  # the arm runs one stream
     total = facts["experts_total"]
     floor = plan.floor
     shares = [float(s) for s in a.shares.split(",")]

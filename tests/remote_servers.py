@@ -293,6 +293,7 @@ class FaultProxy:
     for the next matching requests; ``records`` lists what passed through."""
 
     CHUNK = 64 << 10
+    LINK_SLACK = 0.002  # seconds of sending ahead of the link's schedule before the proxy sleeps
 
     def __init__(self, upstream_port: int, upstream_host: str = HOST, latency: float = 0.0,
                  rate: float | None = None, ssl_context=None):
@@ -464,10 +465,41 @@ class FaultProxy:
             now = time.monotonic()
             self.link.next_free = max(self.link.next_free, now) + len(data) / rate
             delay = self.link.next_free - now
-            if delay > 0:
+            # sleep only once the link is LINK_SLACK behind: an event-loop sleep lasts a millisecond or
+            # more, so a sleep per 64 KiB chunk would cap a connection near 50 MB/s whatever the rate;
+            # next_free keeps the debt, so the rate holds over any span longer than the slack
+            if delay > self.LINK_SLACK:
                 await asyncio.sleep(delay)
         writer.write(data)
         await writer.drain()
+
+
+class ProxyProcess:
+    """A ``FaultProxy`` with fixed ``latency``/``rate`` in a child process (for benchmarks: the
+    relay then does not share the measuring process's GIL). ``url``/``port`` as ``FaultProxy``."""
+
+    def __init__(self, upstream_port: int, latency: float = 0.0, rate: float | None = None):
+        code = ("import sys, threading; sys.path.insert(0, sys.argv[1]); from remote_servers import FaultProxy; "
+                "p = FaultProxy(int(sys.argv[2]), latency=float(sys.argv[3]), "
+                "rate=float(sys.argv[4]) if sys.argv[4] != 'None' else None); "
+                "print(p.port, flush=True); sys.stdin.read(); p.close()")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(upstream_port), str(latency),
+             str(rate)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=_die_with_parent)
+        line = self.proc.stdout.readline()
+        if not line.strip():
+            _stop(self.proc)
+            raise RuntimeError(f"proxy process exited with status {self.proc.poll()} before listening")
+        self.port = int(line)
+        self.url = f"http://{HOST}:{self.port}"
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()  # the child reads stdin to its end, then stops
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _stop(self.proc)
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:

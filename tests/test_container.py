@@ -219,3 +219,15 @@ def test_convert_peak_memory_is_small(big_model, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     peak = int(out.stdout.strip().splitlines()[-1])
     assert peak < 450 << 20, f"convert peak RSS {peak / 2**20:.0f} MiB for a {size / 1e9:.1f} GB model"
+
+
+def test_spine_groups_read_in_pieces(packed, monkeypatch):
+    """A spine group longer than the source's read size is read in several pieces (the 65 MB
+    embedding of a 6 GB model was the first to hit it: a loop variable overwrote the alignment)."""
+    from sluice.storage.file import LocalFile
+
+    hf, box = packed["qwen3_moe"]
+    ids = prompt_ids()
+    want = _run(box, ids, n=2)[0]
+    monkeypatch.setattr(LocalFile, "read_size", 4096)
+    assert torch.equal(_run(box, ids, n=2)[0], want)

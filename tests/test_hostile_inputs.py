@@ -238,6 +238,9 @@ FLAG_CASES = {
     "bench_tokens_zero": (["bench", "io", "M", "--tokens", "0"], ["--tokens", "'0'"]),
     "inspect_max_context_zero": (["inspect", "M", "--max-context", "0"], ["--max-context", "'0'"]),
     "demo_synthetic_without_unit": (["demo", "--synthetic", "2"], ["--synthetic", "'2'"]),
+    "disk_cache_word": (["run", "M", "--disk-cache", "big"], ["--disk-cache", "'big'"]),
+    "disk_cache_zero": (["serve", "M", "--disk-cache", "0GB"], ["--disk-cache", "'0GB'"]),
+    "inspect_disk_cache_without_unit": (["inspect", "M", "--disk-cache", "40"], ["--disk-cache", "'40'", "no unit"]),
 }
 
 
@@ -339,6 +342,12 @@ LOAD_CASES = {
     "cache_policy_unknown": (dict(cache_policy="mru"), InvalidArgumentError, "cache_policy: unknown cache policy"),
     "prefetch_string": (dict(prefetch="no"), InvalidArgumentError, "prefetch must be True or False, got 'no'"),
     "prefer_cached_negative": (dict(prefer_cached=-1), InvalidArgumentError, "prefer_cached must be a finite"),
+    "disk_cache_word": (dict(disk_cache="lots"), InvalidArgumentError, "disk_cache: cannot parse size 'lots'"),
+    "disk_cache_zero": (dict(disk_cache=0), InvalidArgumentError, "disk_cache must be a size above 0 bytes"),
+    "disk_cache_dir_number": (dict(disk_cache="1GiB", disk_cache_dir=3), InvalidArgumentError,
+                              "disk_cache_dir must be a file path, got 3"),
+    "disk_cache_dir_alone": (dict(disk_cache_dir="/tmp/t"), InvalidArgumentError,
+                             "disk_cache_dir (--disk-cache-dir) needs disk_cache (--disk-cache SIZE)"),
     "unknown_option": (dict(cache_size=3), UnknownOptionError, "unknown option(s) ['cache_size']"),
     "path_not_a_path": (dict(path=42), InvalidArgumentError, "path must be a model directory"),
 }

@@ -27,16 +27,19 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "base": ("errors, sizes, progress bars, system memory", ("errors", "units", "progress", "sysmem")),
     "kernels": ("C kernels and their ctypes bindings", ("kernels",)),
     "quant": ("weight formats and their matrix products", ("quant",)),
-    "storage": ("files and bytes: reads, buffers, safetensors tables, the container format, where a named model is",
+    "storage": ("files and bytes: reads, buffers, the disk tier of remote models, safetensors tables, the container "
+                "format, where a named model is",
                 ("storage", "checkpoint", "container", "resolve")),
     "layers": ("attention, MLA, linear attention, norms, rotary, routing, sampling", ("layers",)),
     "experts": ("the expert interface: sources, layouts, cache and policies, readers, compute", ("experts",)),
     "models": ("one module per model family, and what families share (config checks, the int8 spine)",
                ("models",)),
+    "cluster": ("experts sharded over Ray actors: the driver's provider, the workers, placement, signatures",
+                ("cluster",)),
     "planner": ("memory budget -> spine residency, KV cache, buffers, expert cache", ("plan",)),
-    "runtime": ("the engine's moving parts: generation, model runner, stats, speculation, spine streaming, "
-                "tokenizer, chat templates, traces",
-                ("generation", "runner", "speculative", "spine", "stats", "text", "tokenizer", "chat_template",
+    "runtime": ("the engine's moving parts: generation, scheduler, model runner, stats, speculation, spine "
+                "streaming, tokenizer, chat templates, traces",
+                ("generation", "scheduler", "runner", "speculative", "spine", "stats", "text", "tokenizer", "chat_template",
                  "trace")),
     "api": ("sluice.load, Engine, ModelInfo, the checks of their arguments", ("", "engine", "validate")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "inspect", "bench")),
@@ -52,11 +55,12 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "layers": ("quant", "kernels", "base"),
     "experts": ("layers", "quant", "kernels", "storage", "base"),
     "models": ("experts", "layers", "quant", "kernels", "base"),
+    "cluster": ("models", "experts", "layers", "quant", "kernels", "storage", "base"),
     "planner": ("base",),
     "runtime": ("layers", "storage", "base"),
-    "api": ("runtime", "planner", "models", "experts", "layers", "quant", "kernels", "storage", "base"),
-    "tools": ("api", "runtime", "planner", "models", "experts", "layers", "quant", "kernels", "storage", "base"),
-    "faces": ("tools", "api", "runtime", "planner", "models", "experts", "layers", "quant", "kernels", "storage",
+    "api": ("runtime", "planner", "cluster", "models", "experts", "layers", "quant", "kernels", "storage", "base"),
+    "tools": ("api", "runtime", "planner", "cluster", "models", "experts", "layers", "quant", "kernels", "storage", "base"),
+    "faces": ("tools", "api", "runtime", "planner", "cluster", "models", "experts", "layers", "quant", "kernels", "storage",
               "base"),
 }
 
@@ -69,6 +73,7 @@ THIRD_PARTY_ONLY: dict[str, tuple[str, ...]] = {
     "starlette": ("server",),
     "uvicorn": ("server",),
     "pydantic": ("server",),
+    "ray": ("cluster",),  # the optional ray extra (docs/scale-out.md)
 }
 
 

@@ -168,6 +168,47 @@ def test_wrong_credentials_are_a_checkpoint_error(remote_models, s3_auth_server,
     assert "s3://locked/model" in str(err.value) and "wrong-secret" not in str(err.value)
 
 
+def test_credentials_from_an_aws_profile_file(remote_models, s3_auth_server, tmp_path, monkeypatch):
+    """No keys in the environment: keys, region and endpoint come from the AWS_PROFILE profile in
+    the shared credentials/config files (moto checks the signatures); a profile with a wrong
+    secret, or one in neither file, is a CheckpointError naming the URL and never the secret."""
+    path, _ = remote_models["container"]
+    s3_auth_server.put_dir("locked", path, prefix="model")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(var, raising=False)
+    creds, config = tmp_path / "credentials", tmp_path / "config"
+    key, secret, stale = s3_auth_server.access_key, s3_auth_server.secret_key, "stale-secret-0123456789"
+    creds.write_text(f"[default]\naws_access_key_id = {key}\naws_secret_access_key = {stale}\n\n"
+                     f"[sluice]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n")
+    config.write_text("".join(f"[{section}]\nregion = us-east-1\nendpoint_url = {s3_auth_server.endpoint}\n\n"
+                              for section in ("default", "profile sluice")))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_PROFILE", "sluice")
+    ids = _ids(path)
+    _, local_tokens, _, local = _run(path, ids)
+    local.close()
+    eng = sluice.load("s3://locked/model", memory="4GiB", cache_experts=CACHE, progress=False)
+    try:
+        assert eng.generate(ids.tolist(), max_new_tokens=N_NEW, ignore_eos=True).token_ids == local_tokens
+    finally:
+        eng.close()
+    monkeypatch.delenv("AWS_PROFILE")  # the default profile: its secret is stale
+    with pytest.raises(CheckpointError) as err:
+        sluice.load("s3://locked/model", memory="4GiB", progress=False)
+    assert "s3://locked/model" in str(err.value) and stale not in str(err.value) and secret not in str(err.value)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)  # no keys anywhere, IMDS off: said before any request
+    monkeypatch.setenv("AWS_PROFILE", "sluice")
+    with pytest.raises(CheckpointError, match="no AWS credentials") as err:
+        sluice.load("s3://locked/model", memory="4GiB", progress=False)
+    assert "s3://locked/model" in str(err.value)
+    monkeypatch.setenv("AWS_PROFILE", "nowhere")
+    with pytest.raises(CheckpointError, match="AWS profile 'nowhere' \\(from AWS_PROFILE\\) is in neither") as err:
+        sluice.load("s3://locked/model", memory="4GiB", progress=False)
+    assert "s3://locked/model" in str(err.value)
+
+
 def test_cli_run_and_inspect_a_url(text_model, remote_servers, s3_env, tmp_path, monkeypatch, capsys):
     """``sluice inspect`` and ``sluice run`` with an s3:// URL; the tokenizer file comes through the
     local file cache (under XDG_CACHE_HOME)."""

@@ -189,3 +189,19 @@ def test_s3_wrong_credentials_fail(s3_auth_server, published):
     # the server keeps serving the right key
     assert bytes(obstore.get_range(good, "model.safetensors", start=0, end=8)) == data[:8]
 
+
+
+def test_proxy_in_a_child_process(remote_servers, published):
+    """``ProxyProcess`` (benchmarks): the same proxy with fixed latency, in its own process."""
+    from remote_servers import ProxyProcess
+
+    data, (a, b) = published["data"], published["expert"]
+    proxy = ProxyProcess(remote_servers.http.port, latency=0.2)
+    try:
+        store = http_store(f"{proxy.url}/qwen3-tiny")
+        t0 = time.perf_counter()
+        assert bytes(obstore.get_range(store, "model.safetensors", start=a, end=b)) == data[a:b]
+        assert time.perf_counter() - t0 >= 0.2  # the latency is applied (HEAD-free: one GET)
+    finally:
+        proxy.close()
+    assert proxy.proc.returncode == 0

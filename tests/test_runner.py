@@ -214,7 +214,7 @@ ENGINE_ATTRS = {"_run", "cache", "checkpoint", "desc", "experts", "experts_sourc
                 "lossy", "plan", "spine", "state", "trace", "model", "options", "_lock"}
 
 
-@pytest.mark.parametrize("module", ["generation.py", "speculative.py"])
+@pytest.mark.parametrize("module", ["generation.py", "scheduler.py", "speculative.py"])
 def test_generator_reaches_the_model_only_through_the_runner(module):
     tree = ast.parse((SRC / module).read_text(encoding="utf-8"))
     bad = []
@@ -233,12 +233,28 @@ def test_generator_reaches_the_model_only_through_the_runner(module):
 
 
 def test_the_engine_hands_the_generator_its_runner():
+    """The engine gives the scheduler its runner; the scheduler starts each generation on it."""
     tree = ast.parse((SRC / "engine.py").read_text(encoding="utf-8"))
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and n.func.attr == "run" and isinstance(n.func.value, ast.Name) and n.func.value.id == "generation"]
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id == "Scheduler"]
     assert len(calls) == 1
     args = [ast.unparse(a) for a in calls[0].args]
-    assert args[0] == "self.runner" and "self" not in args
+    assert args == ["self.runner"]
+    tree = ast.parse((SRC / "scheduler.py").read_text(encoding="utf-8"))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "sequence" and isinstance(n.func.value, ast.Name) and n.func.value.id == "generation"]
+    assert len(calls) == 1
+    assert ast.unparse(calls[0].args[0]) == "self.runner"
+
+
+def _result(runner, coroutine):
+    """What a generation coroutine returns, run alone."""
+    gen = generation.drive(runner, coroutine)
+    try:
+        while True:
+            next(gen)
+    except StopIteration as stop:
+        return stop.value
 
 
 def test_a_verify_step_returns_the_routing_of_every_row_on_a_recurrent_model(engines):
@@ -249,7 +265,7 @@ def test_a_verify_step_returns_the_routing_of_every_row_on_a_recurrent_model(eng
     ids, draft = prompt_ids(9, seed=11).tolist(), [17, 18, 19]
     seq.rewind(0)
     runner.run(seq, ids[:-1], 0, last_n=0)
-    r = generation._verify(runner, seq, ids[-1:], draft, len(ids) - 1, True, True)
+    r = _result(runner, generation._verify(seq, ids[-1:], draft, len(ids) - 1, True, True))
     assert r.logits.shape[0] == 1 + len(draft)
     seq.rewind(0)
     runner.run(seq, ids[:-1], 0, last_n=0)

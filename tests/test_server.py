@@ -33,7 +33,8 @@ pytest.importorskip("uvicorn")
 MODEL = "tiny-chat"
 CTX = 256
 # a cache of 6 of the 16 experts: requests really stream experts from disk
-ENGINE_KW = dict(memory="2GiB", threads=1, max_context=CTX, cache_experts=6, progress=False)
+# one generation at a time: the queue tests below hold the engine with one request running
+ENGINE_KW = dict(memory="2GiB", threads=1, max_context=CTX, cache_experts=6, progress=False, parallel=1)
 
 
 # -- harness -----------------------------------------------------------------------------------

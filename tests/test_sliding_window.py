@@ -172,7 +172,8 @@ def test_planner_counts_the_buffers(family_models):
         for max_context in (20, 512):  # shorter than a buffer (it shrinks), and longer
             eng = _load(family_models.hf(family), max_context=max_context)
             held = sum(c.k.nbytes + c.v.nbytes for c in eng.state.layers)
-            assert eng.plan.state_bytes == eng.info.desc.state_bytes(max_context) == held
+            assert eng.plan.seq_state_bytes == eng.info.desc.state_bytes(max_context) == held
+            assert eng.plan.state_bytes == eng.plan.parallel * held
     from sluice.inspect import inspect_model, render_inspect
 
     r = inspect_model(family_models.hf("gpt_oss"))

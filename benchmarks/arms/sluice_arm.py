@@ -14,6 +14,7 @@ def main() -> None:
 
     ids = common.ids(args)
     ctx = opts.pop("max_context", max(256, len(ids) + args.new_tokens + 16))
+    opts.setdefault("parallel", 1)  # one stream: no state slots for others (they would take expert cache)
     engine = sluice.load(args.model, memory=args.memory, threads=args.threads, max_context=ctx, progress=False,
                          **opts)
     warm = None

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .engine import load
+from .errors import SluiceError
 from .storage import AlignedBuffer
 
 
@@ -51,8 +52,11 @@ def raw_read_bandwidth(engine, seconds: float = 3.0, threads: int | None = None,
 
 def drop_cache(engine) -> None:
     """Empty the expert cache (a cold start for the next measurement)."""
-    engine.experts.drain()
     cache = engine.cache
+    if cache is None:
+        raise SluiceError("sluice bench measures the expert cache of this process; with --ray the experts are on "
+                          "the workers (benchmarks/scale_out.py measures those)")
+    engine.experts.drain()
     for key in list(cache.keys()):
         cache.discard(cache.lookup(key))
 
@@ -104,6 +108,8 @@ def bench_io(path, memory=None, prompt_tokens: int = 32, new_tokens: int = 32, r
         "spine_bytes_per_token": spine_per_token,
         "spine_streamed_layers": s.get("spine_streamed_layers", 0),
         "wasted_prefetch_reads": s["prefetch_reads"] - s["prefetch_used"] - s["prefetch_cancelled"],
+        # bytes read for guesses nobody used (a guess stopped between pieces counts what it read)
+        "wasted_prefetch_bytes_per_token": max(0.0, per_token_bytes - needed_per_token),
         "achieved_bytes_per_s": per_token_bytes * s["decode_tok_s"],
         "io_roofline_tok_s": roofline_tok_s,
         "roofline_ratio": s["decode_tok_s"] / roofline_tok_s if roofline_tok_s else 0.0,

@@ -17,7 +17,9 @@ _size = positive_size_arg
 _count = int_arg(0)
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
+    """The memory and I/O flags; ``serving``: the command runs many sequences at once (serve), so
+    --parallel defaults to what the budget allows; the others run one and default to 1."""
     g = p.add_argument_group("memory and I/O")
     g.add_argument("--memory", type=_size, default=None, metavar="SIZE",
                    help="peak memory budget, e.g. 8GiB (binary) or 8GB (decimal). Covers the Python/torch "
@@ -30,6 +32,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-context", type=int_arg(1), default=None, metavar="N",
                    help="longest sequence (prompt + output); the KV cache is reserved for it "
                         "(default: min(model limit, 4096))")
+    g.add_argument("--parallel", type=int_arg(1, 1 << 16), default=None if serving else 1, metavar="N",
+                   help="sequences generated at once (requests in one batch; more wait in the queue), each with "
+                        "KV/state for --max-context reserved in --memory (default: min(4, what the budget allows "
+                        "without streaming more of the spine))" if serving else
+                        "sequences that may run at once, each with KV/state for --max-context reserved in --memory "
+                        "(default 1: this command runs one; more would only take expert cache)")
     g.add_argument("--threads", type=int_arg(1, 1024), default=None, metavar="N", help="compute threads (default: all cores)")
     g.add_argument("--reader-threads", type=int_arg(1, 1024), default=4, metavar="N", help="parallel expert reads (default 4)")
     g.add_argument("--no-prefetch", action="store_true",
@@ -47,9 +55,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ca-bundle", default=None, metavar="PEM",
                    help="a model at an https:// URL: a PEM file of extra CA certificates to trust "
                         "(TLS verification is always on)")
+    _add_disk_cache_args(g)
     g.add_argument("--trace-routing", default=None, metavar="FILE",
                    help="write every decode token's expert routing, router weights and lookahead predictions to "
                         "FILE (JSONL, the format sluice trace-replay reads)")
+    ray = p.add_argument_group("experts on a Ray cluster (docs/scale-out.md; the ray extra)")
+    ray.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                     help="compute the experts on Ray actors: auto (RAY_ADDRESS, else a cluster running here, else "
+                          "a new local one, said so) or a cluster's HOST:PORT. --memory is then this process's "
+                          "budget (spine, KV, buffers; no expert cache). Run Ray on a private network only")
+    ray.add_argument("--expert-workers", type=int_arg(1, 4096), default=None, metavar="N",
+                     help="expert workers (Ray actors) to start (default: one per node)")
+    ray.add_argument("--worker-memory", type=_size, default=None, metavar="SIZE",
+                     help="each expert worker's memory budget, its expert cache included (default: a safe share "
+                          "of its machine's available memory)")
+    ray.add_argument("--replicate-hot", type=int_arg(0), default=0, metavar="N",
+                     help="per MoE layer, the N most-routed experts may also run on a second worker (load "
+                          "balance and failover; exact either way)")
     lossy = p.add_argument_group("lossy speed switches (outputs differ from the model's; off by default)")
     lossy.add_argument("--moe-top-k", type=int_arg(1), default=None, metavar="N",
                        help="LOSSY: route each token to only N experts (fewer than the model was trained with)")
@@ -58,13 +80,25 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                             "experts (mixing weights stay the model's own), trading fidelity for fewer reads")
 
 
+def _add_disk_cache_args(g) -> None:
+    g.add_argument("--disk-cache", type=_size, default=None, metavar="SIZE",
+                   help="a model at a URL: keep what is fetched (expert records, spine, headers) in a local disk "
+                        "tier of at most SIZE, shared by processes, read back with O_DIRECT and checked by CRC "
+                        "(default: no disk tier)")
+    g.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                   help="the disk tier's directory (default $XDG_CACHE_HOME/sluice/disk-tier, i.e. "
+                        "~/.cache/sluice/disk-tier); a new or empty directory, or one a tier made")
+
+
 def _engine_options(args) -> dict:
     return dict(cache_experts=args.cache_experts, cache_policy=args.cache_policy, max_context=args.max_context,
                 threads=args.threads, reader_threads=args.reader_threads, prefetch=not args.no_prefetch,
                 verify_reads=args.verify_reads, moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached,
                 trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress,
-                ca_bundle=args.ca_bundle)
+                ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
+                disk_cache_dir=args.disk_cache_dir, ray=args.ray, expert_workers=args.expert_workers,
+                worker_memory=args.worker_memory, replicate_hot=args.replicate_hot)
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -99,6 +133,9 @@ def stats_line(stats: dict, finish_reason: str | None = None, max_new_tokens: in
         f"cache {stats['cache_slots']}/{stats['total_experts']} experts | "
         f"{'O_DIRECT' if stats['direct_io'] else 'buffered I/O'}"
     )
+    if stats.get("disk_tier_hits") or stats.get("disk_tier_misses"):  # memory -> disk tier -> remote
+        line += (f" | disk tier {stats['disk_tier_hits']} hits ({stats['disk_tier_bytes_read'] / 1e9:.2f} GB), "
+                 f"{stats['disk_tier_misses']} misses, fetched {stats['remote_bytes_read'] / 1e9:.2f} GB")
     from .text import limit_note
 
     cut = limit_note(finish_reason, stats.get("generated_tokens"), max_new_tokens)
@@ -165,8 +202,43 @@ def cmd_inspect(args) -> int:
     from .inspect import inspect_model, render_inspect
 
     report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision,
-                           ca_bundle=args.ca_bundle)
+                           ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
+                           disk_cache_dir=args.disk_cache_dir)
     print(json.dumps(report, indent=2) if args.json else render_inspect(report))
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from .storage.disk_tier import DiskTier, default_dir
+
+    directory = args.disk_cache_dir or default_dir()
+    if not os.path.exists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
+        report = {"dir": str(directory), "exists": False, "models": [], "entries": 0, "bytes": 0}
+        print(json.dumps(report, indent=2) if args.json else f"no disk tier at {directory}")
+        return 0
+    tier = DiskTier(directory, create=False)
+    try:
+        if args.action == "clear":
+            if args.model is not None and not any(m["model"] == args.model for m in tier.models()):
+                raise SluiceError(f"the disk tier {tier.dir} holds nothing of {args.model} "
+                                  "(sluice cache list shows the models it holds)")
+            report = {"dir": str(tier.dir), "removed": tier.clear(args.model), **tier.usage()}
+            if not args.json:
+                r = report["removed"]
+                print(f"removed {r['entries']} entries ({format_size(r['bytes'])}) of "
+                      f"{args.model or 'every model'} from {tier.dir}; {report['entries']} entries "
+                      f"({format_size(report['bytes'])}) left")
+        else:
+            report = {"dir": str(tier.dir), "exists": True, "models": tier.models(), **tier.usage()}
+            if not args.json:
+                print(f"disk tier {tier.dir}: {report['entries']} entries, {format_size(report['bytes'])}")
+                for m in report["models"]:
+                    print(f"  {format_size(m['bytes']):>12}  {m['entries']:6d} entries  {m['objects']:4d} files  "
+                          f"{m['hits']:8d} hits  {m['model']}")
+        if args.json:
+            print(json.dumps(report, indent=2))
+    finally:
+        tier.close()
     return 0
 
 
@@ -346,16 +418,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(i)
     i.add_argument("--memory", type=_size, default=None, metavar="SIZE", help="also show the plan for this budget")
     i.add_argument("--max-context", type=int_arg(1), default=None, metavar="N", help="context the KV cache is sized for")
+    i.add_argument("--parallel", type=int_arg(1, 1 << 16), default=None, metavar="N",
+                   help="sequences at once, each with KV/state for --max-context (default: min(4, what each budget "
+                        "allows))")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.add_argument("--ca-bundle", default=None, metavar="PEM",
                    help="a model at an https:// URL: a PEM file of extra CA certificates to trust")
+    _add_disk_cache_args(i)
     i.set_defaults(func=cmd_inspect)
+
+    dc = sub.add_parser("cache", help="list or clear the local disk tier of remote models (--disk-cache)",
+                        description="list: the disk tier's entries grouped by model URL, with their sizes and "
+                                    "recorded hits, and the totals. clear: remove every entry, or only MODEL's. "
+                                    "Only files the tier made are removed; a directory that is not a disk tier "
+                                    "is refused.")
+    dc.add_argument("action", choices=["list", "clear"], help="what to do")
+    dc.add_argument("model", nargs="?", default=None, help="clear: only this model's entries (its URL, as listed)")
+    dc.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                    help="the disk tier's directory (default $XDG_CACHE_HOME/sluice/disk-tier)")
+    dc.add_argument("--json", action="store_true", help="print the report as JSON")
+    dc.set_defaults(func=cmd_cache)
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming or not), "
-                                   "/health and /metrics. One generation runs at a time; requests wait in a "
-                                   "bounded queue (429 beyond it); a growing conversation reuses the KV cache of "
-                                   "its previous turn. Needs the server extra: pip install 'sluice[server]'.")
+                                   "/health and /metrics. Up to --parallel generations run at once, in one batch; "
+                                   "more requests wait in a bounded queue (429 beyond it); a growing conversation "
+                                   "reuses the KV cache of its previous turn. Needs the server extra: pip install 'sluice[server]'.")
     _add_model_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int_arg(0, 65535), default=8000, help="port (default 8000)")
@@ -363,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $SLUICE_API_KEY, which keeps the key out of the process list)")
     s.add_argument("--max-queue", type=_count, default=8, metavar="N",
-                   help="requests that may wait while one generates; more get 429 (default 8)")
+                   help="requests that may wait while --parallel generate; more get 429 (default 8)")
     s.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: the repo id, 'sluice-demo' for demo, "
                         "else the directory name)")
@@ -371,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body (default 4MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default info)")
-    _add_engine_args(s)
+    _add_engine_args(s, serving=True)
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("chat", help="chat with a model in the terminal",

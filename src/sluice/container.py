@@ -271,9 +271,9 @@ class Container:
             chunk = buf.view(0, want)
             crc = crc32(chunk, crc)
             for start, length, mv in spans:  # the part of each tensor inside this chunk
-                a, b = max(start, pos), min(start + length, pos + want)
-                if a < b:
-                    mv[a - start : b - start] = chunk[a - pos : b - pos]
+                lo, hi = max(start, pos), min(start + length, pos + want)  # (not `a`: the alignment)
+                if lo < hi:
+                    mv[lo - start : hi - start] = chunk[lo - pos : hi - pos]
             pos += want
         if crc != stored:
             raise CheckpointError(

@@ -55,12 +55,13 @@ def ensure_synthetic(size: int, cache_dir: str | None = None, progress: bool = T
     return path
 
 
-def demo_cache(path: Path, share: float = 0.25) -> tuple[int, int]:
+def demo_cache(path: Path, share: float = 0.25, parallel: int = 1) -> tuple[int, int]:
     """Expert-cache slots holding ``share`` of all experts (at least one token's working set),
-    and the smallest budget that gives them: well under the model size."""
+    and the smallest budget that gives them with ``parallel`` sequences' state: well under the
+    model size."""
     info = ModelInfo(path)
     slots = max(info.desc.working_set, int(share * info.desc.total_experts))
-    plan = info.plan(1 << 40, Options(cache_experts=info.desc.top_k))
+    plan = info.plan(1 << 40, Options(cache_experts=info.desc.top_k, parallel=parallel))
     info.checkpoint.close()
     return slots, plan.budget_for_slots(slots)
 
@@ -69,10 +70,11 @@ def run_demo(args, options: dict, generate_and_print) -> int:
     """``sluice demo``: ``options`` are the engine options from the command line;
     ``generate_and_print(engine, prompt, args)`` is the CLI's streaming printer (passed in, as
     the faces below the CLI never import it)."""
+    options = dict(options, parallel=options.get("parallel") or 1)  # the demo runs one sequence
     if args.synthetic is None:
         path = shipped_model()
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        slots, budget = demo_cache(path)
+        slots, budget = demo_cache(path, parallel=options["parallel"])
         if args.memory is None and options["cache_experts"] is None:
             # exactly a quarter of the experts; headroom for the baseline measured again at load
             # (a few MiB higher once more is imported)
@@ -88,7 +90,7 @@ def run_demo(args, options: dict, generate_and_print) -> int:
     else:
         path = ensure_synthetic(args.synthetic, args.cache_dir, progress=not args.no_progress)
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        budget = args.memory or demo_cache(path)[1]
+        budget = args.memory or demo_cache(path, parallel=options["parallel"])[1]
         prompt = args.prompt if args.prompt is not None else SYNTHETIC_PROMPT
         print(f"[sluice demo] model {format_size(size)} on disk, memory budget {format_size(budget)} "
               f"({100 * budget / size:.0f}% of the model). Random weights: the text is meaningless; "

@@ -7,7 +7,9 @@ core step generator; ``generate()``, the CLI and the server are built on it.
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 import threading
 import time
 import warnings
@@ -20,7 +22,11 @@ from . import generation, kernels, validate
 from .checkpoint import Checkpoint
 from .container import Container, is_container
 from .errors import CheckpointError, InvalidArgumentError, SluiceError
+from .cluster.connect import connect as connect_cluster
+from .cluster.model import signature as cluster_signature
+from .cluster.provider import RayExperts
 from .experts.cache import ExpertCache
+from .experts.lookahead import rank_guesses
 from .experts.policy import make_policy
 from .experts.provider import ExpertProvider
 from .experts.source import CheckpointExperts, ContainerExperts
@@ -35,10 +41,12 @@ from .plan import Plan, activation_bytes, make_plan
 from .progress import Progress
 from .resolve import resolve_model
 from .runner import ModelRunner, SeqState
+from .scheduler import Scheduler
 from .spine import LayerReads, SpineStreamer, layer_reads, streamable
 from .spine import buffer_bytes as spine_buffer_bytes
 from .stats import EngineCounters, EngineInfo, GenerationStats
-from .storage import open_store
+from .storage import is_url, open_store
+from .storage.disk_tier import open_tier
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
 from .trace import TraceWriter
@@ -61,8 +69,11 @@ class Options:
     huge_pages: bool = True  # transparent huge pages for read buffers: ~1.7-2x O_DIRECT throughput here
     direct_io: bool | None = None  # None: probe O_DIRECT, fall back to buffered
     ca_bundle: str | None = None  # a model at an https:// URL: PEM file of extra CA certificates to trust
+    disk_cache: int | str | None = None  # a model at a URL: keep what is fetched in a local disk tier of this size
+    disk_cache_dir: str | None = None  # the disk tier's directory (None: storage.disk_tier.default_dir())
     verify_reads: bool = True  # CRC32 of every expert record and streamed spine layer read from a container
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    parallel: int | None = None  # sequences run at once, each with KV/state for max_context (None: min(4, the budget's))
     progress: bool = True
     trace_routing: str | None = None  # write each decode token's routing to this JSONL file
     max_resident_layers: int | None = None  # stream the spine of the other layers (None: the planner decides)
@@ -72,6 +83,11 @@ class Options:
     # their first real fill, so a family that derives tensors from streamed weights at build time
     # gives NaN logits (the rule in spine.py); costs the buffers' memory up front
     poison_stream_buffers: bool = False
+    # experts on a Ray cluster (docs/scale-out.md): "auto" or the cluster's address; None: this process
+    ray: str | None = None
+    expert_workers: int | None = None  # Ray expert workers (None: one per node of the cluster)
+    worker_memory: int | str | None = None  # each worker's budget (None: a safe share of its machine's memory)
+    replicate_hot: int = 0  # per MoE layer, the N most-routed experts may also run on a second worker
 
 
 def load(path: str | os.PathLike, memory: int | str | None = None, *, revision: str | None = None,
@@ -111,9 +127,17 @@ class ModelInfo:
     """An opened, validated model directory: config, family, tensor tables. Nothing loaded yet."""
 
     def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None,
-                 ca_bundle: str | None = None):
+                 ca_bundle: str | None = None, disk_cache: int | str | None = None,
+                 disk_cache_dir: str | os.PathLike | None = None):
+        if disk_cache_dir is not None and disk_cache is None:
+            raise InvalidArgumentError("disk_cache_dir (--disk-cache-dir) needs disk_cache (--disk-cache SIZE): "
+                                       "there is no disk tier without a size")
         self.path, self.model_id = resolve_model(path, revision)  # a local Path or a URL (str)
         remote = {"ca_bundle": os.fspath(ca_bundle)} if ca_bundle else {}
+        # memory -> disk tier -> remote store: only a model at a URL has one (a local file needs none)
+        self.disk_tier = open_tier(disk_cache, disk_cache_dir) if disk_cache is not None and is_url(self.path) else None
+        if self.disk_tier is not None:
+            remote["disk_tier"] = self.disk_tier
         try:
             self.store = store = open_store(self.path, **remote)  # the model's files, whatever holds them
             self.is_container = is_container(store)
@@ -121,10 +145,12 @@ class ModelInfo:
                 self.checkpoint = Container(store, direct=direct_io)
             else:
                 self.checkpoint = Checkpoint(store, direct=direct_io)
-        except SluiceError:
+        except BaseException as e:
+            self.close()
+            if isinstance(e, OSError) and not isinstance(e, SluiceError):
+                # a remote store that cannot be reached, listed or authenticated to
+                raise CheckpointError(f"{self.path}: cannot open the model: {e}") from None
             raise
-        except OSError as e:  # a remote store that cannot be reached, listed or authenticated to
-            raise CheckpointError(f"{self.path}: cannot open the model: {e}") from None
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
         self.config = self.family.parse_config(self.raw_config)
@@ -173,6 +199,14 @@ class ModelInfo:
         """Bytes spine tensor ``name`` takes as stored (every part of a quantized one)."""
         return quantized_spine.nbytes(name, self.spine_quant, self.checkpoint.tensors)
 
+    def close(self) -> None:
+        """Close the model's files and its disk tier (writing the tier's pending bookkeeping)."""
+        ckpt = getattr(self, "checkpoint", None)
+        if ckpt is not None:
+            ckpt.close()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+
     def spine_bytes(self) -> int:
         """Bytes the whole spine takes resident: stored tensors plus fp32 copies of 1-D ones (norms)."""
         glob, layers = self.spine_split()
@@ -201,6 +235,11 @@ class ModelInfo:
         return spine + per_expert * self.desc.total_experts, spine + per_expert * self.desc.working_set
 
     def plan(self, memory: int | str | None, options: Options, baseline: int | None = None) -> Plan:
+        """The memory plan of ``memory`` for ``options.parallel`` sequences (None: the default rule)."""
+        return make_plan(parallel=options.parallel, **self.plan_args(memory, options, baseline))
+
+    def plan_args(self, memory: int | str | None, options: Options, baseline: int | None = None) -> dict:
+        """``make_plan``'s arguments but ``parallel`` (one sequence's state in ``state_bytes``)."""
         limit = self.desc.max_position_embeddings
         max_ctx = options.max_context or min(limit, DEFAULT_MAX_CONTEXT)
         if max_ctx > limit:
@@ -208,22 +247,24 @@ class ModelInfo:
                                        "positions")
         budget = parse_size(memory, "memory") if memory is not None else default_budget()
         chunk = max(1, min(options.prefill_chunk, max_ctx))
+        # with --ray the experts live on the workers: this process plans no expert cache
+        here = not options.ray
         ffn = max(self.desc.expert.intermediate, getattr(self.config, "intermediate_size", 0) or 0)
         glob, layers = self.spine_split()
         reads = self.layer_reads()
         # a remote read holds its response body until it is copied into the slot: one per reader
         # thread and one for the spine stream (0 for local files, read straight into the buffers)
         transfer = (options.reader_threads + 1) * self.checkpoint.sources.transfer_bytes
-        return make_plan(
+        return dict(
             budget=budget, baseline=current_rss() if baseline is None else baseline,
             spine_global=glob, spine_layers=layers,
             stream_buffer=max((spine_buffer_bytes(r) for r in reads.values()), default=0),
             state_bytes=self.desc.state_bytes(max_ctx),
             activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx,
                                          score_block=SCORE_BLOCK_BYTES) + transfer,
-            slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set,
-            total_experts=self.desc.total_experts, top_k=self.desc.top_k, max_context=max_ctx,
-            prefill_chunk=chunk, cache_experts=options.cache_experts,
+            slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set if here else 0,
+            total_experts=self.desc.total_experts, top_k=self.desc.top_k if here else 0, max_context=max_ctx,
+            prefill_chunk=chunk, cache_experts=options.cache_experts if here else 0,
             max_resident_layers=options.max_resident_layers,
         )
 
@@ -236,7 +277,8 @@ class Engine:
         baseline = current_rss()
         self.threads = options.threads or os.cpu_count() or 1
         kernels.set_threads(self.threads)
-        self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle)
+        self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle,
+                                     disk_cache=options.disk_cache, disk_cache_dir=options.disk_cache_dir)
         self.path, self.model_id = info.path, info.model_id  # model_id: what a server reports
         self.checkpoint, self.raw_config, self.family = info.checkpoint, info.raw_config, info.family
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts
@@ -244,10 +286,14 @@ class Engine:
         self.plan: Plan = info.plan(memory, options, baseline)
         self.spine: SpineStreamer | None = None
         spine = self._load_spine()
-        self.cache = ExpertCache(self.plan.cache_slots, self.experts_source.slot_bytes,
-                                 make_policy(options.cache_policy), huge_pages=options.huge_pages)
-        self.experts = ExpertProvider(self.experts_source, self.cache, self.desc.expert, self.desc.n_experts,
-                                      reader_threads=options.reader_threads, verify_reads=options.verify_reads)
+        if options.ray:
+            self.cache = None  # the driver holds no expert cache
+            self.experts = self._start_workers()
+        else:
+            self.cache = ExpertCache(self.plan.cache_slots, self.experts_source.slot_bytes,
+                                     make_policy(options.cache_policy), huge_pages=options.huge_pages)
+            self.experts = ExpertProvider(self.experts_source, self.cache, self.desc.expert, self.desc.n_experts,
+                                          reader_threads=options.reader_threads, verify_reads=options.verify_reads)
         if info.spine_format != "stored":
             warnings.warn(f"{info.path}: the spine is stored as {info.spine_format} (sluice convert --spine "
                           f"{info.spine_format}): lossy, outputs differ from the model's", stacklevel=3)
@@ -262,8 +308,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.experts, self.cache, self.checkpoint, self.spine,
                                   max_context=self.plan.max_context, prefill_chunk=self.plan.prefill_chunk,
                                   threads=self.threads, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
-                                  moe_layers=self.desc.moe_layers, trace=self.trace, info=self._info)
-        self._lock = threading.Lock()
+                                  moe_layers=self.desc.moe_layers, trace=self.trace, info=self._info,
+                                  slots=self.plan.parallel)
+        # every generation runs as a sequence of the scheduler, on one of the runner's state slots
+        self.scheduler = Scheduler(self.runner, step_tokens=self.plan.prefill_chunk)
         self.load_s = time.perf_counter() - t_load
         self.last_stats: GenerationStats | dict = {}
 
@@ -295,13 +343,38 @@ class Engine:
         bar.close()
         return quantized_spine.assemble(out, self.info.spine_quant, self.desc)
 
+    def _start_workers(self) -> RayExperts:
+        """Experts on a Ray cluster (``--ray``): connect, start the workers, check their signatures."""
+        o = self.options
+        if o.prefer_cached:
+            raise InvalidArgumentError("prefer_cached (--prefer-cached) needs the expert cache in this process; "
+                                       "it cannot be used with --ray")
+        if o.expert_workers is not None and (not isinstance(o.expert_workers, int) or o.expert_workers < 1):
+            raise InvalidArgumentError(f"expert_workers (--expert-workers) must be at least 1, got {o.expert_workers!r}")
+        validate.number(o.replicate_hot, "replicate_hot (--replicate-hot)", lo=0)
+        worker_memory = parse_size(o.worker_memory, "worker_memory") if o.worker_memory is not None else None
+        note = connect_cluster(o.ray)
+        location = self.path if isinstance(self.path, str) else os.fspath(self.path.resolve())
+        experts = RayExperts(
+            location, cluster_signature(self.checkpoint), self.desc.moe_layers, self.desc.n_experts,
+            workers=o.expert_workers, worker_memory=worker_memory, replicate_hot=int(o.replicate_hot),
+            worker_opts=dict(reader_threads=o.reader_threads, cache_policy=o.cache_policy,
+                             verify_reads=o.verify_reads, huge_pages=o.huge_pages, direct_io=o.direct_io,
+                             ca_bundle=o.ca_bundle, cache_experts=o.cache_experts,
+                             max_rows=self.plan.prefill_chunk * self.desc.top_k))
+        self.cluster_note = f"{note}: {experts.describe()}"
+        if o.progress:
+            print(self.cluster_note, file=sys.stderr)
+        return experts
+
     def close(self) -> None:
+        self.scheduler.close()
         if self.trace is not None:
             self.trace.close()
         if self.spine is not None:
             self.spine.close()
         self.experts.close()
-        self.checkpoint.close()
+        self.info.close()
 
     def __enter__(self):
         return self
@@ -319,6 +392,9 @@ class Engine:
             raise InvalidArgumentError(f"moe_top_k (--moe-top-k) must be between 1 and the model's {self.desc.top_k}, "
                                        f"got {moe_top_k!r}")
         validate.number(prefer_cached, "prefer_cached (--prefer-cached)", lo=0.0)
+        if prefer_cached and self.options.ray:
+            raise InvalidArgumentError("prefer_cached (--prefer-cached) needs the expert cache in this process; "
+                                       "it cannot be used with --ray")
         if moe_top_k == self.desc.top_k:
             moe_top_k = None  # the model's own top-k: exact, nothing lossy
         for layer in self.model.layers:
@@ -331,28 +407,51 @@ class Engine:
         if routing and warn:
             warnings.warn(f"lossy routing enabled ({routing}): outputs differ from the model's", stacklevel=2)
 
+    # Lookahead prefetch (measured in docs/io.md): predict this many layers ahead (1 or 2) ...
+    lookahead_depth = 1
+    # ... read a guess only if some row gives it at least this router probability ...
+    prefetch_min_prob = 0.0
+    # ... and predict for forwards of at most this many rows (decode, a batch of sequences'
+    # decode rows, speculative verification); a prefill chunk reads each expert once anyway
+    lookahead_max_rows = 64
+
     def _lookahead(self, layer: int, h: torch.Tensor) -> None:
-        """After layer ``layer``'s attention, start reads for the next layer's predicted experts
-        (and, when tracing routing, record the prediction for every token of the forward)."""
+        """After layer ``layer``'s attention, start reads for the experts the next layers are
+        predicted to use (and, when tracing routing, record the next layer's prediction for
+        every token of the forward). With several rows (sequences batched in one forward, a
+        verified draft), the union of the rows' guesses, by predicted weight mass."""
         traced = self.experts.predicted_routing
-        if traced is None and (h.shape[0] != 1 or not self.options.prefetch):
-            return  # prefill reads each expert once per layer anyway
-        if self.spine is not None and not self.spine.ready(layer + 1):
-            return  # its router is still being read
-        ids = self.model.predict(layer + 1, h)
-        if ids is None:
+        prefetch = self.options.prefetch and h.shape[0] <= self.lookahead_max_rows
+        if traced is None and not prefetch:
             return
-        if traced is not None:
-            traced[layer + 1] = ids
-        if h.shape[0] == 1 and self.options.prefetch:
-            self.experts.prefetch(layer + 1, ids[0].tolist())
+        if isinstance(self.model.layers[layer].mlp, MoEBlock):
+            # guess once this layer's own demand reads are issued (inside its MoE call)
+            self.experts.after_reads(layer, lambda: self._predict_ahead(layer, h, prefetch, traced))
+        else:
+            self._predict_ahead(layer, h, prefetch, traced)
+
+    def _predict_ahead(self, layer: int, h: torch.Tensor, prefetch: bool, traced) -> None:
+        for distance in range(1, (self.lookahead_depth if prefetch else 1) + 1):
+            target = layer + distance
+            if self.spine is not None and not self.spine.ready(target):
+                return  # its router is still being read
+            got = self.model.predict_weights(target, h)
+            if got is None:
+                continue  # a dense layer (or past the last one)
+            ids, probs = got
+            if distance == 1 and traced is not None:
+                traced[target] = ids
+            if prefetch:
+                self.experts.prefetch(target, rank_guesses(ids, probs, self.prefetch_min_prob), distance=distance)
 
     # -- model access ------------------------------------------------------------------------
 
     def _info(self) -> EngineInfo:
         """What every generation's stats report about this engine."""
         plan = self.plan
-        return EngineInfo(budget_bytes=plan.budget, cache_slots=plan.cache_slots, total_experts=plan.total_experts,
+        # with --ray: the workers' slots together (the driver itself holds none)
+        slots = getattr(self.experts, "pooled_slots", plan.cache_slots)
+        return EngineInfo(budget_bytes=plan.budget, cache_slots=slots, total_experts=plan.total_experts,
                           direct_io=self.experts_source.direct_io, load_s=self.load_s, lossy=dict(self.lossy),
                           spine_resident_bytes=plan.spine_bytes - plan.stream_buffer_bytes,
                           spine_streamed_layers=len(plan.streamed_layers))
@@ -363,9 +462,14 @@ class Engine:
         return self.runner.counters()
 
     @property
+    def parallel(self) -> int:
+        """Sequences that run at once (``--parallel``; more wait for a state slot)."""
+        return self.plan.parallel
+
+    @property
     def slot(self) -> SeqState:
-        """The state slot generations run on (one today: one sequence at a time)."""
-        return self.runner.slots[0]
+        """The state slot the most recent generation ran on (slot 0 before any)."""
+        return self.scheduler.last_slot
 
     @property
     def state(self):
@@ -377,7 +481,8 @@ class Engine:
         return self.slot.max_context
 
     def _run(self, ids: list[int], start: int, last_n: int = 1) -> torch.Tensor | None:
-        """Forward ``ids`` at positions start.. on ``slot``; logits [last_n, V] of the last positions."""
+        """Forward ``ids`` at positions start.. on ``slot``; logits [last_n, V] of the last positions
+        (for tests, with no generation running)."""
         return self.runner.run(self.slot, ids, start, last_n)
 
     def forward(self, input_ids) -> torch.Tensor:
@@ -388,9 +493,12 @@ class Engine:
         if len(ids) > self.max_context:
             raise InvalidArgumentError(f"input_ids: {len(ids)} tokens exceed max_context {self.max_context}")
         self._check_ids(ids)
-        with self._lock, torch.inference_mode():
-            self.slot.rewind(0)
-            return self.runner.run(self.slot, ids, 0, last_n=len(ids))
+
+        def run(slot: SeqState) -> torch.Tensor:
+            slot.rewind(0)
+            return self.runner.run(slot, ids, 0, last_n=len(ids))
+
+        return self.scheduler.exclusive(run)  # on an idle slot, between two steps of running generations
 
     def _check_ids(self, ids: list[int]) -> None:
         v = self.desc.vocab
@@ -427,13 +535,29 @@ class Engine:
     ) -> Iterator[Step]:
         """Generate token by token. Closing the generator (or setting ``cancel``) stops it cleanly.
 
+        Callable from several threads at once: each generation joins the running batch (up to
+        ``parallel`` at once, the rest wait for a state slot); its tokens are the same as alone.
         ``speculate`` (greedy only) verifies n-gram drafts several tokens per forward; the
         tokens are the same as without it. Sampling never speculates.
         """
-        validate.sampling(max_new_tokens=max_new_tokens, temperature_=temperature, top_p_=top_p, top_k=top_k,
-                          seed_=seed, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
-                          flags=dict(ignore_eos=ignore_eos, reuse_prefix=reuse_prefix, speculate=speculate))
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        req = self._request(prompt, dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, reuse_prefix=reuse_prefix,
+            cancel=cancel, speculate=speculate))
+        return self._steps(req)
+
+    def _request(self, prompt, kw: dict) -> Request:
+        """A checked generation request (``stream``'s arguments)."""
+        unknown = set(kw) - _STREAM_ARGS
+        if unknown:
+            raise InvalidArgumentError(f"unknown argument(s) {sorted(unknown)}; known: {sorted(_STREAM_ARGS)}")
+        kw = {**_STREAM_DEFAULTS, **kw}
+        validate.sampling(max_new_tokens=kw["max_new_tokens"], temperature_=kw["temperature"], top_p_=kw["top_p"],
+                          top_k=kw["top_k"], seed_=kw["seed"], logprobs=kw["logprobs"], stop=kw["stop"],
+                          stop_token_ids=kw["stop_token_ids"],
+                          flags=dict(ignore_eos=kw["ignore_eos"], reuse_prefix=kw["reuse_prefix"],
+                                     speculate=kw["speculate"]))
+        params = SamplingParams(temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"], seed=kw["seed"])
         if isinstance(prompt, str):
             ids = self.encode(prompt)
         elif torch.is_tensor(prompt) or isinstance(prompt, (list, tuple)):
@@ -448,37 +572,54 @@ class Engine:
                 f"prompt of {len(ids)} tokens does not fit the context of {self.max_context} tokens "
                 "(raise --max-context or shorten the prompt)"
             )
+        stop = kw["stop"]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        req = Request(ids, params, max_new_tokens, stops, set(stop_token_ids or []), ignore_eos, logprobs,
-                      reuse_prefix, cancel, speculate)
-        return self._locked(req)
+        return Request(ids, params, kw["max_new_tokens"], stops, set(kw["stop_token_ids"] or []), kw["ignore_eos"],
+                       kw["logprobs"], kw["reuse_prefix"], kw["cancel"], kw["speculate"])
 
-    def _locked(self, req: Request) -> Iterator[Step]:
-        if not self._lock.acquire(blocking=False):
-            raise SluiceError("the engine is already generating; one generation runs at a time")
-        gen = generation.run(self.runner, self.slot, req)
-        try:
-            for step in gen:
-                if step.finish_reason:
-                    self.last_stats = step.stats
-                yield step
-        finally:
-            gen.close()
-            self._lock.release()
-
-    def generate(self, prompt: str | list[int], **kwargs) -> Result:
-        """Run ``stream`` to the end; returns the generated tokens, text and stats."""
-        want_lp = kwargs.get("logprobs") is not None
-        tokens, text, lps = [], [], []
-        finish, stats = "length", {}
-        for step in self.stream(prompt, **kwargs):
-            tokens.append(step.token_id)
-            text.append(step.text_delta)
-            if want_lp:
-                lps.append(step.logprob)
+    def _steps(self, req: Request) -> Iterator[Step]:
+        # joins the batch on the first next(), not when stream() is called
+        seq = self.scheduler.submit(req)
+        for step in self.scheduler.steps(seq):
             if step.finish_reason:
-                finish, stats = step.finish_reason, step.stats
-        return Result(tokens, "".join(text), finish, stats, lps if want_lp else None)
+                self.last_stats = step.stats
+            yield step
+
+    def generate(self, prompt: str | list[int] | list[str] | list[list[int]], **kwargs) -> Result | list[Result]:
+        """Run ``stream`` to the end; returns the generated tokens, text and stats.
+
+        A list of prompts (strings, or lists of token ids) runs them all at once (``parallel``
+        at a time) and returns a list of ``Result``s, in order; each equals its prompt run alone.
+        """
+        many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(
+            isinstance(p, str) or torch.is_tensor(p) or isinstance(p, (list, tuple)) for p in prompt)
+        if not many:
+            return _collect(self._steps(self._request(prompt, kwargs)), kwargs.get("logprobs") is not None)
+        reqs = [self._request(p, kwargs) for p in prompt]
+        seqs = [self.scheduler.submit(r) for r in reqs]
+        try:
+            return [_collect(self.scheduler.steps(s), kwargs.get("logprobs") is not None) for s in seqs]
+        finally:
+            for s in seqs:
+                self.scheduler.cancel(s)
+
+
+_STREAM_DEFAULTS = {name: p.default for name, p in inspect.signature(Engine.stream).parameters.items()
+                    if p.kind == p.KEYWORD_ONLY}
+_STREAM_ARGS = set(_STREAM_DEFAULTS)
+
+
+def _collect(steps: Iterator[Step], want_lp: bool) -> Result:
+    tokens, text, lps = [], [], []
+    finish, stats = "length", {}
+    for step in steps:
+        tokens.append(step.token_id)
+        text.append(step.text_delta)
+        if want_lp:
+            lps.append(step.logprob)
+        if step.finish_reason:
+            finish, stats = step.finish_reason, step.stats
+    return Result(tokens, "".join(text), finish, stats, lps if want_lp else None)
 
 
 __all__ = ["Engine", "ModelInfo", "Options", "Result", "Step", "load"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +16,7 @@ from .errors import GenerationCancelled
 from .layers.sampling import Sampler, SamplingParams, logprobs
 from .runner import ModelRunner, SeqResult, SeqState, SeqWork
 from .speculative import NgramDrafter
-from .stats import GenerationStats
+from .stats import EngineCounters, GenerationStats
 from .sysmem import peak_rss
 from .text import Detokenizer, StopStrings
 
@@ -86,19 +86,20 @@ class _Emitter:
         return Step(token, delta, lp, top, finish)
 
 
-def _verify(runner: ModelRunner, seq: SeqState, pending: list[int], draft: list[int], pos: int, decoding: bool,
-            tracing: bool) -> SeqResult:
+def _verify(seq: SeqState, pending: list[int], draft: list[int], pos: int, decoding: bool,
+            tracing: bool) -> Iterator[SeqWork]:
     """Forward ``pending`` (+ ``draft``) at ``pos``; logits of the last pending token and each draft token.
 
-    With a recurrent layer, the draft runs as a second forward after a snapshot, so that a
-    rejected draft can be rolled back by reference instead of recomputing the prompt.
+    A coroutine (``result = yield from _verify(...)``): it yields each ``SeqWork`` and is sent its
+    ``SeqResult``. With a recurrent layer, the draft runs as a second forward after a snapshot, so
+    that a rejected draft can be rolled back by reference instead of recomputing the prompt.
     """
     if not draft:
-        return runner.step([SeqWork(seq, pending, pos, 1, decoding, tracing)])[0]
+        return (yield SeqWork(seq, pending, pos, 1, decoding, tracing))
     if seq.recurrent:
-        first = runner.step([SeqWork(seq, pending, pos, 1, decoding, tracing)])[0]
+        first = yield SeqWork(seq, pending, pos, 1, decoding, tracing)
         seq.mark()
-        rest = runner.step([SeqWork(seq, draft, pos + len(pending), len(draft), decoding, tracing)])[0]
+        rest = yield SeqWork(seq, draft, pos + len(pending), len(draft), decoding, tracing)
         logits = torch.cat([first.logits, rest.logits])
         if not tracing:
             return SeqResult(logits)
@@ -109,11 +110,43 @@ def _verify(runner: ModelRunner, seq: SeqState, pending: list[int], draft: list[
         return SeqResult(logits, joined(first.routing, rest.routing), joined(first.weights, rest.weights),
                          joined(first.predicted, rest.predicted))
     seq.mark()
-    return runner.step([SeqWork(seq, pending + draft, pos, 1 + len(draft), decoding, tracing)])[0]
+    return (yield SeqWork(seq, pending + draft, pos, 1 + len(draft), decoding, tracing))
+
+
+def drive(runner: ModelRunner, coroutine) -> Iterator:
+    """Run a generation coroutine alone: each ``SeqWork`` it yields as a step of its own, every
+    other value it yields passed on (the ``Step``s of ``sequence``); returns what it returns."""
+    result = None
+    while True:
+        try:
+            item = coroutine.send(result)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(item, SeqWork):
+            result = runner.step([item])[0]
+        else:
+            result = None
+            yield item
 
 
 def run(runner: ModelRunner, seq: SeqState, req: Request) -> Iterator[Step]:
-    """The core generator for one sequence on its state slot (the caller holds the engine lock).
+    """One generation alone on its state slot (the caller owns the slot): the ``Step``s of
+    ``sequence``, each forward a step of its own (the scheduler runs many at once instead)."""
+    gen = sequence(runner, seq, req)
+    try:
+        yield from drive(runner, gen)
+    finally:
+        gen.close()
+
+
+def sequence(runner: ModelRunner, seq: SeqState, req: Request, meter: Callable[[], EngineCounters] | None = None
+             ) -> Generator[SeqWork | Step, SeqResult | None, None]:
+    """The core generator for one sequence on its state slot, as a coroutine: it yields the
+    ``SeqWork`` of its next forward and is sent its ``SeqResult``, and yields each emitted ``Step``
+    (sent nothing back). ``drive`` runs it alone; the scheduler runs many in one step each.
+
+    ``meter``: the engine counters this generation caused so far (default: the runner's counters
+    since it started; the scheduler passes the sum of the steps it took part in).
 
     Each iteration forwards the tokens not yet in the state (the prompt, then the last
     token), plus an n-gram draft when speculating (greedy only). The draft's longest prefix
@@ -122,7 +155,12 @@ def run(runner: ModelRunner, seq: SeqState, req: Request) -> Iterator[Step]:
     last Step carries the ``GenerationStats``.
     """
     t0 = time.perf_counter()
-    counters0 = runner.counters()
+    if meter is None:
+        counters0 = runner.counters()
+
+        def meter() -> EngineCounters:
+            return runner.counters() - counters0
+
     sampler = Sampler(req.params)
     out = _Emitter(runner, seq, req)
     spec = req.speculate and req.params.greedy
@@ -140,7 +178,7 @@ def run(runner: ModelRunner, seq: SeqState, req: Request) -> Iterator[Step]:
         # Recurrent layers return only to snapshots: keep one before the prompt's last token, so
         # a later prompt that shares all of this one but its last token (a regeneration) or
         # extends it (a continued conversation) resumes from there.
-        runner.run(seq, pending[:-1], pos, last_n=0)
+        yield SeqWork(seq, pending[:-1], pos, last_n=0)
         seq.mark()
         pos, pending = pos + len(pending) - 1, pending[-1:]
     forwards: list[tuple[int, float]] = []  # decode forwards: (tokens produced, seconds)
@@ -151,7 +189,7 @@ def run(runner: ModelRunner, seq: SeqState, req: Request) -> Iterator[Step]:
         step.stats = GenerationStats.from_run(
             prompt_tokens=len(req.ids), generated=len(out.generated), reused=reused, t_prefill=t_prefill,
             total_s=time.perf_counter() - t0, forwards=forwards, drafted=drafted, accepted=accepted,
-            delta=runner.counters() - counters0, info=runner.info(), peak_rss_bytes=peak_rss())
+            delta=meter(), info=runner.info(), peak_rss_bytes=peak_rss())
         return step
 
     while True:
@@ -163,7 +201,7 @@ def run(runner: ModelRunner, seq: SeqState, req: Request) -> Iterator[Step]:
             draft = drafter.propose()[: max(0, room)]
         t1 = time.perf_counter()
         tracing = runner.tracing and not prefill
-        result = _verify(runner, seq, pending, draft, pos, not prefill, tracing)
+        result = yield from _verify(seq, pending, draft, pos, not prefill, tracing)
         rows = result.logits  # [1 + d, V]
         a = 0
         if draft:
@@ -176,7 +214,7 @@ def run(runner: ModelRunner, seq: SeqState, req: Request) -> Iterator[Step]:
                 # no snapshot there (recurrent), or the window is gone (sliding-window cache): recompute
                 done = seq.rewind(keep)
                 if done < keep:
-                    runner.run(seq, kept[done:], done, last_n=0, decoding=not prefill)
+                    yield SeqWork(seq, kept[done:], done, last_n=0, decoding=not prefill)
             drafter.feedback(len(draft), a)
             drafted += len(draft)
             accepted += a

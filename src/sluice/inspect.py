@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .engine import ModelInfo, Options
 from .errors import BudgetError
+from .plan import max_parallel
 from .sysmem import current_rss
 from .units import format_size
 
@@ -19,13 +20,23 @@ def format_params(n: int) -> str:
 
 
 def inspect_model(path: str | Path, memory: int | None = None, max_context: int | None = None,
-                  revision: str | None = None, ca_bundle: str | None = None) -> dict:
-    info = ModelInfo(path, revision=revision, ca_bundle=ca_bundle)
+                  revision: str | None = None, ca_bundle: str | None = None, parallel: int | None = None,
+                  disk_cache: int | str | None = None, disk_cache_dir: str | None = None) -> dict:
+    """The model report; ``parallel``: sequences at once (None: the default rule per budget)."""
+    info = ModelInfo(path, revision=revision, ca_bundle=ca_bundle, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir)
+    try:
+        return _report(info, memory, max_context, parallel)
+    finally:
+        info.close()
+
+
+def _report(info: ModelInfo, memory: int | None, max_context: int | None, parallel: int | None) -> dict:
     d = info.desc
     total, active = info.param_counts()
-    opts = Options(max_context=max_context)
+    opts = Options(max_context=max_context, parallel=parallel)
     baseline = current_rss()
-    base = info.plan(1 << 50, opts, baseline=baseline)  # everything resident: the fixed parts
+    # everything resident: the fixed parts, with the floor for ``parallel`` sequences (1 by default)
+    base = info.plan(1 << 50, Options(max_context=max_context, parallel=parallel or 1), baseline=baseline)
     expert_bytes = info.experts.record_bytes
     glob, layers = info.spine_split()
     budgets = sorted({base.floor, base.floor_resident, base.budget_for_slots(d.total_experts // 4),
@@ -37,10 +48,12 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
             p = info.plan(b, opts, baseline=baseline)
             table.append({"budget_bytes": b, "cache_experts": p.cache_slots, "ok": True,
                           "cache_share": p.cache_slots / max(d.total_experts, 1),
-                          "streamed_layers": len(p.streamed_layers), "spine_read_per_token": p.spine_streamed_bytes})
+                          "streamed_layers": len(p.streamed_layers), "spine_read_per_token": p.spine_streamed_bytes,
+                          "parallel": p.parallel,
+                          "parallel_max": max_parallel(**info.plan_args(b, opts, baseline=baseline))})
         except BudgetError:
             table.append({"budget_bytes": b, "cache_experts": 0, "ok": False, "cache_share": 0.0,
-                          "streamed_layers": 0, "spine_read_per_token": 0})
+                          "streamed_layers": 0, "spine_read_per_token": 0, "parallel": 0, "parallel_max": 0})
     report = {
         "path": str(info.path),
         "model_id": info.model_id,
@@ -66,7 +79,7 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
         "working_set_experts": d.working_set,
         "working_set_bytes": d.working_set * expert_bytes,
         "max_context": base.max_context,
-        "kv_state_bytes": base.state_bytes,
+        "kv_state_bytes": base.seq_state_bytes,  # one sequence's
         "baseline_bytes": baseline,
         "floor_bytes": base.floor,
         "floor_resident_bytes": base.floor_resident,
@@ -78,7 +91,14 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
             report["plan"] = info.plan(memory, opts, baseline=baseline).to_dict()
         except BudgetError as e:
             report["plan_error"] = str(e)
-    info.checkpoint.close()
+    tier = info.disk_tier
+    if tier is not None:  # memory -> disk tier -> remote: what the tier holds of this model
+        stats = info.checkpoint.stats
+        report["disk_tier"] = {"dir": str(tier.dir), "capacity_bytes": tier.capacity, **tier.usage(),
+                               "model": {**tier.usage(info.store.location)},
+                               "opening": {"hits": stats.tier_hits, "misses": stats.tier_misses,
+                                           "bytes_from_tier": stats.tier_bytes,
+                                           "bytes_from_remote": stats.remote_bytes}}
     return report
 
 
@@ -96,12 +116,13 @@ def render_inspect(r: dict) -> str:
         f"  one expert        {format_size(r['bytes_per_expert'])} ({format_size(r['slot_bytes'])} per cache slot)",
         f"  all experts       {r['experts_total']} = {format_size(r['expert_bytes_total'])}",
         f"  one token reads   {r['working_set_experts']} experts = {format_size(r['working_set_bytes'])} (cold)",
-        f"  KV/state          {format_size(r['kv_state_bytes'])} for {r['max_context']} tokens",
+        f"  KV/state          {format_size(r['kv_state_bytes'])} for {r['max_context']} tokens, per sequence that "
+        "runs at once (--parallel)",
         f"  memory floor      {format_size(r['floor_resident_bytes'])} with the whole spine resident "
         f"(baseline {format_size(r['baseline_bytes'])} + spine + one token's experts + KV + buffers)",
         f"                    {format_size(r['floor_bytes'])} streaming the spine layer by layer "
         "(slower: layers are read every token)",
-        "  budget -> expert cache, spine streaming:",
+        "  budget -> expert cache, sequences at once (default, most), spine streaming:",
     ]
     for b in r["budgets"]:
         if not b["ok"]:
@@ -110,12 +131,22 @@ def render_inspect(r: dict) -> str:
         stream = (f", {b['streamed_layers']} layers streamed ({format_size(b['spine_read_per_token'])}/token)"
                   if b["streamed_layers"] else "")
         lines.append(f"    {format_size(b['budget_bytes']):>12}  {b['cache_experts']:6d} experts "
-                     f"({100 * b['cache_share']:5.1f}% of all){stream}")
+                     f"({100 * b['cache_share']:5.1f}% of all), parallel {b['parallel']} (at most "
+                     f"{b['parallel_max']}){stream}")
     if "plan" in r:
         p = r["plan"]
-        lines.append(f"  --memory plan: cache {p['cache_slots']} experts, {len(p['streamed_layers'])} layers streamed")
+        lines.append(f"  --memory plan: cache {p['cache_slots']} experts, {p['parallel']} sequences at once (--parallel), "
+                     f"{len(p['streamed_layers'])} layers streamed")
     if "plan_error" in r:
         lines.append(f"  --memory: {r['plan_error']}")
+    if "disk_tier" in r:
+        t, m = r["disk_tier"], r["disk_tier"]["model"]
+        o = t["opening"]
+        lines.append(f"  disk tier         {t['dir']}: {format_size(t['bytes'])} of {format_size(t['capacity_bytes'])} "
+                     f"used ({t['entries']} entries); this model {format_size(m['bytes'])} in {m['entries']} entries, "
+                     f"{m['hits']} hits recorded")
+        lines.append(f"                    opening it: {o['hits']} tier hits ({format_size(o['bytes_from_tier'])}), "
+                     f"{o['misses']} misses, {format_size(o['bytes_from_remote'])} fetched")
     for n in r["notes"]:
         lines.append(f"  note: {n}")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """The memory planner: a budget becomes spine residency, KV cache, buffers and expert cache.
 
 Peak RSS = baseline (Python + torch, measured at load) + spine + per-sequence state (KV
-cache for ``max_context`` positions) + activations and I/O buffers + expert cache slots.
+cache for ``max_context`` positions, once per sequence that runs at once: ``--parallel``) +
+activations and I/O buffers + expert cache slots.
 The floor holds one token's working set of experts (K per MoE layer): below it every
 lookup misses. A budget below the floor is refused with the breakdown.
 """
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .errors import BudgetError
+from .errors import BudgetError, InvalidArgumentError
 from .units import format_size
 
 _MARGIN_BYTES = 48 << 20  # allocator slack, Python objects, thread stacks
 _MARGIN_SHARE = 0.03
+DEFAULT_PARALLEL = 4  # sequences at once by default, when the budget allows it
 
 
 def margin_for(budget: int) -> int:
@@ -31,7 +33,7 @@ class Plan:
     budget: int
     baseline: int
     spine_bytes: int
-    state_bytes: int
+    state_bytes: int  # KV caches and recurrent states of all ``parallel`` sequences
     activation_bytes: int
     margin_bytes: int
     slot_bytes: int
@@ -45,6 +47,8 @@ class Plan:
     streamed_layers: list[int] = field(default_factory=list)
     spine_streamed_bytes: int = 0  # read per forward when layers are streamed
     stream_buffer_bytes: int = 0
+    parallel: int = 1  # sequences that run at once, each with its own state for max_context positions
+    seq_state_bytes: int = 0  # one sequence's state
 
     @property
     def cache_bytes(self) -> int:
@@ -101,8 +105,60 @@ def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: di
               stream_buffer: int, state_bytes: int, activations: int, slot_bytes: int, working_set: int,
               total_experts: int, top_k: int, max_context: int, prefill_chunk: int,
               cache_experts: int | None = None, stream_buffers: int = 2,
-              max_resident_layers: int | None = None) -> Plan:
+              max_resident_layers: int | None = None, parallel: int | None = 1) -> Plan:
     """Split ``budget`` between spine, per-sequence state, buffers and the expert cache.
+
+    ``state_bytes`` is one sequence's state; ``parallel`` sequences get one each. ``parallel=None``
+    takes the default: ``DEFAULT_PARALLEL``, or fewer when the budget cannot hold that many states
+    without streaming more of the spine than one sequence would (or at all: then 1).
+    """
+    args = dict(budget=budget, baseline=baseline, spine_global=spine_global, spine_layers=spine_layers,
+                stream_buffer=stream_buffer, state_bytes=state_bytes, activations=activations,
+                slot_bytes=slot_bytes, working_set=working_set, total_experts=total_experts, top_k=top_k,
+                max_context=max_context, prefill_chunk=prefill_chunk, cache_experts=cache_experts,
+                stream_buffers=stream_buffers, max_resident_layers=max_resident_layers)
+    if parallel is not None:
+        if parallel < 1:
+            raise InvalidArgumentError(f"parallel (--parallel) must be at least 1, got {parallel}")
+        return _make_plan(parallel=parallel, **args)
+    one = _make_plan(parallel=1, **args)
+    for n in range(DEFAULT_PARALLEL, 1, -1):
+        try:
+            p = _make_plan(parallel=n, **args)
+        except BudgetError:
+            continue
+        if p.streamed_layers == one.streamed_layers:
+            return p
+    return one
+
+
+def max_parallel(limit: int = 1 << 16, **plan_args) -> int:
+    """The most sequences ``make_plan`` fits in the budget at once (0 below the floor), up to ``limit``."""
+    def fits(n: int) -> bool:
+        try:
+            make_plan(parallel=n, **plan_args)
+        except BudgetError:
+            return False
+        return True
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: dict[int, int],
+               stream_buffer: int, state_bytes: int, activations: int, slot_bytes: int, working_set: int,
+               total_experts: int, top_k: int, max_context: int, prefill_chunk: int,
+               cache_experts: int | None, stream_buffers: int, max_resident_layers: int | None,
+               parallel: int) -> Plan:
+    """``make_plan`` for a given number of sequences.
 
     Rule when the spine does not fit: keep the expert cache at one token's working set and
     make as many layers resident as possible, streaming the rest. A resident spine byte
@@ -110,6 +166,11 @@ def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: di
     saves less than that on average (each expert serves only a fraction of tokens).
     """
     margin = margin_for(budget)
+    seq_state = state_bytes
+    state_bytes = parallel * seq_state
+    kv = (f"KV/state for {max_context} tokens {format_size(state_bytes)}" if parallel == 1 else
+          f"KV/state for {parallel} sequences (--parallel) x {max_context} tokens {format_size(state_bytes)}")
+    lower = "lower --max-context" if parallel == 1 else "lower --parallel or --max-context"
     all_layers = sorted(spine_layers)
     spine_all = spine_global + sum(spine_layers.values())
     base = baseline + state_bytes + activations
@@ -133,9 +194,9 @@ def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: di
                 f"memory budget {format_size(budget)} is below the floor {format_size(floor)} for this model: "
                 f"baseline {format_size(baseline)} + spine {format_size(spine_global)} resident (embeddings, head, "
                 f"norms) + {stream_buffers} layers' spine buffers {format_size(buffers)} + one token's experts "
-                f"({working_set} x {format_size(slot_bytes)} = {format_size(working_set * slot_bytes)}) + KV/state "
-                f"for {max_context} tokens {format_size(state_bytes)} + buffers {format_size(activations + margin)}. "
-                f"Raise --memory to at least {format_size(floor)}, or lower --max-context"
+                f"({working_set} x {format_size(slot_bytes)} = {format_size(working_set * slot_bytes)}) + {kv} + "
+                f"buffers {format_size(activations + margin)}. Raise --memory to at least {format_size(floor)}, or "
+                f"{lower}"
             )
         free = budget - margin - base - spine_global - buffers - want_slots * slot_bytes
         if free < 0:
@@ -170,4 +231,4 @@ def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: di
                 prefill_chunk=prefill_chunk, floor=floor, floor_resident=floor_resident,
                 streamed_layers=streamed,
                 spine_streamed_bytes=sum(spine_layers[i] for i in streamed),
-                stream_buffer_bytes=buffers if streamed else 0)
+                stream_buffer_bytes=buffers if streamed else 0, parallel=parallel, seq_state_bytes=seq_state)

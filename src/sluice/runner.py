@@ -150,7 +150,7 @@ class ModelRunner:
                 # another process holds the other core (measured: index_add_ on [15, 1024] took 76 ms);
                 # the C kernels split the large matrix products with their own work-claiming pool.
                 torch.set_num_threads(1 if len(part) <= TORCH_SERIAL_TOKENS else self.threads)
-                self._cache.policy.tick()
+                self._experts.tick()
                 if routed is not None:
                     self._experts.routing, self._experts.predicted_routing = {}, {}
                 h = self._model.forward(torch.tensor(part, dtype=torch.long), state, start + c0)
@@ -203,16 +203,20 @@ class ModelRunner:
         """A snapshot of the engine's counters since load (subtract two for a delta)."""
         c = self._experts.counters
         spine = self._spine.stats if self._spine is not None else None
+        io = self._checkpoint.stats
         return EngineCounters(
             expert_lookups=c.lookups, expert_hits=c.hits, expert_misses=c.misses,
             prefill_lookups=c.prefill_lookups, demand_reads=c.demand_reads, prefetch_reads=c.prefetch_reads,
             prefetch_used=c.prefetch_used, prefetch_cancelled=c.prefetch_cancelled,
             lookahead_predictions=c.predicted, lookahead_hits=c.predicted_hits,
             read_wait_s=c.read_wait_s, expert_compute_s=c.compute_s,
-            evictions=self._cache.evictions, bytes_read=self._checkpoint.stats.bytes_read,
+            evictions=self._experts.evictions,
+            bytes_read=self._checkpoint.stats.bytes_read + self._experts.bytes_read_elsewhere,
             spine_bytes_read=spine.bytes_read if spine is not None else 0,
             spine_read_wait_s=spine.wait_s if spine is not None else 0.0,
             forwards=self._forwards, tokens_forwarded=self._tokens,
+            remote_bytes_read=io.remote_bytes, disk_tier_hits=io.tier_hits, disk_tier_misses=io.tier_misses,
+            disk_tier_bytes_read=io.tier_bytes,
         )
 
     def info(self) -> EngineInfo:

@@ -39,9 +39,16 @@ class EngineCounters:
     spine_read_wait_s: float = 0.0
     forwards: int = 0  # model forwards run (one per prefill chunk or decode step)
     tokens_forwarded: int = 0  # positions those forwards computed
+    remote_bytes_read: int = 0  # of bytes_read: fetched from a remote store (S3, HTTP)
+    disk_tier_hits: int = 0  # reads the local disk tier served
+    disk_tier_misses: int = 0  # reads the disk tier did not have (fetched from the remote store)
+    disk_tier_bytes_read: int = 0  # of bytes_read: from the disk tier
 
     def __sub__(self, other: EngineCounters) -> EngineCounters:
         return EngineCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def __add__(self, other: EngineCounters) -> EngineCounters:
+        return EngineCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -101,6 +108,10 @@ class GenerationStats(dict):
     spine_streamed_layers: int = 0
     spine_bytes_read: int = 0
     spine_read_wait_s: float = 0.0
+    remote_bytes_read: int = 0  # of bytes_read: fetched from a remote store
+    disk_tier_hits: int = 0
+    disk_tier_misses: int = 0
+    disk_tier_bytes_read: int = 0  # of bytes_read: from the local disk tier
 
     # the attributes and the dict entries are kept equal: every write goes through __setattr__
     def __setattr__(self, name, value) -> None:
@@ -181,6 +192,10 @@ class GenerationStats(dict):
             spine_streamed_layers=info.spine_streamed_layers,
             spine_bytes_read=delta.spine_bytes_read,
             spine_read_wait_s=delta.spine_read_wait_s,
+            remote_bytes_read=delta.remote_bytes_read,
+            disk_tier_hits=delta.disk_tier_hits,
+            disk_tier_misses=delta.disk_tier_misses,
+            disk_tier_bytes_read=delta.disk_tier_bytes_read,
         )
 
 

@@ -13,6 +13,7 @@ import os
 import warnings
 
 from .errors import InvalidArgumentError, UnknownOptionError, shown
+from .units import parse_size
 
 # The smallest positive temperature (0 is greedy decoding): below it a sampled distribution is
 # one-hot up to rounding, and far below it logits / temperature overflow. The server uses it too.
@@ -132,6 +133,15 @@ def _path(v, n):
         raise InvalidArgumentError(f"{n} must be a file path, got {shown(v)}")
 
 
+def _size(v, n):
+    if v is None:
+        return
+    from .units import parse_size
+
+    if parse_size(v, n) <= 0:
+        raise InvalidArgumentError(f"{n} must be a size above 0 bytes, got {shown(v)}")
+
+
 def _policy(v, n):
     from .experts.policy import make_policy
 
@@ -154,14 +164,26 @@ _OPTION_CHECKS = {
     "direct_io": _opt_bool(none=True),
     "verify_reads": _opt_bool(none=True),
     "prefill_chunk": _opt_int(1, none=False),
+    "parallel": _opt_int(1, 1 << 16),
     "progress": _opt_bool(),
     "trace_routing": _path,
     "ca_bundle": _path,
+    "disk_cache": _size,
+    "disk_cache_dir": _path,
     "max_resident_layers": _opt_int(0),
     "moe_top_k": _opt_int(1),
     "prefer_cached": lambda v, n: number(v, n, lo=0.0),
     "poison_stream_buffers": _opt_bool(),
+    "ray": lambda v, n: _ray_address(v, n),
+    "expert_workers": _opt_int(1),
+    "worker_memory": lambda v, n: v is None or parse_size(v, n),
+    "replicate_hot": _opt_int(0, none=False),
 }
+
+
+def _ray_address(value, name: str) -> None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise InvalidArgumentError(f"{name} must be 'auto' or a Ray cluster address (HOST:PORT), got {shown(value)}")
 
 
 def model_path(path) -> None:

@@ -19,7 +19,7 @@ EMPTY, LOADING, READY = 0, 1, 2
 
 
 class Slot:
-    __slots__ = ("index", "key", "state", "future", "weights", "pins", "speculative", "layout")
+    __slots__ = ("index", "key", "state", "future", "weights", "pins", "speculative", "layout", "ticket")
 
     def __init__(self, index: int):
         self.index = index
@@ -30,6 +30,7 @@ class Slot:
         self.pins = 0
         self.speculative = False
         self.layout: ExpertLayout | None = None
+        self.ticket = None  # the read's priority ticket (storage/priority.py) while it is LOADING
 
 
 class ExpertCache:
@@ -43,6 +44,7 @@ class ExpertCache:
         self.slots = [Slot(i) for i in range(capacity)]
         self._free = list(range(capacity - 1, -1, -1))
         self._map: dict[Hashable, Slot] = {}
+        self._draining: list[Slot] = []  # abandoned slots whose read has not stopped yet
         self.evictions = 0
         self.evicted_unused = 0  # speculative loads evicted before any use
 
@@ -64,6 +66,8 @@ class ExpertCache:
 
     def allocate(self, key: Hashable, layout: ExpertLayout, speculative: bool = False) -> Slot | None:
         """A slot for ``key`` (state LOADING), evicting by policy; None if every slot is busy."""
+        if not self._free and self._draining:
+            self._reclaim()
         if self._free:
             slot = self.slots[self._free.pop()]
         else:
@@ -76,7 +80,7 @@ class ExpertCache:
             if slot.speculative:
                 self.evicted_unused += 1
         slot.key, slot.state, slot.layout = key, LOADING, layout
-        slot.weights, slot.future, slot.speculative, slot.pins = None, None, False, 0
+        slot.weights, slot.future, slot.speculative, slot.pins, slot.ticket = None, None, False, 0, None
         self._map[key] = slot
         self.policy.insert(key, speculative)
         return slot
@@ -92,7 +96,7 @@ class ExpertCache:
             weights = assemble(lay.format, weights, {role: (n, k) for role, n, k in lay.shapes}, exact=lay.exact)
         slot.weights = weights
         slot.state = READY
-        slot.future = None
+        slot.future = slot.ticket = None
 
     def discard(self, slot: Slot) -> None:
         """Forget a slot whose read failed: nothing from it stays cached."""
@@ -100,7 +104,30 @@ class ExpertCache:
             del self._map[slot.key]
             self.policy.remove(slot.key)
         slot.key, slot.state, slot.weights, slot.future, slot.pins, slot.layout = None, EMPTY, None, None, 0, None
+        slot.ticket = None
         self._free.append(slot.index)
+
+    def abandon(self, slot: Slot) -> None:
+        """Forget a LOADING slot whose read is still running (a cancelled prefetch): its key
+        leaves the cache now; the slot is reused once the read has stopped (``draining``)."""
+        if slot.key is not None and self._map.get(slot.key) is slot:
+            del self._map[slot.key]
+            self.policy.remove(slot.key)
+        slot.key = None
+        self._draining.append(slot)
+
+    def draining(self) -> list[Slot]:
+        return list(self._draining)
+
+    def _reclaim(self) -> None:
+        """Free the abandoned slots whose read has stopped."""
+        keep = []
+        for slot in self._draining:
+            if slot.future is None or slot.future.done():
+                self.discard(slot)
+            else:
+                keep.append(slot)
+        self._draining = keep
 
     def loading(self) -> list[Slot]:
         return [s for s in self._map.values() if s.state == LOADING]

@@ -18,8 +18,9 @@ import torch
 
 from ..quant.fp8 import assemble
 from .cache import LOADING, READY, ExpertCache, Slot
-from .reader import DEMAND, PREFETCH, ReaderPool
+from .reader import DEMAND, PREFETCH, ReaderPool, Ticket
 from .compute import expert_forward, expert_output
+from .interface import ExpertInterface
 from .source import ExpertSource
 from .spec import ExpertSpec
 
@@ -38,13 +39,16 @@ class ExpertCounters:
     prefetch_reads: int = 0
     prefetch_used: int = 0  # speculative reads later used by the layer they were for
     prefetch_cancelled: int = 0  # wrong guesses cancelled before their read started
+    prefetch_aborted: int = 0  # wrong guesses stopped between pieces while being read
     predicted: int = 0  # lookahead predictions checked against the real routing (decode)
     predicted_hits: int = 0  # ... that the layer really used
+    predicted_far: int = 0  # the same for predictions made two layers ahead
+    predicted_far_hits: int = 0
     read_wait_s: float = 0.0  # decode-time seconds spent waiting on expert reads
     compute_s: float = 0.0  # decode-time seconds spent computing experts
 
 
-class ExpertProvider:
+class ExpertProvider(ExpertInterface):
     def __init__(self, source: ExpertSource, cache: ExpertCache, spec: ExpertSpec, n_experts: int,
                  reader_threads: int = 4, verify_reads: bool = False, *, pool=None, compute=None):
         """``pool`` (default: a ``ReaderPool`` of ``reader_threads``) runs the reads: anything with
@@ -58,7 +62,10 @@ class ExpertProvider:
         self.verify_reads = verify_reads
         self.counters = ExpertCounters()
         self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
-        self._predictions: dict[int, list[int]] = {}  # layer -> experts prefetched for it
+        self._predictions: dict[int, list[int]] = {}  # layer -> experts predicted one layer ahead
+        self._far: dict[int, list[int]] = {}  # layer -> experts predicted two layers ahead
+        self._issued: dict[int, set[int]] = {}  # layer -> experts speculatively read for it
+        self._deferred: tuple[int, object] | None = None  # (layer, fn): see ``after_reads``
         # when set (tracing): layer -> (ids [T, K], weights [T, K]) of the last forward, and
         # layer -> ids [T, K] the engine's lookahead predicted for it in that forward
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -75,13 +82,20 @@ class ExpertProvider:
     def close(self) -> None:
         self.pool.shutdown()
 
+    def tick(self) -> None:
+        self.cache.policy.tick()
+
+    @property
+    def evictions(self) -> int:
+        return self.cache.evictions
+
     # -- reads ---------------------------------------------------------------------------
 
     def _read(self, base: int, layer: int, expert: int) -> None:
         """Runs on a reader thread: fill the slot at ``base`` with the expert's bytes."""
         self.source.read(layer, expert, self.cache.arena, base, self.verify_reads)
 
-    def _start_read(self, key: tuple[int, int], speculative: bool) -> Slot | None:
+    def _start_read(self, key: tuple[int, int], speculative: bool, priority: int = PREFETCH) -> Slot | None:
         layout = self.source.layout(*key)
         slot = self.cache.allocate(key, layout, speculative)
         if slot is None:
@@ -90,8 +104,9 @@ class ExpertProvider:
         if slot is None:
             return None
         slot.speculative = speculative
+        slot.ticket = Ticket(priority if speculative else DEMAND)
         slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1],
-                                       priority=PREFETCH if speculative else DEMAND)
+                                       priority=slot.ticket.priority, ticket=slot.ticket)
         if speculative:
             self.counters.prefetch_reads += 1
         else:
@@ -117,40 +132,82 @@ class ExpertProvider:
                 except Exception:
                     pass  # a failed speculative read: nothing cached, nobody waiting
 
-    def prefetch(self, layer: int, experts: list[int], read: bool = True) -> None:
+    def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1) -> None:
         """Start speculative reads for experts predicted for ``layer`` (never evicts pinned ones).
 
-        The cache policy hears of the prediction first (``Policy.predict``); ``read=False``
-        stops there (the prediction informs eviction, nothing is read). Wrong guesses are
-        cancelled when the layer runs if their read has not started, and otherwise stay cached
-        like any other expert. Results never depend on prefetching.
+        ``experts`` in the order to read them (the most likely first); ``distance``: how many
+        layers ahead the prediction was made (1: the next layer; its reads go before those of
+        farther predictions, and it replaces them). The cache policy hears of the prediction
+        first (``Policy.predict``); ``read=False`` stops there (the prediction informs
+        eviction, nothing is read). When the layer runs, its wrong guesses are cancelled:
+        dropped if their read has not started, stopped between pieces if it has; right ones
+        still being read are raised to demand priority. Results never depend on prefetching.
         """
-        self._predictions[layer] = list(experts)
+        experts = list(experts)
+        (self._predictions if distance <= 1 else self._far)[layer] = experts
         self.cache.policy.predict(layer, experts)
         if not read:
             return
+        priority = PREFETCH + max(0, distance - 1)
+        issued = self._issued.setdefault(layer, set())
         for e in experts:
             key = (layer, e)
-            if self.cache.lookup(key) is None and self._start_read(key, speculative=True) is None:
+            slot = self.cache.lookup(key)
+            if slot is not None:
+                if slot.ticket is not None and slot.speculative:
+                    slot.ticket.raise_to(priority)  # a nearer prediction of a read already queued
+                continue
+            if self._start_read(key, speculative=True, priority=priority) is None:
                 break
+            issued.add(e)
+
+    def after_reads(self, layer: int, fn) -> None:
+        """Run ``fn()`` inside ``moe(layer, ...)`` once that layer's demand reads are issued (the
+        engine's lookahead: guessing later layers must not delay the reads this layer waits
+        on). Dropped if the next ``moe`` call is for another layer."""
+        self._deferred = (layer, fn)
+
+    def _run_deferred(self, layer: int) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None and deferred[0] == layer:
+            deferred[1]()
 
     def _check_predictions(self, layer: int, used: set[int]) -> None:
         predicted = self._predictions.pop(layer, None)
-        if predicted is None:
-            return
+        far = self._far.pop(layer, None)
+        issued = self._issued.pop(layer, ())
         if self.decoding:
-            self.counters.predicted += len(used)
-            self.counters.predicted_hits += len(used.intersection(predicted))
-        for e in predicted:
+            if predicted is not None:
+                self.counters.predicted += len(used)
+                self.counters.predicted_hits += len(used.intersection(predicted))
+            if far is not None:
+                self.counters.predicted_far += len(used)
+                self.counters.predicted_far_hits += len(used.intersection(far))
+        for e in issued:
             if e in used:
                 continue
             slot = self.cache.lookup((layer, e))
-            if slot is not None and slot.speculative and slot.state == LOADING and slot.future.cancel():
+            if slot is None or not slot.speculative or slot.state != LOADING:
+                continue
+            if slot.ticket is not None:
+                slot.ticket.cancel()
+            if slot.future.cancel():
                 self.cache.discard(slot)
                 self.counters.prefetch_cancelled += 1
+            elif not slot.future.done():
+                self.cache.abandon(slot)  # its remaining pieces are skipped; the slot frees when it stops
+                self.counters.prefetch_aborted += 1
+            else:
+                try:  # it finished before the cancel was seen: keep it like any other expert
+                    self._settle(slot)
+                except Exception:
+                    pass
 
     def drain(self) -> None:
         """Wait for every read in flight and settle it (errors of speculative reads are dropped)."""
+        for slot in self.cache.draining():
+            if slot.future is not None:
+                wait([slot.future])
         for slot in self.cache.loading():
             if slot.future is not None:
                 try:
@@ -183,6 +240,8 @@ class ExpertProvider:
                 g[0].append(r)
                 g[1].append(c)
             experts = sorted(groups)
+        if self._deferred is not None and self._deferred[0] != layer:
+            self._deferred = None  # a lookahead left over from a forward that did not reach it
         self._check_predictions(layer, set(experts))
         self.cache.policy.begin_layer(layer)
         out_of_order = t * x.shape[1] * 4 * len(experts) <= _OUT_OF_ORDER_BYTES
@@ -207,6 +266,8 @@ class ExpertProvider:
                 if slot.speculative:
                     slot.speculative = False
                     c.prefetch_used += 1
+                if slot.ticket is not None:
+                    slot.ticket.raise_to(DEMAND)  # a prefetch still being read: now the layer waits on it
                 slot.pins += 1
                 slots[e] = slot
                 self.cache.policy.access(key)
@@ -224,6 +285,8 @@ class ExpertProvider:
                         break
                     slot.pins += 1
                     slots[missing.pop(0)] = slot
+                if self._deferred is not None:
+                    self._run_deferred(layer)  # the lookahead, now that this layer's reads are on their way
                 pick = self._pick(experts, next_fold, slots, done, out_of_order)
                 if pick is None:
                     self._wait(experts, next_fold, slots, done, out_of_order, missing)
@@ -284,7 +347,7 @@ class ExpertProvider:
             mine = [s.future] if s is not None else []
         if not mine and missing:
             # every slot is pinned or loading: wait for any read in flight (e.g. a prefetch)
-            mine = [s.future for s in self.cache.loading() if s.future is not None]
+            mine = [s.future for s in self.cache.loading() + self.cache.draining() if s.future is not None]
             if not mine:
                 raise RuntimeError(
                     f"expert cache of {self.cache.capacity} slots cannot hold the experts one layer needs; "

@@ -3,58 +3,31 @@
 A FIFO pool would queue the current layer's demand misses behind the next layer's
 prefetches (issued earlier, after attention), stalling the layer that is waiting now.
 ``os.preadv`` releases the GIL, so a few threads keep several O_DIRECT reads in flight.
+
+Each read carries a ``Ticket`` (``storage/priority.py``): its priority holds for the pieces
+a large read is split into, may be raised while the read is queued or running (a prefetch
+the layer turned out to need), and a cancelled ticket stops the read between pieces.
 """
 
 from __future__ import annotations
 
-import itertools
-import queue
-import threading
 from concurrent.futures import Future
 
-DEMAND, PREFETCH = 0, 1
+from ..storage.priority import DEMAND, PREFETCH, PriorityPool, Ticket
+
+__all__ = ["DEMAND", "PREFETCH", "ReaderPool", "Ticket"]
 
 
-class ReaderPool:
-    def __init__(self, threads: int, name: str = "sluice-read"):
-        self._q: queue.PriorityQueue = queue.PriorityQueue()
-        self._seq = itertools.count()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(max(1, threads))]
-        self._closed = False
-        for t in self._threads:
-            t.start()
+class ReaderPool(PriorityPool):
+    """``threads`` reader threads, at most half of them (at least one) on prefetches at once: a
+    prefetch holds its thread until all its pieces are read, and the layer that waits now must
+    find a thread for its demand reads."""
 
-    def submit(self, fn, *args, priority: int = DEMAND) -> Future:
-        if self._closed:
-            raise RuntimeError("reader pool is closed")
-        fut: Future = Future()
-        self._q.put((priority, next(self._seq), fut, fn, args))
-        return fut
+    def __init__(self, threads: int, name: str = "sluice-read", low_cap: int | None = None):
+        threads = max(1, threads)
+        super().__init__(threads, name, low_cap=low_cap if low_cap is not None else max(1, threads // 2))
 
-    def _work(self) -> None:
-        while True:
-            _, _, fut, fn, args = self._q.get()
-            if fut is None:
-                return
-            if not fut.set_running_or_notify_cancel():
-                continue  # cancelled while queued
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # delivered to whoever waits on the future
-                fut.set_exception(e)
-
-    def shutdown(self) -> None:
-        """Cancel what has not started, let running reads finish, stop the threads."""
-        self._closed = True
-        while True:
-            try:
-                item = self._q.get_nowait()
-            except queue.Empty:
-                break
-            if item[2] is not None:
-                item[2].cancel()
-        for _ in self._threads:
-            self._q.put((-1, next(self._seq), None, None, ()))
-        for t in self._threads:
-            t.join()
+    def submit(self, fn, *args, priority: int = DEMAND, ticket: Ticket | None = None) -> Future:
+        """Run ``fn(*args)`` on a reader thread; ``ticket`` (default: a new one at ``priority``)
+        orders it and its pieces, and can raise its priority or cancel it later."""
+        return super().submit(fn, *args, ticket=ticket if ticket is not None else Ticket(priority))

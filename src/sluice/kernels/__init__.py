@@ -65,6 +65,9 @@ class _Lib:
         if self.invariant:
             lib.sk_allow_avx512.argtypes = [i]
             lib.sk_allow_avx512.restype = i
+            if hasattr(lib, "sk_set_isa_cap"):
+                lib.sk_set_isa_cap.argtypes = [i]
+                lib.sk_set_isa_cap.restype = i
             lib.sk_swiglu_rows.argtypes = [p, p, p, p, p, p, i, i, i, i, ctypes.c_float, i]
             lib.sk_swiglu_rows.restype = None
             lib.sk_attend.argtypes = [p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, p, i]
@@ -127,6 +130,29 @@ def allow_avx512(on: bool) -> bool:
     return bool(_lib.lib.sk_allow_avx512(int(on))) if _lib.invariant else False
 
 
+# Instruction-set levels the C kernels dispatch on at run time (kernels/sk.h). Every level gives
+# the bits of the AVX2 level; tests run each level the host has against it.
+ISA_LEVELS = {0: "portable", 1: "avx2", 2: "avx512", 3: "avx512-vnni"}
+_isa_cap = max(ISA_LEVELS)
+
+
+def isa_levels() -> list[int]:
+    """The levels this host can run, from AVX2 up (empty without the C kernels or AVX2)."""
+    if _lib.lib is None or not hasattr(_lib.lib, "sk_set_isa_cap"):
+        return []
+    host = _lib.lib.sk_set_isa_cap(-1)
+    return list(range(1, host + 1))
+
+
+def set_isa_cap(level: int) -> int:
+    """Tests and benchmarks: use at most ``level`` (``ISA_LEVELS``); returns the previous cap."""
+    global _isa_cap
+    prev, _isa_cap = _isa_cap, int(level)
+    if _lib.lib is not None and hasattr(_lib.lib, "sk_set_isa_cap"):
+        _lib.lib.sk_set_isa_cap(_isa_cap)
+    return prev
+
+
 def set_batch_invariant(on: bool) -> bool:
     """Turn batch-invariant kernels on (default) or off (benchmarks); returns the previous setting."""
     global _batch_invariant
@@ -140,8 +166,10 @@ def set_threads(n: int) -> None:
 
 def info() -> dict:
     avx512 = bool(_lib.lib.sk_allow_avx512(-1)) if available() and _lib.invariant else False
+    levels = isa_levels()
     return {"available": available(), "avx2": bool(_lib.lib.sk_has_avx2()) if available() else False,
             "avx512": avx512 and bool(_lib.lib.sk_has_avx2()),
+            "isa": ISA_LEVELS[min(levels[-1], _isa_cap)] if levels else ISA_LEVELS[0],
             "threads": _lib.threads, "error": _lib.error}
 
 

@@ -9,7 +9,7 @@
  * Paths: AVX2+FMA+F16C (chosen at run time with __builtin_cpu_supports) and portable C.
  * Summation order is fixed for a given (T, K): results do not depend on thread count.
  * sk_dense takes W [N, K] (output-major rows); sk_dense_t takes W [K, N] (input-major).
- * Quantized formats live in quant.c; this file has the dense kernels and the pool.
+ * Quantized formats live in quant.c, the thread pool, scratch and ISA level in runtime.c.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -181,7 +181,9 @@ __attribute__((always_inline)) AVX2 static inline void dense_tile(const dense_ar
         }
 }
 
-AVX2 static void dense_tiled_avx2(const dense_args *a, int n0, int n1) {
+static inline float wval(const void *w, size_t idx, int wt);
+
+AVX2 static void dense_tiled_avx2_rows(const dense_args *a, int n0, int n1) {
     const int T = a->T;
     int t0 = 0;
     for (; t0 + 3 <= T; t0 += 3)
@@ -192,13 +194,49 @@ AVX2 static void dense_tiled_avx2(const dense_args *a, int n0, int n1) {
         for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, 1);
 }
 
+/* bf16/f16 weights and 6+ tokens on AVX2: each block of 16 rows is widened to fp32 once (exact)
+ * into per-thread scratch and the tiles multiply the fp32 copy, so the conversion is not
+ * repeated for every 3 tokens (it took two of the tile's port-0/1 slots per 6 fmas). The same
+ * tile on the same values: the same bits. */
+#define WIDEN_ROWS 16
+#define WIDEN_MIN_T 6
+
+typedef void (*dense_rows_fn)(const dense_args *a, int n0, int n1);
+
+AVX2 static void dense_widened(const dense_args *a, int n0, int n1, dense_rows_fn tiles, float *buf, int rows) {
+    const int K = a->K, K8 = K & ~7;
+    for (int nb = n0; nb < n1; nb += rows) {
+        const int R = n1 - nb < rows ? n1 - nb : rows;
+        for (int r = 0; r < R; r++) {
+            const size_t src = (size_t)(nb + r) * K;
+            float *dst = buf + (size_t)r * K;
+            int k = 0;
+            for (; k < K8; k += 8) _mm256_storeu_ps(dst + k, load8(a->w, src + k, a->wtype));
+            for (; k < K; k++) dst[k] = wval(a->w, src + k, a->wtype);
+        }
+        dense_args b = {a->x, buf, a->bias ? a->bias + nb : NULL, a->y + nb, a->T, a->N, K, WT_F32};
+        tiles(&b, 0, R);
+    }
+}
+
+/* Scratch for a widened block of rows, or NULL when the weights are f32 or the tokens few. */
+static float *widen_buffer(const dense_args *a, int rows) {
+    if (a->wtype == WT_F32 || a->T < WIDEN_MIN_T) return NULL;
+    return (float *)sk_scratch(6, sizeof(float) * (size_t)rows * a->K);
+}
+
+AVX2 static void dense_tiled_avx2(const dense_args *a, int n0, int n1) {
+    float *buf = widen_buffer(a, WIDEN_ROWS);
+    if (buf) dense_widened(a, n0, n1, dense_tiled_avx2_rows, buf, WIDEN_ROWS);
+    else dense_tiled_avx2_rows(a, n0, n1);
+}
+
 /*
  * AVX-512 form of the same tile, chosen at run time where the CPU has AVX-512F: one zmm
  * accumulator per output holds dense_rows_avx2's two chains side by side (lanes 0-7 are a0,
  * lanes 8-15 are b0: the same fma chain per lane), and the final hsum8(low + high) is
  * dense_rows_avx2's hsum8(a0 + b0). 32 registers fit a tile of 4 rows x 6 tokens.
  */
-#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
 AVX512 static inline __m512 load16z(const void *w, size_t idx, int wtype) {
     if (wtype == WT_BF16) {
@@ -211,24 +249,21 @@ AVX512 static inline __m512 load16z(const void *w, size_t idx, int wtype) {
 }
 
 __attribute__((always_inline)) AVX512 static inline void dense_tile512(const dense_args *a, int n, int nr, int t0,
-                                                                       const int NT) {
+                                                                       const int NT, const int NR) {
     const int K = a->K, wt = a->wtype;
     const int K16 = K & ~15;
     __m512 acc[4][6];
-    for (int r = 0; r < 4; r++)
-        for (int t = 0; t < 6; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int r = 0; r < NR; r++)
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
     size_t wr[4];
-    for (int r = 0; r < 4; r++) wr[r] = (size_t)(n + (r < nr ? r : 0)) * K;
+    for (int r = 0; r < NR; r++) wr[r] = (size_t)(n + (r < nr ? r : 0)) * K;
     const float *x0 = a->x + (size_t)t0 * K;
     for (int k = 0; k < K16; k += 16) {
-        const __m512 w0 = load16z(a->w, wr[0] + k, wt), w1 = load16z(a->w, wr[1] + k, wt);
-        const __m512 w2 = load16z(a->w, wr[2] + k, wt), w3 = load16z(a->w, wr[3] + k, wt);
+        __m512 wv[4];
+        for (int r = 0; r < NR; r++) wv[r] = load16z(a->w, wr[r] + k, wt);
         for (int t = 0; t < NT; t++) {
             const __m512 xv = _mm512_loadu_ps(x0 + (size_t)t * K + k);
-            acc[0][t] = _mm512_fmadd_ps(w0, xv, acc[0][t]);
-            acc[1][t] = _mm512_fmadd_ps(w1, xv, acc[1][t]);
-            acc[2][t] = _mm512_fmadd_ps(w2, xv, acc[2][t]);
-            acc[3][t] = _mm512_fmadd_ps(w3, xv, acc[3][t]);
+            for (int r = 0; r < NR; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
         }
     }
     for (int r = 0; r < nr; r++)
@@ -242,10 +277,10 @@ __attribute__((always_inline)) AVX512 static inline void dense_tile512(const den
         }
 }
 
-AVX512 static void dense_tiled_avx512(const dense_args *a, int n0, int n1) {
+AVX512 static void dense_tiled_avx512_rows(const dense_args *a, int n0, int n1) {
     const int T = a->T;
     int t0 = 0;
-#define SK_TILE_ROWS(NT_) for (int n = n0; n < n1; n += 4) dense_tile512(a, n, n1 - n < 4 ? n1 - n : 4, t0, NT_)
+#define SK_TILE_ROWS(NT_) for (int n = n0; n < n1; n += 4) dense_tile512(a, n, n1 - n < 4 ? n1 - n : 4, t0, NT_, 4)
     for (; t0 + 6 <= T; t0 += 6) SK_TILE_ROWS(6);
     switch (T - t0) {
     case 5: SK_TILE_ROWS(5); break;
@@ -258,220 +293,34 @@ AVX512 static void dense_tiled_avx512(const dense_args *a, int n0, int n1) {
 #undef SK_TILE_ROWS
 }
 
-static int g_have_avx512 = -1;
-static int g_allow_avx512 = 1;
+/* (Widening rows first as the AVX2 path does measured 0.92-1.04x here: the 4 x 6 tile already
+ * spreads each conversion over 6 tokens.) */
+AVX512 static void dense_tiled_avx512(const dense_args *a, int n0, int n1) { dense_tiled_avx512_rows(a, n0, n1); }
 
-static int sk_avx512(void) {
-    if (g_have_avx512 < 0) {
-        __builtin_cpu_init();
-        const char *off = getenv("SLUICE_KERNELS_NO_AVX512");
-        g_have_avx512 = __builtin_cpu_supports("avx512f") && !(off && off[0] == '1');
-    }
-    return g_have_avx512 && g_allow_avx512;
-}
-
-/* Tests and benchmarks: 0 keeps the tiled kernel on AVX2 (same bits), 1 allows AVX-512 (default), -1 asks;
- * returns whether the CPU has AVX-512F (and SLUICE_KERNELS_NO_AVX512 is not 1). */
-EXPORT int sk_allow_avx512(int on) { /* on < 0: only ask */
-    int keep = g_allow_avx512;
-    g_allow_avx512 = 1;
-    int have = sk_avx512();
-    g_allow_avx512 = on < 0 ? keep : on ? 1 : 0;
-    return have;
-}
-
-static int g_have_avx2 = -1;
-
-int sk_avx2(void) {
-    if (g_have_avx2 < 0) {
-        __builtin_cpu_init();
-        int ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                 __builtin_cpu_supports("f16c");
-        const char *force = getenv("SLUICE_KERNELS_PORTABLE");
-        if (force && force[0] == '1') ok = 0;
-        g_have_avx2 = ok;
-    }
-    return g_have_avx2;
-}
-
-/* ------------------------------------------------------------------ scratch ------- */
-
-#define SCRATCH_SLOTS 5
-static _Thread_local struct { void *p; size_t n; } scratch[SCRATCH_SLOTS];
-
-void *sk_scratch(int which, size_t bytes) {
-    if (scratch[which].n < bytes) {
-        free(scratch[which].p);
-        size_t n = (bytes + 4095) & ~(size_t)4095;
-        scratch[which].p = aligned_alloc(64, n);
-        scratch[which].n = scratch[which].p ? n : 0;
-    }
-    return scratch[which].p;
-}
-
-/* ---------------------------------------------------------------- thread pool ----- */
-
-/*
- * Workers spin briefly after each job (decode issues GEMVs back to back), then sleep on a
- * condition variable. A job is a range of items cut into chunks that the caller and the
- * workers claim with an atomic counter: the caller starts at once and never waits for a
- * worker that has not woken up yet; it only waits for chunks a worker has already taken.
- * (The previous pool split rows into fixed halves and waited for every worker, so a
- * worker that was asleep or descheduled by another process stalled the whole call.)
- *
- * A worker joins job g only while it is open: it increments `active`, then re-checks
- * `open == g`; the caller closes the job (open = 0) and then waits for `active == 0`.
- * Both sides use sequentially consistent atomics, so one of them always sees the other.
- */
-
-#define MAX_THREADS 64
-#define WORKER_SPINS 4000 /* pause instructions before sleeping (as before; 200..20000 measured no different) */
-
-static struct {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int nthreads;           /* workers besides the caller */
-    atomic_long generation; /* bumped once per job */
-    atomic_long open;       /* generation of the open job, 0 when none */
-    atomic_int active;      /* workers inside the open job */
-    atomic_int sleepers;
-    atomic_int next;        /* next chunk to claim */
-    atomic_int done;        /* chunks finished (static schedule only) */
-    sk_range_fn fn;
-    void *ctx;
-    int nitems, chunk, nchunks, maxworkers, dynamic;
-    pthread_t tid[MAX_THREADS];
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
-
-static int g_schedule_dynamic = 1;
-
-static void run_chunk(int c) {
-    int i0 = c * pool.chunk, i1 = i0 + pool.chunk;
-    if (i1 > pool.nitems) i1 = pool.nitems;
-    if (i0 < i1) pool.fn(pool.ctx, i0, i1);
-}
-
-/* participant `who` (0 = caller) works on the open job */
-static void participate(int who) {
-    if (pool.dynamic) {
-        int c;
-        while ((c = atomic_fetch_add(&pool.next, 1)) < pool.nchunks) run_chunk(c);
-    } else if (who < pool.nchunks) {
-        run_chunk(who);
-        atomic_fetch_add(&pool.done, 1);
-    }
-}
-
-static void *worker_main(void *arg) {
-    int id = (int)(intptr_t)arg;
-    long seen = 0;
-    for (;;) {
-        long g;
-        int spins = 0;
-        while ((g = atomic_load(&pool.generation)) == seen) {
-            if (++spins < WORKER_SPINS) {
-                __builtin_ia32_pause();
-                continue;
-            }
-            pthread_mutex_lock(&pool.mu);
-            atomic_fetch_add(&pool.sleepers, 1);
-            while ((g = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
-            atomic_fetch_sub(&pool.sleepers, 1);
-            pthread_mutex_unlock(&pool.mu);
-            break;
-        }
-        seen = g;
-        atomic_fetch_add(&pool.active, 1);
-        if (atomic_load(&pool.open) == g && id < pool.maxworkers) participate(id + 1);
-        atomic_fetch_sub(&pool.active, 1);
-    }
-    return NULL;
-}
-
-static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER;
-
-void sk_parallel(sk_range_fn fn, void *ctx, int nitems, int chunk, int nthreads) {
-    if (nitems <= 0) return;
-    if (chunk < 1) chunk = 1;
-    int nchunks = (nitems + chunk - 1) / chunk;
-    if (nthreads > pool.nthreads + 1) nthreads = pool.nthreads + 1;
-    if (nthreads <= 1 || nchunks <= 1) {
-        fn(ctx, 0, nitems);
-        return;
-    }
-    pthread_mutex_lock(&run_mu);
-    pool.fn = fn;
-    pool.ctx = ctx;
-    pool.nitems = nitems;
-    pool.dynamic = g_schedule_dynamic;
-    if (!pool.dynamic) { /* fixed contiguous parts, one per participant */
-        if (nchunks > nthreads) nchunks = nthreads;
-        chunk = (nitems + nchunks - 1) / nchunks;
-        nchunks = (nitems + chunk - 1) / chunk;
-    }
-    pool.chunk = chunk;
-    pool.nchunks = nchunks;
-    pool.maxworkers = nthreads - 1;
-    atomic_store(&pool.next, 0);
-    atomic_store(&pool.done, 0);
-    long g = atomic_load(&pool.generation) + 1;
-    atomic_store(&pool.open, g);
-    atomic_store(&pool.generation, g);
-    if (atomic_load(&pool.sleepers) > 0) {
-        pthread_mutex_lock(&pool.mu);
-        pthread_cond_broadcast(&pool.cv);
-        pthread_mutex_unlock(&pool.mu);
-    }
-    participate(0);
-    if (!pool.dynamic) { /* every part has an owner: wait for all of them */
-        int spins = 0;
-        while (atomic_load(&pool.done) < (nchunks < nthreads ? nchunks : nthreads)) {
-            if (++spins > 2000) sched_yield(); else __builtin_ia32_pause();
-        }
-    }
-    atomic_store(&pool.open, 0);
-    int spins = 0;
-    while (atomic_load(&pool.active) > 0) {
-        if (++spins > 2000) sched_yield(); else __builtin_ia32_pause();
-    }
-    pthread_mutex_unlock(&run_mu);
-}
-
-/* Set the number of compute threads (including the caller). Only grows the pool. */
-EXPORT int sk_set_threads(int n) {
-    if (n < 1) n = 1;
-    if (n > MAX_THREADS) n = MAX_THREADS;
-    pthread_mutex_lock(&run_mu);
-    while (pool.nthreads < n - 1) {
-        int id = pool.nthreads;
-        if (pthread_create(&pool.tid[id], NULL, worker_main, (void *)(intptr_t)id) != 0) break;
-        pthread_detach(pool.tid[id]);
-        pool.nthreads++;
-    }
-    pthread_mutex_unlock(&run_mu);
-    return pool.nthreads + 1;
-}
-
-/* Benchmarks only: 1 = dynamic chunks (default), 0 = one fixed part per thread (the old pool). */
-EXPORT void sk_set_schedule(int dynamic) { g_schedule_dynamic = dynamic ? 1 : 0; }
-
-/* Rows per chunk so that one chunk holds about 32 KiB of weights (at least 4 rows). */
-int sk_chunk_rows(size_t row_bytes, int nrows) {
-    size_t r = (32u << 10) / (row_bytes ? row_bytes : 1);
-    if (r < 4) r = 4;
-    if (r > (size_t)nrows) r = (size_t)nrows;
-    return (int)r;
-}
+static int sk_avx512(void) { return sk_isa() >= SK_ISA_AVX512; }
 
 /* ------------------------------------------------------------------ entry points -- */
 
 static void dense_task(void *ctx, int n0, int n1) {
     const dense_args *a = (const dense_args *)ctx;
     if (sk_avx2()) {
-        if (a->T > 1 && sk_avx512()) dense_tiled_avx512(a, n0, n1);
+        if (sk_avx512()) dense_tiled_avx512(a, n0, n1);
         else if (a->T > 1) dense_tiled_avx2(a, n0, n1);
         else dense_rows_avx2(a, n0, n1);
     } else dense_rows_c(a, n0, n1);
+}
+
+/* Rows per chunk of sk_dense's job over N rows of row_bytes each. */
+static int dense_chunk(int T, int N, size_t row_bytes, int nthreads) {
+    int chunk = sk_chunk_rows(row_bytes, N);
+    if (T > 1) { /* tiled: ~256 KiB of rows per chunk (L2), so the activations are re-read less often */
+        size_t r = (256u << 10) / (row_bytes ? row_bytes : 1);
+        size_t per_thread = ((size_t)N + nthreads - 1) / (nthreads > 0 ? nthreads : 1);
+        if (r > per_thread) r = per_thread;
+        if (r < (size_t)chunk) r = chunk;
+        chunk = r > (size_t)N ? N : (int)r;
+    }
+    return chunk;
 }
 
 /* y[T, N] = x[T, K] @ W[N, K]^T (+ bias), W in f32 / bf16 / f16. */
@@ -481,15 +330,26 @@ EXPORT void sk_dense(const float *x, const void *w, const float *bias, float *y,
     size_t row_bytes = (size_t)K * (wtype == WT_F32 ? 4 : 2);
     /* small matrices: not worth waking the pool */
     if ((size_t)N * row_bytes < (64u << 10)) nthreads = 1;
-    int chunk = sk_chunk_rows(row_bytes, N);
-    if (T > 1) { /* tiled: ~256 KiB of rows per chunk (L2), so the activations are re-read less often */
-        size_t r = (256u << 10) / (row_bytes ? row_bytes : 1);
-        size_t per_thread = ((size_t)N + nthreads - 1) / (nthreads > 0 ? nthreads : 1);
-        if (r > per_thread) r = per_thread;
-        if (r < (size_t)chunk) r = chunk;
-        chunk = r > (size_t)N ? N : (int)r;
-    }
-    sk_parallel(dense_task, &a, N, chunk, nthreads);
+    sk_parallel(dense_task, &a, N, dense_chunk(T, N, row_bytes, nthreads), nthreads);
+}
+
+/* Two products of one x in one job (gate and up of an expert): rows [0, N) of the first, then
+ * [0, N) of the second, so the pool is woken and joined once. Each row is sk_dense's. */
+typedef struct { dense_args a, b; } dense_pair_args;
+
+static void dense_pair_task(void *ctx, int i0, int i1) {
+    const dense_pair_args *p = (const dense_pair_args *)ctx;
+    const int N = p->a.N;
+    if (i0 < N) dense_task((void *)&p->a, i0, i1 < N ? i1 : N);
+    if (i1 > N) dense_task((void *)&p->b, (i0 > N ? i0 : N) - N, i1 - N);
+}
+
+static void sk_dense_pair(const float *x, const void *w0, const void *w1, float *y0, float *y1, int T, int N, int K,
+                          int wtype, int nthreads) {
+    dense_pair_args p = {{x, w0, NULL, y0, T, N, K, wtype}, {x, w1, NULL, y1, T, N, K, wtype}};
+    size_t row_bytes = (size_t)K * (wtype == WT_F32 ? 4 : 2);
+    if ((size_t)2 * N * row_bytes < (64u << 10)) nthreads = 1;
+    sk_parallel(dense_pair_task, &p, 2 * N, dense_chunk(T, 2 * N, row_bytes, nthreads), nthreads);
 }
 
 /* ------------------------------------------------------- one SwiGLU expert ---- */
@@ -497,13 +357,13 @@ EXPORT void sk_dense(const float *x, const void *w, const float *bias, float *y,
 /*
  * One token through one expert: y = scale * down(silu(gate(x)) * up(x)), in a single call so
  * decoding pays one foreign call per expert instead of a handful of small tensor operations.
- * Each matrix product is sk_dense's (same rows, same summation order); scratch holds 2 * I floats.
+ * Each matrix product is sk_dense's (same rows, same summation order; gate and up in one pool job);
+ * scratch holds 2 * I floats.
  */
 EXPORT void sk_swiglu(const float *x, const void *gate, const void *up, const void *down, float *scratch, float *y,
                       int H, int I, int wtype, float scale, int nthreads) {
     float *g = scratch, *u = scratch + I;
-    sk_dense(x, gate, NULL, g, 1, I, H, wtype, nthreads);
-    sk_dense(x, up, NULL, u, 1, I, H, wtype, nthreads);
+    sk_dense_pair(x, gate, up, g, u, 1, I, H, wtype, nthreads);
     for (int i = 0; i < I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     sk_dense(g, down, NULL, y, 1, H, I, wtype, nthreads);
     for (int i = 0; i < H; i++) y[i] *= scale;
@@ -514,8 +374,7 @@ EXPORT void sk_swiglu(const float *x, const void *gate, const void *up, const vo
 EXPORT void sk_swiglu_rows(const float *x, const void *gate, const void *up, const void *down, float *scratch,
                            float *y, int T, int H, int I, int wtype, float scale, int nthreads) {
     float *g = scratch, *u = scratch + (size_t)T * I;
-    sk_dense(x, gate, NULL, g, T, I, H, wtype, nthreads);
-    sk_dense(x, up, NULL, u, T, I, H, wtype, nthreads);
+    sk_dense_pair(x, gate, up, g, u, T, I, H, wtype, nthreads);
     for (size_t i = 0; i < (size_t)T * I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     sk_dense(g, down, NULL, y, T, H, I, wtype, nthreads);
     for (size_t i = 0; i < (size_t)T * H; i++) y[i] *= scale;

@@ -25,6 +25,17 @@ void sk_parallel(sk_range_fn fn, void *ctx, int nitems, int chunk, int nthreads)
 /* 1 when AVX2 + FMA + F16C are usable (and SLUICE_KERNELS_PORTABLE is not set to 1). */
 int sk_avx2(void);
 
+/* Instruction-set levels the kernels dispatch on at run time. Every level gives the same bits
+ * as SK_ISA_AVX2: wider paths keep its per-output accumulation order (tested against it). */
+enum { SK_ISA_PORTABLE = 0, SK_ISA_AVX2 = 1, SK_ISA_AVX512 = 2 /* AVX-512F */,
+       SK_ISA_VNNI512 = 3 /* + AVX512-BW, -VL, -VNNI */ };
+
+/* The level in use: the CPU's, capped by SLUICE_KERNELS_NO_AVX512 and sk_set_isa_cap. */
+int sk_isa(void);
+
+#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
 /* Per-thread scratch memory of at least `bytes` (64-byte aligned, grows, never freed). */
 void *sk_scratch(int which, size_t bytes);
 

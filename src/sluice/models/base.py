@@ -191,13 +191,22 @@ class CausalLM:
         Applies that layer's own post-attention norm and router to a stream that has not yet
         been through it (it is an early guess, used only to start reads). None for dense layers.
         """
+        got = self.predict_weights(layer, h)
+        return None if got is None else got[0]
+
+    def predict_weights(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``predict`` with a confidence: (ids [T, K], p [T, K]), ``p`` the softmax of the
+        router's logits over all experts at ``ids`` (whatever the routing rule; it only ranks
+        guesses). None for dense layers and past the last layer."""
         if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, MoEBlock):
             return None
         target = self.layers[layer]
         if not isinstance(target.mlp.router, Router):
             raise TypeError(f"layer {layer}'s router is a {type(target.mlp.router).__name__}, not a Router")
-        ids, _ = target.mlp.route(target.post_norm(h))
-        return ids
+        x = target.post_norm(h)
+        ids, _ = target.mlp.route(x)
+        probs = torch.softmax(target.mlp.router.logits(x), dim=-1).gather(1, ids)
+        return ids, probs
 
     def new_state(self, max_ctx: int) -> State:
         return State([layer.attn.new_cache(max_ctx) for layer in self.layers], max_ctx)

@@ -94,7 +94,7 @@ class _Done:
 class _AtOnce:
     """A reader pool whose reads complete inside ``submit`` (in issue order)."""
 
-    def submit(self, fn, *args, priority: int = 0) -> _Done:
+    def submit(self, fn, *args, priority: int = 0, ticket=None) -> _Done:
         try:
             return _Done(fn(*args), None)
         except Exception as e:

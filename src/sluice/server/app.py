@@ -355,7 +355,11 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
     async def metrics(request: Request):
         authorize(request)
         waiting, running = service.scheduler.depth()
-        text = service.metrics.render(waiting, running, service.scheduler.max_queue)
+        totals = service.engine.totals() if hasattr(service.engine, "totals") else None
+        workers = getattr(service.engine.experts, "worker_counters", None)  # experts on Ray workers
+        text = service.metrics.render(waiting, running, service.scheduler.max_queue, batch=service.scheduler.batch(),
+                                      parallel=service.scheduler.parallel, totals=totals,
+                                      workers=workers() if workers is not None else None)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card() -> dict:

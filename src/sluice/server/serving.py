@@ -1,18 +1,20 @@
-"""Serving logic: one engine thread, a bounded FIFO queue, cancellation, metrics.
+"""Serving logic: up to N generations in the engine's batch, a bounded FIFO queue, cancellation,
+metrics.
 
-The engine owns the expert cache and the KV cache, so exactly one generation runs at a
-time, on a dedicated worker thread (``sluice-engine``). Requests wait in a FIFO queue of
-at most ``max_queue`` entries; beyond that they are refused (429) at once. Tokens travel
-from the worker to the request's event loop through ``loop.call_soon_threadsafe`` into an
-``asyncio.Queue``, so the event loop never blocks on the engine.
+The engine runs up to ``--parallel`` N generations at once, every one in each step of its
+scheduler (``sluice/scheduler.py``); here N worker threads (``sluice-engine-<i>``) each take
+the next job from a FIFO queue and read its generation's steps. Beyond N running, requests
+wait in the queue, at most ``max_queue`` of them; beyond that they are refused (429) at once.
+Tokens travel from a worker to the request's event loop through ``loop.call_soon_threadsafe``
+into an ``asyncio.Queue``, so the event loop never blocks on the engine.
 
 Cancellation: ``Scheduler.cancel(job)`` removes a queued job from the queue at once, or
-sets the running job's ``cancel`` event, which the engine checks before every token. The
-engine's step generator is always closed, so the engine is free for the next job.
+sets the running job's ``cancel`` event, which takes its sequence out of the batch before the
+next step. The generation is always closed, so its slot is free for the next job.
 
-Every generation runs with ``reuse_prefix=True``: the engine keeps the KV cache of the
-previous sequence and prefills only what follows the longest common prefix, which makes a
-growing chat cost only its new tokens.
+Every generation runs with ``reuse_prefix=True``: each of the engine's N state slots keeps the
+KV cache of its last sequence, a request takes the slot sharing the longest prefix with it and
+prefills only what follows, which makes a growing chat cost only its new tokens.
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ class Metrics:
         self.requests: dict[tuple[str, str], int] = {}
         self.generations = {"completed": 0, "cancelled": 0, "failed": 0}
         self.totals = dict(prompt_tokens=0, prefilled_tokens=0, reused_prefix_tokens=0, generated_tokens=0,
-                           expert_lookups=0, expert_hits=0, bytes_read=0, prefill_seconds=0.0,
+                           expert_lookups=0, expert_hits=0, bytes_read=0, remote_bytes_read=0, disk_tier_hits=0,
+                           disk_tier_misses=0, disk_tier_bytes_read=0, prefill_seconds=0.0,
                            decode_seconds=0.0, decode_tokens=0, request_seconds=0.0, queue_seconds=0.0)
         self.last = dict(prefill_tok_s=0.0, decode_tok_s=0.0, hit_rate=0.0)
         self.queue_wait_count = 0
@@ -151,6 +154,8 @@ class Metrics:
                 t["expert_lookups"] += int(stats.get("expert_lookups", 0))
                 t["expert_hits"] += int(stats.get("expert_hits", 0))
                 t["bytes_read"] += int(stats.get("bytes_read", 0))
+                for k in ("remote_bytes_read", "disk_tier_hits", "disk_tier_misses", "disk_tier_bytes_read"):
+                    t[k] += int(stats.get(k, 0))
                 ttft, total = float(stats.get("ttft_s", 0.0)), float(stats.get("total_s", 0.0))
                 t["prefill_seconds"] += ttft
                 t["decode_seconds"] += max(0.0, total - ttft)
@@ -168,9 +173,13 @@ class Metrics:
     def snapshot(self) -> dict:
         with self._lock:
             return dict(requests=dict(self.requests), generations=dict(self.generations), totals=dict(self.totals),
-                        last=dict(self.last))
+                        last=dict(self.last), queue_waits=self.queue_wait_count)
 
-    def render(self, queue_depth: int, running: int, capacity: int) -> str:
+    def render(self, queue_depth: int, running: int, capacity: int, batch=None, parallel: int = 1,
+               totals=None, workers: list[dict] | None = None) -> str:
+        """The Prometheus text; ``batch``: the engine scheduler's ``SchedulerStats``, ``totals``: the
+        engine's ``EngineCounters`` since load (None: not known); ``workers``: per expert worker
+        counters (``--ray``), else none."""
         s = self.snapshot()
         t = s["totals"]
         out: list[str] = []
@@ -190,7 +199,27 @@ class Metrics:
                [({"outcome": k}, v) for k, v in s["generations"].items()])
         metric("sluice_queue_depth", "gauge", "Requests waiting for the engine.", [({}, queue_depth)])
         metric("sluice_queue_capacity", "gauge", "Most requests that may wait (--max-queue).", [({}, capacity)])
-        metric("sluice_requests_running", "gauge", "Generations running on the engine (0 or 1).", [({}, running)])
+        metric("sluice_requests_running", "gauge", "Generations running on the engine (at most --parallel).",
+               [({}, running)])
+        metric("sluice_parallel", "gauge", "Generations the engine runs at once (--parallel).", [({}, parallel)])
+        b = batch
+        metric("sluice_batch_size", "gauge", "Sequences in the engine's most recent step.",
+               [({}, b.last_batch_size if b else 0)])
+        metric("sluice_engine_steps_total", "counter", "Engine steps run (one forward for every sequence in it).",
+               [({}, b.steps if b else 0)])
+        metric("sluice_batched_sequences_total", "counter", "Sequences summed over engine steps (divided by "
+               "sluice_engine_steps_total: the mean batch size).", [({}, b.stepped_sequences if b else 0)])
+        def known(v):
+            return v if v is not None else float("nan")
+
+        metric("sluice_expert_union_size", "gauge", "Distinct experts the rows of the engine's most recent step "
+               "routed to, over all its sequences, summed over MoE layers (NaN where the engine does not count it).",
+               [({}, known(b.union_last if b else None))])
+        metric("sluice_expert_union_total", "counter", "Those per-step unions summed over steps (NaN where the "
+               "engine does not count them).", [({}, known(b.union_total if b else None))])
+        metric("sluice_expert_sequence_union_total", "counter", "Each sequence's own union of experts summed over "
+               "the sequences of each step and over steps: what they would have looked up one by one.",
+               [({}, known(b.seq_union_total if b else None))])
         metric("sluice_prompt_tokens_total", "counter", "Prompt tokens of generations run.", [({}, t["prompt_tokens"])])
         metric("sluice_prefilled_tokens_total", "counter", "Prompt tokens actually prefilled (not reused).",
                [({}, t["prefilled_tokens"])])
@@ -201,6 +230,8 @@ class Metrics:
         metric("sluice_decode_seconds_total", "counter", "Time spent decoding.", [({}, t["decode_seconds"])])
         metric("sluice_queue_wait_seconds_total", "counter", "Time generations waited in the queue.",
                [({}, t["queue_seconds"])])
+        metric("sluice_queue_waits_total", "counter", "Generations that left the queue for the engine (divides "
+               "sluice_queue_wait_seconds_total into the mean queue wait).", [({}, s["queue_waits"])])
         metric("sluice_prefill_tokens_per_second", "gauge", "Prefill speed of the last completed generation.",
                [({}, s["last"]["prefill_tok_s"])])
         metric("sluice_decode_tokens_per_second", "gauge", "Steady-state decode speed of the last completed "
@@ -214,7 +245,38 @@ class Metrics:
                [({}, t["expert_hits"] / lookups if lookups else 0.0)])
         metric("sluice_bytes_read_total", "counter", "Bytes read from storage: experts (on demand and "
                "prefetched) and streamed spine layers.", [({}, t["bytes_read"])])
+        e = totals
+        metric("sluice_engine_bytes_read_total", "counter", "Bytes the engine read from storage since load, each "
+               "read once however many generations needed it.", [({}, e.bytes_read if e else 0)])
+        metric("sluice_engine_expert_reads_total", "counter", "Expert reads the engine made since load, by kind.",
+               [({"kind": "demand"}, e.demand_reads if e else 0), ({"kind": "prefetch"}, e.prefetch_reads if e else 0)])
+        metric("sluice_engine_forwards_total", "counter", "Model forwards the engine ran since load.",
+               [({}, e.forwards if e else 0)])
+        metric("sluice_engine_tokens_forwarded_total", "counter", "Positions those forwards computed.",
+               [({}, e.tokens_forwarded if e else 0)])
+        metric("sluice_remote_bytes_read_total", "counter", "Of those, bytes fetched from a remote store (S3, HTTP).",
+               [({}, t["remote_bytes_read"])])
+        metric("sluice_disk_tier_hits_total", "counter", "Reads served by the local disk tier (--disk-cache).",
+               [({}, t["disk_tier_hits"])])
+        metric("sluice_disk_tier_misses_total", "counter", "Reads the disk tier did not have (fetched remotely).",
+               [({}, t["disk_tier_misses"])])
+        metric("sluice_disk_tier_bytes_read_total", "counter", "Of the bytes read, bytes served by the disk tier.",
+               [({}, t["disk_tier_bytes_read"])])
+        if workers:  # experts on Ray workers (docs/scale-out.md): one sample per worker
+            for key, kind, help_ in _WORKER_METRICS:
+                metric(f"sluice_expert_worker_{key}", kind, help_, [({"worker": w["index"]}, w[key]) for w in workers])
         return "\n".join(out) + "\n"
+
+
+_WORKER_METRICS = (
+    ("calls_total", "counter", "Calls (one per MoE layer it had experts in) answered by each Ray expert worker."),
+    ("experts_computed_total", "counter", "Expert outputs computed by each Ray expert worker."),
+    ("rows_computed_total", "counter", "Token rows computed by each Ray expert worker."),
+    ("lookups_total", "counter", "Decode-time expert lookups in each Ray expert worker's cache."),
+    ("hits_total", "counter", "Those lookups that did not wait on a read."),
+    ("bytes_read_total", "counter", "Expert bytes each Ray expert worker read from storage."),
+    ("lost_total", "counter", "Calls to each Ray expert worker that failed because the worker was lost."),
+)
 
 
 def _num(v) -> str:
@@ -239,7 +301,8 @@ class ShuttingDown(Exception):
 
 
 class Scheduler:
-    """A FIFO of jobs served one at a time by a worker thread that owns the engine."""
+    """A FIFO of jobs served by ``parallel`` worker threads, each reading one generation of the
+    engine's batch at a time."""
 
     def __init__(self, engine, max_queue: int, metrics: Metrics, reuse_prefix: bool = True):
         if max_queue < 0:
@@ -248,32 +311,40 @@ class Scheduler:
         self.max_queue = max_queue
         self.metrics = metrics
         self.reuse_prefix = reuse_prefix
+        self.parallel = max(1, int(getattr(engine, "parallel", 1)))
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: set[Job] = set()
         self._closed = False
-        self._thread = threading.Thread(target=self._work, name="sluice-engine", daemon=True)
+        self._threads = [threading.Thread(target=self._work, name=f"sluice-engine-{i}", daemon=True)
+                         for i in range(self.parallel)]
 
     # -- the request side (event loop thread) --
 
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closed
+        return all(t.is_alive() for t in self._threads) and not self._closed
 
     def depth(self) -> tuple[int, int]:
         """(waiting, running)."""
         with self._cond:
-            return len(self._waiting), int(self._running is not None)
+            return len(self._waiting), len(self._running)
+
+    def batch(self):
+        """The engine scheduler's running totals (batch sizes, steps, expert unions), or None."""
+        sched = getattr(self.engine, "scheduler", None)
+        return sched.stats() if sched is not None else None
 
     def submit(self, job: Job) -> None:
-        """Queue a job, or raise ``QueueFull`` (the engine busy and ``max_queue`` jobs waiting)."""
+        """Queue a job, or raise ``QueueFull`` (``parallel`` jobs running and ``max_queue`` waiting)."""
         with self._cond:
             if self._closed:
                 raise ShuttingDown()
-            if len(self._waiting) + (self._running is not None) >= 1 + self.max_queue:
+            if len(self._waiting) + len(self._running) >= self.parallel + self.max_queue:
                 raise QueueFull()
             job.state = "queued"
             self._waiting.append(job)
@@ -282,10 +353,10 @@ class Scheduler:
     def retry_after(self) -> int:
         """Seconds after which a refused request may find room: the expected time to drain one slot."""
         waiting, running = self.depth()
-        return max(1, math.ceil(self.metrics.mean_generation_s() * max(1, waiting)))
+        return max(1, math.ceil(self.metrics.mean_generation_s() * max(1, waiting) / self.parallel))
 
     def cancel(self, job: Job) -> None:
-        """Drop a queued job, or stop the running one before its next token."""
+        """Drop a queued job, or take the running one out of the batch before its next step."""
         with self._cond:
             job.cancel.set()
             if job.state == "queued":
@@ -299,13 +370,13 @@ class Scheduler:
                     job.post(Cancelled())
 
     def stop(self) -> None:
-        """Refuse new jobs, drop waiting ones and cancel the running one; does not wait (signal-safe)."""
+        """Refuse new jobs, drop waiting ones and cancel the running ones; does not wait (signal-safe)."""
         with self._cond:
             self._closed = True
             dropped = list(self._waiting)
             self._waiting.clear()
-            if self._running is not None:
-                self._running.cancel.set()
+            for job in self._running:
+                job.cancel.set()
             self._cond.notify_all()
         for job in dropped:
             job.state = "cancelled"
@@ -313,12 +384,14 @@ class Scheduler:
             job.post(Cancelled())
 
     def close(self, timeout: float = 30.0) -> None:
-        """``stop``, then wait for the worker."""
+        """``stop``, then wait for the workers."""
         self.stop()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            if t.is_alive():
+                t.join(max(0.0, end - time.monotonic()))
 
-    # -- the worker thread --
+    # -- the worker threads --
 
     def _work(self) -> None:
         while True:
@@ -329,14 +402,14 @@ class Scheduler:
                     return
                 job = self._waiting.popleft()
                 job.state = "running"
-                self._running = job
+                self._running.add(job)
             try:
                 self._run(job)
-            except BaseException:  # never let the worker die: log and go on
+            except BaseException:  # never let a worker die: log and go on
                 log.exception("internal error in the engine worker")
             finally:
                 with self._cond:
-                    self._running = None
+                    self._running.discard(job)
 
     def _run(self, job: Job) -> None:
         p = job.params

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import CancelledError
 
 from .buffers import ALIGN, AlignedBuffer
+from .priority import PriorityPool, ReadCancelled, current
 from .source import ByteSource, ReadStats
 
 # O_DIRECT offsets, lengths and buffer addresses are multiples of this. The same on the
@@ -24,18 +26,18 @@ READ_BYTES = 8 << 20
 # decode, 3 runs each: 0.41 tok/s unsplit, 0.47 with 4 threads, 0.50 with 8 (docs/optimizations.md).
 PIECE_BYTES = 4 << 20
 PIECE_THREADS = 8
+PIECE_LOW_CAP = 4  # at most this many piece threads on speculative (prefetch) pieces at once
 _piece_pool = None
 _piece_pool_lock = threading.Lock()
 
 
-def _pieces():
+def _pieces() -> PriorityPool:
+    """The process's piece pool: pieces run in their read's priority order (``priority.py``)."""
     global _piece_pool
     if _piece_pool is None:
         with _piece_pool_lock:
             if _piece_pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                _piece_pool = ThreadPoolExecutor(PIECE_THREADS, thread_name_prefix="sluice-piece")
+                _piece_pool = PriorityPool(PIECE_THREADS, "sluice-piece", low_cap=PIECE_LOW_CAP)
     return _piece_pool
 
 
@@ -107,13 +109,18 @@ class LocalFile(ByteSource):
         """Fill ``buf`` from ``offset``; both must be DIRECT_ALIGN-aligned (buffer address too).
 
         Returns the number of bytes read, which is less than ``len(buf)`` only at end of
-        file. Raises ``OSError`` (with the file name) on I/O errors.
+        file. Raises ``OSError`` (with the file name) on I/O errors, and ``ReadCancelled``
+        when the read's ticket (``priority.current()``) is cancelled before all of it is read.
         """
         want = len(buf)
         fd = self.dfd if self.dfd is not None else self.fd
+        ticket = current()
+        cancelled = False
         try:
             if want >= 2 * PIECE_BYTES and PIECE_THREADS > 1 and not threading.current_thread().name.startswith("sluice-piece"):
-                done = self._read_pieces(fd, buf, offset)
+                done, cancelled = self._read_pieces(fd, buf, offset, ticket)
+            elif ticket is not None and ticket.cancelled:
+                done, cancelled = 0, True
             else:
                 done = self._read_span(fd, buf, offset)
         except OSError as e:
@@ -121,6 +128,8 @@ class LocalFile(ByteSource):
         if self.dfd is None and done:
             os.posix_fadvise(self.fd, offset, done, os.POSIX_FADV_DONTNEED)
         self.stats.add(done)
+        if cancelled:
+            raise ReadCancelled(f"{self.path}: read of {want} bytes at offset {offset} cancelled")
         return done
 
     def _read_span(self, fd: int, buf: memoryview, offset: int) -> int:
@@ -134,28 +143,43 @@ class LocalFile(ByteSource):
                 break  # a partial block only happens at EOF in direct mode
         return done
 
-    def _read_pieces(self, fd: int, buf: memoryview, offset: int) -> int:
+    def _read_piece(self, fd: int, buf: memoryview, offset: int, ticket) -> int:
+        if ticket is not None and ticket.cancelled:
+            return -1
+        return self._read_span(fd, buf, offset)
+
+    def _read_pieces(self, fd: int, buf: memoryview, offset: int, ticket) -> tuple[int, bool]:
         """The span in PIECE_BYTES pieces (DIRECT_ALIGN multiples), all but the first on the piece
-        pool; bytes read up to the first short piece (end of file)."""
+        pool with the read's ticket; (bytes read up to the first short piece (end of file),
+        whether a cancelled ticket skipped a piece). Returns only when no piece is running."""
         want = len(buf)
         bounds = [(a, min(a + PIECE_BYTES, want)) for a in range(0, want, PIECE_BYTES)]
-        futures = [_pieces().submit(self._read_span, fd, buf[a:b], offset + a) for a, b in bounds[1:]]
-        got = [self._read_span(fd, buf[bounds[0][0]:bounds[0][1]], offset)]
+        futures = [_pieces().submit(self._read_piece, fd, buf[a:b], offset + a, ticket, ticket=ticket)
+                   for a, b in bounds[1:]]
         error = None
+        try:
+            got = [self._read_piece(fd, buf[bounds[0][0]:bounds[0][1]], offset, ticket)]
+        except OSError as e:
+            error, got = e, [0]
         for f in futures:
             try:
                 got.append(f.result())
+            except CancelledError:
+                got.append(-1)
             except OSError as e:
                 error = error or e
                 got.append(0)
         if error is not None:
             raise error
+        cancelled = -1 in got
+        if cancelled:
+            return sum(n for n in got if n > 0), True
         done = 0
         for (a, b), n in zip(bounds, got):
             done += n
             if n < b - a:
                 break
-        return done
+        return done, False
 
     def pread(self, nbytes: int, offset: int) -> bytes:
         """A small buffered read (headers, manifests)."""

@@ -65,20 +65,32 @@ def _remote(location: str):
 
 
 def open_source(location: str | os.PathLike, *, direct: bool | None = None,
-                stats: ReadStats | None = None, **remote_options) -> ByteSource:
+                stats: ReadStats | None = None, disk_tier=None, **remote_options) -> ByteSource:
     """The ``ByteSource`` for ``location``: a ``LocalFile`` (``direct``: None probes O_DIRECT, False
-    forces buffered reads) or a ``RemoteSource`` for a URL (never direct I/O). Raises ``OSError``
-    naming a file that cannot be opened."""
+    forces buffered reads) or a ``RemoteSource`` for a URL (never direct I/O), read through
+    ``disk_tier`` (a ``disk_tier.DiskTier``) when one is given. Raises ``OSError`` naming a file
+    that cannot be opened."""
     check_location(location)
     if is_url(location):
-        return _remote(location).RemoteSource(location, stats=stats, **remote_options)
+        source = _remote(location).RemoteSource(location, stats=stats, **remote_options)
+        if disk_tier is not None:
+            from .tiered import TieredSource
+
+            source = TieredSource(source, disk_tier, str(location).rpartition("/")[0])
+        return source
     return LocalFile(str(location), direct=direct, stats=stats)
 
 
-def open_store(location: str | os.PathLike, **remote_options) -> Store:
+def open_store(location: str | os.PathLike, *, disk_tier=None, **remote_options) -> Store:
     """The ``Store`` (a model's files by name) at ``location``: a ``LocalDir`` for a local path, a
-    ``RemoteStore`` for a URL."""
+    ``RemoteStore`` for a URL, its data files read through ``disk_tier`` when one is given (a local
+    model needs no disk tier: it is ignored there)."""
     check_location(location)
     if is_url(location):
-        return _remote(location).RemoteStore(str(location), **remote_options)
+        store = _remote(location).RemoteStore(str(location), **remote_options)
+        if disk_tier is not None:
+            from .tiered import TieredStore
+
+            store = TieredStore(store, disk_tier)
+        return store
     return LocalDir(location)

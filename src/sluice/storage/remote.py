@@ -10,7 +10,9 @@ body cut short from where it stopped; what is left after ``retries`` is an ``OSE
 naming the URL, which the readers above turn into ``ExpertReadError``/``CheckpointError``.
 
 Credentials: S3 reads the standard ``AWS_*`` environment variables (keys, session token,
-region, ``AWS_ENDPOINT_URL``); they are never logged. The client (obstore) was chosen by
+region, ``AWS_ENDPOINT_URL``), and for what they do not set the profile in the AWS config
+files (``aws_config.py``: ``AWS_PROFILE``, ``~/.aws/credentials``, ``~/.aws/config``); they are
+never logged. The client (obstore) was chosen by
 measurement against fsspec/s3fs (docs/remote.md). This module is imported only for a URL,
 and obstore is the optional ``remote`` extra: without it a URL gets an error saying what to
 install.
@@ -23,11 +25,13 @@ import re
 from datetime import timedelta
 from urllib.parse import urlsplit
 
+from .aws_config import AwsConfigError, missing_credentials, profile_settings
 from .source import ByteSource, ReadStats
 from .store import Store
 
 READ_BYTES = 16 << 20  # a ranged GET per piece of long sequential reads
 RETRIES = 5
+_SECRETS: set[str] = set()  # secrets read from profile files: masked in every message (``_reason``)
 INSTALL_HINT = 'reading models from S3 or HTTP(S) needs the remote extra: pip install "sluice[remote]" (obstore)'
 
 
@@ -79,8 +83,16 @@ def open_object_store(url: str, *, ca_bundle: str | None = None, endpoint: str |
         bucket, key = parts.netloc, parts.path.lstrip("/")
         if not bucket or not key:
             raise OSError(f"{url}: an S3 URL names a bucket and a key (s3://bucket/path/file)")
-        config = {}
-        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        try:  # keys, region and endpoint from the AWS profile files, for what the environment lacks
+            config = profile_settings()
+        except AwsConfigError as e:
+            raise OSError(f"s3://{bucket}: {e}") from None
+        _SECRETS.update(v for k, v in config.items() if k in ("secret_access_key", "session_token"))
+        missing = missing_credentials(config)
+        if missing:
+            raise OSError(f"s3://{bucket}: {missing}")
+        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") \
+            or config.pop("endpoint", None)
         if endpoint:
             config["endpoint"] = endpoint
             if endpoint.startswith("http://"):
@@ -177,7 +189,7 @@ class RemoteSource(ByteSource):
         if len(data) != n:
             raise OSError(f"short read: {len(data)} of {n} bytes at offset {offset}: {self.name}")
         dest[:] = memoryview(data)
-        self.stats.add(n)
+        self.stats.add(n, remote=True)
 
     def close(self) -> None:
         self._store = None
@@ -249,7 +261,8 @@ class RemoteStore(Store):
 
 def _reason(e: Exception) -> str:
     """The first line of a client error (obstore appends a debug dump; headers are not in it),
-    and the cause a user can act on when the dump names one deeper down."""
+    and the cause a user can act on when the dump names one deeper down. Any secret Sluice knows
+    of (from the environment or a profile file) is masked, should a client ever echo one."""
     text = str(e).strip()
     first = text.splitlines()[0] if text else ""
     m = re.search(r"InvalidCertificate\(\s*(\w+)", text)
@@ -258,4 +271,7 @@ def _reason(e: Exception) -> str:
                   "give the CA certificate that signed it as a CA bundle)")
     elif "Connection refused" in text:
         first += " (connection refused)"
+    for secret in _SECRETS | {os.environ.get("AWS_SECRET_ACCESS_KEY"), os.environ.get("AWS_SESSION_TOKEN")}:
+        if secret and len(secret) >= 8:
+            first = first.replace(secret, "***")
     return f"{type(e).__name__}: {first}"

@@ -23,16 +23,37 @@ from .buffers import AlignedBuffer, align_down, align_up
 
 @dataclass
 class ReadStats:
-    """Bytes and reads issued to storage (thread-safe counters)."""
+    """Bytes and reads issued to storage (thread-safe counters).
+
+    ``bytes_read`` counts every byte storage delivered: from local files, remote stores and the
+    disk tier. Of those, ``remote_bytes`` came from a remote store and ``tier_bytes`` from the
+    disk tier (``tier_hits`` reads); ``tier_misses`` counts reads the tier did not have."""
 
     bytes_read: int = 0
     reads: int = 0
+    remote_bytes: int = 0
+    tier_hits: int = 0
+    tier_misses: int = 0
+    tier_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, nbytes: int) -> None:
+    def add(self, nbytes: int, remote: bool = False) -> None:
         with self._lock:
             self.bytes_read += nbytes
             self.reads += 1
+            if remote:
+                self.remote_bytes += nbytes
+
+    def tier_hit(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.reads += 1
+            self.tier_hits += 1
+            self.tier_bytes += nbytes
+
+    def tier_miss(self) -> None:
+        with self._lock:
+            self.tier_misses += 1
 
 
 class ByteSource:

@@ -1,0 +1,98 @@
+"""Byte sources and stores read through the local disk tier (``disk_tier.DiskTier``).
+
+``TieredSource`` wraps a remote byte source: every range read is looked up in the tier by
+(URL, version, offset, length), and a range fetched from the inner source is kept there.
+``TieredStore`` wraps a remote store so that the sources it opens are ``TieredSource``s;
+``location.open_store``/``open_source`` put them in place when a tier is given, so nothing above
+storage knows the tier is there.
+"""
+
+from __future__ import annotations
+
+from .disk_tier import DiskTier
+from .tier_entry import STAGING_BYTES, Key
+from .source import ByteSource, WrappedSource
+from .store import Store
+
+
+class TieredSource(WrappedSource):
+    """A remote byte source read through a ``DiskTier``: every range read (aligned reads, ``read_into``,
+    ``pread``) is looked up in the tier by (URL, version, offset, length), and a range fetched from
+    ``inner`` is kept there. ``model``: the model (store) the entries are listed under.
+
+    Stats (the model's shared ``ReadStats``): a tier hit counts its bytes in ``bytes_read``,
+    ``tier_hits`` and ``tier_bytes``; a miss counts ``tier_misses`` and the inner source counts
+    what it fetched (``remote_bytes``)."""
+
+    def __init__(self, inner: ByteSource, tier: DiskTier, model: str):
+        super().__init__(inner)
+        self.tier, self.model = tier, model
+        tier.forget_other_versions(inner.name, inner.version)  # the object changed: its old entries are dead
+
+    # a hit read into a destination that is not page-aligned goes through the tier's staging buffer,
+    # which a reading thread keeps besides what the remote client holds during a miss
+    transfer_bytes = property(lambda self: self.inner.transfer_bytes + STAGING_BYTES)
+
+    def read_aligned(self, buf: memoryview, offset: int) -> int:
+        n = max(0, min(len(buf), self.size - offset))
+        if n:
+            self._read(buf[:n], offset)
+        return n
+
+    def read_into(self, dest: memoryview, offset: int) -> None:
+        n = len(dest)
+        if offset < 0 or offset + n > self.size:
+            raise OSError(f"read of {n} bytes at offset {offset} is outside the object ({self.size} bytes): "
+                          f"{self.name}")
+        if n:
+            self._read(dest, offset)
+
+    def pread(self, nbytes: int, offset: int) -> bytes:
+        n = max(0, min(nbytes, self.size - offset))
+        out = bytearray(n)
+        if n:
+            self._read(memoryview(out), offset)
+        return bytes(out)
+
+    def _read(self, dest: memoryview, offset: int) -> None:
+        key = Key(self.name, self.version, offset, len(dest))
+        if self.tier.get(key, dest):
+            self.stats.tier_hit(len(dest))
+            return
+        self.inner.read_into(dest, offset)
+        self.stats.tier_miss()
+        self.tier.put(key, dest, self.model)
+
+
+class TieredStore(Store):
+    """A remote store whose data members are opened as ``TieredSource``s (metadata read whole, the
+    config and the index, goes to the remote store as before)."""
+
+    def __init__(self, inner: Store, tier: DiskTier):
+        self.inner, self.tier = inner, tier
+        self.location = inner.location
+        self.cache_dir = inner.cache_dir
+
+    def locate(self, name: str) -> str:
+        return self.inner.locate(name)
+
+    def exists(self, name: str) -> bool:
+        return self.inner.exists(name)
+
+    def is_directory(self) -> bool:
+        return self.inner.is_directory()
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def read_bytes(self, name: str) -> bytes:
+        return self.inner.read_bytes(name)
+
+    def open(self, name: str, *, direct: bool | None = None, stats=None) -> ByteSource:
+        return TieredSource(self.inner.open(name, direct=direct, stats=stats), self.tier, self.location)
+
+    def __repr__(self) -> str:
+        return f"<TieredStore {self.location} via {self.tier.dir}>"
+
+
+__all__ = ["TieredSource", "TieredStore"]

@@ -1,0 +1,262 @@
+"""Lookahead prefetch: read tickets (priority down to every piece, raise, cancel), the
+cache's abandoned slots, ranking guesses over several rows, and exactness with it all on."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import CancelledError, Future
+
+import pytest
+import torch
+
+import sluice
+from conftest import prompt_ids
+from sluice.experts.cache import LOADING, READY, ExpertCache
+from sluice.experts.layout import ExpertLayout
+from sluice.experts.lookahead import rank_guesses
+from sluice.experts.policy import LRU, make_policy
+from sluice.experts.provider import ExpertProvider
+from sluice.experts.source import ExpertSource
+from sluice.experts.spec import ExpertSpec
+from sluice.storage import AlignedBuffer, LocalFile
+from sluice.storage.file import PIECE_BYTES
+from sluice.storage.priority import DEMAND, PREFETCH, PriorityPool, ReadCancelled, Ticket, carrying
+
+
+def _blocked_pool(threads=1, low_cap=None):
+    """A pool whose threads are all held by a task until the returned event is set."""
+    pool = PriorityPool(threads, "test-pool", low_cap=low_cap)
+    gate, started = threading.Event(), []
+    holders = []
+    for _ in range(threads):
+        ev = threading.Event()
+        holders.append(pool.submit(lambda ev=ev: (ev.set(), gate.wait())))
+        started.append(ev)
+    for ev in started:
+        assert ev.wait(10)
+    return pool, gate, holders
+
+
+def test_pool_runs_lowest_priority_first_and_sees_raises():
+    pool, gate, _ = _blocked_pool()
+    order = []
+    a = Ticket(PREFETCH + 1)
+    b = Ticket(PREFETCH)
+    c = Ticket(PREFETCH + 1)
+    fa = pool.submit(order.append, "far", ticket=a)
+    fb = pool.submit(order.append, "near", ticket=b)
+    fc = pool.submit(order.append, "raised", ticket=c)
+    fd = pool.submit(order.append, "demand", ticket=Ticket(DEMAND))
+    c.raise_to(DEMAND)  # raised while queued: as urgent as a demand read, and older than it
+    gate.set()
+    for f in (fa, fb, fc, fd):
+        f.result(10)
+    assert order == ["raised", "demand", "near", "far"]
+    pool.shutdown()
+
+
+def test_pool_drops_cancelled_tickets_and_runs_under_the_ticket():
+    pool, gate, _ = _blocked_pool()
+    t = Ticket(PREFETCH)
+    f = pool.submit(lambda: 1, ticket=t)
+    seen = []
+    g = pool.submit(lambda: seen.append(__import__("sluice.storage.priority", fromlist=["current"]).current()),
+                    ticket=(u := Ticket(PREFETCH)))
+    t.cancelled = True
+    gate.set()
+    g.result(10)
+    assert f.cancelled() and seen == [u]
+    pool.shutdown()
+
+
+def test_pool_low_cap_keeps_threads_for_demand():
+    """With one of two threads allowed on guesses, a second guess waits while a demand read
+    queued after it runs at once on the other thread."""
+    pool = PriorityPool(2, "test-cap", low_cap=1)
+    release, running = threading.Event(), threading.Event()
+    g1 = pool.submit(lambda: (running.set(), release.wait(10)), ticket=Ticket(PREFETCH))
+    assert running.wait(10)
+    g2 = pool.submit(lambda: "g2", ticket=Ticket(PREFETCH))
+    g4 = pool.submit(lambda: "g4", ticket=(t4 := Ticket(PREFETCH)))
+    g3 = pool.submit(lambda: "g3", ticket=(t3 := Ticket(PREFETCH)))
+    d = pool.submit(lambda: "d", ticket=Ticket(DEMAND))
+    assert d.result(10) == "d"
+    assert not g2.done() and not g3.done()  # the one guess thread is busy; both still queued
+    t3.raise_to(DEMAND)  # the layer needs g3 now: it runs on the free thread
+    assert g3.result(10) == "g3" and not g2.done()
+    t4.cancel()  # a wrong guess queued behind the cap: dropped without waiting for it
+    with pytest.raises(CancelledError):
+        g4.result(10)
+    assert not g2.done()
+    release.set()
+    assert g2.result(10) == "g2" and g1.result(10)
+    pool.shutdown()
+
+
+def test_cancelled_ticket_stops_a_read_in_pieces(tmp_path):
+    data = bytes(range(256)) * (3 * PIECE_BYTES // 256)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    f = LocalFile(str(path))
+    buf = AlignedBuffer(len(data))
+    with carrying(Ticket(PREFETCH)):
+        assert f.read_aligned(buf.view(0, len(data)), 0) == len(data)
+    assert bytes(buf.view(0, len(data))) == data
+    before = f.stats.bytes_read
+    t = Ticket(PREFETCH)
+    t.cancelled = True
+    with carrying(t), pytest.raises(ReadCancelled):
+        f.read_aligned(buf.view(0, len(data)), 0)
+    with carrying(t), pytest.raises(ReadCancelled):
+        f.read_aligned(buf.view(0, 4096), 0)  # a small read: not started either
+    assert f.stats.bytes_read == before  # nothing was read for it
+    f.close()
+
+
+def test_rank_guesses_union_by_mass():
+    ids = torch.tensor([[3, 1], [1, 4], [5, 3]])
+    p = torch.tensor([[0.5, 0.1], [0.3, 0.05], [0.2, 0.1]])
+    assert rank_guesses(ids, p) == [3, 1, 5, 4]  # 3: 0.6, 1: 0.4, 5: 0.2, 4: 0.05
+    assert rank_guesses(ids, p, min_prob=0.15) == [3, 1, 5]  # 4's best row is 0.05
+    assert rank_guesses(torch.tensor([[2, 7]]), torch.tensor([[0.25, 0.25]])) == [2, 7]  # ties: lower id
+
+
+class _Source(ExpertSource):
+    format = "test"
+    slot_bytes = 1
+    _layout = ExpertLayout(reads=(), views=(), slot_bytes=1)
+
+    def layout(self, layer, expert):
+        return self._layout
+
+    def read(self, layer, expert, buf, base=0, verify_crc=False):
+        return self._layout
+
+
+class _HeldPool:
+    """Demand reads complete at submit; prefetches wait until the test starts or finishes them."""
+
+    def __init__(self):
+        self.held: dict[int, tuple[Future, Ticket]] = {}  # expert -> its prefetch
+
+    def submit(self, fn, *args, priority=DEMAND, ticket=None):
+        f = Future()
+        if (ticket.priority if ticket else priority) == DEMAND:
+            f.set_running_or_notify_cancel()
+            f.set_result(fn(*args))
+        else:
+            self.held[args[2]] = (f, ticket)
+        return f
+
+    def shutdown(self):
+        pass
+
+
+def _provider(slots=8):
+    cache = ExpertCache(slots, 1, make_policy("lfru"))
+    pool = _HeldPool()
+    out = ExpertProvider(_Source(), cache, ExpertSpec(hidden=1, intermediate=1), 16, pool=pool,
+                         compute=(lambda spec, w, x, s: x, lambda spec, w, x: x))
+    out.decoding = True
+    return out, pool
+
+
+def test_wrong_guesses_cancelled_or_stopped_right_ones_raised():
+    p, pool = _provider()
+    p.prefetch(1, [3, 5, 9])
+    assert {e: t.priority for e, (_, t) in pool.held.items()} == {3: PREFETCH, 5: PREFETCH, 9: PREFETCH}
+    running = pool.held[3][0]
+    running.set_running_or_notify_cancel()  # 3 is being read; 5 and 9 are queued
+    f5, t5 = pool.held[5]
+
+    def finish_when_raised():  # a reader that serves 5 once the layer asks for it
+        while t5.priority != DEMAND:
+            threading.Event().wait(0.001)
+        f5.set_running_or_notify_cancel()
+        f5.set_result(None)
+
+    th = threading.Thread(target=finish_when_raised)
+    th.start()
+    p.moe(1, torch.zeros(1, 1), torch.tensor([[5, 7]]), torch.ones(1, 2))
+    th.join(10)
+    c = p.counters
+    assert (c.prefetch_reads, c.prefetch_used, c.prefetch_cancelled, c.prefetch_aborted) == (3, 1, 1, 1)
+    assert (c.predicted, c.predicted_hits, c.demand_reads) == (2, 1, 1)
+    assert pool.held[9][0].cancelled() and pool.held[9][1].cancelled and pool.held[3][1].cancelled
+    assert (1, 3) not in p.cache and (1, 9) not in p.cache  # 3 left the cache, its slot still busy
+    assert p.cache.lookup((1, 5)).state == READY and p.cache.lookup((1, 7)).state == READY
+    assert len(p.cache.draining()) == 1
+    # the stopped read ends; once the cache needs its slot it is reused
+    running.set_exception(ReadCancelled("stopped"))
+    for e in range(10, 16):
+        p.moe(2, torch.zeros(1, 1), torch.tensor([[e]]), torch.ones(1, 1))
+    assert not p.cache.draining() and len(p.cache) == 8
+
+
+def test_two_layers_ahead_nearer_prediction_raises_priority():
+    p, pool = _provider()
+    p.prefetch(3, [4, 6], distance=2)
+    assert pool.held[4][1].priority == PREFETCH + 1
+    p.prefetch(3, [6, 2], distance=1)  # after the next layer's attention: 6 again, and 2
+    assert pool.held[6][1].priority == PREFETCH and pool.held[2][1].priority == PREFETCH
+    assert pool.held[4][1].priority == PREFETCH + 1
+    for f, _ in pool.held.values():
+        f.set_running_or_notify_cancel()
+        f.set_result(None)
+    p.moe(3, torch.zeros(1, 1), torch.tensor([[2, 6]]), torch.ones(1, 2))
+    c = p.counters
+    assert (c.predicted, c.predicted_hits, c.predicted_far, c.predicted_far_hits) == (2, 2, 2, 1)
+    assert (3, 4) in p.cache  # a finished wrong guess stays cached like any expert
+
+
+def test_abandon_frees_slot_after_read_stops():
+    cache = ExpertCache(1, 1, LRU())
+    lay = ExpertLayout(reads=(), views=(), slot_bytes=1)
+    slot = cache.allocate((0, 1), lay, speculative=True)
+    slot.future = Future()
+    slot.future.set_running_or_notify_cancel()
+    cache.abandon(slot)
+    assert (0, 1) not in cache and cache.allocate((0, 2), lay) is None  # still being written
+    slot.future.set_result(None)
+    again = cache.allocate((0, 2), lay)
+    assert again is slot and again.state == LOADING and again.key == (0, 2)
+
+
+def test_multi_row_lookahead_prefetches_and_is_exact(model_dir):
+    """Forwards of several rows (a short prefill here, as a batch of sequences' decode rows
+    would be) predict the union of their rows' experts; results stay bit-identical."""
+    path = model_dir("qwen3_moe")
+    ids = prompt_ids(n=12, seed=3)
+    off = sluice.load(path, memory="2GiB", cache_experts=10, prefetch=False, progress=False)
+    on = sluice.load(path, memory="2GiB", cache_experts=10, prefetch=True, progress=False)
+    assert torch.equal(off.forward(ids), on.forward(ids))
+    assert on.experts.counters.prefetch_reads > 0 and off.experts.counters.prefetch_reads == 0
+    on.lookahead_depth = 1
+    a = off.generate(ids.tolist(), max_new_tokens=8).token_ids
+    assert on.generate(ids.tolist(), max_new_tokens=8).token_ids == a
+    on.lookahead_max_rows = 4  # a 12-token prefill is past the limit now
+    before = on.experts.counters.prefetch_reads
+    on.forward(ids)
+    assert on.experts.counters.prefetch_reads == before
+    off.close()
+    on.close()
+
+
+def test_lookahead_runs_after_the_layers_demand_reads():
+    """The engine defers its guesses into the layer's MoE call, after that layer's demand
+    reads are submitted; a deferral for another layer is dropped."""
+    p, pool = _provider()
+    order = []
+    real = pool.submit
+
+    def submit(fn, *args, priority=DEMAND, ticket=None):
+        order.append((args[1], args[2], ticket.priority))
+        return real(fn, *args, priority=priority, ticket=ticket)
+
+    pool.submit = submit
+    p.after_reads(0, lambda: p.prefetch(1, [4]))
+    p.moe(0, torch.zeros(1, 1), torch.tensor([[2, 3]]), torch.ones(1, 2))
+    assert order == [(0, 2, DEMAND), (0, 3, DEMAND), (1, 4, PREFETCH)]
+    p.after_reads(5, lambda: p.prefetch(6, [1]))
+    p.moe(2, torch.zeros(1, 1), torch.tensor([[9]]), torch.ones(1, 1))  # not layer 5: dropped
+    assert (6, 1) not in p.cache and p._deferred is None
