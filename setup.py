@@ -16,7 +16,7 @@ setup(
                      "src/sluice/kernels/quantize.c"],
             extra_compile_args=["-O3", "-std=c11", "-fvisibility=hidden", "-pthread", "-fno-strict-aliasing"],
             extra_link_args=["-pthread"],
-            depends=["src/sluice/kernels/sk.h", "src/sluice/kernels/quant.h"],
+            depends=["src/sluice/kernels/sk.h", "src/sluice/kernels/quant.h", "src/sluice/kernels/quantize_lanes.h"],
             optional=True,
         )
     ]

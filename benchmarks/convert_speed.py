@@ -10,6 +10,15 @@ average before and after each format (the machine may be shared).
     PYTHONPATH=src python benchmarks/convert_speed.py --sizes 0.6GB,1.2GB \
         --formats f32,bf16,int8,q4,mxfp4 --repeats 3 --root /tmp/convert-speed
     PYTHONPATH=src python benchmarks/convert_speed.py --sizes 0.1GB,0.3GB --formats rvq3 --repeats 3
+
+Side by side (``--trees``): each repeat converts with every listed source tree in turn (the
+trees' ``src`` directories go first on PYTHONPATH), so that a shared machine's load hits them
+alike; ``--model`` converts an existing checkpoint directory instead of synthetic ones:
+
+    PYTHONPATH=src python benchmarks/convert_speed.py --sizes 0.3GB --formats q4,mxfp4,int8 \
+        --trees before=../old/src,after=src --repeats 3 --root /tmp/convert-speed
+    PYTHONPATH=src python benchmarks/convert_speed.py --model src/sluice/demo_model --formats rvq3 \
+        --trees before=../old/src,after=src --repeats 3
 """
 
 from __future__ import annotations
@@ -48,12 +57,30 @@ print(json.dumps({"seconds": dt, "cpu_seconds": time.process_time() - c0, "sourc
 """
 
 
-def one(src: Path, dst: Path, fmt: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(src), str(dst), fmt], capture_output=True, text=True,
-                         env=dict(os.environ))
+def one(src: Path, dst: Path, fmt: str, tree: str | None = None) -> dict:
+    env = dict(os.environ)
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(tree).resolve())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    out = subprocess.run([sys.executable, "-c", CHILD, str(src), str(dst), fmt], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"convert {src} -> {fmt} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _row(size: str, fmt: str, tree: str, runs: list[dict], load: list[float], repeats: int) -> dict:
+    src_bytes = runs[0]["source_bytes"]
+    sec = statistics.median(r["seconds"] for r in runs)
+    cpu = statistics.median(r["cpu_seconds"] for r in runs)
+    row = {"size": size, "source_bytes": src_bytes, "format": fmt, "tree": tree, "seconds": sec, "cpu_seconds": cpu,
+           "mb_per_s": src_bytes / sec / 1e6, "mb_per_cpu_s": src_bytes / cpu / 1e6,
+           "peak_rss_mib": statistics.median(r["peak_rss"] for r in runs) / 2**20,
+           "all_seconds": [r["seconds"] for r in runs], "load": load}
+    label = f"{fmt}{' ' + tree if tree else ''}"
+    print(f"{size:>6} {src_bytes / 1e9:5.2f} GB {label:>14}: {row['mb_per_s']:7.1f} MB/s "
+          f"({row['mb_per_cpu_s']:7.1f} MB/cpu-s) median of {repeats} "
+          f"[{', '.join(f'{s:.1f}' for s in row['all_seconds'])} s], peak RSS "
+          f"{row['peak_rss_mib']:.0f} MiB, load {load[0]:.1f} -> {load[1]:.1f}", flush=True)
+    return row
 
 
 def main() -> None:
@@ -64,6 +91,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"], help="dtype of the synthetic source model")
     ap.add_argument("--root", default=None, help="work directory (default: a temporary one, removed at the end)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--model", default=None, help="convert this checkpoint directory instead of synthetic models")
+    ap.add_argument("--trees", default=None,
+                    help="NAME=SRC,... source trees to compare side by side (each repeat runs every tree in turn)")
     args = ap.parse_args()
     from sluice.synthetic import scaled_config, write_model
 
@@ -72,28 +102,25 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     rows = []
     try:
-        for size in args.sizes.split(","):
+        trees = [t.split("=", 1) for t in args.trees.split(",")] if args.trees else [["", None]]
+        models = [(Path(args.model).name, Path(args.model))] if args.model else []
+        for size in [] if args.model else args.sizes.split(","):
             model = root / f"model-{size}-{args.dtype}"
             if not (model / "config.json").exists():
                 write_model(model, scaled_config(parse_size(size), dtype=dtype), dtype=dtype, progress=False,
                             tokenizer=False)
+            models.append((size, model))
+        for size, model in models:
             for fmt in args.formats.split(","):
                 load0 = os.getloadavg()[0]
-                runs = [one(model, root / f"out-{fmt}.sluice", fmt) for _ in range(args.repeats)]
+                runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
+                for _ in range(args.repeats):
+                    for name, tree in trees:
+                        runs[name].append(one(model, root / f"out-{fmt}.sluice", fmt, tree))
                 load1 = os.getloadavg()[0]
                 shutil.rmtree(root / f"out-{fmt}.sluice", ignore_errors=True)
-                src_bytes = runs[0]["source_bytes"]
-                sec = statistics.median(r["seconds"] for r in runs)
-                cpu = statistics.median(r["cpu_seconds"] for r in runs)
-                row = {"size": size, "source_bytes": src_bytes, "format": fmt, "seconds": sec, "cpu_seconds": cpu,
-                       "mb_per_s": src_bytes / sec / 1e6, "mb_per_cpu_s": src_bytes / cpu / 1e6,
-                       "peak_rss_mib": statistics.median(r["peak_rss"] for r in runs) / 2**20,
-                       "all_seconds": [r["seconds"] for r in runs], "load": [load0, load1]}
-                rows.append(row)
-                print(f"{size:>6} {src_bytes / 1e9:5.2f} GB {fmt:>6}: {row['mb_per_s']:7.1f} MB/s "
-                      f"({row['mb_per_cpu_s']:7.1f} MB/cpu-s) median of {args.repeats} "
-                      f"[{', '.join(f'{s:.1f}' for s in row['all_seconds'])} s], peak RSS "
-                      f"{row['peak_rss_mib']:.0f} MiB, load {load0:.1f} -> {load1:.1f}", flush=True)
+                for name, _ in trees:
+                    rows.append(_row(size, fmt, name, runs[name], [load0, load1], args.repeats))
     finally:
         if not args.root:
             shutil.rmtree(root, ignore_errors=True)

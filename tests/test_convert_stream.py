@@ -1,5 +1,6 @@
 """``sluice convert`` at speed: spine tensors streamed in bounded pieces (same bytes as whole
-reads), and the C q4 quantizer (same bytes as its torch fallback, the documented algorithm)."""
+reads), and the C q4 and mxfp4 quantizers (same bytes as their torch fallbacks, the documented
+algorithms, on every instruction set the CPU has)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sluice.convert as conv
 from sluice import kernels
 from sluice.checkpoint import Checkpoint
 from sluice.convert import convert
-from sluice.quant import FORMATS, q4
+from sluice.quant import FORMATS, mxfp4, q4
 from sluice.quant import cquant
 
 needs_c = pytest.mark.skipif(not kernels.available(), reason="C kernels not built on this machine")
@@ -120,6 +121,115 @@ def test_q4_threads_do_not_change_bytes(monkeypatch):
     assert torch.equal(one["blocks"], three["blocks"]) and torch.equal(one["scales"], three["scales"])
 
 
+def _mx_matrix(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Random rows, then edge cases: zeros, subnormals, ties, huge values, every E2M1 value exactly,
+    infs and NaNs (defined, not refused: see quant/mxfp4.py)."""
+    w = _matrix(rows, k, seed)
+    w[3, :32] *= 2.0**-3  # the tie pattern at the block's own scale: x.25 / x.75 boundaries
+    w[5, :32] = torch.tensor(mxfp4.FP4_VALUES * 2) * 2.0**-127  # representable at the smallest scale (subnormals)
+    w[6, :32] = torch.tensor(mxfp4.FP4_VALUES * 2) * 2.0**100
+    w[7, :32] = 3.4e38  # the largest exponent: 4 * 2^(253 - 127) overflows, so 252 stays
+    w[8, :32] = -0.0
+    w[9, 3] = float("inf")
+    w[10, 5] = float("nan")
+    w[11, 0] = -float("inf")
+    w[12, :32] = float("nan")
+    w[13, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0] * 4) * torch.tensor([1.0, -1.0] * 16)
+    return w
+
+
+def _isa_levels():
+    best = cquant.isa() if kernels.available() else None
+    return [] if best is None else list(range(best + 1))
+
+
+@pytest.fixture
+def isa_level(request):
+    yield cquant.isa(request.param)
+    cquant.isa(99)  # back to the CPU's best
+
+
+@needs_c
+@pytest.mark.parametrize("isa_level", _isa_levels(), indirect=True)
+@pytest.mark.parametrize("shape", [(16, 32), (37, 96), (130, 544), (64, 4096)])
+def test_mxfp4_c_quantizer_equals_its_torch_fallback(shape, isa_level, monkeypatch):
+    w = _mx_matrix(*shape, seed=shape[0])
+    with_c = FORMATS["mxfp4"].quantize(w)
+    monkeypatch.setattr(cquant, "_lib", False)
+    fallback = FORMATS["mxfp4"].quantize(w)
+    assert torch.equal(with_c["blocks"], fallback["blocks"]) and torch.equal(with_c["scales"], fallback["scales"])
+
+
+@needs_c
+@pytest.mark.parametrize("isa_level", _isa_levels(), indirect=True)
+def test_q4_every_instruction_set_gives_the_same_bytes(isa_level, monkeypatch):
+    w = _matrix(70, 800, seed=11)
+    with_c = FORMATS["q4"].quantize(w)
+    monkeypatch.setattr(cquant, "_lib", False)
+    fallback = FORMATS["q4"].quantize(w)
+    assert torch.equal(with_c["blocks"], fallback["blocks"])
+    assert torch.equal(with_c["scales"].view(torch.int16), fallback["scales"].view(torch.int16))
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["q4", "mxfp4"])
+def test_c_quantizers_widen_and_pad_in_c(name, dtype, monkeypatch):
+    """bf16/f16 rows are read as stored (widened exactly in C) and a K that is not a multiple of 32
+    is padded with zeros in C: the same bytes as widening and padding in torch first."""
+    w = _mx_matrix(40, 200, seed=4).clamp(-6e4, 6e4).to(dtype)  # 200: the last group is 8 wide
+    direct = FORMATS[name].quantize(w)
+    monkeypatch.setattr(cquant, "_lib", False)
+    fallback = FORMATS[name].quantize(w.float())
+    for part in direct:
+        assert torch.equal(direct[part].view(torch.uint8), fallback[part].view(torch.uint8)), part
+
+
+def test_mxfp4_edge_cases_are_defined():
+    fmt = FORMATS["mxfp4"]
+    w = _mx_matrix(16, 32, seed=1)
+    q = fmt.quantize(w)
+    s = q["scales"][:, 0].tolist()
+    assert s[0] == 0 and s[8] == 0  # zeros (and -0.0): exponent 0, codes 0
+    assert q["blocks"][0].eq(0).all() and q["blocks"][8].eq(0).all()
+    assert s[7] == 252  # floor(log2(3.4e38)) - 2 + 127: one more would overflow to inf
+    assert s[9] == 124 and s[12] == 0  # inf: torch's frexp exponent 0; NaN: 0
+    back = fmt.dequantize(q, 16, 32)
+    assert torch.equal(back[5], w[5]) and torch.equal(back[6], w[6])  # representable: exact
+    codes = q4.unpack_nibbles(q["blocks"][13]).reshape(-1)  # ties to the even code, signs kept
+    assert codes[:8].tolist() == [0, 8 | 2, 2, 8 | 4, 4, 8 | 6, 6, 8 | 7]
+
+
+def _mxfp4_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mxfp4 quantizer as before the C one (errors summed in torch's own order)."""
+    r, kp = w.shape
+    wg = w.reshape(r, kp // 32, 32)
+    amax = wg.abs().amax(-1, keepdim=True)
+    _, ex = torch.frexp(amax)
+    biased = torch.where(amax > 0, ex - 3 + 127, torch.zeros_like(ex)).clamp(0, 254)
+    best = None
+    for extra in (0, 1):
+        s = (biased + extra).clamp(0, 254)
+        scale = mxfp4.e8m0_half(s) * 2
+        codes = mxfp4.e2m1_codes(wg / scale)
+        err = ((mxfp4._LUT[codes.long()] * scale - wg) ** 2).sum(-1, keepdim=True)
+        if best is None:
+            best = (err, codes, s)
+        else:
+            better = err < best[0]
+            best = (torch.where(better, err, best[0]), torch.where(better, codes, best[1]),
+                    torch.where(better, s, best[2]))
+    return q4.pack_nibbles(best[1]), best[2].squeeze(-1).to(torch.uint8)
+
+
+def test_mxfp4_matches_the_plain_algorithm_except_near_ties():
+    w = _matrix(256, 1024, seed=9)
+    got = FORMATS["mxfp4"].quantize(w)
+    ref_blocks, ref_scales = _mxfp4_reference(w)
+    differ = (got["blocks"] != ref_blocks).any(-1) | (got["scales"] != ref_scales)
+    assert int(differ.sum()) <= differ.numel() // 1000
+
+
 def _int8_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 clipping search written plainly (each ratio's integers kept), as before the speed-up."""
     amax = w.abs().amax(1, keepdim=True)
@@ -144,3 +254,54 @@ def test_int8_bytes_unchanged_by_the_speed_up():
     ref_q, ref_s = _int8_reference(w)
     assert torch.equal(got["weight"][:, :1000], ref_q)
     assert torch.equal(got["scales"].view(torch.int32), ref_s.view(torch.int32))
+
+
+# ---------------------------------------------------------------------------- rvq3 in C -----
+
+
+@needs_c
+@pytest.mark.parametrize("isa_level", _isa_levels(), indirect=True)
+def test_rvq3_c_quantizer_same_bytes_on_every_instruction_set(isa_level):
+    w = torch.randn(96, 520, generator=torch.Generator().manual_seed(2))  # 520: padded to 528
+    got = FORMATS["rvq3"].quantize(w, seed=3)
+    cquant.isa(99)
+    best = FORMATS["rvq3"].quantize(w, seed=3)
+    assert torch.equal(got["codes"], best["codes"]) and torch.equal(got["codebooks"], best["codebooks"])
+    err = (FORMATS["rvq3"].dequantize(got, 96, 520) - w).norm() / w.norm()
+    assert err < 0.2
+
+
+@needs_c
+def test_rvq3_c_quantizer_sampled_and_edge_cases():
+    fmt = FORMATS["rvq3"]
+    small = type(fmt)(sample=2000)  # 5120 subvectors: k-means fits a sample, all are assigned
+    w = torch.randn(80, 512, generator=torch.Generator().manual_seed(4))
+    q = small.quantize(w)
+    assert (small.dequantize(q, 80, 512) - w).norm() / w.norm() < 0.25
+    assert torch.equal(q["codes"], small.quantize(w)["codes"])  # deterministic
+    # fewer subvectors than centroids: each is its own centroid (exact up to f16), the rest zeros
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    q = fmt.quantize(w)
+    assert (fmt.dequantize(q, 4, 64) - w).abs().max() < 1e-2
+    # all zeros, and all subvectors equal: no division by zero, exact
+    for w in (torch.zeros(32, 64), torch.ones(32, 64)):
+        q = fmt.quantize(w)
+        assert torch.equal(fmt.dequantize(q, 32, 64), w)
+
+
+@needs_c
+def test_rvq3_parallel_matrices_give_the_same_container(model_dir, tmp_path, monkeypatch):
+    """convert quantizes an expert's three matrices on several threads: the same bytes as one at a time."""
+    src = model_dir("qwen3_moe")
+    par = convert(src, tmp_path / "par.sluice", experts="rvq3", progress=False)
+    monkeypatch.setattr(FORMATS["rvq3"], "threads_per_matrix", 0)
+    seq = convert(src, tmp_path / "seq.sluice", experts="rvq3", progress=False)
+    assert _digests(par) == _digests(seq)
+
+
+def test_rvq3_torch_fallback_still_quantizes(monkeypatch):
+    monkeypatch.setattr(cquant, "_lib", False)
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
+    q = FORMATS["rvq3"].quantize(w, seed=1)
+    assert (FORMATS["rvq3"].dequantize(q, 64, 256) - w).norm() / w.norm() < 0.2
+    assert torch.equal(q["codes"], FORMATS["rvq3"].quantize(w, seed=1)["codes"])

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
 
@@ -86,6 +87,7 @@ _TORCH_DENSE = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float
 def encode_parts(fmt: str, weights: dict[str, torch.Tensor], parts, record: AlignedBuffer, base: int) -> None:
     """Write each part of one expert (cast or quantized from ``weights``) into ``record``."""
     encoded: dict[str, torch.Tensor] = {}
+    todo: dict[str, torch.Tensor] = {}
     for role in MATRIX_ROLES:
         w = weights[role]
         if isinstance(w, QuantMatrix):  # stored quantized (a native MXFP4 checkpoint): kept as is if
@@ -98,12 +100,32 @@ def encode_parts(fmt: str, weights: dict[str, torch.Tensor], parts, record: Alig
         elif fmt == FP8_FORMAT:
             encoded[role] = w
         else:
-            for part, t in FORMATS[fmt].quantize(w.float()).items():
-                encoded[f"{role}.{part}"] = t
+            todo[role] = w if w.dtype in _TORCH_DENSE.values() else w.float()
+    if todo:
+        quant = FORMATS[fmt]
+        if getattr(quant, "threads_per_matrix", 0) == 1 and len(todo) > 1:  # one thread each: matrices in parallel
+            results = dict(zip(todo, _matrix_pool().map(quant.quantize, todo.values())))
+        else:  # the quantizer spreads one matrix over the cores itself
+            results = {role: quant.quantize(w) for role, w in todo.items()}
+        for role, out in results.items():
+            encoded.update({f"{role}.{part}": t for part, t in out.items()})
     for p in parts:
         t = encoded[p.name] if p.name in encoded else weights[p.name]
         dest = record.tensor(base + p.offset, t.dtype, tuple(t.shape))
         dest.copy_(t)
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _matrix_pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        # one thread per matrix wherever there are two cores: on 2 cores, 3 matrices finish together
+        # (time-sliced) instead of 2 then 1
+        cores = min(torch.get_num_threads(), os.cpu_count() or 1)
+        _POOL = ThreadPoolExecutor(len(MATRIX_ROLES) if cores >= 2 else 1, thread_name_prefix="sluice-quantize-matrix")
+    return _POOL
 
 
 def spine_group(name: str) -> str:
@@ -451,29 +473,50 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
         f.write(b"\0" * (align_up(off, FORMAT_ALIGN) - off))
         _sync_close(f)
 
-    # expert banks: one record per expert
+    # expert banks: one record per expert. A reader thread reads the next expert while this one is
+    # encoded, and a writer thread writes the previous record (two buffers each; the quantizers
+    # and the I/O release the GIL): bounded memory, the same bytes in the same order
     bank_table = {}
-    buf = AlignedBuffer(source.slot_bytes)
-    record = AlignedBuffer(rec)
-    for layer in desc.moe_layers:
-        f = _writer(tmp / bank_name(layer))
-        with _Naming(tmp / bank_name(layer)), closing(f):
-            for e in range(desc.n_experts):
-                layout = source.read(layer, e, buf)
-                record.tensor(0, torch.uint8, (rec,)).zero_()
-                weights = canonical_weights(views(buf, 0, layout))
-                if layout.format is not None:  # natively quantized source: parts -> matrices
-                    weights = assemble(layout.format, weights, shapes)
-                encode_parts(fmt, weights, parts, record, HEADER_BYTES)
-                payload_bytes = record.view(HEADER_BYTES, payload)
-                record.view(0, HEADER_BYTES)[:] = pack_header(fmt, layer, e, len(parts), payload_bytes)
-                f.write(record.view(0, rec))
-                bar.update(rec)
-            _sync_close(f)
-        bank_table[str(layer)] = {
-            "file": bank_name(layer), "count": desc.n_experts, "record_bytes": rec,
-            "parts": [{"name": p.name, "offset": p.offset, "dtype": p.dtype, "shape": list(p.shape)} for p in parts],
-        }
+    bufs = [AlignedBuffer(source.slot_bytes) for _ in range(2)]
+    records = [AlignedBuffer(rec) for _ in range(2)]
+    items = [(layer, e) for layer in desc.moe_layers for e in range(desc.n_experts)]
+
+    def read(i: int):
+        return source.read(*items[i], bufs[i % 2])
+
+    i = 0
+    with ThreadPoolExecutor(1, thread_name_prefix="sluice-convert-read") as reader:
+        pending = reader.submit(read, 0) if items else None
+        for layer in desc.moe_layers:
+            f = _writer(tmp / bank_name(layer))
+            with _Naming(tmp / bank_name(layer)), closing(f), \
+                    ThreadPoolExecutor(1, thread_name_prefix="sluice-convert-write") as writer:
+                writes = [None, None]
+                for e in range(desc.n_experts):
+                    layout = pending.result()
+                    buf, record = bufs[i % 2], records[i % 2]
+                    if i + 1 < len(items):  # the other buffer's expert was encoded last round
+                        pending = reader.submit(read, i + 1)
+                    if writes[i % 2] is not None:  # this record's previous write is done
+                        writes[i % 2].result()
+                    record.tensor(0, torch.uint8, (rec,)).zero_()
+                    weights = canonical_weights(views(buf, 0, layout))
+                    if layout.format is not None:  # natively quantized source: parts -> matrices
+                        weights = assemble(layout.format, weights, shapes)
+                    encode_parts(fmt, weights, parts, record, HEADER_BYTES)
+                    payload_bytes = record.view(HEADER_BYTES, payload)
+                    record.view(0, HEADER_BYTES)[:] = pack_header(fmt, layer, e, len(parts), payload_bytes)
+                    writes[i % 2] = writer.submit(f.write, record.view(0, rec))
+                    bar.update(rec)
+                    i += 1
+                for w in writes:
+                    if w is not None:
+                        w.result()
+                _sync_close(f)
+            bank_table[str(layer)] = {
+                "file": bank_name(layer), "count": desc.n_experts, "record_bytes": rec,
+                "parts": [{"name": p.name, "offset": p.offset, "dtype": p.dtype, "shape": list(p.shape)} for p in parts],
+            }
     bar.close()
 
     copied = []

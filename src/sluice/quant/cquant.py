@@ -1,7 +1,8 @@
-"""ctypes bindings to the converter's C quantizers (kernels/quantize.c), run on a few threads.
+"""ctypes bindings to the converter's C quantizers (kernels/quantize.c: q4, mxfp4, rvq3).
 
 Each function returns None where the C kernels are not built: the caller then uses its torch
-implementation, which gives the same bytes.
+implementation, which gives the same bytes (q4, mxfp4) or other codebooks of the same
+algorithm (rvq3: torch's random streams). q4 and mxfp4 split rows over a few threads.
 """
 
 from __future__ import annotations
@@ -26,15 +27,27 @@ def _load():
         if path is not None:
             try:
                 lib = ctypes.CDLL(path)
-                f = lib.sk_q4_quantize
+                f, g = lib.sk_q4_quantize, lib.sk_mxfp4_quantize
             except (OSError, AttributeError):
                 lib = None
             else:
                 p, i64 = ctypes.c_void_p, ctypes.c_int64
-                f.argtypes = [p, i64, i64, i64, p, ctypes.c_int, p, p]
-                f.restype = None
+                f.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, ctypes.c_int, p, p]
+                g.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, p]
+                f.restype = g.restype = None
+                lib.sk_rvq3_quantize.argtypes = [p, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, p, p]
+                lib.sk_rvq3_quantize.restype = ctypes.c_int
+                lib.sk_quantize_isa.argtypes = [ctypes.c_int]
+                lib.sk_quantize_isa.restype = ctypes.c_int
         _lib = lib or False
     return _lib or None
+
+
+def isa(level: int = -1) -> int | None:
+    """The quantizers' instruction set (0 portable C, 1 AVX2, 2 AVX-512F; None without C). A
+    ``level`` >= 0 selects min(level, the CPU's best), for the tests: every level gives the same bytes."""
+    lib = _load()
+    return None if lib is None else int(lib.sk_quantize_isa(level))
 
 
 def threads() -> int:
@@ -56,21 +69,66 @@ def _split(rows: int, fn) -> None:
         f.result()
 
 
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _source(w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``w`` as the C quantizers read it: f32, bf16 or f16 as stored (widened in C, exactly), else f32."""
+    if w.dtype not in _DTYPES:
+        w = w.float()
+    return w.contiguous(), _DTYPES[w.dtype]
+
+
 def q4_quantize(w: torch.Tensor, candidates: torch.Tensor):
-    """q4 blocks [r, G, 16] and scales [r, G] (f16) of fp32 rows ``w`` [r, Kp], or None without C."""
+    """q4 blocks [r, G, 16] and scales [r, G] (f16) of the rows of ``w`` [r, k] (zero-padded to a
+    multiple of 32), or None without C."""
     lib = _load()
     if lib is None:
         return None
-    w = w.float().contiguous()
-    r, kp = w.shape
-    g = kp // 32
+    w, dtype = _source(w)
+    r, k = w.shape
+    g = -(-k // 32)
     blocks = torch.empty(r, g, 16, dtype=torch.uint8)
     scales = torch.empty(r, g, dtype=torch.float16)
     cands = candidates.float().contiguous()
 
     def run(r0: int, r1: int) -> None:
-        lib.sk_q4_quantize(w.data_ptr(), r0, r1, kp, cands.data_ptr(), cands.numel(), blocks.data_ptr(),
-                           scales.data_ptr())
+        lib.sk_q4_quantize(w.data_ptr(), dtype, r0, r1, k, g * 32, cands.data_ptr(), cands.numel(),
+                           blocks.data_ptr(), scales.data_ptr())
 
     _split(r, run)
     return blocks, scales
+
+
+def mxfp4_quantize(w: torch.Tensor):
+    """mxfp4 blocks [r, G, 16] and scales [r, G] (E8M0) of the rows of ``w`` [r, k] (zero-padded to
+    a multiple of 32), or None without C."""
+    lib = _load()
+    if lib is None:
+        return None
+    w, dtype = _source(w)
+    r, k = w.shape
+    g = -(-k // 32)
+    blocks = torch.empty(r, g, 16, dtype=torch.uint8)
+    scales = torch.empty(r, g, dtype=torch.uint8)
+
+    def run(r0: int, r1: int) -> None:
+        lib.sk_mxfp4_quantize(w.data_ptr(), dtype, r0, r1, k, g * 32, blocks.data_ptr(), scales.data_ptr())
+
+    _split(r, run)
+    return blocks, scales
+
+
+def rvq3_quantize(v: torch.Tensor, sample: int, iters: int, seed_batch: int, seed: int):
+    """rvq3 codes [n, 3] (uint8) and codebooks [3, 256, 8] (f16) of the 8-dim rows ``v`` [n, 8] (one
+    matrix, one thread: run several matrices on several threads), or None without C."""
+    lib = _load()
+    if lib is None:
+        return None
+    v = v.float().contiguous()
+    codes = torch.empty(v.shape[0], 3, dtype=torch.uint8)
+    books = torch.empty(3, 256, 8, dtype=torch.float16)
+    if lib.sk_rvq3_quantize(v.data_ptr(), v.shape[0], sample, iters, seed_batch, seed & (2**64 - 1),
+                            codes.data_ptr(), books.data_ptr()) != 0:
+        raise MemoryError(f"rvq3: out of memory quantizing {v.shape[0]} subvectors")
+    return codes, books

@@ -15,8 +15,12 @@ subnormal results for small exponents, and the E8M0 NaN code 255 read as 2^128 (
 0.5 gives 2^127, larger magnitudes overflow to inf), as its ``ldexp`` does.
 
 ``quantize`` (from float weights): per block the OCP shared exponent floor(log2(amax)) - 2,
-or one more when that has a smaller squared error, then round to the nearest E2M1 value
-(ties to even), saturating at 6.
+or one more when that has a strictly smaller squared error (summed over the block as the fixed
+pairwise tree of q4's ``_tree_sum``, so the bytes do not depend on the host's SIMD width), then
+round to the nearest E2M1 value (ties to even), saturating at 6. Non-finite weights are defined,
+not refused: an inf block gets exponent 124 (torch's ``frexp`` gives inf the exponent 0) and
+saturated codes; a block holding a NaN gets exponent 0 and a NaN element code 0. The C
+quantizer (kernels/quantize.c) gives the same bytes; this torch form is its fallback.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .formats import Format, PartSpec, register
-from .q4 import pack_nibbles, unpack_nibbles
+from .q4 import _tree_sum, pack_nibbles, unpack_nibbles
 
 GROUP = 32
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -50,6 +54,29 @@ def e2m1_codes(a: torch.Tensor) -> torch.Tensor:
     return idx | ((a < 0) & (idx > 0)).to(torch.uint8) << 3
 
 
+def _quantize_rows_torch(w: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mxfp4 quantizer in torch (the fallback without C kernels; same bytes as the C one)."""
+    r, kp = w.shape
+    wg = w.reshape(r, kp // GROUP, GROUP)
+    amax = wg.abs().amax(-1, keepdim=True)
+    _, ex = torch.frexp(amax)  # amax = m * 2^ex, m in [0.5, 1): floor(log2(amax)) = ex - 1
+    biased = torch.where(amax > 0, ex - 1 - 2 + 127, torch.zeros_like(ex)).clamp(0, 254)
+    best_e = best_c = best_s = None
+    for extra in (0, 1) if search else (0,):
+        s = (biased + extra).clamp(0, 254)
+        scale = e8m0_half(s) * 2  # 2^(s - 127), s <= 254
+        codes = e2m1_codes(wg / scale)
+        err = _tree_sum((_LUT[codes.long()] * scale - wg) ** 2)
+        if best_e is None:
+            best_e, best_c, best_s = err, codes, s
+        else:
+            better = err < best_e
+            best_e = torch.where(better, err, best_e)
+            best_c = torch.where(better, codes, best_c)
+            best_s = torch.where(better, s, best_s)
+    return pack_nibbles(best_c), best_s.squeeze(-1).to(torch.uint8)
+
+
 class MXFP4(Format):
     name = "mxfp4"
     lossy = True
@@ -63,6 +90,12 @@ class MXFP4(Format):
         return {"blocks": (torch.uint8, (n, g, 16)), "scales": (torch.uint8, (n, g))}
 
     def quantize(self, w: torch.Tensor, seed: int = 0, search: bool = True) -> dict[str, torch.Tensor]:
+        if search:  # the C quantizer: the whole matrix at once (bf16/f16 widened and padded in C), rows over threads
+            from .cquant import mxfp4_quantize
+
+            out = mxfp4_quantize(w)
+            if out is not None:
+                return {"blocks": out[0], "scales": out[1]}
         w = w.float()
         n, k = w.shape
         kp = self.padded_k(k)
@@ -79,25 +112,7 @@ class MXFP4(Format):
 
     @staticmethod
     def _quantize_rows(w: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        r, kp = w.shape
-        wg = w.reshape(r, kp // GROUP, GROUP)
-        amax = wg.abs().amax(-1, keepdim=True)
-        _, ex = torch.frexp(amax)  # amax = m * 2^ex, m in [0.5, 1): floor(log2(amax)) = ex - 1
-        biased = torch.where(amax > 0, ex - 1 - 2 + 127, torch.zeros_like(ex)).clamp(0, 254)
-        best_e = best_c = best_s = None
-        for extra in (0, 1) if search else (0,):
-            s = (biased + extra).clamp(0, 254)
-            scale = e8m0_half(s) * 2  # 2^(s - 127), s <= 254
-            codes = e2m1_codes(wg / scale)
-            err = ((_LUT[codes.long()] * scale - wg) ** 2).sum(-1, keepdim=True)
-            if best_e is None:
-                best_e, best_c, best_s = err, codes, s
-            else:
-                better = err < best_e
-                best_e = torch.where(better, err, best_e)
-                best_c = torch.where(better, codes, best_c)
-                best_s = torch.where(better, s, best_s)
-        return pack_nibbles(best_c), best_s.squeeze(-1).to(torch.uint8)
+        return _quantize_rows_torch(w, search)
 
     def dequantize_rows(self, parts, n, k, r0, r1):
         codes = unpack_nibbles(parts["blocks"][r0:r1])  # [r, G, 32]

@@ -91,6 +91,12 @@ class Q4(Format):
         return {"blocks": (torch.uint8, (n, g, 16)), "scales": (torch.float16, (n, g))}
 
     def quantize(self, w: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
+        from .cquant import q4_quantize
+
+        # the C quantizer: the whole matrix at once (bf16/f16 widened and padded in C), rows over threads
+        out = q4_quantize(w, _CANDIDATES)
+        if out is not None:
+            return {"blocks": out[0], "scales": out[1]}
         w = w.float()
         n, k = w.shape
         kp = self.padded_k(k)
@@ -107,10 +113,7 @@ class Q4(Format):
 
     @staticmethod
     def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from .cquant import q4_quantize
-
-        out = q4_quantize(w, _CANDIDATES)
-        return out if out is not None else _quantize_rows_torch(w)
+        return _quantize_rows_torch(w)
 
     def dequantize_rows(self, parts, n, k, r0, r1):
         q = unpack_nibbles(parts["blocks"][r0:r1]).float() - 8.0  # [r, G, 32]

@@ -10,6 +10,10 @@ Codebooks are learned at quantize time by k-means (k-means++ seeding, Lloyd iter
 the residual of the previous stages, fitted on a seeded sample of at most ``sample``
 subvectors and then applied to all of them: deterministic for a seed. Centroids are
 rounded to f16 before assignment, so stored codes are optimal for the stored codebooks.
+The C quantizer (kernels/quantize.c ``sk_rvq3_quantize``: one thread per matrix, the same
+bytes on every host and instruction set) is the one used; without the C kernels the torch
+form below runs the same algorithm with torch's random streams, so its codebooks differ (same
+format, same error within noise).
 
 The fused kernel never dequantizes: per token it builds a table of codebook-entry .
 activation-subvector products ([Kp/8, 3, 256] fp32), then each output row is 3 Kp/8
@@ -87,7 +91,9 @@ class RVQ3(Format):
     code = 6
     small_batch = (1, 1)  # table lookups win only for a single token; 2+ tokens: dequantize + sgemm
 
-    def __init__(self, sample: int = 1 << 16, iters: int = 10, seed_batch: int = 16):
+    threads_per_matrix = 1  # the C quantizer: convert runs an expert's matrices on several threads
+
+    def __init__(self, sample: int = 1 << 15, iters: int = 8, seed_batch: int = 16):
         self.sample = sample
         self.iters = iters
         self.seed_batch = seed_batch
@@ -97,7 +103,15 @@ class RVQ3(Format):
                 "codebooks": (torch.float16, (STAGES, ENTRIES, DIM))}
 
     def quantize(self, w: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
-        # one torch thread: k-means is thousands of small ops, and on a busy machine each
+        from .cquant import rvq3_quantize
+
+        n, k = w.shape
+        kp = self.padded_k(k)
+        wp = w.float() if kp == k else torch.nn.functional.pad(w.float(), (0, kp - k))
+        out = rvq3_quantize(wp.reshape(-1, DIM), self.sample, self.iters, self.seed_batch, seed)
+        if out is not None:
+            return {"codes": out[0].reshape(n, kp // DIM, STAGES), "codebooks": out[1]}
+        # the torch fallback: one torch thread: k-means is thousands of small ops, and on a busy machine each
         # multi-threaded op waits for descheduled OpenMP workers (3-4x slower on the demo model's
         # experts, see docs/quantization.md); one thread also makes the codes independent of
         # the thread setting
