@@ -5,7 +5,8 @@
  * row-major f32, bf16 or f16 matrix [rows, k], widened exactly and zero-padded to kp columns.
  * Every sum over a group of 32 is the fixed pairwise tree ((x0+x1)+(x2+x3))+..., which
  * quant/q4.py's torch fallback computes in the same order: the bytes are the same with or
- * without this library, on every host. sk_mxfp4_quantize likewise (quant/mxfp4.py). Callers
+ * without this library, on every host. sk_mxfp4_quantize and sk_int8_quantize likewise
+ * (quant/mxfp4.py, quant/int8.py). Callers
  * run disjoint row ranges on several threads (ctypes releases the GIL). sk_rvq3_quantize
  * (below) learns one matrix's codebooks on one thread.
  *
@@ -150,6 +151,26 @@ SK_EXPORT void sk_mxfp4_quantize(const void *w, int dtype, int64_t r0, int64_t r
 #endif
     default: mx_rows_c(w, dtype, r0, r1, k, kp, blocks, scales);
     }
+}
+
+/* sk_int8_quantize: the int8 format's clipping search (see quant/int8.py and int8_rows in
+ * quantize_lanes.h) for rows [r0, r1) of a row-major matrix (as sk_q4_quantize's): ``out`` int8
+ * [rows, kp] (the padding columns 0), ``scales`` f32 [rows] (as bits). Returns 0, or -1 when
+ * memory runs out. */
+SK_EXPORT int sk_int8_quantize(const void *w, int dtype, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                               const float *ratios, int nratio, int8_t *out, float *scales) {
+    float *buf = malloc((size_t)(kp > 0 ? kp : 1) * sizeof(float));
+    if (!buf) return -1;
+    uint32_t *sc = (uint32_t *)scales;
+    switch (sk_quantize_isa(-1)) {
+#ifdef SK_X86
+    case 2: int8_rows_avx512(w, dtype, r0, r1, k, kp, ratios, nratio, buf, out, sc); break;
+    case 1: int8_rows_avx2(w, dtype, r0, r1, k, kp, ratios, nratio, buf, out, sc); break;
+#endif
+    default: int8_rows_c(w, dtype, r0, r1, k, kp, ratios, nratio, buf, out, sc);
+    }
+    free(buf);
+    return 0;
 }
 
 /* ---------------------------------------------------------------------------------- rvq3 -----

@@ -210,6 +210,81 @@ static void N(mx_rows)(const void *w, int dtype, int64_t r0, int64_t r1, int64_t
         }
 }
 
+/* int8 (quant/int8.py): rows [r0, r1), one at a time, widened into ``buf`` (kp floats). Per row
+ * amax = max |w| (a NaN wins, as in torch); for each ratio the scale s = amax * ratio / 127 and the
+ * squared error of round(w / (s > 0 ? s : 1)) clamped to [-127, 127], times s, minus w, summed
+ * in a fixed order: per column j of the row's [kp / 32, 32] view the groups in order (acc_j +=
+ * e[g][j], from 0), then the 32 column sums as the pairwise tree ((t0 + t1) + (t2 + t3)) + ...;
+ * the first ratio with the strictly smallest error wins. Each group is GROUP / LANES vectors, so
+ * the operations per element and their order do not depend on LANES. Levels are stored as int8,
+ * a NaN level (a row holding inf or NaN) as 0; a NaN scale as the canonical 0x7fc00000. */
+#define I8V (GROUP / LANES)
+
+static inline __attribute__((always_inline)) N(vf) N(i8_level)(N(vf) x, N(vf) sd) {
+    const N(vf) zero = {0}, lo = zero - 127.0f, hi = zero + 127.0f, big = zero + 12582912.0f;
+    x = x / sd;
+    x = N(vsel)(x < lo, lo, x);  /* NaN passes, as torch's clamp */
+    x = N(vsel)(x > hi, hi, x);
+    return (x + big) - big;       /* + 1.5 * 2^23 - 1.5 * 2^23: nearest, ties to even (|x| <= 127) */
+}
+
+static void N(int8_rows)(const void *w, int dtype, int64_t r0, int64_t r1, int64_t k, int64_t kp,
+                         const float *ratios, int nratio, float *buf, int8_t *out, uint32_t *scales) {
+    typedef int8_t N(vb) __attribute__((vector_size(LANES)));
+    const int64_t groups = kp / GROUP;
+    const N(vf) zero = {0};
+    for (int64_t r = r0; r < r1; r++) {
+        N(widen)(w, dtype, r * k, k, kp, buf);
+        N(vu) am = {0};
+        const N(vu) absmask = am + 0x7fffffffu;
+        for (int64_t i = 0; i < kp; i += LANES) { /* |w| as bits: a NaN's exceed inf's */
+            N(vu) u;
+            memcpy(&u, buf + i, sizeof u);
+            u &= absmask;
+            am = (N(vu))N(vsel)((N(vi))(u > am), (N(vf))u, (N(vf))am);
+        }
+        uint32_t ab = 0;
+        for (int l = 0; l < LANES; l++) ab = am[l] > ab ? am[l] : ab;
+        float amax, best_s = 0.0f, best_e = 0.0f;
+        memcpy(&amax, &ab, 4);
+        for (int c = 0; c < nratio; c++) {
+            const float s = amax * ratios[c] / 127.0f;
+            const N(vf) sv = zero + s, sd = zero + (s > 0.0f ? s : 1.0f);
+            N(vf) acc[I8V];
+            for (int v = 0; v < I8V; v++) acc[v] = zero;
+            for (int64_t g = 0; g < groups; g++)
+                for (int v = 0; v < I8V; v++) {
+                    N(vf) x;
+                    memcpy(&x, buf + g * GROUP + v * LANES, sizeof x);
+                    const N(vf) d = N(i8_level)(x, sd) * sv - x;
+                    acc[v] = acc[v] + d * d;
+                }
+            float t[GROUP];
+            memcpy(t, acc, sizeof t);
+            for (int n = GROUP / 2; n >= 1; n /= 2)
+                for (int i = 0; i < n; i++) t[i] = t[2 * i] + t[2 * i + 1];
+            if (c == 0 || t[0] < best_e) { /* strictly: a tie or a NaN keeps the earlier ratio */
+                best_e = t[0];
+                best_s = s;
+            }
+        }
+        const N(vf) sd = zero + (best_s > 0.0f ? best_s : 1.0f);
+        int8_t *o = out + r * kp;
+        for (int64_t i = 0; i < kp; i += LANES) {
+            N(vf) x;
+            memcpy(&x, buf + i, sizeof x);
+            x = N(i8_level)(x, sd);
+            x = N(vsel)(x != x, zero, x);
+            const N(vb) b = __builtin_convertvector(__builtin_convertvector(x, N(vi)), N(vb));
+            memcpy(o + i, &b, sizeof b);
+        }
+        uint32_t sb;
+        memcpy(&sb, &best_s, 4);
+        scales[r] = best_s != best_s ? 0x7fc00000u : sb;
+    }
+}
+#undef I8V
+
 /* rvq3's assignment: for each of the m 8-dim points p, the index of the nearest of the 256 centroids
  * (given as ct [8][256] and their squared norms cn [256]) by |c|^2 - 2 p.c (products summed as a
  * fixed tree), the lowest index on a tie, and the squared distance |p|^2 + that (at least 0). Four

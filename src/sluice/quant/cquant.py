@@ -1,8 +1,8 @@
-"""ctypes bindings to the converter's C quantizers (kernels/quantize.c: q4, mxfp4, rvq3).
+"""ctypes bindings to the converter's C quantizers (kernels/quantize.c: q4, mxfp4, int8, rvq3).
 
 Each function returns None where the C kernels are not built: the caller then uses its torch
-implementation, which gives the same bytes (q4, mxfp4) or other codebooks of the same
-algorithm (rvq3: torch's random streams). q4 and mxfp4 split rows over a few threads.
+implementation, which gives the same bytes (q4, mxfp4, int8) or other codebooks of the same
+algorithm (rvq3: torch's random streams). q4, mxfp4 and int8 split rows over a few threads.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ def _load():
                 lib.sk_rvq3_quantize.restype = ctypes.c_int
                 lib.sk_quantize_isa.argtypes = [ctypes.c_int]
                 lib.sk_quantize_isa.restype = ctypes.c_int
+                if hasattr(lib, "sk_int8_quantize"):  # (a library built before it: int8 in torch)
+                    lib.sk_int8_quantize.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, ctypes.c_int, p, p]
+                    lib.sk_int8_quantize.restype = ctypes.c_int
         _lib = lib or False
     return _lib or None
 
@@ -117,6 +120,28 @@ def mxfp4_quantize(w: torch.Tensor):
 
     _split(r, run)
     return blocks, scales
+
+
+def int8_quantize(w: torch.Tensor, ratios: torch.Tensor):
+    """int8 levels [r, kp] (zero-padded to a multiple of 32) and f32 scales [r] of the rows of ``w``
+    [r, k] for the clipping ``ratios``, or None without C."""
+    lib = _load()
+    if lib is None or not hasattr(lib, "sk_int8_quantize"):
+        return None
+    w, dtype = _source(w)
+    r, k = w.shape
+    kp = -(-k // 32) * 32
+    weight = torch.empty(r, kp, dtype=torch.int8)
+    scales = torch.empty(r, dtype=torch.float32)
+    rats = ratios.float().contiguous()
+
+    def run(r0: int, r1: int) -> None:
+        if lib.sk_int8_quantize(w.data_ptr(), dtype, r0, r1, k, kp, rats.data_ptr(), rats.numel(),
+                                weight.data_ptr(), scales.data_ptr()) != 0:
+            raise MemoryError(f"int8: out of memory quantizing rows of {k} weights")
+
+    _split(r, run)
+    return weight, scales
 
 
 def rvq3_quantize(v: torch.Tensor, sample: int, iters: int, seed_batch: int, seed: int):
