@@ -102,5 +102,6 @@ def assemble(weights: dict, quant: dict[str, str], desc: ModelDescription) -> di
 
 def quantize_rows(fmt: str, rows) -> dict:
     """The parts of rows [r, K] of a spine matrix (int8 quantizes each row on its own, so a
-    matrix converts in bounded row blocks with the bytes of converting it whole)."""
-    return FORMATS[fmt].quantize(rows.float())
+    matrix converts in bounded row blocks with the bytes of converting it whole). f32, bf16 and
+    f16 rows are passed as stored: the C quantizer widens them itself (exactly, as ``.float()``)."""
+    return FORMATS[fmt].quantize(rows)
