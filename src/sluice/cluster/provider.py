@@ -156,7 +156,7 @@ class RayExperts(ExpertInterface):
             self.routing[layer] = (ids, weights)
         groups = Groups(ids, weights)  # grouped and folded as ExpertProvider.moe does (experts.fold)
         experts = groups.experts
-        self._check_predictions(layer, experts)
+        self._count_predictions(set(experts), self._predictions.pop(layer, None))  # no far ones: see prefetch
         decode = self._count_union(ids, experts)  # union, seq_union; the decode lookups (as ExpertProvider)
         # per expert: (global row index tensor or None, weight)
         work = {e: groups.work(e) for e in experts}
@@ -285,12 +285,6 @@ class RayExperts(ExpertInterface):
         c.compute_s += compute_s
         self._evictions += ev
         self._bytes += br
-
-    def _check_predictions(self, layer: int, experts: list[int]) -> None:
-        predicted = self._predictions.pop(layer, None)
-        if predicted is not None and self.decoding:
-            self.counters.predicted += len(experts)
-            self.counters.predicted_hits += len(set(experts).intersection(predicted))
 
     # -- workers -------------------------------------------------------------------------------
 

@@ -184,16 +184,10 @@ class ExpertProvider(ExpertInterface):
             deferred[1]()
 
     def _check_predictions(self, layer: int, used: set[int]) -> None:
-        predicted = self._predictions.pop(layer, None)
-        far = self._far.pop(layer, None)
+        """Count the lookahead's predictions for ``layer`` against ``used`` (the experts its rows
+        routed to), then cancel its speculative reads of experts not used."""
+        self._count_predictions(used, self._predictions.pop(layer, None), self._far.pop(layer, None))
         issued = self._issued.pop(layer, ())
-        if self.decoding:
-            if predicted is not None:
-                self.counters.predicted += len(used)
-                self.counters.predicted_hits += len(used.intersection(predicted))
-            if far is not None:
-                self.counters.predicted_far += len(used)
-                self.counters.predicted_far_hits += len(used.intersection(far))
         for e in issued:
             if e in used:
                 continue
