@@ -73,14 +73,25 @@ def logits_of(eng) -> torch.Tensor:
     return torch.cat(out)
 
 
+def lookahead_of(eng, before) -> tuple[int, int]:
+    """The lookahead's (predictions checked, hits) since the counters ``before``."""
+    d = eng.totals() - before
+    return d.lookahead_predictions, d.lookahead_hits
+
+
 @pytest.fixture(scope="module")
 def single(family_models):
-    """One process's logits per family: the reference."""
+    """One process's logits per family: the reference (and its lookahead counts, in ``lookahead``)."""
     out = {}
     for fam in FAMILIES:
         with load(family_models.hf(fam), "2GiB", **COMMON) as eng:
+            before = eng.totals()
             out[fam] = logits_of(eng)
+            LOOKAHEAD[fam] = lookahead_of(eng, before)
     return out
+
+
+LOOKAHEAD: dict[str, tuple[int, int]] = {}  # family -> one process's lookahead (predictions, hits), by ``single``
 
 
 def use(eng, workers: int, replicate_hot: int) -> None:
@@ -99,7 +110,10 @@ def test_bit_identical_to_one_process(family, family_models, cluster, single):
     with load(family_models.hf(family), "2GiB", ray="auto", expert_workers=n, **COMMON) as eng:
         assert len(eng.experts.workers) == n
         assert eng.cache is None and eng.plan.cache_slots == 0  # the driver holds no expert cache
+        before = eng.totals()
         assert torch.equal(logits_of(eng), single[family]), f"{family}: {n} workers"
+        # the lookahead's one-layer-ahead predictions are checked as one process checks them
+        assert lookahead_of(eng, before) == LOOKAHEAD[family] and LOOKAHEAD[family][0] > 0
         # then the same workers under other placements: the first 1..n of them, replicated hot experts
         for workers, hot in [(w, 0) for w in range(1, n)] + [(w, h) for w in range(2, n + 1)
                                                              for h in (2, eng.desc.n_experts)]:

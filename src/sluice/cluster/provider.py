@@ -1,12 +1,13 @@
 """The expert interface over Ray actors: the driver routes, workers compute, the driver folds.
 
-Per MoE layer ``RayExperts.moe`` groups the rows by expert exactly as ``ExpertProvider.moe``
-does, picks a worker for each routed expert (``placement.Placement``), sends every worker the
-rows routed to its experts (hidden states, and per expert its rows and weights) in one call,
-all workers of the layer at once, and folds the returned outputs in ascending expert order
-into a zero tensor with the same operations as the single process (``acc += y`` for one row,
-``acc.index_add_`` for more). The outputs are computed by the same functions on the same rows
-(the driver checks each worker's kernel signature), so logits are bit-identical to one process.
+Per MoE layer ``RayExperts.moe`` groups the rows by expert as ``ExpertProvider.moe`` does
+(both with ``experts.fold.Groups``), picks a worker for each routed expert
+(``placement.Placement``), sends every worker the rows routed to its experts (hidden states,
+and per expert its rows and weights) in one call, all workers of the layer at once, and folds
+the returned outputs in ascending expert order into a zero tensor with the same operations as
+the single process (``experts.fold.Fold``: ``acc += y`` for one row, ``acc.index_add_`` for
+more). The outputs are computed by the same functions on the same rows (the driver checks each
+worker's kernel signature), so logits are bit-identical to one process.
 
 The driver holds no expert cache. The lookahead's prediction for the next layer travels with
 this layer's request (a worker that gets no rows this layer gets it alone, not waited for).
@@ -24,6 +25,7 @@ import time
 
 import torch
 
+from ..experts.fold import Fold, Groups
 from ..experts.interface import ExpertInterface
 from ..experts.provider import ExpertCounters
 from .connect import require_ray
@@ -150,48 +152,20 @@ class RayExperts(ExpertInterface):
 
     def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        t = x.shape[0]
         if self.routing is not None:
             self.routing[layer] = (ids, weights)
-        # group rows by expert exactly as ExpertProvider.moe does
-        if t == 1:
-            wrow = weights[0].tolist()
-            first: dict[int, int] = {}
-            for col, e in enumerate(ids[0].tolist()):
-                first.setdefault(e, col)
-            experts = sorted(first)
-            rows_of = {e: 1 for e in experts}
-        else:
-            flat = ids.reshape(-1)
-            order = torch.argsort(flat, stable=True)
-            sorted_ids = flat[order].tolist()
-            rows = (order // ids.shape[1]).tolist()
-            cols = (order % ids.shape[1]).tolist()
-            groups: dict[int, tuple[list[int], list[int]]] = {}
-            for e, r, c in zip(sorted_ids, rows, cols):
-                g = groups.setdefault(e, ([], []))
-                g[0].append(r)
-                g[1].append(c)
-            experts = sorted(groups)
-            rows_of = {e: len(groups[e][0]) for e in experts}
-        self._check_predictions(layer, experts)
+        groups = Groups(ids, weights)  # grouped and folded as ExpertProvider.moe does (experts.fold)
+        experts = groups.experts
+        self._count_predictions(set(experts), self._predictions.pop(layer, None))  # no far ones: see prefetch
         decode = self._count_union(ids, experts)  # union, seq_union; the decode lookups (as ExpertProvider)
         # per expert: (global row index tensor or None, weight)
-        work: dict[int, tuple[torch.Tensor | None, object]] = {}
+        work = {e: groups.work(e) for e in experts}
+        assign = self.placement.assign(layer, {e: groups.count(e) for e in experts})
+        results = self._run(layer, x, groups.one_row, work, assign, decode)
+        fold = Fold(x, experts)
         for e in experts:
-            if t == 1:
-                work[e] = (None, wrow[first[e]])
-            else:
-                idx = torch.tensor(groups[e][0])
-                work[e] = (idx, weights[idx, torch.tensor(groups[e][1])])
-        results = self._run(layer, x, t == 1, work, self.placement.assign(layer, rows_of), decode)
-        acc = torch.zeros_like(x)
-        for e in experts:  # the single process's fold: ascending experts
-            idx, y = work[e][0], results[e]
-            if idx is None:
-                acc += y
-            else:
-                acc.index_add_(0, idx, y)
+            fold.add(e, work[e][0], results[e])
+        acc = fold.result()
         self.dispatch_s += time.perf_counter() - t0
         self.dispatch_calls += 1
         return acc
@@ -311,12 +285,6 @@ class RayExperts(ExpertInterface):
         c.compute_s += compute_s
         self._evictions += ev
         self._bytes += br
-
-    def _check_predictions(self, layer: int, experts: list[int]) -> None:
-        predicted = self._predictions.pop(layer, None)
-        if predicted is not None and self.decoding:
-            self.counters.predicted += len(experts)
-            self.counters.predicted_hits += len(set(experts).intersection(predicted))
 
     # -- workers -------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from .. import kernels
 from ..errors import BudgetError
 from ..experts.cache import LOADING, READY, ExpertCache, Slot
 from ..experts.compute import expert_forward, expert_output
+from ..experts.fold import weigh
 from ..experts.policy import make_policy
 from ..experts.reader import DEMAND, PREFETCH, ReaderPool
 from ..quant.fp8 import assemble
@@ -150,8 +151,7 @@ class ExpertWorker:
                     if one_row:
                         y = expert_output(self.spec, slot.weights, x, w)
                     else:
-                        y = expert_forward(self.spec, slot.weights, x[rows])
-                        y = y * w.to(y.dtype)[:, None]
+                        y = weigh(expert_forward(self.spec, slot.weights, x[rows]), w)  # as ExpertProvider.moe
                     compute_s += time.perf_counter() - t1
                     slot.pins -= 1
                     del slots[e]

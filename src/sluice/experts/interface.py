@@ -61,6 +61,21 @@ class ExpertInterface(ABC):
                 decode |= own
         return decode
 
+    def _count_predictions(self, used: set[int], predicted: list[int] | None, far: list[int] | None = None) -> None:
+        """Count the lookahead's predictions for a MoE layer (``predicted``: made one layer ahead,
+        ``far``: two; None where none was made) against ``used``, the experts the layer's rows
+        really routed to: per prediction, ``len(used)`` checked and how many of them it named.
+        Counted only while decoding. Shared so both implementations count the same."""
+        if not self.decoding:
+            return
+        c = self.counters
+        if predicted is not None:
+            c.predicted += len(used)
+            c.predicted_hits += len(used.intersection(predicted))
+        if far is not None:
+            c.predicted_far += len(used)
+            c.predicted_far_hits += len(used.intersection(far))
+
     def after_reads(self, layer: int, fn) -> None:
         """Run the lookahead ``fn()`` for ``layer`` once that layer's demand reads are issued; by
         default at once (an implementation that sends the prediction with the layer's request)."""

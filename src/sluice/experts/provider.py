@@ -3,7 +3,9 @@
 ``ExpertProvider.moe(layer, x, ids, weights)`` looks every routed expert up in the cache,
 starts reads for the missing ones on the reader pool, computes the experts already in
 memory while the reads run, and sums the weighted outputs in ascending expert order, so
-results are bit-identical whatever was cached, prefetched or read in which order.
+results are bit-identical whatever was cached, prefetched or read in which order. The
+grouping of rows by expert and the sum are ``fold.Groups`` and ``fold.Fold``, shared with the
+Ray driver (``cluster.provider.RayExperts``), so its logits are the same bits.
 
 Shape legend: T tokens, H hidden, K experts per token, n_e tokens routed to expert e.
 """
@@ -21,6 +23,7 @@ from ..quant.fp8 import assemble
 from .cache import LOADING, READY, ExpertCache, Slot
 from .reader import DEMAND, PREFETCH, ReaderPool, Ticket
 from .compute import expert_forward, expert_output
+from .fold import Fold, Groups, weigh
 from .interface import ExpertInterface
 from .source import ExpertSource
 from .spec import ExpertSpec
@@ -181,16 +184,10 @@ class ExpertProvider(ExpertInterface):
             deferred[1]()
 
     def _check_predictions(self, layer: int, used: set[int]) -> None:
-        predicted = self._predictions.pop(layer, None)
-        far = self._far.pop(layer, None)
+        """Count the lookahead's predictions for ``layer`` against ``used`` (the experts its rows
+        routed to), then cancel its speculative reads of experts not used."""
+        self._count_predictions(used, self._predictions.pop(layer, None), self._far.pop(layer, None))
         issued = self._issued.pop(layer, ())
-        if self.decoding:
-            if predicted is not None:
-                self.counters.predicted += len(used)
-                self.counters.predicted_hits += len(used.intersection(predicted))
-            if far is not None:
-                self.counters.predicted_far += len(used)
-                self.counters.predicted_far_hits += len(used.intersection(far))
         for e in issued:
             if e in used:
                 continue
@@ -234,24 +231,8 @@ class ExpertProvider(ExpertInterface):
         t = x.shape[0]
         if self.routing is not None:
             self.routing[layer] = (ids, weights)
-        groups: dict[int, tuple[list[int], list[int]]] = {}
-        if t == 1:  # decode: group one row in Python (a handful of tensor ops fewer per layer)
-            wrow = weights[0].tolist()
-            first: dict[int, int] = {}
-            for col, e in enumerate(ids[0].tolist()):
-                first.setdefault(e, col)
-            experts = sorted(first)
-        else:
-            flat = ids.reshape(-1)
-            order = torch.argsort(flat, stable=True)
-            sorted_ids = flat[order].tolist()
-            rows = (order // ids.shape[1]).tolist()
-            cols = (order % ids.shape[1]).tolist()
-            for e, r, c in zip(sorted_ids, rows, cols):
-                g = groups.setdefault(e, ([], []))
-                g[0].append(r)
-                g[1].append(c)
-            experts = sorted(groups)
+        groups = Groups(ids, weights)
+        experts = groups.experts
         if self._deferred is not None and self._deferred[0] != layer:
             self._deferred = None  # a lookahead left over from a forward that did not reach it
         self._check_predictions(layer, set(experts))
@@ -285,13 +266,11 @@ class ExpertProvider(ExpertInterface):
                 slots[e] = slot
                 self.cache.policy.access(key)
 
-        acc = torch.zeros_like(x)
-        results: dict[int, torch.Tensor] = {}
+        fold = Fold(x, experts)
         done: set[int] = set()
-        next_fold = 0
         error: BaseException | None = None
         try:
-            while next_fold < len(experts):
+            while not fold.done:
                 while missing:  # issue reads while slots allow
                     slot = self._start_read((layer, missing[0]), speculative=False)
                     if slot is None:
@@ -300,9 +279,9 @@ class ExpertProvider(ExpertInterface):
                     slots[missing.pop(0)] = slot
                 if self._deferred is not None:
                     self._run_deferred(layer)  # the lookahead, now that this layer's reads are on their way
-                pick = self._pick(experts, next_fold, slots, done, out_of_order)
+                pick = self._pick(experts, fold.next, slots, done, out_of_order)
                 if pick is None:
-                    self._wait(experts, next_fold, slots, done, out_of_order, missing)
+                    self._wait(experts, fold.next, slots, done, out_of_order, missing)
                     continue
                 slot = slots[pick]
                 if slot.state == LOADING:
@@ -310,30 +289,20 @@ class ExpertProvider(ExpertInterface):
                         self._settle(slot)
                     except ExpertReadError as err:  # name the rows that needed it: the runner fails only them
                         err.layer, err.expert = layer, pick
-                        err.rows = [0] if t == 1 else sorted(set(groups[pick][0]))
+                        err.rows = sorted(set(groups.rows(pick)))
                         raise
                 t0 = time.perf_counter()
-                if t == 1:
-                    y = self._output(self.spec, slot.weights, x, wrow[first[pick]])
-                    idx = None
+                idx, w = groups.work(pick)
+                if idx is None:
+                    y = self._output(self.spec, slot.weights, x, w)
                 else:
-                    rows_e, cols_e = groups[pick]
-                    idx = torch.tensor(rows_e)
-                    y = self._forward(self.spec, slot.weights, x[idx])
-                    y = y * weights[idx, torch.tensor(cols_e)].to(y.dtype)[:, None]
+                    y = weigh(self._forward(self.spec, slot.weights, x[idx]), w)
                 c.compute_calls += 1
                 if self.decoding:
                     c.compute_s += time.perf_counter() - t0
                 slot.pins -= 1
                 done.add(pick)
-                results[pick] = (idx, y)
-                while next_fold < len(experts) and experts[next_fold] in results:
-                    i_, y_ = results.pop(experts[next_fold])
-                    if i_ is None:
-                        acc += y_
-                    else:
-                        acc.index_add_(0, i_, y_)
-                    next_fold += 1
+                fold.add(pick, idx, y)
         except BaseException as e:  # leave the cache consistent, then report
             error = e
         finally:
@@ -343,7 +312,7 @@ class ExpertProvider(ExpertInterface):
         if error is not None:
             self._quiesce(slots)
             raise error
-        return acc
+        return fold.result()
 
     def _pick(self, experts, next_fold, slots, done, out_of_order) -> int | None:
         if not out_of_order:
