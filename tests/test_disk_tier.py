@@ -379,6 +379,44 @@ def test_tiered_source_keeps_the_byte_source_contract(tmp_path):
         tier.close()
 
 
+def test_a_warm_hit_reads_a_record_straight_into_a_page_aligned_slot(tmp_path):
+    """A tiered source asks aligned reads in pages whatever its inner source's alignment (a remote
+    object's is 1), so an expert record lands page-aligned in its slot; a warm hit then reads the
+    payload straight into the slot (the staging buffer past the header page stays untouched) and
+    still checks the CRC: a flipped payload byte is a miss, never the bytes."""
+    from sluice.storage import AlignedBuffer, LocalFile
+    from sluice.storage.disk_tier import STAGING_BYTES
+    from sluice.storage.source import WrappedSource
+
+    class Unaligned(WrappedSource):  # a byte source that reads at any offset, as a remote one does
+        alignment = 1
+
+    data = random.Random(5).randbytes(3 << 20)
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(data)
+    tier = DiskTier(tmp_path / "tier", 64 << 20)
+    try:
+        src = TieredSource(Unaligned(LocalFile(str(blob))), tier, "m")
+        assert src.inner.alignment == 1 and src.alignment == 4096
+        off, n = 8192, 5 * 4096 + 8192 * 40
+        buf = AlignedBuffer(n)
+        assert src.read_aligned(buf.view(0, n), off) == n and src.stats.tier_misses == 1  # cold: kept
+        tier._local.buf = stage = AlignedBuffer(STAGING_BYTES)  # a fresh staging buffer: all zero
+        buf.release()
+        assert src.read_aligned(buf.view(0, n), off) == n and src.stats.tier_hits == 1
+        assert bytes(buf.view(0, n)) == data[off:off + n]
+        assert not any(stage.view(4096, STAGING_BYTES - 4096)), "a hit into an aligned slot went through staging"
+        entry = tier.path(Key(src.name, src.version, off, n).name)
+        raw = bytearray(entry.read_bytes())
+        raw[HEADER_BYTES + n // 2] ^= 1
+        entry.write_bytes(bytes(raw))
+        with pytest.warns(UserWarning, match="corrupt"):
+            assert src.read_aligned(buf.view(0, n), off) == n  # the CRC caught it: refetched
+        assert bytes(buf.view(0, n)) == data[off:off + n] and src.stats.tier_misses == 2
+    finally:
+        tier.close()
+
+
 def test_a_damaged_index_is_rebuilt_from_the_entries(tmp_path):
     from sluice.storage import LocalFile
 

@@ -9,6 +9,7 @@ storage knows the tier is there.
 
 from __future__ import annotations
 
+from .buffers import ALIGN
 from .disk_tier import DiskTier
 from .tier_entry import STAGING_BYTES, Key
 from .source import ByteSource, WrappedSource
@@ -28,6 +29,13 @@ class TieredSource(WrappedSource):
         super().__init__(inner)
         self.tier, self.model = tier, model
         tier.forget_other_versions(inner.name, inner.version)  # the object changed: its old entries are dead
+
+    # Aligned reads are asked in pages, as from a local O_DIRECT file, whatever the inner source's own
+    # alignment (1 for a remote object): an expert record then lands at a page-aligned address in its
+    # cache slot, and a hit is one preadv of the entry's header and payload straight into the slot,
+    # with no staging copy (``tier_entry.read_entry``). A record at an unaligned offset costs a few KB
+    # more fetched on a miss (the pages around it); ``read_into``/``pread`` keep their exact range.
+    alignment = ALIGN
 
     # a hit read into a destination that is not page-aligned goes through the tier's staging buffer,
     # which a reading thread keeps besides what the remote client holds during a miss
