@@ -59,6 +59,7 @@ import sqlite3
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 
 from ..errors import InvalidArgumentError, SluiceError
@@ -82,6 +83,11 @@ HALF_LIFE_S = 6 * 3600.0  # scores halve every six hours of wall-clock time
 STALE_TMP_S = 3600.0  # a temporary file this old is a dead writer's, whatever its pid says
 FLUSH_HITS = 32
 FLUSH_S = 5.0
+# Entry files kept open between hits (least recently used closed first): a hit is then one preadv, not
+# open + fstat + preadv + close (each a GIL release and re-take in a reader thread; measured in
+# docs/remote.md). Entries are immutable, so an open one always reads its own bytes; one this process
+# evicts or drops is closed at once, one another process evicts holds its disk space until closed here.
+OPEN_ENTRIES = 256
 
 
 class DiskTierError(SluiceError):
@@ -130,6 +136,8 @@ class DiskTier:
         self._pending_n = 0
         self._last_flush = time.monotonic()
         self._direct: bool | None = None  # None: probe O_DIRECT on the next entry opened
+        self._open: OrderedDict[str, EntryFile] = OrderedDict()  # entry files kept open (OPEN_ENTRIES)
+        self._open_lock = threading.Lock()
         self._warned = False
         self.counts = {"hits": 0, "misses": 0, "corrupt": 0, "inserted": 0, "evicted": 0, "write_errors": 0}
         self._lock_fd = -1
@@ -296,20 +304,25 @@ class DiskTier:
         """Fill ``dest`` (``key.length`` bytes) from the tier; False when the entry is not there or
         was corrupt (then dropped, and ``dest`` holds nothing useful)."""
         name = key.name
-        try:
-            f = EntryFile(str(self.path(name)), self._direct)
-        except OSError:
-            return False  # not there (or unreadable: the caller fetches it)
+        with self._open_lock:
+            f = self._open.pop(name, None)  # this thread's alone while it reads; put back after
+        if f is None:
+            try:
+                f = EntryFile(str(self.path(name)), self._direct)
+            except OSError:
+                return False  # not there (or unreadable: the caller fetches it)
         try:
             if self._direct is None:
                 self._direct = f.direct_io  # the first entry's probe decides for the tier's filesystem
             ok = read_entry(f, key, dest, self._staging())
-            ino = os.fstat(f.dfd if f.dfd is not None else f.fd).st_ino
         except OSError:
-            ok, ino = False, None
-        finally:
-            f.close()
+            ok = False
         if not ok:
+            try:
+                ino = os.fstat(f.dfd if f.dfd is not None else f.fd).st_ino
+            except OSError:
+                ino = None
+            f.close()
             with self._tlock:
                 self.counts["corrupt"] += 1
             warnings.warn(f"disk tier {self.dir}: entry {name} for {key.url} (bytes {key.offset}..."
@@ -317,8 +330,29 @@ class DiskTier:
                           stacklevel=3)
             self._drop(name, ino)
             return False
+        self._keep_open(name, f)
         self._use(name)
         return True
+
+    def _keep_open(self, name: str, f: EntryFile) -> None:
+        with self._open_lock:
+            if self._db is None or name in self._open:  # closed, or another thread kept its own
+                old = f
+            else:
+                self._open[name] = f
+                old = self._open.popitem(last=False)[1] if len(self._open) > OPEN_ENTRIES else None
+        if old is not None:
+            old.close()
+
+    def _close_open(self, names=None) -> None:
+        """Close the kept-open entry files of ``names`` (None: all): entries being removed."""
+        with self._open_lock:
+            if names is None:
+                files, self._open = list(self._open.values()), OrderedDict()
+            else:
+                files = [f for f in (self._open.pop(n, None) for n in names) if f is not None]
+        for f in files:
+            f.close()
 
     def _use(self, name: str) -> None:
         now = time.time()
@@ -418,6 +452,7 @@ class DiskTier:
             if not victims:
                 return False
             db.execute("BEGIN")
+            self._close_open([name for name, _ in victims])
             for name, nbytes in victims:
                 with contextlib.suppress(FileNotFoundError):
                     self.path(name).unlink()
@@ -432,6 +467,7 @@ class DiskTier:
 
     def _drop(self, name: str, ino: int | None) -> None:
         """Remove a corrupt entry, unless another process has replaced it since it was read."""
+        self._close_open([name])
         with self._locked():
             p = self.path(name)
             try:
@@ -453,6 +489,7 @@ class DiskTier:
                                      (url, version)).fetchall()
         if not stale:
             return 0
+        self._close_open([name for (name,) in stale])
         with self._locked():
             self._db.execute("BEGIN")
             for (name,) in stale:
@@ -490,6 +527,7 @@ class DiskTier:
             self._sweep()
             where, args = ("WHERE model = ?", (model,)) if model is not None else ("", ())
             rows = self._db.execute(f"SELECT name, size FROM entries {where}", args).fetchall()
+            self._close_open([name for name, _ in rows])
             self._db.execute("BEGIN")
             for name, size in rows:
                 with contextlib.suppress(FileNotFoundError):
@@ -506,7 +544,9 @@ class DiskTier:
         return removed
 
     def close(self) -> None:
-        """Write pending uses to the index and release the index and the lock file; idempotent."""
+        """Write pending uses to the index and release the index, the open entry files and the lock file;
+        idempotent."""
+        self._close_open()
         if self._db is not None:
             with contextlib.suppress(Exception):
                 self.flush()
