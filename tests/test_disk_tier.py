@@ -417,6 +417,59 @@ def test_a_warm_hit_reads_a_record_straight_into_a_page_aligned_slot(tmp_path):
         tier.close()
 
 
+def _open_entry_files(tier_dir: Path) -> set[str]:
+    """Paths under ``tier_dir`` this process has open (deleted ones end in " (deleted)")."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(tier_dir)) and ".entry" in target:
+            out.add(target)
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_hits_keep_entry_files_open_and_removing_an_entry_closes_it(tmp_path, monkeypatch):
+    """A hit leaves its entry file open for the next (at most OPEN_ENTRIES, least recently used closed
+    first); an entry this process evicts or clears is closed with it, so no removed entry's disk
+    space stays held, and closing the tier closes them all."""
+    from sluice.storage import AlignedBuffer
+    from sluice.storage import disk_tier
+
+    monkeypatch.setattr(disk_tier, "OPEN_ENTRIES", 2)
+    rng = random.Random(9)
+    tier_dir = tmp_path / "tier"
+    tier = DiskTier(tier_dir, 4 * (HEADER_BYTES + 8192))  # room for four entries of 8 KiB
+    keys = [Key("http://h/o", "v1", i * 8192, 8192) for i in range(3)]
+    data = {k: rng.randbytes(8192) for k in keys}
+    buf = AlignedBuffer(8192)
+    try:
+        for k in keys[:3]:
+            assert tier.put(k, memoryview(data[k]), "m")
+        for k in keys[:3]:
+            assert tier.get(k, buf.view(0, 8192)) and bytes(buf.view(0, 8192)) == data[k]
+        kept = {str(tier.path(k.name)) for k in keys[1:3]}  # the two most recently used
+        assert _open_entry_files(tier_dir) == kept
+        assert tier.get(keys[1], buf.view(0, 8192)) and bytes(buf.view(0, 8192)) == data[keys[1]]
+        assert _open_entry_files(tier_dir) == kept  # the kept-open file served the hit
+        big = Key("http://h/o", "v1", 1 << 20, 9 * 4096)  # room for it evicts all three
+        big_data = rng.randbytes(big.length)
+        assert tier.put(big, memoryview(big_data), "m")
+        assert not any(tier.path(k.name).exists() for k in keys[:3])
+        assert _open_entry_files(tier_dir) == set()  # the evicted entries' files were closed with them
+        big_buf = AlignedBuffer(big.length)
+        assert tier.get(big, big_buf.view(0, big.length)) and bytes(big_buf.view(0, big.length)) == big_data
+        assert _open_entry_files(tier_dir) == {str(tier.path(big.name))}
+        tier.clear()
+        assert _open_entry_files(tier_dir) == set()
+        assert tier.put(keys[0], memoryview(data[keys[0]]), "m") and tier.get(keys[0], buf.view(0, 8192))
+    finally:
+        tier.close()
+    assert _open_entry_files(tier_dir) == set()
+
+
 def test_a_damaged_index_is_rebuilt_from_the_entries(tmp_path):
     from sluice.storage import LocalFile
 
