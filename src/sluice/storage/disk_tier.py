@@ -24,7 +24,9 @@ removes (its writer is gone, or it is over an hour old). Entries are immutable o
 Sharing. Processes share a tier directory: inserts, evictions, drops and the index updates
 run under an exclusive ``fcntl.flock`` on ``lock`` (and a thread lock within a process);
 lookups open the entry file by name without any lock (a file evicted while another process
-reads it stays readable through the open descriptor). The index (``index.sqlite``: each
+reads it stays readable through the open descriptor). A tier keeps up to ``OPEN_ENTRIES`` entry
+files open between hits (least recently used closed first); one it evicts, drops or clears is
+closed with it. The index (``index.sqlite``: each
 entry's model, key, size and score) is only bookkeeping: at open, a tier reconciles it with
 the files (rows without a file are dropped, entry files without a row are re-indexed from
 their headers), and a damaged index is rebuilt from the entries.
