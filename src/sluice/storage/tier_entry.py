@@ -46,7 +46,10 @@ def read_entry(f: LocalFile, key: Key, dest: memoryview, stage: AlignedBuffer) -
     """Fill ``dest`` with the payload of entry file ``f`` (an ``EntryFile``) if the entry is ``key``'s
     and its CRC-32 matches; False otherwise. ``stage``: a staging buffer of ``STAGING_BYTES``.
 
-    One read for the header, the page-aligned part of the payload (straight into ``dest`` when
+    An entry file read before (``f.crc`` set: its header was the key's and its CRC matched the
+    payload then) and a page-aligned ``dest`` of whole pages: one read of the payload alone,
+    checked against that CRC (entries are immutable; a payload changed on disk fails the check).
+    Otherwise one read for the header, the page-aligned part of the payload (straight into ``dest`` when
     its address is page-aligned) and the start of the rest (through ``stage``); a payload of
     8 MiB or more (aligned) is read in parallel pieces (``LocalFile.read_aligned``) after its
     header."""
@@ -55,6 +58,15 @@ def read_entry(f: LocalFile, key: Key, dest: memoryview, stage: AlignedBuffer) -
         return False
     fd = f.dfd if f.dfd is not None else f.fd
     body = align_down(n, ALIGN) if np.frombuffer(dest, dtype=np.uint8).ctypes.data % ALIGN == 0 else 0
+    if f.crc is not None and body == n:  # header checked by an earlier read of this open file: the payload alone
+        if body >= 2 * PIECE_BYTES:
+            if f.read_aligned(dest, HEADER_BYTES) != n:
+                return False
+        elif os.preadv(fd, [dest], HEADER_BYTES) != n:
+            return False
+        if f.dfd is None:
+            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return crc32(dest) == f.crc
     if body >= 2 * PIECE_BYTES:
         first = 0
         if f.read_aligned(stage.view(0, HEADER_BYTES), 0) != HEADER_BYTES or \
@@ -87,7 +99,10 @@ def read_entry(f: LocalFile, key: Key, dest: memoryview, stage: AlignedBuffer) -
         pos += take
     if f.dfd is None:
         os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # buffered: leave no pages behind
-    return crc32(dest) == crc
+    if crc32(dest) != crc:
+        return False
+    f.crc = crc  # the header is the key's and its CRC matched a payload: kept for this open file's next reads
+    return True
 
 
 
@@ -95,6 +110,8 @@ class EntryFile(LocalFile):
     """An entry file read as ``LocalFile`` reads (O_DIRECT, the buffered fallback without page cache),
     with one descriptor: the first entry a tier opens is probed (``known`` None); after that the
     tier's answer is used (True: opened with O_DIRECT alone, no probe read; False: buffered)."""
+
+    crc: int | None = None  # the payload CRC-32 from this file's header, once a read checked both
 
     def __init__(self, path: str, known: bool | None):
         if known is None:
