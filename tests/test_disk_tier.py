@@ -398,7 +398,7 @@ def test_a_warm_hit_reads_a_record_straight_into_a_page_aligned_slot(tmp_path):
     try:
         src = TieredSource(Unaligned(LocalFile(str(blob))), tier, "m")
         assert src.inner.alignment == 1 and src.alignment == 4096
-        off, n = 8192, 5 * 4096 + 8192 * 40
+        off, n = 8192, (2 << 20) + 3 * 4096
         buf = AlignedBuffer(n)
         assert src.read_aligned(buf.view(0, n), off) == n and src.stats.tier_misses == 1  # cold: kept
         tier._local.buf = stage = AlignedBuffer(STAGING_BYTES)  # a fresh staging buffer: all zero
@@ -406,9 +406,12 @@ def test_a_warm_hit_reads_a_record_straight_into_a_page_aligned_slot(tmp_path):
         assert src.read_aligned(buf.view(0, n), off) == n and src.stats.tier_hits == 1
         assert bytes(buf.view(0, n)) == data[off:off + n]
         assert not any(stage.view(4096, STAGING_BYTES - 4096)), "a hit into an aligned slot went through staging"
+        buf.release()
+        assert src.read_aligned(buf.view(0, n), off) == n and src.stats.tier_hits == 2  # the kept-open file
+        assert bytes(buf.view(0, n)) == data[off:off + n]
         entry = tier.path(Key(src.name, src.version, off, n).name)
         raw = bytearray(entry.read_bytes())
-        raw[HEADER_BYTES + n // 2] ^= 1
+        raw[HEADER_BYTES + n - 100] ^= 1  # in the second half
         entry.write_bytes(bytes(raw))
         with pytest.warns(UserWarning, match="corrupt"):
             assert src.read_aligned(buf.view(0, n), off) == n  # the CRC caught it: refetched
