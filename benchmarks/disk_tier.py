@@ -6,8 +6,8 @@ A file of ``--total`` random bytes is cut into records of each ``--record`` size
 is put into a fresh tier in that directory (the entries a cold run would write). Then, in random
 order, every record is read (A) from the file with ``LocalFile.read_aligned`` into a page-aligned
 buffer (what the expert readers do for a local model; O_DIRECT where the filesystem allows it)
-and (B) through ``DiskTier.get`` into the same buffer (open the entry, check its header, read
-the payload with O_DIRECT, check its CRC-32). The arms alternate (AB, BA, ...) so that the noise
+and (B) through ``DiskTier.get`` into the same buffer (open the entry and check its header on
+its first read, since kept open; read the payload with O_DIRECT, check its CRC-32). The arms alternate (AB, BA, ...) so that the noise
 of a shared machine falls on both; per arm the median GB/s over ``--rounds`` passes is printed
 with the ratio B/A, and the insert rate of the cold pass (write, fsync, rename, index).
 """
