@@ -13,7 +13,7 @@ setup(
                      "src/sluice/kernels/quant512.c",
                      "src/sluice/kernels/fp8.c",
                      "src/sluice/kernels/attention.c", "src/sluice/kernels/crc32.c",
-                     "src/sluice/kernels/quantize.c"],
+                     "src/sluice/kernels/quantize.c", "src/sluice/kernels/norm.c"],
             extra_compile_args=["-O3", "-std=c11", "-fvisibility=hidden", "-pthread", "-fno-strict-aliasing"],
             extra_link_args=["-pthread"],
             depends=["src/sluice/kernels/sk.h", "src/sluice/kernels/quant.h", "src/sluice/kernels/quantize_lanes.h"],

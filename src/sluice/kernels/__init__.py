@@ -39,6 +39,7 @@ class _Lib:
         self.fp8 = False
         self.chain = False
         self.invariant = False
+        self.norm = False
         path = _find_library()
         if path is None:
             self.error = "C kernels not built (no compiler at install time?): using torch fallbacks"
@@ -74,6 +75,12 @@ class _Lib:
             lib.sk_attend.restype = None
             lib.sk_delta_rule.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i]
             lib.sk_delta_rule.restype = None
+        self.norm = hasattr(lib, "sk_rmsnorm")  # per-layer pointwise kernels (norm.c)
+        if self.norm:
+            lib.sk_rmsnorm.argtypes = [p, p, p, p, p, i, i, ctypes.c_float]
+            lib.sk_rmsnorm.restype = None
+            lib.sk_rope.argtypes = [p, p, p, p, i, i, i, i]
+            lib.sk_rope.restype = None
         lib.sk_set_threads.argtypes = [i]
         lib.sk_set_threads.restype = i
         lib.sk_has_avx2.restype = i
@@ -374,3 +381,39 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     _lib.lib.sk_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), a.data_ptr(), beta.data_ptr(), S.data_ptr(),
                            o.data_ptr(), t, h, dk, dv, int(a.dim() == 3), _lib.threads)
     return o, S
+
+
+def norm_available() -> bool:
+    """Whether ``rmsnorm`` and ``rope`` run in C (kernels/norm.c)."""
+    return _lib.lib is not None and _lib.norm
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | None = None):
+    """RMSNorm over the last dimension in one fixed summation order (kernels/norm.c), the same for
+    any number of rows and on every ISA level. x [..., D] fp32, w fp32 [D] contiguous.
+
+    Returns ``w * x / sqrt(mean(x^2) + eps)``; with ``res`` (x's shape), ``(x + res, its norm)``."""
+    d = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    rows = x.numel() // d if d else 0
+    if res is None:
+        _lib.lib.sk_rmsnorm(x.data_ptr(), None, None, w.data_ptr(), out.data_ptr(), rows, d, eps)
+        return out
+    res = res.contiguous()
+    h = torch.empty(x.shape, dtype=torch.float32)
+    _lib.lib.sk_rmsnorm(x.data_ptr(), res.data_ptr(), h.data_ptr(), w.data_ptr(), out.data_ptr(), rows, d, eps)
+    return h, out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half form: x [T, H, Dh] fp32, cos/sin [T, d] fp32 (d <= Dh, even)
+    -> [T, H, Dh]: the first d dims of each head rotated, the rest copied. Bit-identical to
+    ``x * cos + rotate_half(x) * sin`` (``layers.rotary.apply_rotary``'s torch form)."""
+    t, h, dh = x.shape
+    d = cos.shape[-1]
+    x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(t, h, dh, dtype=torch.float32)
+    _lib.lib.sk_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, dh, d)
+    return out

@@ -263,17 +263,21 @@ class CausalLM:
         spine = self.spine
         if spine is not None:
             spine.start()
+        # h += attn(input_norm(h)); h += mlp(post_norm(h)): each residual add runs in one call with
+        # the norm that follows it (``RMSNorm.add``: the same sum, rounded once, as ``h + y``)
+        y = None  # the previous layer's MLP output, not yet added to h
         for i, layer in enumerate(self.layers):
             if spine is not None:
                 spine.acquire(i)
             segs = [(r0, r1, p, s[1].layers[i]) for (r0, r1, p), s in zip(bounds, segments)]
-            a = h + layer.attn.segments(layer.input_norm(h), segs, cos, sin)
+            h, x = layer.input_norm.add(h, y) if y is not None else (h, layer.input_norm(h))
+            h, x = layer.post_norm.add(h, layer.attn.segments(x, segs, cos, sin))
             if self.lookahead is not None:
-                self.lookahead(i, a)
-            h = a + layer.mlp(layer.post_norm(a))
+                self.lookahead(i, h)
+            y = layer.mlp(x)
             if spine is not None:
                 spine.release(i)
-        return self.norm(h)
+        return self.norm.add(h, y)[1] if y is not None else self.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear(h, self.lm_head)
