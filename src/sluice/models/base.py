@@ -173,11 +173,14 @@ class MoEBlock:
         self.top_k: int | None = None  # lossy: fewer experts than trained
         self.prefer_cached = 0.0  # lossy: selection bias toward resident experts
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, weights) for rows x; ``logits``: the router's logits for x if already computed."""
+        if logits is None:
+            logits = self.router.logits(x)
         if self.prefer_cached:
-            ids, weights = self.router(x, bias=self.experts.resident_mask(self.layer) * self.prefer_cached)
+            ids, weights = self.router.select(logits, bias=self.experts.resident_mask(self.layer) * self.prefer_cached)
         else:
-            ids, weights = self.router(x)
+            ids, weights = self.router.select(logits)
         if self.top_k is not None and self.top_k < ids.shape[1]:
             total = weights.sum(-1, keepdim=True)
             ids, kept = ids[:, : self.top_k], weights[:, : self.top_k]
@@ -223,8 +226,9 @@ class CausalLM:
         if not isinstance(target.mlp.router, Router):
             raise TypeError(f"layer {layer}'s router is a {type(target.mlp.router).__name__}, not a Router")
         x = target.post_norm(h)
-        ids, _ = target.mlp.route(x)
-        probs = torch.softmax(target.mlp.router.logits(x), dim=-1).gather(1, ids)
+        logits = target.mlp.router.logits(x)  # once, for the guess and its confidence
+        ids, _ = target.mlp.route(x, logits)
+        probs = torch.softmax(logits, dim=-1).gather(1, ids)
         return ids, probs
 
     def new_state(self, max_ctx: int) -> State:
