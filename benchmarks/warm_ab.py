@@ -6,7 +6,8 @@ before the first measurement. The parent then alternates (AB, BA, AB, ...): each
 generates ``--new-tokens`` from a fresh ``--prompt``-token prompt (both arms get the same
 prompts), reporting decode and prefill tok/s, process CPU time per decoded token (a run of N
 new tokens minus a run of 1; meaningful at ``--threads 1``, where no pool worker spins: the
-least load-sensitive number on a shared machine) and a memory-bandwidth probe taken just
+least load-sensitive number on a shared machine), prompt tokens per CPU-second of the 1-token
+run (its prefill, plus one token) and a memory-bandwidth probe taken just
 before (a 256 MiB sum on the kernels' pool). Medians per arm; the roofline is bandwidth /
 bytes touched per decoded token (``harness.model_facts``). The arms' tokens must be equal
 (checked and printed).
@@ -53,9 +54,11 @@ def child(a) -> int:
             res = eng.generate(ids, max_new_tokens=a.new_tokens, ignore_eos=True, speculate=False)
             c1 = time.process_time()
             eng.generate(ids, max_new_tokens=1, ignore_eos=True, speculate=False)
-            cpu = ((c1 - c0) - (time.process_time() - c1)) / (a.new_tokens - 1)
+            one = time.process_time() - c1  # the prompt's prefill and one sampled token
+            cpu = ((c1 - c0) - one) / (a.new_tokens - 1)
             print(json.dumps({"decode": res.stats["decode_tok_s"], "prefill": res.stats["prefill_tok_s"],
-                              "cpu_s_per_token": cpu, "bw": bw, "tokens": list(res.token_ids)}), flush=True)
+                              "cpu_s_per_token": cpu, "cpu_prefill_tok_s": a.prompt / one, "bw": bw,
+                              "tokens": list(res.token_ids)}), flush=True)
     return 0
 
 
@@ -103,7 +106,8 @@ def main(argv=None) -> int:
             loads.append(loadavg()[0])
             print(f"round {r}: " + "  ".join(
                 f"{n} decode {out[n][-1]['decode']:.1f} prefill {out[n][-1]['prefill']:.1f} "
-                f"cpu/token {out[n][-1]['cpu_s_per_token'] * 1e3:.1f} ms" for n in arms), flush=True)
+                f"cpu/token {out[n][-1]['cpu_s_per_token'] * 1e3:.1f} ms prefill/cpu-s {out[n][-1]['cpu_prefill_tok_s']:.0f}"
+                for n in arms), flush=True)
     finally:
         for p in procs.values():
             p.stdin.close()
@@ -111,17 +115,18 @@ def main(argv=None) -> int:
     rows = {}
     for n in arms:
         runs = out[n]
-        med = {k: statistics.median(x[k] for x in runs) for k in ("decode", "prefill", "cpu_s_per_token", "bw")}
+        med = {k: statistics.median(x[k] for x in runs) for k in ("decode", "prefill", "cpu_s_per_token", "cpu_prefill_tok_s", "bw")}
         med["x_roofline"] = med["decode"] * touched / (med["bw"] * 1e9)
         med["cpu_x_roofline"] = touched / med["cpu_s_per_token"] / (med["bw"] * 1e9)
         rows[n] = med
         print(f"{n:4s} decode {med['decode']:6.2f} tok/s  prefill {med['prefill']:7.1f} tok/s  "
-              f"cpu/token {med['cpu_s_per_token'] * 1e3:6.2f} ms  bandwidth {med['bw']:5.1f} GB/s  "
+              f"cpu/token {med['cpu_s_per_token'] * 1e3:6.2f} ms  prefill per CPU-s {med['cpu_prefill_tok_s']:6.1f}  bandwidth {med['bw']:5.1f} GB/s  "
               f"x roofline {med['x_roofline']:.2f} (per CPU-second {med['cpu_x_roofline']:.2f})")
     same = [x["tokens"] for x in out["old"]] == [x["tokens"] for x in out["new"]]
     o, nw = rows["old"], rows["new"]
     print(f"new/old: decode {nw['decode'] / o['decode']:.2f}x, prefill {nw['prefill'] / o['prefill']:.2f}x, "
-          f"CPU per token {nw['cpu_s_per_token'] / o['cpu_s_per_token']:.2f}x; tokens equal: {same}; "
+          f"CPU per token {nw['cpu_s_per_token'] / o['cpu_s_per_token']:.2f}x, prefill per CPU-second "
+          f"{nw['cpu_prefill_tok_s'] / o['cpu_prefill_tok_s']:.2f}x; tokens equal: {same}; "
           f"{touched / 1e9:.3f} GB touched per token; 1-minute load {min(loads):.1f}-{max(loads):.1f}")
     if a.json:
         a.json.write_text(json.dumps({"rows": rows, "runs": out, "tokens_equal": same, "load": loads,

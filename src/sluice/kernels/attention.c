@@ -48,12 +48,63 @@ AVX2 static float dot_avx2(const float *a, const float *b, int n) {
     return s;
 }
 
+/* Four keys' dot products at once: each is dot_avx2's exact sequence (its own 8-lane fma chain
+ * over D ascending, sk_hsum8, then the scalar tail), four independent chains in flight instead of
+ * one (a single chain is bound by the fma latency). */
+AVX2 static void dot4_avx2(const float *a, const float *b0, const float *b1, const float *b2, const float *b3,
+                           int n, float *r) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 av = _mm256_loadu_ps(a + i);
+        c0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(b0 + i), c0);
+        c1 = _mm256_fmadd_ps(av, _mm256_loadu_ps(b1 + i), c1);
+        c2 = _mm256_fmadd_ps(av, _mm256_loadu_ps(b2 + i), c2);
+        c3 = _mm256_fmadd_ps(av, _mm256_loadu_ps(b3 + i), c3);
+    }
+    float s0 = sk_hsum8(c0), s1 = sk_hsum8(c1), s2 = sk_hsum8(c2), s3 = sk_hsum8(c3);
+    for (; i < n; i++) {
+        s0 = fmaf(a[i], b0[i], s0);
+        s1 = fmaf(a[i], b1[i], s1);
+        s2 = fmaf(a[i], b2[i], s2);
+        s3 = fmaf(a[i], b3[i], s3);
+    }
+    r[0] = s0, r[1] = s1, r[2] = s2, r[3] = s3;
+}
+
 AVX2 static void axpy_avx2(float p, const float *v, float *o, int n) {
     const __m256 pv = _mm256_set1_ps(p);
     int i = 0;
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
     for (; i < n; i++) o[i] = fmaf(p, v[i], o[i]);
+}
+
+/* o[e] = fma(p_j, v_j[e], o[e]) for j = j0..j1-1 ascending: exactly axpy_avx2 once per key (its
+ * vector lanes and its scalar tail), with each 64-lane block of o held in registers across the
+ * keys instead of loaded and stored per key. o starts as it is (zeros). */
+AVX2 static void weighted_sum_avx2(const float *p, const float *v, long vs, int j0, int j1, float *o, int n) {
+    int e = 0;
+    for (; e + 64 <= n; e += 64) {
+        __m256 c[8];
+        for (int u = 0; u < 8; u++) c[u] = _mm256_loadu_ps(o + e + 8 * u);
+        for (int j = j0; j < j1; j++) {
+            const __m256 pv = _mm256_set1_ps(p[j]);
+            const float *vj = v + (long)j * vs + e;
+            for (int u = 0; u < 8; u++) c[u] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * u), c[u]);
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(o + e + 8 * u, c[u]);
+    }
+    for (; e + 8 <= n; e += 8) {
+        __m256 c = _mm256_loadu_ps(o + e);
+        for (int j = j0; j < j1; j++) c = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + (long)j * vs + e), c);
+        _mm256_storeu_ps(o + e, c);
+    }
+    for (; e < n; e++) {
+        float c = o[e];
+        for (int j = j0; j < j1; j++) c = fmaf(p[j], v[(long)j * vs + e], c);
+        o[e] = c;
+    }
 }
 
 static void axpy_c(float p, const float *v, float *o, int n) {
@@ -74,7 +125,20 @@ static void attend_task(void *ctx, int i0, int i1) {
         const float *kh = a->k + g * a->ks_h, *vh = a->v + g * a->vs_h;
         float *o = a->out + t * a->os_t + h * a->os_h;
         float m = -INFINITY;
-        for (int j = lo; j <= pos; j++) {
+        int j0 = lo;
+        if (avx) {  /* keys four at a time, each dot as dot_avx2 computes it */
+            const long ks = a->ks_l;
+            for (; j0 + 4 <= pos + 1; j0 += 4) {
+                const float *kj = kh + (long)j0 * ks;
+                float d[4];
+                dot4_avx2(q, kj, kj + ks, kj + 2 * ks, kj + 3 * ks, a->D, d);
+                for (int u = 0; u < 4; u++) {
+                    s[j0 + u] = d[u] * a->scale;
+                    if (s[j0 + u] > m) m = s[j0 + u];
+                }
+            }
+        }
+        for (int j = j0; j <= pos; j++) {
             const float *kj = kh + (long)j * a->ks_l;
             float d = avx ? dot_avx2(q, kj, a->D) : dot_c(q, kj, a->D);
             s[j] = d * a->scale;
@@ -84,11 +148,18 @@ static void attend_task(void *ctx, int i0, int i1) {
         if (a->sinks && sink > m) m = sink;
         memset(o, 0, sizeof(float) * (size_t)a->Dv);
         float sum = 0.0f;
-        for (int j = lo; j <= pos; j++) {
-            const float p = expf(s[j] - m);
-            sum += p;
-            if (avx) axpy_avx2(p, vh + (long)j * a->vs_l, o, a->Dv);
-            else axpy_c(p, vh + (long)j * a->vs_l, o, a->Dv);
+        if (avx) {  /* the weights first, then o accumulated in registers (axpy_avx2's per-lane fmas) */
+            for (int j = lo; j <= pos; j++) {
+                s[j] = expf(s[j] - m);
+                sum += s[j];
+            }
+            weighted_sum_avx2(s, vh, a->vs_l, lo, pos + 1, o, a->Dv);
+        } else {
+            for (int j = lo; j <= pos; j++) {
+                const float p = expf(s[j] - m);
+                sum += p;
+                axpy_c(p, vh + (long)j * a->vs_l, o, a->Dv);
+            }
         }
         if (a->sinks) sum += expf(sink - m);
         const float inv = 1.0f / sum;
