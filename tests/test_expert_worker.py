@@ -87,9 +87,11 @@ def test_worker_outputs_folded_are_one_process_bits(family, family_models):
                 lookups, hits, prefill, demand = (sum(d[i] for d in deltas) for i in range(4))
                 assert (lookups, prefill) == ((n, 0) if rows == 1 else (0, n))
                 assert demand + hits >= (n if rows == 1 else 0) and demand > 0  # 3 slots: it had to read
+                times = [d[5] + d[6] for d in deltas]  # read waits and compute time: the driver's while decoding
+                assert all(t > 0 for t in times) if rows == 1 else all(t == 0.0 for t in times)
         st = worker.stats_now()
         assert st["calls"] == 4 * len(m.moe_layers) and st["evictions"] > 0 and st["bytes_read"] > 0
-        assert st["slots"] == 3 and st["demand_reads"] > 0
+        assert st["slots"] == 3 and st["demand_reads"] > 0 and st["compute_s"] > 0
     finally:
         worker.close()
         local.close()

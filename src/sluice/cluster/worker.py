@@ -93,6 +93,7 @@ class ExpertWorker:
         # the local provider's lookups, reads, pins and compute; the driver groups and folds
         self.experts = ExpertProvider(self.source, cache, m.spec, m.n_experts, verify_reads=opts.get("verify_reads", True),
                                       pool=ReaderPool(threads, name=f"sluice-worker{index}-read"))
+        self.experts.decoding = True  # it times every call (worker_stats); the driver counts the decoding ones
         self.cache = cache
         self.sig = signature(m.checkpoint)
         self.started = time.time()
@@ -130,7 +131,6 @@ class ExpertWorker:
         if torch.get_num_threads() != torch_threads:
             torch.set_num_threads(torch_threads)  # as the driver ran: the same bits in torch's ops
         p, c = self.experts, self.experts.counters
-        p.decoding = decoding
         before = [getattr(c, k) for k in _SENT]
         if prefetch is not None:
             p.after_reads(layer, lambda: p.prefetch(*prefetch))
@@ -149,8 +149,10 @@ class ExpertWorker:
         st["experts_computed"] += len(outs)
         st["rows_computed"] += sum(y.shape[0] for y in outs)
         ev, br = self.cache.evictions, self.opened.checkpoint.stats.bytes_read
-        deltas = tuple(getattr(c, k) - b for k, b in zip(_SENT, before)) + (
-            ev - self._reported[0], br - self._reported[1], self.started)
+        deltas = [getattr(c, k) - b for k, b in zip(_SENT, before)]
+        if not decoding:  # read waits and compute time count toward the driver's counters while decoding
+            deltas[-2:] = [0.0, 0.0]
+        deltas = (*deltas, ev - self._reported[0], br - self._reported[1], self.started)
         self._reported = (ev, br)
         return outs, deltas
 
