@@ -5,7 +5,8 @@ starts reads for the missing ones on the reader pool, computes the experts alrea
 memory while the reads run, and sums the weighted outputs in ascending expert order, so
 results are bit-identical whatever was cached, prefetched or read in which order. The
 grouping of rows by expert and the sum are ``fold.Groups`` and ``fold.Fold``, shared with the
-Ray driver (``cluster.provider.RayExperts``), so its logits are the same bits.
+Ray driver (``cluster.provider.RayExperts``), so its logits are the same bits; what runs between
+them, ``run_experts`` (lookups, reads, pins, compute), is also each Ray worker's entry.
 
 Shape legend: T tokens, H hidden, K experts per token, n_e tokens routed to expert e.
 """
