@@ -5,7 +5,8 @@ starts reads for the missing ones on the reader pool, computes the experts alrea
 memory while the reads run, and sums the weighted outputs in ascending expert order, so
 results are bit-identical whatever was cached, prefetched or read in which order. The
 grouping of rows by expert and the sum are ``fold.Groups`` and ``fold.Fold``, shared with the
-Ray driver (``cluster.provider.RayExperts``), so its logits are the same bits.
+Ray driver (``cluster.provider.RayExperts``), so its logits are the same bits; what runs between
+them, ``run_experts`` (lookups, reads, pins, compute), is also each Ray worker's entry.
 
 Shape legend: T tokens, H hidden, K experts per token, n_e tokens routed to expert e.
 """
@@ -232,14 +233,29 @@ class ExpertProvider(ExpertInterface):
         if self.routing is not None:
             self.routing[layer] = (ids, weights)
         groups = Groups(ids, weights)
-        experts = groups.experts
+        out_of_order = t * x.shape[1] * 4 * len(groups.experts) <= _OUT_OF_ORDER_BYTES
+        decode_experts = self._count_union(ids, groups.experts)
+        fold = Fold(x, groups.experts)
+        self.run_experts(layer, x, groups, fold.add, decode_experts, out_of_order)
+        return fold.result()
+
+    def run_experts(self, layer: int, x: torch.Tensor, work, sink, decode_experts: set[int],
+                    out_of_order: bool = True) -> None:
+        """The grouping-free part of ``moe`` (also the Ray worker's entry: its driver groups and folds).
+
+        ``work``: the layer's rows grouped by expert, as ``fold.Groups`` gives them: ``experts``
+        (ascending), ``work(e)`` -> ``(rows or None, w)`` and ``rows(e)`` (the rows a failed read's
+        error names). Looks each expert up, reads the missing ones, computes each expert's weighted
+        output (one row: ``expert_output`` with ``w`` as scale; more: ``expert_forward`` on
+        ``x[rows]`` then ``weigh``) and hands it to ``sink(e, rows, y)``: in ascending expert order,
+        or, if ``out_of_order``, as the experts come into memory. ``decode_experts``: the experts
+        that count as decode lookups (the others count as prefill lookups)."""
+        experts = work.experts
         if self._deferred is not None and self._deferred[0] != layer:
             self._deferred = None  # a lookahead left over from a forward that did not reach it
         self._check_predictions(layer, set(experts))
         self.cache.policy.begin_layer(layer)
-        out_of_order = t * x.shape[1] * 4 * len(experts) <= _OUT_OF_ORDER_BYTES
         c = self.counters
-        decode_experts = self._count_union(ids, experts)
 
         slots: dict[int, Slot] = {}
         missing: list[int] = []
@@ -266,11 +282,11 @@ class ExpertProvider(ExpertInterface):
                 slots[e] = slot
                 self.cache.policy.access(key)
 
-        fold = Fold(x, experts)
         done: set[int] = set()
+        first = 0  # experts[:first] are done
         error: BaseException | None = None
         try:
-            while not fold.done:
+            while first < len(experts):
                 while missing:  # issue reads while slots allow
                     slot = self._start_read((layer, missing[0]), speculative=False)
                     if slot is None:
@@ -279,9 +295,9 @@ class ExpertProvider(ExpertInterface):
                     slots[missing.pop(0)] = slot
                 if self._deferred is not None:
                     self._run_deferred(layer)  # the lookahead, now that this layer's reads are on their way
-                pick = self._pick(experts, fold.next, slots, done, out_of_order)
+                pick = self._pick(experts, first, slots, done, out_of_order)
                 if pick is None:
-                    self._wait(experts, fold.next, slots, done, out_of_order, missing)
+                    self._wait(experts, first, slots, done, out_of_order, missing)
                     continue
                 slot = slots[pick]
                 if slot.state == LOADING:
@@ -289,10 +305,10 @@ class ExpertProvider(ExpertInterface):
                         self._settle(slot)
                     except ExpertReadError as err:  # name the rows that needed it: the runner fails only them
                         err.layer, err.expert = layer, pick
-                        err.rows = sorted(set(groups.rows(pick)))
+                        err.rows = sorted(set(work.rows(pick)))
                         raise
                 t0 = time.perf_counter()
-                idx, w = groups.work(pick)
+                idx, w = work.work(pick)
                 if idx is None:
                     y = self._output(self.spec, slot.weights, x, w)
                 else:
@@ -302,7 +318,9 @@ class ExpertProvider(ExpertInterface):
                     c.compute_s += time.perf_counter() - t0
                 slot.pins -= 1
                 done.add(pick)
-                fold.add(pick, idx, y)
+                while first < len(experts) and experts[first] in done:
+                    first += 1
+                sink(pick, idx, y)
         except BaseException as e:  # leave the cache consistent, then report
             error = e
         finally:
@@ -312,7 +330,6 @@ class ExpertProvider(ExpertInterface):
         if error is not None:
             self._quiesce(slots)
             raise error
-        return fold.result()
 
     def _pick(self, experts, next_fold, slots, done, out_of_order) -> int | None:
         if not out_of_order:
