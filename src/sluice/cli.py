@@ -203,7 +203,7 @@ def cmd_inspect(args) -> int:
 
     report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision,
                            ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
-                           disk_cache_dir=args.disk_cache_dir)
+                           disk_cache_dir=args.disk_cache_dir, progress=True)  # stderr, on a terminal only
     print(json.dumps(report, indent=2) if args.json else render_inspect(report))
     return 0
 
