@@ -203,23 +203,54 @@ print("ok", src.stats.tier_hits, src.stats.tier_misses)
 
 def test_two_processes_share_one_tier(published, tmp_path):
     """Two processes read overlapping ranges through one small tier at once (inserts, hits and
-    evictions racing): every byte they get is right, and the tier stays within its bound."""
+    evictions racing): every byte they get is right, and the tier stays within its bound, the
+    directory's as a whole: this process holds the tier open with a third of their size, and
+    they keep to it."""
     path, urls = published["container"]
     bank = next(n for n in os.listdir(path) if n.startswith("experts"))
     tier = tmp_path / "tier"
     cap = 12 * (HEADER_BYTES + 65536)
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARER.format(
-        src=str(ROOT / "src"), tier=str(tier), cap=cap, url=f"{urls['http']}/{bank}", local=str(path / bank),
-        seed=seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and out.startswith("ok"), err
-    assert sum(int(o.split()[1]) for o, _ in outs) > 0  # the tier served reads
-    t = DiskTier(tier, cap)
+    small = DiskTier(tier, cap // 3)
     try:
-        assert t.usage()["bytes"] <= cap and t.usage()["entries"] == len(_entries(tier))
+        procs = [subprocess.Popen([sys.executable, "-c", _SHARER.format(
+            src=str(ROOT / "src"), tier=str(tier), cap=cap, url=f"{urls['http']}/{bank}", local=str(path / bank),
+            seed=seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0 and out.startswith("ok"), err
+        assert sum(int(o.split()[1]) for o, _ in outs) > 0  # the tier served reads
+        assert 0 < small.usage()["bytes"] <= cap // 3 and small.usage()["entries"] == len(_entries(tier))
     finally:
-        t.close()
+        small.close()
+    assert list((tier / "openers").iterdir()) == []  # every opener closed: none holds a bound
+
+
+def test_the_bound_is_the_smallest_open_size_and_a_dead_opener_holds_none(tmp_path):
+    from sluice.storage import LocalFile
+
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(os.urandom(40 * 4096))
+    entry = HEADER_BYTES + 4096
+    big = DiskTier(tmp_path / "tier", 20 * entry)
+    try:
+        src = TieredSource(LocalFile(str(blob)), big, "m")
+        for i in range(10):
+            src.pread(4096, i * 4096)
+        assert big.usage()["entries"] == 10
+        # a dead process's record (its lock is free) is no bound, and is removed
+        (tmp_path / "tier" / "openers" / "999999.0badc0de").write_text(f"{entry}\n")
+        assert big.bound() == 20 * entry and not (tmp_path / "tier" / "openers" / "999999.0badc0de").exists()
+        small = DiskTier(tmp_path / "tier", 4 * entry)  # another opener: evicts down to its size at open
+        assert big.usage()["entries"] == 4 and big.bound() == small.bound() == 4 * entry
+        for i in range(10, 20):  # the bigger opener keeps to the smaller size while it is open
+            src.pread(4096, i * 4096)
+            assert big.usage()["bytes"] <= 4 * entry
+        small.close()
+        for i in range(20, 30):
+            src.pread(4096, i * 4096)
+        assert big.usage()["entries"] == 14  # its own size again
+    finally:
+        big.close()
 
 
 def test_cache_list_and_clear_via_the_cli(text_model, remote_servers, tmp_path, monkeypatch, capsys):

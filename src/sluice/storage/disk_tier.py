@@ -32,7 +32,13 @@ the files (rows without a file are dropped, entry files without a row are re-ind
 their headers), and a damaged index is rebuilt from the entries.
 
 Bound and eviction. The entry files' bytes (headers and padding included) stay within the
-tier's capacity (``--disk-cache SIZE``; each process enforces its own at insert). The policy
+tier's bound, one for the directory as a whole: the smallest ``--disk-cache SIZE`` of the
+processes that have it open now. Each opener records its size in ``openers/<pid>.<random>``
+and holds an exclusive ``flock`` on that file while it is open; an insert (under the tier lock)
+takes the smallest size of the files whose lock is held, and removes the files of openers that
+are gone (their lock is free: a killed process never holds the bound). A process that opens a
+tier smaller than what it holds evicts down to its size at open, and the others keep to it
+until it closes. The policy
 is the memory cache's kind, decayed frequency (lfru): each use of an entry adds 1 to its
 score, and scores halve every ``HALF_LIFE_S`` (six hours) of wall-clock time; the entry with
 the lowest score goes first. Scores are kept as ``log2(sum of 2^(t_use / half-life))``, so
@@ -79,6 +85,8 @@ INDEX = "index.sqlite"
 LOCK = "lock"
 ENTRIES = "entries"
 TMP = "tmp"
+OPENERS = "openers"
+OPENER_RE = re.compile(r"^(\d+)\.[0-9a-f]{8}$")
 SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
 TMP_RE = re.compile(r"^[0-9a-f]{40}\.(\d+)\.[0-9a-f]{8}\.tmp$")
 HALF_LIFE_S = 6 * 3600.0  # scores halve every six hours of wall-clock time
@@ -143,11 +151,13 @@ class DiskTier:
         self._warned = False
         self.counts = {"hits": 0, "misses": 0, "corrupt": 0, "inserted": 0, "evicted": 0, "write_errors": 0}
         self._lock_fd = -1
+        self._opener_fd = -1
+        self._opener: Path | None = None  # this opener's record of its size (``bound``)
         self._db: sqlite3.Connection | None = None
         self._claim(create)
         try:
             self._lock_fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            for d in (self.entries_dir, self.tmp_dir):
+            for d in (self.entries_dir, self.tmp_dir, self.dir / OPENERS):
                 d.mkdir(exist_ok=True)
         except OSError as e:
             self.close()
@@ -155,6 +165,8 @@ class DiskTier:
         try:
             with self._locked():
                 self._open_index()
+                if capacity is not None:
+                    self._register()
                 self._sweep()
         except BaseException as e:
             self.close()
@@ -237,6 +249,46 @@ class DiskTier:
                 yield
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _register(self) -> None:
+        """Record this opener's size where the others see it, locked for as long as it is open (locked)."""
+        path = self.dir / OPENERS / f"{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, f"{self.capacity}\n".encode())
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        self._opener_fd, self._opener = fd, path
+
+    def bound(self) -> int:
+        """The most bytes the tier's entries may take now: the smallest size of the processes that have
+        it open (this one's included); the files of openers that are gone are removed (locked)."""
+        bound = self.capacity
+        d = self.dir / OPENERS
+        for f in d.iterdir():
+            if not OPENER_RE.match(f.name) or f == self._opener:
+                continue
+            try:
+                fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:  # its opener holds it: alive
+                    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                    if text.isdigit() and int(text) > 0:
+                        bound = int(text) if bound is None else min(bound, int(text))
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()  # its opener is gone (closed without removing it, or killed)
+            finally:
+                os.close(fd)
+        return bound
 
     def _entry_files(self) -> dict[str, Path]:
         out: dict[str, Path] = {}
@@ -446,10 +498,14 @@ class DiskTier:
             return False
 
     def _make_room(self, size: int) -> bool:
-        """Evict the lowest-scored entries until ``size`` more bytes fit (locked); False if they cannot."""
+        """Evict the lowest-scored entries until ``size`` more bytes fit in the shared bound (locked);
+        False if they cannot."""
         db = self._db
+        bound = self.bound()
+        if size > bound:
+            return False
         used = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
-        while used + size > self.capacity:
+        while used + size > bound:
             victims = db.execute("SELECT name, size FROM entries ORDER BY score ASC LIMIT 32").fetchall()
             if not victims:
                 return False
@@ -462,7 +518,7 @@ class DiskTier:
                 self._pending.pop(name, None)
                 self.counts["evicted"] += 1
                 used -= nbytes
-                if used + size <= self.capacity:
+                if used + size <= bound:
                     break
             db.execute("COMMIT")
         return True
@@ -555,6 +611,11 @@ class DiskTier:
             with contextlib.suppress(Exception):
                 self._db.close()
             self._db = None
+        if self._opener is not None:
+            with contextlib.suppress(OSError):
+                self._opener.unlink()
+            os.close(self._opener_fd)
+            self._opener, self._opener_fd = None, -1
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
