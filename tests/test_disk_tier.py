@@ -546,3 +546,50 @@ def test_entries_of_an_older_version_are_dropped_when_the_object_changed(tmp_pat
         assert new.pread(100, 0) == blob.read_bytes()[:100] and new.stats.tier_misses == 1
     finally:
         tier.close()
+
+
+def test_a_kept_open_entry_is_read_and_checked_in_one_call_and_a_changed_payload_fails(tmp_path, monkeypatch):
+    """A hit on a kept-open entry reads the payload and computes its CRC-32 in one C call (zlib's CRC
+    for any length and offset); a payload byte changed on disk after the entry's first read is
+    caught on the next hit: dropped, never returned."""
+    import zlib
+
+    from sluice.storage import AlignedBuffer
+    from sluice.storage.crc import pread_crc32
+
+    data = os.urandom(3 * 4096 + 100)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off, n in [(0, 4096), (5, 70), (100, 3 * 4096), (0, 15), (4000, 9000)]:
+            dest = bytearray(n)
+            got = pread_crc32(fd, memoryview(dest), off)
+            if got is None:
+                pytest.skip("no C kernels in this build")
+            want = data[off:off + n]
+            assert got == (len(want), zlib.crc32(want)) and bytes(dest[:len(want)]) == want
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        pread_crc32(-1, memoryview(bytearray(8)), 0)
+    tier = DiskTier(tmp_path / "tier", 1 << 30)
+    try:
+        key = Key("http://h/obj", "v", 0, 2 * 4096)
+        payload = os.urandom(key.length)
+        assert tier.put(key, memoryview(payload), "m")
+        buf = AlignedBuffer(key.length)
+        calls = []
+        monkeypatch.setattr("sluice.storage.tier_entry.pread_crc32", lambda *a: calls.append(a) or pread_crc32(*a))
+        for _ in range(2):  # the first read checks the header, the second is the one-call hit
+            assert tier.get(key, buf.view(0, key.length)) and bytes(buf.view(0, key.length)) == payload
+        assert len(calls) == 1
+        entry = tier.path(key.name)
+        with open(entry, "r+b") as f:
+            f.seek(HEADER_BYTES + 4097)
+            f.write(bytes([payload[4097] ^ 0x10]))
+        with pytest.warns(UserWarning, match="is corrupt"):
+            assert not tier.get(key, buf.view(0, key.length))
+        assert tier.counts["corrupt"] == 1 and not entry.exists()
+    finally:
+        tier.close()
