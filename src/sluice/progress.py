@@ -95,6 +95,8 @@ class Activity:
         sys.stderr.flush()
 
     def done(self, nbytes: int = 0, cached: bool = False) -> None:
+        if self._closed:  # the sources live on (expert reads): nothing to count once the work is over
+            return
         with self._lock:
             self.count += 0 if cached else 1
             self.cached += 1 if cached else 0
