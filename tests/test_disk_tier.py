@@ -237,9 +237,15 @@ def test_the_bound_is_the_smallest_open_size_and_a_dead_opener_holds_none(tmp_pa
         for i in range(10):
             src.pread(4096, i * 4096)
         assert big.usage()["entries"] == 10
-        # a dead process's record (its lock is free) is no bound, and is removed
-        (tmp_path / "tier" / "openers" / "999999.0badc0de").write_text(f"{entry}\n")
-        assert big.bound() == 20 * entry and not (tmp_path / "tier" / "openers" / "999999.0badc0de").exists()
+        # a dead process's record (its lock is free) is no bound, and is removed; a directory or a link
+        # under a record's name, or garbage, bounds nothing and is left alone
+        openers = tmp_path / "tier" / "openers"
+        (openers / "999999.0badc0de").write_text(f"{entry}\n")
+        (openers / "999998.0badc0de").mkdir()
+        (openers / "999997.0badc0de").symlink_to(openers / "999999.0badc0de")
+        (openers / "not-a-record").write_text("1\n")
+        assert big.bound() == 20 * entry and not (openers / "999999.0badc0de").exists()
+        assert (openers / "999998.0badc0de").is_dir() and (openers / "not-a-record").exists()
         small = DiskTier(tmp_path / "tier", 4 * entry)  # another opener: evicts down to its size at open
         assert big.usage()["entries"] == 4 and big.bound() == small.bound() == 4 * entry
         for i in range(10, 20):  # the bigger opener keeps to the smaller size while it is open

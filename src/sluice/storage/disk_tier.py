@@ -64,6 +64,7 @@ import os
 import re
 import secrets
 import sqlite3
+import stat
 import threading
 import time
 import warnings
@@ -273,10 +274,12 @@ class DiskTier:
             if not OPENER_RE.match(f.name) or f == self._opener:
                 continue
             try:
-                fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
+                fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:  # gone, or a link: not a record this tier wrote
                 continue
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue  # a directory or device under a record's name: not ours, left alone
                 try:
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except BlockingIOError:  # its opener holds it: alive
