@@ -280,9 +280,13 @@ def test_cache_list_and_clear_via_the_cli(text_model, remote_servers, tmp_path, 
     t = DiskTier(tier, 1 << 30)
     src = TieredSource(sluice.storage.LocalFile(str(other)), t, "https://elsewhere/other-model")
     src.pread(5000, 100)
-    t.close()
+    # `sluice run` leaves its engine (and tier) open to process exit: in this test's process they are open
     assert main(["cache", "list", "--disk-cache-dir", str(tier), "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
+    assert listing["open_by"] >= 1 and listing["bound"] == 64 << 20  # the smallest size open: the runs'
+    t.close()
+    assert main(["cache", "list", "--disk-cache-dir", str(tier), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["open_by"] == listing["open_by"] - 1
     models = {m["model"]: m for m in listing["models"]}
     assert set(models) == {urls["http"], "https://elsewhere/other-model"}
     assert listing["bytes"] == sum(m["bytes"] for m in models.values()) > 0

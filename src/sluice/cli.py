@@ -229,9 +229,13 @@ def cmd_cache(args) -> int:
                       f"{args.model or 'every model'} from {tier.dir}; {report['entries']} entries "
                       f"({format_size(report['bytes'])}) left")
         else:
-            report = {"dir": str(tier.dir), "exists": True, "models": tier.models(), **tier.usage()}
+            bound, users = tier.openers()
+            report = {"dir": str(tier.dir), "exists": True, "models": tier.models(), **tier.usage(),
+                      "open_by": users, "bound": bound}
             if not args.json:
-                print(f"disk tier {tier.dir}: {report['entries']} entries, {format_size(report['bytes'])}")
+                held = f"; open by {users} process(es), bound {format_size(bound)} (the smallest --disk-cache)" \
+                    if users else ""
+                print(f"disk tier {tier.dir}: {report['entries']} entries, {format_size(report['bytes'])}{held}")
                 for m in report["models"]:
                     print(f"  {format_size(m['bytes']):>12}  {m['entries']:6d} entries  {m['objects']:4d} files  "
                           f"{m['hits']:8d} hits  {m['model']}")

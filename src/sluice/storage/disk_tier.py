@@ -265,10 +265,19 @@ class DiskTier:
             raise
         self._opener_fd, self._opener = fd, path
 
-    def bound(self) -> int:
+    def bound(self) -> int | None:
         """The most bytes the tier's entries may take now: the smallest size of the processes that have
-        it open (this one's included); the files of openers that are gone are removed (locked)."""
-        bound = self.capacity
+        it open (this one's included; None when none is); the files of openers that are gone are
+        removed (locked)."""
+        return self._openers()[0]
+
+    def openers(self) -> tuple[int | None, int]:
+        """(the bound now, how many openers with a size hold the tier open, this one included)."""
+        with self._locked():
+            return self._openers()
+
+    def _openers(self) -> tuple[int | None, int]:
+        bound, count = self.capacity, int(self._opener is not None)
         d = self.dir / OPENERS
         for f in d.iterdir():
             if not OPENER_RE.match(f.name) or f == self._opener:
@@ -286,12 +295,13 @@ class DiskTier:
                     text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
                     if text.isdigit() and int(text) > 0:
                         bound = int(text) if bound is None else min(bound, int(text))
+                        count += 1
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     f.unlink()  # its opener is gone (closed without removing it, or killed)
             finally:
                 os.close(fd)
-        return bound
+        return bound, count
 
     def _entry_files(self) -> dict[str, Path]:
         out: dict[str, Path] = {}
