@@ -33,13 +33,12 @@ their headers), and a damaged index is rebuilt from the entries.
 
 Bound and eviction. The entry files' bytes (headers and padding included) stay within the
 tier's bound, one for the directory as a whole: the smallest ``--disk-cache SIZE`` of the
-processes that have it open now. Each opener records its size in ``openers/<pid>.<random>``
-and holds an exclusive ``flock`` on that file while it is open; an insert (under the tier lock)
-takes the smallest size of the files whose lock is held, and removes the files of openers that
-are gone (their lock is free: a killed process never holds the bound). A process that opens a
-tier smaller than what it holds evicts down to its size at open, and the others keep to it
-until it closes. The policy
-is the memory cache's kind, decayed frequency (lfru): each use of an entry adds 1 to its
+processes that have it open now (``tier_openers.py``: each opener's size in a record it holds
+an exclusive ``flock`` on while it is open; an insert, under the tier lock, takes the smallest
+size of the records whose lock is held, and removes the records of openers that are gone: a
+killed process never holds the bound). A process that opens the tier with a smaller size than
+the others evicts down to it at open, and the others keep to it until it closes. The policy is
+the memory cache's kind, decayed frequency (lfru): each use of an entry adds 1 to its
 score, and scores halve every ``HALF_LIFE_S`` (six hours) of wall-clock time; the entry with
 the lowest score goes first. Scores are kept as ``log2(sum of 2^(t_use / half-life))``, so
 ordering them needs no decay pass; uses are batched in memory and written to the index every
@@ -64,7 +63,6 @@ import os
 import re
 import secrets
 import sqlite3
-import stat
 import threading
 import time
 import warnings
@@ -74,6 +72,7 @@ from pathlib import Path
 from ..errors import InvalidArgumentError, SluiceError
 from ..units import parse_size
 from .buffers import AlignedBuffer
+from . import tier_openers
 from .crc import crc32
 from .store import user_cache_dir
 from .tier_entry import (ENTRY_RE, HEADER_BYTES, STAGING_BYTES, EntryFile, Key, entry_size, fsync_dir, make_header,
@@ -86,8 +85,6 @@ INDEX = "index.sqlite"
 LOCK = "lock"
 ENTRIES = "entries"
 TMP = "tmp"
-OPENERS = "openers"
-OPENER_RE = re.compile(r"^(\d+)\.[0-9a-f]{8}$")
 SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
 TMP_RE = re.compile(r"^[0-9a-f]{40}\.(\d+)\.[0-9a-f]{8}\.tmp$")
 HALF_LIFE_S = 6 * 3600.0  # scores halve every six hours of wall-clock time
@@ -158,7 +155,7 @@ class DiskTier:
         self._claim(create)
         try:
             self._lock_fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            for d in (self.entries_dir, self.tmp_dir, self.dir / OPENERS):
+            for d in (self.entries_dir, self.tmp_dir, self.dir / tier_openers.OPENERS):
                 d.mkdir(exist_ok=True)
         except OSError as e:
             self.close()
@@ -252,56 +249,19 @@ class DiskTier:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def _register(self) -> None:
-        """Record this opener's size where the others see it, locked for as long as it is open (locked)."""
-        path = self.dir / OPENERS / f"{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(fd, f"{self.capacity}\n".encode())
-        except OSError:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                path.unlink()
-            raise
-        self._opener_fd, self._opener = fd, path
+        """Record this opener's size where the others see it, locked while it is open (locked)."""
+        self._opener_fd, self._opener = tier_openers.register(self.dir, self.capacity)
 
     def bound(self) -> int | None:
         """The most bytes the tier's entries may take now: the smallest size of the processes that have
-        it open (this one's included; None when none is); the files of openers that are gone are
+        it open (this one's included; None when none is); the records of openers that are gone are
         removed (locked)."""
-        return self._openers()[0]
+        return tier_openers.scan(self.dir, self._opener, self.capacity)[0]
 
     def openers(self) -> tuple[int | None, int]:
         """(the bound now, how many openers with a size hold the tier open, this one included)."""
         with self._locked():
-            return self._openers()
-
-    def _openers(self) -> tuple[int | None, int]:
-        bound, count = self.capacity, int(self._opener is not None)
-        d = self.dir / OPENERS
-        for f in d.iterdir():
-            if not OPENER_RE.match(f.name) or f == self._opener:
-                continue
-            try:
-                fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except OSError:  # gone, or a link: not a record this tier wrote
-                continue
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    continue  # a directory or device under a record's name: not ours, left alone
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:  # its opener holds it: alive
-                    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                    if text.isdigit() and int(text) > 0:
-                        bound = int(text) if bound is None else min(bound, int(text))
-                        count += 1
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    f.unlink()  # its opener is gone (closed without removing it, or killed)
-            finally:
-                os.close(fd)
-        return bound, count
+            return tier_openers.scan(self.dir, self._opener, self.capacity)
 
     def _entry_files(self) -> dict[str, Path]:
         out: dict[str, Path] = {}
@@ -625,9 +585,7 @@ class DiskTier:
                 self._db.close()
             self._db = None
         if self._opener is not None:
-            with contextlib.suppress(OSError):
-                self._opener.unlink()
-            os.close(self._opener_fd)
+            tier_openers.unregister(self._opener_fd, self._opener)
             self._opener, self._opener_fd = None, -1
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
