@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     summary = {"median_tok_s": {k: statistics.median(v) for k, v in res.items()},
                "one-call/local": paired("one-call", "local"), "split/local": paired("split", "local"),
                "one-call/split": paired("one-call", "split"), "load": [min(loads), max(loads)], "runs": res}
-    print(f"medians: " + ", ".join(f"{k} {v:.2f}" for k, v in summary["median_tok_s"].items()) + " tok/s; paired: "
+    print("medians: " + ", ".join(f"{k} {v:.2f}" for k, v in summary["median_tok_s"].items()) + " tok/s; paired: "
           f"one-call/local {summary['one-call/local']:.3f}, split/local {summary['split/local']:.3f}, "
           f"one-call/split {summary['one-call/split']:.3f} (load {min(loads):.1f}-{max(loads):.1f})")
     if args.json:
