@@ -203,7 +203,7 @@ def cmd_inspect(args) -> int:
 
     report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision,
                            ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
-                           disk_cache_dir=args.disk_cache_dir)
+                           disk_cache_dir=args.disk_cache_dir, progress=True)  # stderr, on a terminal only
     print(json.dumps(report, indent=2) if args.json else render_inspect(report))
     return 0
 
@@ -229,9 +229,13 @@ def cmd_cache(args) -> int:
                       f"{args.model or 'every model'} from {tier.dir}; {report['entries']} entries "
                       f"({format_size(report['bytes'])}) left")
         else:
-            report = {"dir": str(tier.dir), "exists": True, "models": tier.models(), **tier.usage()}
+            bound, users = tier.openers()
+            report = {"dir": str(tier.dir), "exists": True, "models": tier.models(), **tier.usage(),
+                      "open_by": users, "bound": bound}
             if not args.json:
-                print(f"disk tier {tier.dir}: {report['entries']} entries, {format_size(report['bytes'])}")
+                held = f"; open by {users} process(es), bound {format_size(bound)} (the smallest --disk-cache)" \
+                    if users else ""
+                print(f"disk tier {tier.dir}: {report['entries']} entries, {format_size(report['bytes'])}{held}")
                 for m in report["models"]:
                     print(f"  {format_size(m['bytes']):>12}  {m['entries']:6d} entries  {m['objects']:4d} files  "
                           f"{m['hits']:8d} hits  {m['model']}")
