@@ -24,7 +24,6 @@ from ..experts.compute import expert_forward, expert_output
 from ..experts.fold import weigh
 from ..experts.policy import make_policy
 from ..experts.reader import DEMAND, PREFETCH, ReaderPool
-from ..quant.fp8 import assemble
 from ..sysmem import current_rss, default_budget
 from ..units import format_size
 from .model import open_experts, signature
@@ -214,7 +213,6 @@ class ExpertWorker:
             self.cache.discard(slot)
             raise
         self.cache.ready(slot)
-        slot.weights = assemble(slot.weights, self.spec.block)
 
     def _settle_finished(self) -> None:
         for slot in self.cache.loading():
