@@ -153,3 +153,36 @@ def test_assemble_runs_once_per_completed_read(model_dir, monkeypatch, prefetch)
         t = slot.weights[name]
         assert lo <= t.data_ptr() < hi, name  # a view of the slot, not a copy
     eng.close()
+
+
+def test_fused_layouts_canonical_form_matches_its_plan():
+    """GPT-OSS's fused records (input-major dense, row-interleaved MXFP4): ``canonical()`` (what
+    convert writes) is what ``canonical_views`` plans, and computes the same bits as the fused
+    record (``input_major``: both summed in the checkpoint's order)."""
+    from sluice.experts.compute import expert_forward
+    from sluice.experts.spec import ExpertSpec
+    from sluice.quant import QuantMatrix, assemble_views
+    from sluice.quant.assembly import canonical_views
+
+    h, i = 64, 32
+    spec = ExpertSpec(hidden=h, intermediate=i, variant="clamped_swiglu", bias=True)
+    g = torch.Generator().manual_seed(0)
+    dense = {"gate_up_t": torch.randn(h, 2 * i, generator=g).bfloat16(), "gate_up_bias": torch.randn(2 * i, generator=g),
+             "down_t": torch.randn(i, h, generator=g).bfloat16(), "down_bias": torch.randn(h, generator=g)}
+    q = {role: FORMATS["mxfp4"].quantize(torch.randn(n, k, generator=g)) for role, (n, k) in
+         {"gate_up": (2 * i, h), "down": (h, i)}.items()}
+    mx = {f"{role}.{part}": t for role, parts in q.items() for part, t in parts.items()}
+    mx.update(gate_up_bias=dense["gate_up_bias"], down_bias=dense["down_bias"])
+    x = torch.randn(3, h, generator=g)
+    for views, fmt, shapes in ((dense, None, None), (mx, "mxfp4", {"gate_up": (2 * i, h), "down": (h, i)})):
+        fused = assemble_views(views, fmt, shapes, exact=True, input_major=True)
+        canon = fused.canonical()
+        plan = canonical_views([(n, t.dtype, tuple(t.shape)) for n, t in views.items()], spec.matrix_shapes())
+        got = [(n, torch.float32 if isinstance(t, QuantMatrix) else t.dtype, tuple(t.shape)) for n, t in canon.items()]
+        assert sorted(got, key=str) == sorted(plan, key=str)
+        again = assemble_views({n: t for n, t in canon.items() if isinstance(t, torch.Tensor)}, input_major=True) \
+            if fmt is None else assemble_views(
+                {f"{r}.{p}": t for r, m in canon.items() if isinstance(m, QuantMatrix) for p, t in m.parts.items()}
+                | {n: t for n, t in canon.items() if not isinstance(t, QuantMatrix)},
+                fmt, spec.matrix_shapes(), exact=True, input_major=True)
+        assert torch.equal(expert_forward(spec, fused, x), expert_forward(spec, again, x)), fmt
