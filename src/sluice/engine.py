@@ -183,7 +183,7 @@ class ModelInfo:
             check_spine_dtype(name, info, self.desc.spine)
         if self.is_container:
             self.experts = ContainerExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
-                                            self.desc.expert.matrix_shapes())
+                                            self.desc.expert)
         else:
             self.experts = CheckpointExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
                                              self.desc.expert_tensors, self.desc.expert_format, self.desc.expert)

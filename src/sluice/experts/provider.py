@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ExpertReadError
-from ..quant.fp8 import assemble
 from .cache import LOADING, READY, ExpertCache, Slot
 from .reader import DEMAND, PREFETCH, ReaderPool, Ticket
 from .compute import expert_forward, expert_output
@@ -132,8 +131,7 @@ class ExpertProvider(ExpertInterface):
         except BaseException:
             self.cache.discard(slot)
             raise
-        self.cache.ready(slot)
-        slot.weights = assemble(slot.weights, self.spec.block)  # "<role>" + "<role>_scale_inv" -> one matrix
+        self.cache.ready(slot)  # the one quant.assemble of this read
 
     def _settle_finished(self) -> None:
         """Settle unpinned reads that have finished, so their slots become evictable."""
