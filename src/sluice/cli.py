@@ -502,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "replay each policy with them: hint (the policy hears them, nothing is read ahead) or "
                         "prefetch (read ahead, as the engine does; such a read completes at once in the replay)")
     t.add_argument("--tokens", default=None, metavar="START:STOP", help="replay only these tokens (0-based slice)")
+    t.add_argument("--sequence", type=int_arg(0), default=None, metavar="N",
+                   help="a trace of several sequences (--parallel): replay only sequence N's rows, as if it ran "
+                        "alone (default: every step's rows together, as the engine looked them up)")
     t.add_argument("--pins", default=None, metavar="FILE",
                    help="also replay each policy with these experts pinned (a sluice-pins-v1 file)")
     t.add_argument("--write-pins", default=None, metavar="FILE",

@@ -34,6 +34,15 @@ class Policy:
     def predict(self, layer: int, experts) -> None:
         """The lookahead predicts that ``layer`` (still to come this step) uses ``experts``."""
 
+    # whether the provider should call ``scores`` (it costs a softmax and a list per MoE layer)
+    wants_scores = False
+
+    def scores(self, layer: int, probs: list[float], routed) -> None:
+        """``layer``'s router probability of every expert (``probs[e]``; the best over the step's
+        rows) at this pass, after ``begin_layer`` and before its lookups; ``routed``: the set of
+        experts its rows route to. The experts just below the top-k are the likelier ones of the
+        next token. Called only when ``wants_scores``."""
+
     def insert(self, key: Hashable, speculative: bool = False) -> None:
         """A key became resident. ``speculative``: read on a prediction, not yet used; it must
         not count as a use (its first real use calls ``access``)."""
@@ -112,9 +121,14 @@ class LFRU(Policy):
     speculative_max_hotness = 0.25
 
     def __init__(self, half_life: float = 16.0, history: bool = True, protect: bool = True,
-                 lookahead: bool = True, demote: bool = False):
+                 lookahead: bool = True, demote: bool = False, router: float = 0.0, router_top: float = 2.0):
         if not half_life > 0:
             raise ValueError(f"lfru: half_life must be positive, got {half_life}")
+        if not router >= 0 or not router_top > 0:
+            raise ValueError(f"lfru: router must be >= 0 and router_top > 0, got {router}, {router_top}")
+        # router > 0: a pass's router probability p of an expert *not* routed to adds router * p
+        # to its score (a fractional use), for the router_top * top-k best of the layer
+        self.router, self.router_top = float(router), float(router_top)
         self.half_life = float(half_life)
         self.history = bool(history)
         self.protect = bool(protect)
@@ -185,6 +199,35 @@ class LFRU(Policy):
     def begin_layer(self, layer):
         if self.protect and self._pass.get(layer) != self.now:
             self._pass_layer(layer)
+
+    @property
+    def wants_scores(self):
+        return self.router > 0
+
+    def scores(self, layer, probs, routed):
+        """Experts just below the layer's top-k gain ``router * p`` (p their router probability):
+        the likelier ones at the next token (docs/cache-policy.md)."""
+        if not self.router:
+            return
+        n = max(1, int(round(self.router_top * max(1, len(routed)))))
+        order = sorted(range(len(probs)), key=probs.__getitem__, reverse=True)[:n]
+        t = self.rate * self.now
+        for e in order:
+            if e in routed:
+                continue  # routed to now: its use counts already
+            key = (layer, e)
+            p = probs[e] * self.router
+            if p <= 0:
+                continue
+            add = t + math.log(p)
+            old = self._score.get(key)
+            if old is None and key not in self._resident:
+                if not self.history:
+                    continue
+            self._score[key] = add if old is None else max(old, add) + math.log1p(math.exp(-abs(old - add)))
+            if key in self._resident:
+                fresh = key in self._fresh
+                self._push(self._fresh_heap if fresh else self._stale_heap, key, self._stamp[key])
 
     def predict(self, layer, experts):
         """Protect the predicted keys of ``layer`` until it has run; with ``demote``, the keys it
@@ -305,6 +348,13 @@ class Pinned(Policy):
 
     def predict(self, layer, experts):
         self.inner.predict(layer, experts)
+
+    @property
+    def wants_scores(self):
+        return self.inner.wants_scores
+
+    def scores(self, layer, probs, routed):
+        self.inner.scores(layer, probs, routed)
 
     def insert(self, key, speculative=False):
         if key in self.pins:

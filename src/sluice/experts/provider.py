@@ -31,6 +31,9 @@ from .spec import ExpertSpec
 # Decode-sized batches may compute experts out of order and fold them in order later;
 # larger (prefill) batches compute strictly in ascending order to bound held outputs.
 _OUT_OF_ORDER_BYTES = 8 << 20
+# the policy hears the router probabilities of forwards of at most this many rows (decode,
+# batched decodes, speculative verification), not of prefill chunks (Policy.scores)
+SCORE_MAX_ROWS = 64
 
 
 @dataclass
@@ -79,8 +82,25 @@ class ExpertProvider(ExpertInterface):
         self._deferred: tuple[int, object] | None = None  # (layer, fn): see ``after_reads``
         # when set (tracing): layer -> (ids [T, K], weights [T, K]) of the last forward, and
         # layer -> ids [T, K] the engine's lookahead predicted for it in that forward
-        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
+        self._logits: tuple[int, torch.Tensor] | None = None  # (layer, router logits) for its moe call
         self.predicted_routing: dict[int, torch.Tensor] | None = None
+
+    def router_logits(self, layer: int, logits: torch.Tensor) -> None:
+        if self.routing is not None or (getattr(self.cache.policy, "wants_scores", False)
+                                        and logits.shape[0] <= SCORE_MAX_ROWS):
+            self._logits = (layer, logits)
+
+    def _router_probs(self, layer: int, routed: list[int]) -> torch.Tensor | None:
+        """The softmax of ``layer``'s router logits [T, E] handed to ``router_logits``; after
+        ``begin_layer``, the policy hears each expert's best probability over the rows."""
+        got, self._logits = self._logits, None
+        if got is None or got[0] != layer:
+            return None
+        probs = torch.softmax(got[1].float(), dim=-1)
+        if probs.shape[0] <= SCORE_MAX_ROWS and getattr(self.cache.policy, "wants_scores", False):
+            self.cache.policy.scores(layer, (probs[0] if probs.shape[0] == 1 else probs.amax(0)).tolist(), set(routed))
+        return probs
 
     def resident_mask(self, layer: int) -> torch.Tensor:
         """[E] float: 1 for experts of ``layer`` that are in memory (ready or being read), else 0."""
@@ -229,14 +249,15 @@ class ExpertProvider(ExpertInterface):
         read once and computed once on all its rows. A failed read raises its
         ``ExpertReadError`` with ``layer``, ``expert`` and ``rows`` (the rows that needed it)."""
         t = x.shape[0]
-        if self.routing is not None:
-            self.routing[layer] = (ids, weights)
         groups = Groups(ids, weights)
         experts = groups.experts
         if self._deferred is not None and self._deferred[0] != layer:
             self._deferred = None  # a lookahead left over from a forward that did not reach it
         self._check_predictions(layer, set(experts))
         self.cache.policy.begin_layer(layer)
+        probs = self._router_probs(layer, experts) if self._logits is not None else None
+        if self.routing is not None:
+            self.routing[layer] = (ids, weights, probs)
         out_of_order = t * x.shape[1] * 4 * len(experts) <= _OUT_OF_ORDER_BYTES
         c = self.counters
         decode_experts = self._count_union(ids, experts)
