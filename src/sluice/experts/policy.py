@@ -34,14 +34,16 @@ class Policy:
     def predict(self, layer: int, experts) -> None:
         """The lookahead predicts that ``layer`` (still to come this step) uses ``experts``."""
 
-    # whether the provider should call ``scores`` (it costs a softmax and a list per MoE layer)
-    wants_scores = False
+    # how many experts (a multiple of the layer's routed ones) the policy wants ranked by router
+    # probability at each pass (``ranked``); 0: none (the provider then skips the ranking)
+    ranks = 0.0
 
-    def scores(self, layer: int, probs: list[float], routed) -> None:
-        """``layer``'s router probability of every expert (``probs[e]``; the best over the step's
-        rows) at this pass, after ``begin_layer`` and before its lookups; ``routed``: the set of
-        experts its rows route to. The experts just below the top-k are the likelier ones of the
-        next token. Called only when ``wants_scores``."""
+    def ranked(self, layer: int, ranked: list[int], routed: set[int]) -> None:
+        """``layer``'s experts in descending router probability (the best over the step's rows),
+        the first ``ceil(ranks x len(routed))`` of them, at this pass: after ``begin_layer``, before
+        its lookups; ``routed`` the experts its rows route to. The experts ranked just below the
+        routed ones are likelier than others at the layer's next pass. Called only when
+        ``ranks > 0``, for forwards of decode size (not prefill chunks)."""
 
     def insert(self, key: Hashable, speculative: bool = False) -> None:
         """A key became resident. ``speculative``: read on a prediction, not yet used; it must
@@ -121,20 +123,23 @@ class LFRU(Policy):
     speculative_max_hotness = 0.25
 
     def __init__(self, half_life: float = 16.0, history: bool = True, protect: bool = True,
-                 lookahead: bool = True, demote: bool = False, router: float = 0.0, router_top: float = 2.0):
+                 lookahead: bool = True, demote: bool = False, router: float = 2.0):
         if not half_life > 0:
             raise ValueError(f"lfru: half_life must be positive, got {half_life}")
-        if not router >= 0 or not router_top > 0:
-            raise ValueError(f"lfru: router must be >= 0 and router_top > 0, got {router}, {router_top}")
-        # router > 0: a pass's router probability p of an expert *not* routed to adds router * p
-        # to its score (a fractional use), for the router_top * top-k best of the layer
-        self.router, self.router_top = float(router), float(router_top)
+        if not router >= 0:
+            raise ValueError(f"lfru: router must be >= 0, got {router}")
+        # router > 0: at each pass, the router x top-k experts ranked just below the routed ones
+        # are protected like a prediction until the layer's next pass (``scores``)
+        self.router = float(router)
         self.half_life = float(half_life)
         self.history = bool(history)
         self.protect = bool(protect)
         self.lookahead, self.demote = bool(lookahead), bool(demote)
         self._predicted: dict[Hashable, set[Hashable]] = {}  # layer -> its predicted keys, until it runs
         self._protected: set[Hashable] = set()  # union of the predicted keys
+        self._guesses: dict[Hashable, set[Hashable]] = {}  # layer -> keys the router ranked next (``scores``)
+        self._guessed: set[Hashable] = set()  # their union
+        self._pending: tuple[Hashable, set[Hashable]] | None = None  # guesses waiting for their layer to end
         self.rate = math.log(2.0) / half_life
         self.now = 0
         self._score: dict[Hashable, float] = {}  # log score of every tracked key
@@ -151,6 +156,8 @@ class LFRU(Policy):
 
     def tick(self):
         self.now += 1
+        if self._pending is not None:
+            self._activate()
 
     @staticmethod
     def _layer(key):
@@ -197,37 +204,42 @@ class LFRU(Policy):
             self._protected.difference_update(spent)
 
     def begin_layer(self, layer):
+        if self._pending is not None:
+            self._activate()
         if self.protect and self._pass.get(layer) != self.now:
             self._pass_layer(layer)
 
     @property
-    def wants_scores(self):
-        return self.router > 0
+    def ranks(self):
+        return 1.0 + self.router if self.router > 0 and self.protect else 0.0
 
-    def scores(self, layer, probs, routed):
-        """Experts just below the layer's top-k gain ``router * p`` (p their router probability):
-        the likelier ones at the next token (docs/cache-policy.md)."""
-        if not self.router:
+    def ranked(self, layer, ranked, routed):
+        """The ``router`` x len(routed) experts ranked just below the routed ones are the likelier
+        ones at the layer's next pass: once this layer's own misses are fetched (the next event),
+        they go after other stale keys until that pass (a ``guess``; docs/cache-policy.md)."""
+        n = math.ceil(self.router * len(routed))
+        if n < 1 or not self.protect:
             return
-        n = max(1, int(round(self.router_top * max(1, len(routed)))))
-        order = sorted(range(len(probs)), key=probs.__getitem__, reverse=True)[:n]
-        t = self.rate * self.now
-        for e in order:
-            if e in routed:
-                continue  # routed to now: its use counts already
-            key = (layer, e)
-            p = probs[e] * self.router
-            if p <= 0:
-                continue
-            add = t + math.log(p)
-            old = self._score.get(key)
-            if old is None and key not in self._resident:
-                if not self.history:
-                    continue
-            self._score[key] = add if old is None else max(old, add) + math.log1p(math.exp(-abs(old - add)))
-            if key in self._resident:
-                fresh = key in self._fresh
-                self._push(self._fresh_heap if fresh else self._stale_heap, key, self._stamp[key])
+        keys = {(layer, e) for e in ranked[: len(routed) + n] if e not in routed}
+        self._activate()
+        old = self._guesses.pop(layer, None)
+        if old:
+            self._guessed.difference_update(old)
+        self._pending = (layer, keys)
+
+    def _activate(self):
+        if self._pending is not None:
+            layer, keys = self._pending
+            self._pending = None
+            self._guesses[layer] = keys
+            self._guessed.update(keys)
+
+    def _protect(self, layer, keys):
+        old = self._predicted.get(layer)
+        if old:
+            self._protected.difference_update(old)
+        self._predicted[layer] = keys
+        self._protected.update(keys)
 
     def predict(self, layer, experts):
         """Protect the predicted keys of ``layer`` until it has run; with ``demote``, the keys it
@@ -235,11 +247,7 @@ class LFRU(Policy):
         if not self.lookahead or not self.protect:
             return
         keys = {(layer, int(e)) for e in experts}
-        old = self._predicted.get(layer)
-        if old:
-            self._protected.difference_update(old)
-        self._predicted[layer] = keys
-        self._protected.update(keys)
+        self._protect(layer, keys)
         if self.demote:
             fresh = self._fresh_by_layer.get(layer)
             if fresh:
@@ -297,6 +305,11 @@ class LFRU(Policy):
         return found
 
     def victim(self, evictable):
+        if self._guessed:  # stale keys the router ranked next at their layer's pass go after other stale keys
+            prot, guess = self._protected, self._guessed
+            v = self._lowest(self._stale_heap, False, lambda k: k not in guess and k not in prot and evictable(k))
+            if v is not None:
+                return v
         if self._protected:  # predicted keys go last
             prot = self._protected
             v = self._victim(lambda k: k not in prot and evictable(k))
@@ -350,11 +363,11 @@ class Pinned(Policy):
         self.inner.predict(layer, experts)
 
     @property
-    def wants_scores(self):
-        return self.inner.wants_scores
+    def ranks(self):
+        return self.inner.ranks
 
-    def scores(self, layer, probs, routed):
-        self.inner.scores(layer, probs, routed)
+    def ranked(self, layer, ranked, routed):
+        self.inner.ranked(layer, ranked, routed)
 
     def insert(self, key, speculative=False):
         if key in self.pins:

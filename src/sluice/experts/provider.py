@@ -12,6 +12,7 @@ Shape legend: T tokens, H hidden, K experts per token, n_e tokens routed to expe
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
@@ -87,20 +88,24 @@ class ExpertProvider(ExpertInterface):
         self.predicted_routing: dict[int, torch.Tensor] | None = None
 
     def router_logits(self, layer: int, logits: torch.Tensor) -> None:
-        if self.routing is not None or (getattr(self.cache.policy, "wants_scores", False)
-                                        and logits.shape[0] <= SCORE_MAX_ROWS):
+        if self.routing is not None or (self.cache.policy.ranks and logits.shape[0] <= SCORE_MAX_ROWS):
             self._logits = (layer, logits)
 
     def _router_probs(self, layer: int, routed: list[int]) -> torch.Tensor | None:
-        """The softmax of ``layer``'s router logits [T, E] handed to ``router_logits``; after
-        ``begin_layer``, the policy hears each expert's best probability over the rows."""
+        """After ``begin_layer``: the policy hears ``layer``'s experts ranked by router probability
+        (the best over the rows; ``Policy.ranked``). Returns the softmax of the router logits
+        [T, E] when tracing (else None)."""
         got, self._logits = self._logits, None
         if got is None or got[0] != layer:
             return None
-        probs = torch.softmax(got[1].float(), dim=-1)
-        if probs.shape[0] <= SCORE_MAX_ROWS and getattr(self.cache.policy, "wants_scores", False):
-            self.cache.policy.scores(layer, (probs[0] if probs.shape[0] == 1 else probs.amax(0)).tolist(), set(routed))
-        return probs
+        logits = got[1]
+        ranks = self.cache.policy.ranks
+        probs = torch.softmax(logits.float(), dim=-1) if self.routing is not None or logits.shape[0] > 1 else None
+        if ranks and logits.shape[0] <= SCORE_MAX_ROWS:
+            n = min(logits.shape[1], math.ceil(ranks * len(routed)))
+            best = logits[0] if probs is None else probs.amax(0)  # one row: the logits rank alike
+            self.cache.policy.ranked(layer, best.topk(n).indices.tolist(), set(routed))
+        return probs if self.routing is not None else None
 
     def resident_mask(self, layer: int) -> torch.Tensor:
         """[E] float: 1 for experts of ``layer`` that are in memory (ready or being read), else 0."""
