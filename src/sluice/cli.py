@@ -57,8 +57,9 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                         "(TLS verification is always on)")
     _add_disk_cache_args(g)
     g.add_argument("--trace-routing", default=None, metavar="FILE",
-                   help="write every decode token's expert routing, router weights and lookahead predictions to "
-                        "FILE (JSONL, the format sluice trace-replay reads)")
+                   help="write every decode token's expert routing (its sequence and engine step), router weights, "
+                        "router probabilities and lookahead predictions to FILE (JSONL, the format sluice "
+                        "trace-replay reads)")
     ray = p.add_argument_group("experts on a Ray cluster (docs/scale-out.md; the ray extra)")
     ray.add_argument("--ray", default=None, metavar="auto|ADDRESS",
                      help="compute the experts on Ray actors: auto (RAY_ADDRESS, else a cluster running here, else "

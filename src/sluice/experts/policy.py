@@ -4,8 +4,10 @@ Keys are hashable, e.g. ``(layer, expert)``. The cache calls ``insert``/``access
 and asks ``victim(evictable)`` for the key to evict among those it may evict (not in use
 by the current layer, not being read). ``tick()`` advances time by one forward step. The
 expert provider adds two events about the future: ``begin_layer(layer)`` when a layer's
-routing is known, before its lookups (the layer's pass starts), and
-``predict(layer, experts)`` when the lookahead predicts the experts of a layer still to come.
+routing is known, before its lookups (the layer's pass starts),
+``predict(layer, experts)`` when the lookahead predicts the experts of a layer still to come,
+and, for a policy with ``ranks > 0``, ``ranked(layer, ranked, routed)``: the layer's experts in
+descending router probability at this pass.
 
 ``make_policy("lfru:half_life=16,history=true")`` builds one from a spec string;
 ``Pinned(policy, pins)`` keeps a fixed set of keys from ever being evicted once resident.
@@ -109,6 +111,12 @@ class LFRU(Policy):
     ``history``: keep the (still decaying) scores of evicted keys, so an expert that was hot,
     got evicted and comes back resumes its score instead of restarting at 1. Costs one float
     per key ever seen (at most layers x experts).
+
+    ``router`` (needs ``protect``): at each pass the ``router`` x top-k experts the router ranks
+    just below the routed ones are *guessed* for the layer's next pass (an expert ranked there
+    is used by the next token about half as often as a routed one, three times as often as the
+    rest): from the layer's next event until that pass, a guessed stale key goes after every
+    other stale key (never after a fresh or predicted one). 0 turns it off.
 
     The defaults were chosen by trace replay (docs/cache-policy.md);
     ``LFRU(64, history=False, protect=False)`` is the original policy.
