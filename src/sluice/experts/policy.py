@@ -137,7 +137,7 @@ class LFRU(Policy):
         if not router >= 0:
             raise ValueError(f"lfru: router must be >= 0, got {router}")
         # router > 0: at each pass, the router x top-k experts ranked just below the routed ones
-        # are protected like a prediction until the layer's next pass (``scores``)
+        # are guessed for the layer's next pass (``ranked``)
         self.router = float(router)
         self.half_life = float(half_life)
         self.history = bool(history)
@@ -145,7 +145,7 @@ class LFRU(Policy):
         self.lookahead, self.demote = bool(lookahead), bool(demote)
         self._predicted: dict[Hashable, set[Hashable]] = {}  # layer -> its predicted keys, until it runs
         self._protected: set[Hashable] = set()  # union of the predicted keys
-        self._guesses: dict[Hashable, set[Hashable]] = {}  # layer -> keys the router ranked next (``scores``)
+        self._guesses: dict[Hashable, set[Hashable]] = {}  # layer -> keys the router ranked next (``ranked``)
         self._guessed: set[Hashable] = set()  # their union
         self._pending: tuple[Hashable, set[Hashable]] | None = None  # guesses waiting for their layer to end
         self.rate = math.log(2.0) / half_life

@@ -32,8 +32,9 @@ from .spec import ExpertSpec
 # Decode-sized batches may compute experts out of order and fold them in order later;
 # larger (prefill) batches compute strictly in ascending order to bound held outputs.
 _OUT_OF_ORDER_BYTES = 8 << 20
-# the policy hears the router probabilities of forwards of at most this many rows (decode,
-# batched decodes, speculative verification), not of prefill chunks (Policy.scores)
+# the policy hears the router's ranking of forwards of at most this many rows (decode, batched
+# decodes, speculative verification), not of prefill chunks (Policy.ranked). A grouped router
+# (DeepSeek-V3) is ranked by its raw logits, without its correction bias and groups.
 SCORE_MAX_ROWS = 64
 
 
@@ -81,7 +82,8 @@ class ExpertProvider(ExpertInterface):
         self._far: dict[int, list[int]] = {}  # layer -> experts predicted two layers ahead
         self._issued: dict[int, set[int]] = {}  # layer -> experts speculatively read for it
         self._deferred: tuple[int, object] | None = None  # (layer, fn): see ``after_reads``
-        # when set (tracing): layer -> (ids [T, K], weights [T, K]) of the last forward, and
+        # when set (tracing): layer -> (ids [T, K], weights [T, K], router probabilities [T, E]) of
+        # the last forward (probabilities None if the MoE block gave no logits), and
         # layer -> ids [T, K] the engine's lookahead predicted for it in that forward
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
         self._logits: tuple[int, torch.Tensor] | None = None  # (layer, router logits) for its moe call
