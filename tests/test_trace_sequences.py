@@ -129,3 +129,23 @@ def test_engine_trace_under_concurrency(model_dir, tmp_path):
             assert abs(sum(p) - 1) < 1e-4
             top = sorted(range(len(p)), key=lambda e: -p[e])[: len(ids)]
             assert sorted(top) == ids
+
+
+def test_router_guesses_gain_on_the_demo_models_own_routing(tmp_path):
+    """End to end on the trained demo model: --trace-routing records the router's probabilities,
+    the replay hands them to the policy through the provider, and the default ``lfru`` (router
+    guesses) gets more hits than without them, and than LRU, at 1.5x and 2x the working set
+    (docs/cache-policy.md: 300-token traces of four prompts; this is one at 150 tokens)."""
+    import sluice
+    from sluice.demo import SHIPPED_MODEL
+
+    f = tmp_path / "demo.jsonl"
+    with sluice.load(SHIPPED_MODEL, memory="4GiB", trace_routing=str(f), progress=False) as engine:
+        engine.generate("def quicksort(items):\n    if len(items) <= 1:\n        return items\n",
+                        max_new_tokens=150, temperature=0.7, seed=0, ignore_eos=True)
+    t = read_trace(f)
+    assert t.probs is not None and t.sequences() == [0] and t.tokens == 149
+    for multiple in (1.5, 2):
+        cap = round(multiple * t.top_k)
+        hits = {s: replay(t, s, cap, "global").hits for s in ("lru", "lfru:router=0", "lfru")}
+        assert hits["lfru"] > hits["lfru:router=0"] > hits["lru"], (multiple, hits)
