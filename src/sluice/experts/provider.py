@@ -13,6 +13,7 @@ Shape legend: T tokens, H hidden, K experts per token, n_e tokens routed to expe
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ from .spec import ExpertSpec
 # Decode-sized batches may compute experts out of order and fold them in order later;
 # larger (prefill) batches compute strictly in ascending order to bound held outputs.
 _OUT_OF_ORDER_BYTES = 8 << 20
+# the policy hears the router's ranking of forwards of at most this many rows (decode, batched
+# decodes, speculative verification), not of prefill chunks (Policy.ranked). A grouped router
+# (DeepSeek-V3) is ranked by its raw logits, without its correction bias and groups.
+SCORE_MAX_ROWS = 64
 
 
 @dataclass
@@ -77,10 +82,33 @@ class ExpertProvider(ExpertInterface):
         self._far: dict[int, list[int]] = {}  # layer -> experts predicted two layers ahead
         self._issued: dict[int, set[int]] = {}  # layer -> experts speculatively read for it
         self._deferred: tuple[int, object] | None = None  # (layer, fn): see ``after_reads``
-        # when set (tracing): layer -> (ids [T, K], weights [T, K]) of the last forward, and
+        # when set (tracing): layer -> (ids [T, K], weights [T, K], router probabilities [T, E]) of
+        # the last forward (probabilities None if the MoE block gave no logits), and
         # layer -> ids [T, K] the engine's lookahead predicted for it in that forward
-        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
+        self._logits: tuple[int, torch.Tensor] | None = None  # (layer, router logits) for its moe call
+        self._probs: torch.Tensor | None = None  # the last run_experts call's router probabilities (tracing)
         self.predicted_routing: dict[int, torch.Tensor] | None = None
+
+    def router_logits(self, layer: int, logits: torch.Tensor) -> None:
+        if self.routing is not None or (self.cache.policy.ranks and logits.shape[0] <= SCORE_MAX_ROWS):
+            self._logits = (layer, logits)
+
+    def _router_probs(self, layer: int, routed: list[int]) -> torch.Tensor | None:
+        """After ``begin_layer``: the policy hears ``layer``'s experts ranked by router probability
+        (the best over the rows; ``Policy.ranked``). Returns the softmax of the router logits
+        [T, E] when tracing (else None)."""
+        got, self._logits = self._logits, None
+        if got is None or got[0] != layer:
+            return None
+        logits = got[1]
+        ranks = self.cache.policy.ranks
+        probs = torch.softmax(logits.float(), dim=-1) if self.routing is not None or logits.shape[0] > 1 else None
+        if ranks and logits.shape[0] <= SCORE_MAX_ROWS:
+            n = min(logits.shape[1], math.ceil(ranks * len(routed)))
+            best = logits[0] if probs is None else probs.amax(0)  # one row: the logits rank alike
+            self.cache.policy.ranked(layer, best.topk(n).indices.tolist(), set(routed))
+        return probs if self.routing is not None else None
 
     def resident_mask(self, layer: int) -> torch.Tensor:
         """[E] float: 1 for experts of ``layer`` that are in memory (ready or being read), else 0."""
@@ -228,13 +256,14 @@ class ExpertProvider(ExpertInterface):
         read once and computed once on all its rows. A failed read raises its
         ``ExpertReadError`` with ``layer``, ``expert`` and ``rows`` (the rows that needed it)."""
         t = x.shape[0]
-        if self.routing is not None:
-            self.routing[layer] = (ids, weights)
         groups = Groups(ids, weights)
         out_of_order = t * x.shape[1] * 4 * len(groups.experts) <= _OUT_OF_ORDER_BYTES
         decode_experts = self._count_union(ids, groups.experts)
         fold = Fold(x, groups.experts)
+        self._probs = None
         self.run_experts(layer, x, groups, fold.add, decode_experts, out_of_order)
+        if self.routing is not None:
+            self.routing[layer] = (ids, weights, self._probs)
         return fold.result()
 
     def run_experts(self, layer: int, x: torch.Tensor, work, sink, decode_experts: set[int],
@@ -253,6 +282,7 @@ class ExpertProvider(ExpertInterface):
             self._deferred = None  # a lookahead left over from a forward that did not reach it
         self._check_predictions(layer, set(experts))
         self.cache.policy.begin_layer(layer)
+        self._probs = self._router_probs(layer, experts) if self._logits is not None else None
         c = self.counters
 
         slots: dict[int, Slot] = {}
