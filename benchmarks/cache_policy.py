@@ -6,12 +6,16 @@ engine's lookahead predictions included).
     python benchmarks/cache_policy.py [--tokens 300] [--olmoe PATH] [--keep DIR] [--json OUT] [--oracle]
 
 For each trace and each cache size (1, 1.5, 2, 3 and 4 times one token's working set), the
-hit rate of LRU, of the default ``lfru``, of ``lfru`` hearing the lookahead's predictions
-(``--predictions hint``; demo traces only, the OLMoE trace has none) and of Belady, each
-with its fraction of Belady. Every replay is ``sluice trace-replay``'s, which drives the
+hit rate of LRU, of the previous default ``lfru:router=0``, of the default ``lfru`` (which
+guesses the next pass's experts from the router's ranking; the OLMoE trace records no router
+probabilities, so there the two are the same), each also hearing the lookahead's predictions
+(``--predictions hint``; demo traces only) and of Belady, each with its fraction of Belady and
+its hits. Every replay is ``sluice trace-replay``'s, which drives the
 engine's own ``ExpertCache`` and ``ExpertProvider`` (docs/cache-policy.md). ``--oracle`` adds
-two bounds: ``lfru`` told the true experts of the next layer, and of every layer still to
-come in the token, before each layer runs (what a perfect lookahead could tell it).
+bounds: ``lfru:router=0`` told the true experts of the next layer, or of every layer still to
+come in the token, before each layer runs (what a perfect lookahead could tell it), and also
+each layer's true experts of the next one or two tokens once it has run (a perfect next-token
+predictor).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ PROMPTS = {
     "demo-sort": "def quicksort(items):\n    if len(items) <= 1:\n        return items\n",
 }
 MULTIPLES = (1.0, 1.5, 2.0, 3.0, 4.0)
+OLD = "lfru:router=0"  # the default before the router's next-ranked experts were guessed (issue 18)
 ROOT = Path(__file__).resolve().parents[1]
 OLMOE = [ROOT / "tests" / "data" / "olmoe-1b-7b_299tok.jsonl",
          ROOT.parent / "shared" / "traces" / "olmoe-1b-7b_299tok.jsonl"]
@@ -50,33 +55,44 @@ def record(prompt: str, tokens: int, out: Path) -> Trace:
     return read_trace(out)
 
 
-def oracle(trace: Trace, spec: str, capacity: int, horizon: int) -> tuple[int, int]:
+def oracle(trace: Trace, spec: str, capacity: int, horizon: int, tokens: int = 0) -> tuple[int, int]:
     """(hits, lookups) of ``spec`` in a global cache when, before each layer runs, the policy is
     told the true experts of the next ``horizon`` layers of the same token (a perfect lookahead;
-    an upper bound on what predictions within a token can give a policy)."""
+    an upper bound on what predictions within a token can give a policy), and with ``tokens``,
+    after each layer has run, the experts it will use at the next ``tokens`` tokens (a perfect
+    next-token predictor, told as a prediction: protected until the layer's next pass). The
+    router probabilities are not replayed (``spec`` hears no ``ranked``)."""
     sim = CacheSim(capacity * trace.layers, make_policy(spec), trace.experts)
-    for step in trace.steps:
+    steps = trace.steps
+    for t, step in enumerate(steps):
         sim.tick()
         for layer, ids in enumerate(step):
             for ahead in range(layer + 1, min(trace.layers, layer + 1 + horizon)):
                 sim.cache.policy.predict(ahead, step[ahead])
             sim.run_layer(layer, ids)
+            if tokens:
+                sim.cache.policy.predict(layer, sorted({e for later in steps[t + 1 : t + 1 + tokens]
+                                                        for e in later[layer]}))
     return sim.provider.counters.hits, sim.provider.counters.lookups
 
 
 def rows(name: str, trace: Trace, with_oracle: bool) -> list[dict]:
     caps = [round(m * trace.top_k) for m in MULTIPLES]
     belady = [replay(trace, "belady", c, "global") for c in caps]
-    runs = [("lru", "off"), ("lfru", "off")] + ([("lfru", "hint")] if trace.pred is not None else [])
+    runs = [("lru", "off"), (OLD, "off"), ("lfru", "off")]
+    if trace.pred is not None:
+        runs += [(OLD, "hint"), ("lfru", "hint")]
     if with_oracle:
-        runs += [("lfru", "oracle:1"), ("lfru", f"oracle:{trace.layers}")]
+        runs += [(OLD, "oracle:1:0"), (OLD, f"oracle:{trace.layers}:0"), (OLD, f"oracle:{trace.layers}:1"),
+                 (OLD, f"oracle:{trace.layers}:2")]
     out = []
     for spec, mode in runs + [("belady", "off")]:
         for c, b in zip(caps, belady):
             if mode.startswith("oracle"):
-                horizon = int(mode.split(":")[1])
-                hits, lookups = oracle(trace, spec, c, horizon)
-                label = f"{spec} + perfect lookahead, {'next layer' if horizon == 1 else 'rest of the token'}"
+                horizon, tokens = (int(v) for v in mode.split(":")[1:])
+                hits, lookups = oracle(trace, spec, c, horizon, tokens)
+                label = (f"{spec} + perfect lookahead, {'next layer' if horizon == 1 else 'rest of the token'}"
+                         if not tokens else f"{spec} + perfect next {'token' if tokens == 1 else f'{tokens} tokens'}")
             else:
                 r = b if spec == "belady" else replay(trace, spec, c, "global", predictions=mode)
                 hits, lookups, label = r.hits, r.lookups, r.policy
@@ -98,8 +114,8 @@ def table(results: list[dict], traces: dict[str, Trace]) -> str:
         label = f"{name} (reuse {trace.reuse():.3f}" + (
             f", recall {trace.prediction_recall():.3f})" if trace.pred is not None else ")")
         for i, (policy, rs) in enumerate(by_policy.items()):
-            cells = [f"{r['hit_rate']:.3f}" if policy == "belady" else f"{r['hit_rate']:.3f} ({r['of_belady']:.3f})"
-                     for r in rs]
+            cells = [f"{r['hit_rate']:.3f} {r['hits']}" if policy == "belady"
+                     else f"{r['hit_rate']:.3f} ({r['of_belady']:.3f}) {r['hits']}" for r in rs]
             lines.append(f"| {label if i == 0 else ''} | {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

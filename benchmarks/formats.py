@@ -35,7 +35,7 @@ from sluice.bench import drop_cache
 from sluice.convert import convert
 from sluice.demo import demo_config
 from sluice.engine import ModelInfo, Options
-from sluice.experts.source import views
+from sluice.quant import assemble
 from sluice.quant import FORMATS
 from sluice.storage import AlignedBuffer
 from sluice.synthetic import write_model
@@ -62,16 +62,11 @@ def reconstruction_error(ref_box: Path, box: Path, fmt: str, samples: int = 6, s
     keys = [(layer, e) for layer in a.desc.moe_layers for e in range(a.desc.n_experts)]
     num = den = 0.0
     for layer, e in rng.sample(keys, min(samples, len(keys))):
-        wa = views(buf := AlignedBuffer(a.experts.slot_bytes), 0, a.experts.read(layer, e, buf))
-        lb = b.experts.read(layer, e, buf2 := AlignedBuffer(b.experts.slot_bytes))
-        wb = views(buf2, 0, lb)
-        for role, (n, k) in a.desc.expert.matrix_shapes().items():
+        wa = assemble(buf := AlignedBuffer(a.experts.slot_bytes), 0, a.experts.read(layer, e, buf))
+        wb = assemble(buf2 := AlignedBuffer(b.experts.slot_bytes), 0, b.experts.read(layer, e, buf2))
+        for role in a.desc.expert.matrix_shapes():
             ref = wa[role].float()
-            if fmt in ("f32", "bf16", "f16"):
-                got = wb[role].float()
-            else:
-                parts = {name.split(".", 1)[1]: t for name, t in wb.items() if name.startswith(role + ".")}
-                got = FORMATS[fmt].dequantize(parts, n, k)
+            got = wb[role].float() if isinstance(wb[role], torch.Tensor) else wb[role].dequantize()
             num += float((got - ref).pow(2).sum())
             den += float(ref.pow(2).sum())
     a.checkpoint.close()

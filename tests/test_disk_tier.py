@@ -203,23 +203,60 @@ print("ok", src.stats.tier_hits, src.stats.tier_misses)
 
 def test_two_processes_share_one_tier(published, tmp_path):
     """Two processes read overlapping ranges through one small tier at once (inserts, hits and
-    evictions racing): every byte they get is right, and the tier stays within its bound."""
+    evictions racing): every byte they get is right, and the tier stays within its bound, the
+    directory's as a whole: this process holds the tier open with a third of their size, and
+    they keep to it."""
     path, urls = published["container"]
     bank = next(n for n in os.listdir(path) if n.startswith("experts"))
     tier = tmp_path / "tier"
     cap = 12 * (HEADER_BYTES + 65536)
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARER.format(
-        src=str(ROOT / "src"), tier=str(tier), cap=cap, url=f"{urls['http']}/{bank}", local=str(path / bank),
-        seed=seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and out.startswith("ok"), err
-    assert sum(int(o.split()[1]) for o, _ in outs) > 0  # the tier served reads
-    t = DiskTier(tier, cap)
+    small = DiskTier(tier, cap // 3)
     try:
-        assert t.usage()["bytes"] <= cap and t.usage()["entries"] == len(_entries(tier))
+        procs = [subprocess.Popen([sys.executable, "-c", _SHARER.format(
+            src=str(ROOT / "src"), tier=str(tier), cap=cap, url=f"{urls['http']}/{bank}", local=str(path / bank),
+            seed=seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0 and out.startswith("ok"), err
+        assert sum(int(o.split()[1]) for o, _ in outs) > 0  # the tier served reads
+        assert 0 < small.usage()["bytes"] <= cap // 3 and small.usage()["entries"] == len(_entries(tier))
     finally:
-        t.close()
+        small.close()
+    assert list((tier / "openers").iterdir()) == []  # every opener closed: none holds a bound
+
+
+def test_the_bound_is_the_smallest_open_size_and_a_dead_opener_holds_none(tmp_path):
+    from sluice.storage import LocalFile
+
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(os.urandom(40 * 4096))
+    entry = HEADER_BYTES + 4096
+    big = DiskTier(tmp_path / "tier", 20 * entry)
+    try:
+        src = TieredSource(LocalFile(str(blob)), big, "m")
+        for i in range(10):
+            src.pread(4096, i * 4096)
+        assert big.usage()["entries"] == 10
+        # a dead process's record (its lock is free) is no bound, and is removed; a directory or a link
+        # under a record's name, or garbage, bounds nothing and is left alone
+        openers = tmp_path / "tier" / "openers"
+        (openers / "999999.0badc0de").write_text(f"{entry}\n")
+        (openers / "999998.0badc0de").mkdir()
+        (openers / "999997.0badc0de").symlink_to(openers / "999999.0badc0de")
+        (openers / "not-a-record").write_text("1\n")
+        assert big.bound() == 20 * entry and not (openers / "999999.0badc0de").exists()
+        assert (openers / "999998.0badc0de").is_dir() and (openers / "not-a-record").exists()
+        small = DiskTier(tmp_path / "tier", 4 * entry)  # another opener: evicts down to its size at open
+        assert big.usage()["entries"] == 4 and big.bound() == small.bound() == 4 * entry
+        for i in range(10, 20):  # the bigger opener keeps to the smaller size while it is open
+            src.pread(4096, i * 4096)
+            assert big.usage()["bytes"] <= 4 * entry
+        small.close()
+        for i in range(20, 30):
+            src.pread(4096, i * 4096)
+        assert big.usage()["entries"] == 14  # its own size again
+    finally:
+        big.close()
 
 
 def test_cache_list_and_clear_via_the_cli(text_model, remote_servers, tmp_path, monkeypatch, capsys):
@@ -243,9 +280,13 @@ def test_cache_list_and_clear_via_the_cli(text_model, remote_servers, tmp_path, 
     t = DiskTier(tier, 1 << 30)
     src = TieredSource(sluice.storage.LocalFile(str(other)), t, "https://elsewhere/other-model")
     src.pread(5000, 100)
-    t.close()
+    # `sluice run` leaves its engine (and tier) open to process exit: in this test's process they are open
     assert main(["cache", "list", "--disk-cache-dir", str(tier), "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
+    assert listing["open_by"] >= 1 and listing["bound"] == 64 << 20  # the smallest size open: the runs'
+    t.close()
+    assert main(["cache", "list", "--disk-cache-dir", str(tier), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["open_by"] == listing["open_by"] - 1
     models = {m["model"]: m for m in listing["models"]}
     assert set(models) == {urls["http"], "https://elsewhere/other-model"}
     assert listing["bytes"] == sum(m["bytes"] for m in models.values()) > 0
@@ -513,5 +554,52 @@ def test_entries_of_an_older_version_are_dropped_when_the_object_changed(tmp_pat
         new = TieredSource(LocalFile(str(blob)), tier, "m")
         assert new.version != old.version and tier.usage()["entries"] == 0 and not _entries(tmp_path / "tier")
         assert new.pread(100, 0) == blob.read_bytes()[:100] and new.stats.tier_misses == 1
+    finally:
+        tier.close()
+
+
+def test_a_kept_open_entry_is_read_and_checked_in_one_call_and_a_changed_payload_fails(tmp_path, monkeypatch):
+    """A hit on a kept-open entry reads the payload and computes its CRC-32 in one C call (zlib's CRC
+    for any length and offset); a payload byte changed on disk after the entry's first read is
+    caught on the next hit: dropped, never returned."""
+    import zlib
+
+    from sluice.storage import AlignedBuffer
+    from sluice.storage.crc import pread_crc32
+
+    data = os.urandom(3 * 4096 + 100)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off, n in [(0, 4096), (5, 70), (100, 3 * 4096), (0, 15), (4000, 9000)]:
+            dest = bytearray(n)
+            got = pread_crc32(fd, memoryview(dest), off)
+            if got is None:
+                pytest.skip("no C kernels in this build")
+            want = data[off:off + n]
+            assert got == (len(want), zlib.crc32(want)) and bytes(dest[:len(want)]) == want
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        pread_crc32(-1, memoryview(bytearray(8)), 0)
+    tier = DiskTier(tmp_path / "tier", 1 << 30)
+    try:
+        key = Key("http://h/obj", "v", 0, 2 * 4096)
+        payload = os.urandom(key.length)
+        assert tier.put(key, memoryview(payload), "m")
+        buf = AlignedBuffer(key.length)
+        calls = []
+        monkeypatch.setattr("sluice.storage.tier_entry.pread_crc32", lambda *a: calls.append(a) or pread_crc32(*a))
+        for _ in range(2):  # the first read checks the header, the second is the one-call hit
+            assert tier.get(key, buf.view(0, key.length)) and bytes(buf.view(0, key.length)) == payload
+        assert len(calls) == 1
+        entry = tier.path(key.name)
+        with open(entry, "r+b") as f:
+            f.seek(HEADER_BYTES + 4097)
+            f.write(bytes([payload[4097] ^ 0x10]))
+        with pytest.warns(UserWarning, match="is corrupt"):
+            assert not tier.get(key, buf.view(0, key.length))
+        assert tier.counts["corrupt"] == 1 and not entry.exists()
     finally:
         tier.close()

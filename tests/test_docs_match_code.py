@@ -63,6 +63,20 @@ def test_container_doc_lists_every_format_id():
     assert {k: int(v) for k, v in listed.items()} == FORMAT_IDS
 
 
+def test_quantization_doc_lists_every_registered_format_and_id():
+    """docs/quantization.md names every format of the registry (``quant.FORMATS``, fp8 included)
+    with the record format id the container stores for it."""
+    from sluice.container import FORMAT_IDS
+    from sluice.quant import FORMATS
+
+    doc = " ".join((ROOT / "docs" / "quantization.md").read_text(encoding="utf-8").split())
+    m = re.search(r"record format id \(docs/container\.md\): ([^.]*)\.", doc)
+    assert m, "docs/quantization.md lost its list of format ids"
+    listed = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
+    assert listed == FORMAT_IDS and set(listed) == set(FORMATS)
+    assert all(f"`{name}`" in doc for name in FORMATS)
+
+
 def _environment_variables() -> dict[str, list[str]]:
     """Names of environment variables read or set anywhere in src/sluice: os.environ.get("X"),
     os.environ["X"], os.environ.setdefault("X", ...), os.getenv("X"), "X" in os.environ."""

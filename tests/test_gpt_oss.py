@@ -109,7 +109,7 @@ def test_container_records_are_canonical(models):
     from safetensors.torch import load_file
 
     from sluice.engine import ModelInfo
-    from sluice.experts.source import views
+    from sluice.quant import record_views as views
     from sluice.storage import AlignedBuffer
 
     info = ModelInfo(models["container"])
@@ -193,7 +193,6 @@ def test_mxfp4_weights_bit_identical_to_transformers(mxfp4):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from sluice.engine import ModelInfo
-    from sluice.experts.source import views
     from sluice.quant import QuantMatrix, assemble
     from sluice.storage import AlignedBuffer
 
@@ -205,7 +204,7 @@ def test_mxfp4_weights_bit_identical_to_transformers(mxfp4):
     buf = AlignedBuffer(src.slot_bytes)
     layout = src.read(2, 6, buf)
     assert layout.format == "mxfp4" and layout.exact  # what the cache assembles a slot with
-    w = assemble(layout.format, views(buf, 0, layout), {r: (n, k) for r, n, k in layout.shapes}, exact=layout.exact)
+    w = assemble(buf, 0, layout)  # what the cache does when the read completes
     assert isinstance(w["gate_up"], QuantMatrix) and isinstance(w["down"], QuantMatrix) and w["gate_up"].exact
     gu_ref = convert_moe_packed_tensors(tensors[p + "gate_up_proj_blocks"], tensors[p + "gate_up_proj_scales"],
                                         dtype=torch.float32)[6]  # [H, 2I]
@@ -242,7 +241,7 @@ def test_mxfp4_container_records_copy_the_blocks(models, mxfp4):
     """A container made from an MXFP4 checkpoint holds gate/up de-interleaved by rows, blocks
     and scales copied bit for bit (nothing requantized)."""
     from sluice.engine import ModelInfo
-    from sluice.experts.source import views
+    from sluice.quant import record_views as views
     from sluice.storage import AlignedBuffer
 
     path, tensors, _ = mxfp4

@@ -16,7 +16,7 @@ import torch
 from sluice import kernels, quant
 from sluice.experts.compute import expert_forward
 from sluice.experts.spec import ExpertSpec
-from sluice.quant import FORMATS, QuantMatrix, assemble, fake_quantize_activations, linear, record_layout
+from sluice.quant import FORMATS, QuantMatrix, assemble_views, fake_quantize_activations, linear, record_layout
 from sluice.quant.mxfp4 import FP4_VALUES, e2m1_codes
 
 LOSSY = ["int8", "q4", "mxfp4", "rvq3"]
@@ -89,10 +89,13 @@ def expected(fmt, x: torch.Tensor, qm: QuantMatrix, t: int) -> torch.Tensor:
 
 
 def test_registry_and_layouts():
-    assert set(FORMATS) >= {"f32", "bf16", "f16", "int8", "q4", "mxfp4", "rvq3"}
+    from sluice.container import FORMAT_IDS
+
+    assert set(FORMATS) >= {"f32", "bf16", "f16", "int8", "q4", "mxfp4", "rvq3", "fp8"}
+    assert set(FORMATS) == set(FORMAT_IDS)  # every expert format a container names is registered
     for name, fmt in FORMATS.items():
         assert fmt.name == name
-        assert fmt.lossy == (name in LOSSY)
+        assert fmt.lossy == (name in LOSSY or name == "fp8")  # fp8: lossy from float (checkpoints: as stored)
         n, k = 14336, 4096
         bits = fmt.nbytes(n, k) * 8 / (n * k)
         assert abs(bits - fmt.bits_per_weight) < 0.02, (name, bits)
@@ -101,6 +104,44 @@ def test_registry_and_layouts():
     assert FORMATS["int8"].parts(3, 40) == {"weight": (torch.int8, (3, 64)), "scales": (torch.float32, (3,))}
     assert FORMATS["rvq3"].parts(5, 20) == {"codes": (torch.uint8, (5, 3, 3)), "codebooks": (torch.float16, (3, 256, 8))}
     assert FORMATS["bf16"].parts(4, 6) == {"weight": (torch.bfloat16, (4, 6))}
+    assert FORMATS["fp8"].parts(300, 200) == {"weight": (torch.float8_e4m3fn, (300, 200)),
+                                              "scale_inv": (torch.float32, (3, 2))}
+    # how an expert record names each part: "<role>.<part>", the role itself for plain dtypes, and
+    # the checkpoints' own "<role>" + "<role>_scale_inv" for FP8
+    assert FORMATS["q4"].record_parts("up") == {"blocks": "up.blocks", "scales": "up.scales"}
+    assert FORMATS["bf16"].record_parts("up") == {"weight": "up"}
+    assert FORMATS["fp8"].record_parts("up") == {"weight": "up", "scale_inv": "up_scale_inv"}
+
+
+def test_fp8_is_a_registered_format():
+    """FP8 goes through the registry like the others: quantize, reference, matmul, and an expert
+    record's "<role>" + "<role>_scale_inv" views assembled into one ``BlockFP8`` per role."""
+    from sluice.quant.fp8 import BlockFP8, quantize
+
+    fmt = FORMATS["fp8"]
+    w = torch.randn(300, 200)
+    parts = fmt.quantize(w)
+    q, s = quantize(w, (128, 128))
+    assert torch.equal(parts["weight"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(parts["scale_inv"], s)
+    ref = fmt.dequantize(parts, 300, 200)
+    assert torch.equal(ref, BlockFP8(q, s, (128, 128)).dequantize())
+    assert ((ref - w).norm() / w.norm()).item() < 0.05
+    x = torch.randn(3, 200)
+    assert torch.allclose(fmt.matmul(x, parts, 300, 200), x @ ref.T, rtol=1e-4, atol=1e-4)
+    spec = ExpertSpec(hidden=200, intermediate=300)
+    views = {}
+    for role, (n, k) in spec.matrix_shapes().items():
+        p = fmt.quantize(torch.randn(n, k))
+        views[role], views[role + "_scale_inv"] = p["weight"], p["scale_inv"]
+    got = assemble_views(views, block=(128, 128))
+    assert set(got) == {"gate", "up", "down"} and all(isinstance(got[r], BlockFP8) for r in got)
+    assert got.swiglu is None  # no one-call expert kernel for FP8: gate/up/down products instead
+    dense = assemble_views({r: got[r].dequantize() for r in got})
+    assert dense.swiglu is not None
+    y, ref = expert_forward(spec, got, x), expert_forward(spec, dense, x)
+    assert torch.allclose(y, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())  # fp32 sums, two orders
+    with pytest.raises(Exception, match="weight block"):
+        assemble_views(views)  # FP8 without its block: refused, never misread
 
 
 @pytest.mark.parametrize("name", LOSSY)
@@ -409,8 +450,9 @@ def _expert_views(fmt_name: str, spec: ExpertSpec, seed: int = 0):
         for role, w in dense.items():
             q[role] = FORMATS[fmt_name].quantize(w)
     views = {}
+    names = {name: (role, part) for role in shapes for part, name in FORMATS[fmt_name].record_parts(role).items()}
     for name, off, dtype, shape in entries:
-        role, part = name.split(".")
+        role, part = names[name]
         src = q[role][part].contiguous().view(torch.uint8).reshape(-1)
         record[off : off + src.numel()] = src
         views[name] = record[off : off + src.numel()].view(dtype).view(shape)
@@ -422,7 +464,7 @@ def test_assemble_and_expert_forward(fmt_name):
     spec = ExpertSpec(hidden=64, intermediate=96)
     shapes, views, dense = _expert_views(fmt_name, spec)
     views["gate_bias"] = torch.randn(96)
-    w = assemble(fmt_name, views, shapes)
+    w = assemble_views(views, None if fmt_name == "bf16" else fmt_name, shapes)
     assert torch.equal(w["gate_bias"], views["gate_bias"])
     if fmt_name == "bf16":
         assert isinstance(w["gate"], torch.Tensor) and w["gate"].dtype == torch.bfloat16
@@ -431,23 +473,24 @@ def test_assemble_and_expert_forward(fmt_name):
     ref_w = {role: (w[role] if isinstance(w[role], torch.Tensor) else w[role].dequantize()).float()
              for role in shapes}
     ref_w["gate_bias"] = views["gate_bias"]
+    ref_w = assemble_views(ref_w)
     x = torch.randn(3, 64)
     with activations("f32"):
         y = expert_forward(spec, w, x)
     ref = expert_forward(spec, ref_w, x)
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())  # fp32 sums of O(100) terms
     if fmt_name != "bf16":
-        err = ((ref - expert_forward(spec, dense, x)).norm() / ref.norm()).item()
+        err = ((ref - expert_forward(spec, assemble_views(dense), x)).norm() / ref.norm()).item()
         print(f"{fmt_name}: expert output relative error vs fp32 weights {err:.4f}")
 
 
 def test_assemble_errors():
     shapes = {"gate": (96, 64)}
     with pytest.raises(ValueError, match="missing part 'gate.scales'"):
-        assemble("q4", {"gate.blocks": torch.zeros(96, 2, 16, dtype=torch.uint8)}, shapes)
+        assemble_views({"gate.blocks": torch.zeros(96, 2, 16, dtype=torch.uint8)}, "q4", shapes)
     with pytest.raises(ValueError, match="dtype"):
-        assemble("q4", {"gate.blocks": torch.zeros(96, 2, 16, dtype=torch.uint8),
-                        "gate.scales": torch.zeros(96, 2, dtype=torch.float32)}, shapes)
+        assemble_views({"gate.blocks": torch.zeros(96, 2, 16, dtype=torch.uint8),
+                        "gate.scales": torch.zeros(96, 2, dtype=torch.float32)}, "q4", shapes)
 
 
 def test_record_layout_offsets():
@@ -491,5 +534,5 @@ def test_cache_slot_assembles_quantized_records():
     x = torch.randn(2, 64)
     for role in ("gate", "up", "down"):
         assert isinstance(slot.weights[role], QuantMatrix)
-    ref = assemble("mxfp4", views, shapes)
+    ref = assemble_views(views, "mxfp4", shapes)
     assert torch.equal(expert_forward(spec, slot.weights, x), expert_forward(spec, ref, x))

@@ -631,3 +631,71 @@ def test_engine_records_weights_and_the_lookaheads_predictions(model_dir, tmp_pa
         plain = eng.generate(prompt, max_new_tokens=8, speculate=False, ignore_eos=True).token_ids
     assert out[True][0] == out[False][0] == plain
     assert out[True][1].pred == out[False][1].pred and out[True][1].steps == out[False][1].steps
+
+
+def test_lfru_router_guesses_go_after_other_stale_keys():
+    """The experts the router ranks just below the routed ones (``ranked``) are guessed for the
+    layer's next pass: once the layer's own misses are fetched (its next event), they go after
+    the other stale keys, still before any fresh key; the next pass replaces them."""
+    def run(router):
+        p = LFRU(router=router)
+        assert p.ranks == (1 + router if router else 0)
+        p.tick()
+        p.begin_layer(0)
+        for e in range(4):
+            p.insert((0, e))
+        p.tick()
+        p.begin_layer(0)
+        p.ranked(0, [0, 1, 3, 2], {0})  # routed to 0; the router ranks 1 and 3 next
+        p.access((0, 0))
+        during = p.victim(lambda k: True)  # the layer's own misses: no guess yet
+        p.begin_layer(1)  # the next layer: layer 0's guesses count now
+        return p, during
+
+    p, during = run(1.0)  # one guess per routed expert: (0, 1)
+    assert during == (0, 1) and p._guessed == {(0, 1)}
+    assert p.victim(lambda k: True) == (0, 2)
+    assert p.victim(lambda k: k[1] not in (2, 3)) == (0, 1)  # a guessed stale key before a fresh one
+    p, _ = run(2.0)
+    assert p._guessed == {(0, 1), (0, 3)} and p.victim(lambda k: True) == (0, 2)
+    p.tick()
+    p.begin_layer(0)
+    p.ranked(0, [1, 2, 0, 3], {1})
+    assert not p._guessed  # the new pass's guesses wait for its misses
+    p, _ = run(0.0)
+    assert p.victim(lambda k: True) == (0, 1) and not p._guessed
+    assert make_policy("lfru").router == 2.0 and make_policy("lru").ranks == 0
+    with pytest.raises(ValueError, match="router must be >= 0"):
+        make_policy("lfru:router=-1")
+
+
+def test_replay_hands_the_router_ranking_to_the_policy():
+    """A trace with router probabilities replays them through the provider (as logits, as the
+    MoE block hands them over), so ``lfru`` hears each pass's ranking; without them it cannot."""
+    rng = random.Random(7)
+    trace = random_trace(rng, 60, 3, 12, 2)
+    probs = []
+    for step in trace.steps:
+        row = []
+        for ids in step:
+            p = [rng.random() * 0.1 for _ in range(12)]
+            for e in ids:
+                p[e] += 1.0
+            row.append([v / sum(p) for v in p])
+        probs.append(row)
+    with_probs = Trace(trace.steps, trace.tok, "probs", probs=probs)
+    heard = []
+
+    class Spy(LFRU):
+        def ranked(self, layer, ranked, routed):
+            heard.append((layer, list(ranked), set(routed)))
+            super().ranked(layer, ranked, routed)
+
+    replay(with_probs, Spy, 3, "global")
+    assert len(heard) == 60 * 3
+    layer, ranked, routed = heard[4]
+    assert layer == 1 and set(ranked[:2]) == routed == set(trace.steps[1][1]) and len(ranked) == 6
+    assert ranked == sorted(range(12), key=lambda e: -probs[1][1][e])[:6]
+    heard.clear()
+    replay(trace, Spy, 3, "global")
+    assert not heard

@@ -57,8 +57,9 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                         "(TLS verification is always on)")
     _add_disk_cache_args(g)
     g.add_argument("--trace-routing", default=None, metavar="FILE",
-                   help="write every decode token's expert routing, router weights and lookahead predictions to "
-                        "FILE (JSONL, the format sluice trace-replay reads)")
+                   help="write every decode token's expert routing (its sequence and engine step), router weights, "
+                        "router probabilities and lookahead predictions to FILE (JSONL, the format sluice "
+                        "trace-replay reads)")
     ray = p.add_argument_group("experts on a Ray cluster (docs/scale-out.md; the ray extra)")
     ray.add_argument("--ray", default=None, metavar="auto|ADDRESS",
                      help="compute the experts on Ray actors: auto (RAY_ADDRESS, else a cluster running here, else "
@@ -203,7 +204,7 @@ def cmd_inspect(args) -> int:
 
     report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision,
                            ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
-                           disk_cache_dir=args.disk_cache_dir)
+                           disk_cache_dir=args.disk_cache_dir, progress=True)  # stderr, on a terminal only
     print(json.dumps(report, indent=2) if args.json else render_inspect(report))
     return 0
 
@@ -229,9 +230,13 @@ def cmd_cache(args) -> int:
                       f"{args.model or 'every model'} from {tier.dir}; {report['entries']} entries "
                       f"({format_size(report['bytes'])}) left")
         else:
-            report = {"dir": str(tier.dir), "exists": True, "models": tier.models(), **tier.usage()}
+            bound, users = tier.openers()
+            report = {"dir": str(tier.dir), "exists": True, "models": tier.models(), **tier.usage(),
+                      "open_by": users, "bound": bound}
             if not args.json:
-                print(f"disk tier {tier.dir}: {report['entries']} entries, {format_size(report['bytes'])}")
+                held = f"; open by {users} process(es), bound {format_size(bound)} (the smallest --disk-cache)" \
+                    if users else ""
+                print(f"disk tier {tier.dir}: {report['entries']} entries, {format_size(report['bytes'])}{held}")
                 for m in report["models"]:
                     print(f"  {format_size(m['bytes']):>12}  {m['entries']:6d} entries  {m['objects']:4d} files  "
                           f"{m['hits']:8d} hits  {m['model']}")
@@ -502,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "replay each policy with them: hint (the policy hears them, nothing is read ahead) or "
                         "prefetch (read ahead, as the engine does; such a read completes at once in the replay)")
     t.add_argument("--tokens", default=None, metavar="START:STOP", help="replay only these tokens (0-based slice)")
+    t.add_argument("--sequence", type=int_arg(0), default=None, metavar="N",
+                   help="a trace of several sequences (--parallel): replay only sequence N's rows, as if it ran "
+                        "alone (default: every step's rows together, as the engine looked them up)")
     t.add_argument("--pins", default=None, metavar="FILE",
                    help="also replay each policy with these experts pinned (a sluice-pins-v1 file)")
     t.add_argument("--write-pins", default=None, metavar="FILE",

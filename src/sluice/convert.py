@@ -44,13 +44,13 @@ from .container import (
 )
 from .engine import ModelInfo
 from .errors import CheckpointError, ConvertError, InvalidArgumentError, SluiceError
-from .experts.fused import canonical_layout, canonical_weights
-from .experts.source import views
+from .experts.fused import canonical_layout
 from .models import quantized_spine
 from .progress import Progress
 from .resolve import resolve_model
 from .quant.fp8 import FORMAT as FP8_FORMAT
 from .quant import FORMATS, QuantMatrix, assemble
+from .quant.fp8 import SCALE_SUFFIX, BlockFP8
 from .storage.crc import crc32
 from .storage import AlignedBuffer, align_up
 
@@ -95,10 +95,10 @@ def encode_parts(fmt: str, weights: dict[str, torch.Tensor], parts, record: Alig
                 encoded.update({f"{role}.{part}": t for part, t in w.parts.items()})
                 continue
             w = w.dequantize()
-        if fmt in DENSE_FORMATS:
+        if isinstance(w, BlockFP8):  # stored as is (fp8 to fp8 only): the values and their block scales
+            encoded[role], encoded[role + SCALE_SUFFIX] = w.weight, w.stored_scale
+        elif fmt in DENSE_FORMATS:
             encoded[role] = w if w.dtype == _TORCH_DENSE[fmt] else w.to(_TORCH_DENSE[fmt])
-        elif fmt == FP8_FORMAT:
-            encoded[role] = w
         else:
             todo[role] = w if w.dtype in _TORCH_DENSE.values() else w.float()
     if todo:
@@ -437,7 +437,6 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
     quantize = set()
     if spine != "stored":  # float matrices only: FP8 weights stay as stored (one byte already)
         quantize = {n for n in quantized_spine.quantizable(desc) if ckpt.info(n).dtype in ("F32", "BF16", "F16")}
-    shapes = desc.expert.matrix_shapes()
     # counts the bytes it writes as data (not alignment padding), so it ends at 100%
     written = sum(ckpt.info(n).nbytes for n in desc.spine) + rec * desc.total_experts
     bar = Progress(written, f"converting to {label}", enabled=progress)
@@ -500,9 +499,7 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
                     if writes[i % 2] is not None:  # this record's previous write is done
                         writes[i % 2].result()
                     record.tensor(0, torch.uint8, (rec,)).zero_()
-                    weights = canonical_weights(views(buf, 0, layout))
-                    if layout.format is not None:  # natively quantized source: parts -> matrices
-                        weights = assemble(layout.format, weights, shapes)
+                    weights = assemble(buf, 0, layout).canonical()  # fused layouts de-interleaved
                     encode_parts(fmt, weights, parts, record, HEADER_BYTES)
                     payload_bytes = record.view(HEADER_BYTES, payload)
                     record.view(0, HEADER_BYTES)[:] = pack_header(fmt, layer, e, len(parts), payload_bytes)

@@ -41,7 +41,7 @@ from .models import quantized_spine
 from .models.base import MoEBlock, check_tensor
 from .models.config import check_layer_count, eos_ids
 from .plan import Plan, activation_bytes, make_plan
-from .progress import Progress
+from .progress import Activity, Progress
 from .resolve import resolve_model
 from .runner import ModelRunner, SeqState
 from .scheduler import Scheduler
@@ -131,7 +131,7 @@ class ModelInfo:
 
     def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None,
                  ca_bundle: str | None = None, disk_cache: int | str | None = None,
-                 disk_cache_dir: str | os.PathLike | None = None):
+                 disk_cache_dir: str | os.PathLike | None = None, progress: bool = False):
         if disk_cache_dir is not None and disk_cache is None:
             raise InvalidArgumentError("disk_cache_dir (--disk-cache-dir) needs disk_cache (--disk-cache SIZE): "
                                        "there is no disk tier without a size")
@@ -141,8 +141,10 @@ class ModelInfo:
         self.disk_tier = open_tier(disk_cache, disk_cache_dir) if disk_cache is not None and is_url(self.path) else None
         if self.disk_tier is not None:
             remote["disk_tier"] = self.disk_tier
+        # a remote model's metadata requests (config, index, headers, tokenizer), shown on a terminal
+        self.meta_progress = Activity(f"{self.path}: metadata", enabled=progress and is_url(self.path))
         try:
-            self.store = store = open_store(self.path, **remote)  # the model's files, whatever holds them
+            self.store = store = open_store(self.path, progress=self.meta_progress, **remote)
             self.is_container = is_container(store)
             if self.is_container:
                 self.checkpoint = Container(store, direct=direct_io)
@@ -181,13 +183,14 @@ class ModelInfo:
             check_spine_dtype(name, info, self.desc.spine)
         if self.is_container:
             self.experts = ContainerExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
-                                            self.desc.expert.matrix_shapes())
+                                            self.desc.expert)
         else:
             self.experts = CheckpointExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
                                              self.desc.expert_tensors, self.desc.expert_format, self.desc.expert)
         self.tokenizer: Tokenizer | None = None
         if store.exists("tokenizer.json"):
             self.tokenizer = Tokenizer(store)
+        self.meta_progress.close()
         self.eos_token_ids = eos_ids(self.raw_config, self.checkpoint.generation_config)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
@@ -204,6 +207,9 @@ class ModelInfo:
 
     def close(self) -> None:
         """Close the model's files and its disk tier (writing the tier's pending bookkeeping)."""
+        meta = getattr(self, "meta_progress", None)
+        if meta is not None:
+            meta.close()  # a model that failed to open: end the progress line
         ckpt = getattr(self, "checkpoint", None)
         if ckpt is not None:
             ckpt.close()
@@ -281,7 +287,8 @@ class Engine:
         self.threads = options.threads or os.cpu_count() or 1
         kernels.set_threads(self.threads)
         self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle,
-                                     disk_cache=options.disk_cache, disk_cache_dir=options.disk_cache_dir)
+                                     disk_cache=options.disk_cache, disk_cache_dir=options.disk_cache_dir,
+                                     progress=options.progress)
         self.path, self.model_id = info.path, info.model_id  # model_id: what a server reports
         self.checkpoint, self.raw_config, self.family = info.checkpoint, info.raw_config, info.family
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts

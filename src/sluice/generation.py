@@ -108,7 +108,8 @@ def _verify(seq: SeqState, pending: list[int], draft: list[int], pos: int, decod
             return {layer: torch.cat([t, b[layer]]) for layer, t in a.items() if layer in b}
 
         return SeqResult(logits, joined(first.routing, rest.routing), joined(first.weights, rest.weights),
-                         joined(first.predicted, rest.predicted))
+                         joined(first.predicted, rest.predicted), joined(first.probs or {}, rest.probs or {}),
+                         step=first.step)
     seq.mark()
     return (yield SeqWork(seq, pending + draft, pos, 1 + len(draft), decoding, tracing))
 
@@ -224,7 +225,7 @@ def sequence(runner: ModelRunner, seq: SeqState, req: Request, meter: Callable[[
         else:
             forwards.append((1 + a, time.perf_counter() - t1))
         if tracing:
-            runner.write_trace(pos, result, len(pending) + a)  # the tokens this forward processed and kept
+            runner.write_trace(pos, result, len(pending) + a, seq.slot)  # the tokens this forward processed and kept
         for i in range(a + 1):
             token = draft[i] if i < a else sampler(rows[a])
             if drafter is not None:

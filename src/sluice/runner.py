@@ -85,6 +85,8 @@ class SeqResult:
     routing: dict[int, torch.Tensor] | None = None  # MoE layer -> expert ids [len(tokens), K]
     weights: dict[int, torch.Tensor] | None = None  # MoE layer -> their mixing weights [len(tokens), K]
     predicted: dict[int, torch.Tensor] | None = None  # MoE layer -> the lookahead's prediction [len(tokens), K]
+    probs: dict[int, torch.Tensor] | None = None  # MoE layer -> router probabilities of all experts [len(tokens), E]
+    step: int | None = None  # the runner's step count when this item ran (rows of one step share it)
     # the step failed this item (an expert its rows needed could not be read; the others ran):
     # its state is as before the step and the other fields are None
     error: BaseException | None = None
@@ -106,6 +108,7 @@ class ModelRunner:
         self.moe_layers = list(moe_layers)
         self.slots = [SeqState(model.new_state(max_context), i) for i in range(slots)]
         self._forwards = 0
+        self._steps = 0  # steps run (a step is one or more forwards), numbering the trace's rows
         self._tokens = 0
         self._rows: list[tuple[int, int, int, int]] = []  # the running forward's (item, first row, end row, offset)
 
@@ -179,6 +182,8 @@ class ModelRunner:
         routed: list[dict[int, list[torch.Tensor]]] = [{} for _ in work]
         weighed: list[dict[int, list[torch.Tensor]]] = [{} for _ in work]
         predicted: list[dict[int, list[torch.Tensor]]] = [{} for _ in work]
+        probed: list[dict[int, list[torch.Tensor]]] = [{} for _ in work]
+        self._steps += 1
         chunks = [0] * len(work)
         experts = self._experts
         try:
@@ -217,9 +222,11 @@ class ModelRunner:
                         if not work[i].record_routing:
                             continue
                         chunks[i] += 1
-                        for layer, (ids, wt) in experts.routing.items():
+                        for layer, (ids, wt, *more) in experts.routing.items():
                             routed[i].setdefault(layer, []).append(ids[r0:r1])
                             weighed[i].setdefault(layer, []).append(wt[r0:r1])
+                            if more and more[0] is not None:
+                                probed[i].setdefault(layer, []).append(more[0][r0:r1])
                         for layer, ids in experts.predicted_routing.items():
                             predicted[i].setdefault(layer, []).append(ids[r0:r1])
                 want = []  # (item, first row, end row) whose logits the item asked for
@@ -250,7 +257,8 @@ class ModelRunner:
                 # a layer predicted in some chunks only (its router was still streaming) has no prediction
                 return {layer: torch.cat(r) if len(r) > 1 else r[0] for layer, r in parts.items() if len(r) == n}
 
-            results.append(SeqResult(logits, joined(routed[i]), joined(weighed[i]), joined(predicted[i])))
+            results.append(SeqResult(logits, joined(routed[i]), joined(weighed[i]), joined(predicted[i]),
+                                     joined(probed[i]), step=self._steps))
         return results
 
     # -- routing trace ---------------------------------------------------------------------
@@ -260,14 +268,19 @@ class ModelRunner:
         """True when the engine writes a routing trace (``--trace-routing``)."""
         return self._trace is not None
 
-    def write_trace(self, start: int, result: SeqResult, n: int) -> None:
-        """Append the routing of positions start..start+n (the rows a step kept) to the trace: expert
-        ids, their mixing weights and what the lookahead predicted for each layer (``[]``: nothing)."""
+    def write_trace(self, start: int, result: SeqResult, n: int, seq: int = 0) -> None:
+        """Append the routing of positions start..start+n (the rows a step kept) of sequence ``seq``
+        (its state slot) to the trace: the step that computed them, expert ids, their mixing
+        weights, what the lookahead predicted for each layer (``[]``: nothing) and the router's
+        probabilities of all experts."""
         moe, routing, weights, predicted = self.moe_layers, result.routing, result.weights, result.predicted or {}
+        probs = result.probs if result.probs and all(layer in result.probs for layer in moe) else None
         for i in range(n):
             self._trace.write(start + i, [routing[layer][i].tolist() for layer in moe],
                               [weights[layer][i].tolist() for layer in moe],
-                              [predicted[layer][i].tolist() if layer in predicted else [] for layer in moe])
+                              [predicted[layer][i].tolist() if layer in predicted else [] for layer in moe],
+                              [probs[layer][i].tolist() for layer in moe] if probs is not None else None,
+                              seq=seq, step=result.step if result.step is not None else 0)
         self._trace.flush()
 
     # -- counters --------------------------------------------------------------------------

@@ -17,7 +17,18 @@ the model does) of expert ``layers[i][j]``. ``pred[i]`` is the experts the looka
 predicted for layer ``i`` before it ran (the next layer's router applied to layer ``i-1``'s
 post-attention hidden state: what the engine prefetches), ``[]`` where there is no
 prediction (the first layer, a layer after a dense one). A file has both on every line or
-on none.
+on none. Three more, written by ``--trace-routing`` since the replay learned them (each on
+every line or on none)::
+
+    "seq": 0          # the state slot of the sequence this row belongs to
+    "step": 17        # the engine step (forward) that computed it: rows of one step share it
+    "probs": [[0.02, 0.11, ...], ...]   # layer i's router probabilities over ALL its experts
+
+Under concurrency (``--parallel``) the scheduler runs several sequences in one step, and
+each row is one sequence's token: ``seq`` names it, ``step`` groups the rows the engine
+looked up together (a speculative verification's rows share a step too). ``probs[i][e]`` is
+the softmax of layer ``i``'s router logits at expert ``e`` (whatever the routing rule: it
+ranks experts, e.g. the ones just below the top-k), from the engine's real routing.
 
 Pin list (JSON), the experts a previous run used most, for ``experts.policy.Pinned``::
 
@@ -53,6 +64,9 @@ class Trace:
     source: str = ""
     weights: list[list[list[float]]] | None = None  # weights[t][layer][j]: router weight of steps[t][layer][j]
     pred: list[list[list[int]]] | None = None  # pred[t][layer]: the lookahead's prediction for that layer
+    probs: list[list[list[float]]] | None = None  # probs[t][layer][e]: router probability of expert e
+    seq: list[int] | None = None  # seq[t]: the state slot of row t's sequence
+    step: list[int] | None = None  # step[t]: the engine step that computed row t
 
     @property
     def layers(self) -> int:
@@ -67,6 +81,15 @@ class Trace:
         return max((len(ids) for step in self.steps for ids in step), default=0)
 
     @property
+    def step_width(self) -> int:
+        """The most experts one layer needs at once: the largest union of a step's rows (``top_k``
+        for a trace of one sequence without speculation)."""
+        if self.step is None:
+            return self.top_k
+        return max((len({e for t in g for e in self.steps[t][layer]}) for g in self.groups()
+                    for layer in range(self.layers)), default=0)
+
+    @property
     def experts(self) -> int:
         """Experts per layer as far as the trace shows: largest id + 1."""
         return 1 + max((e for step in self.steps for ids in step for e in ids), default=-1)
@@ -77,7 +100,35 @@ class Trace:
 
     def slice(self, start: int | None, stop: int | None) -> Trace:
         cut = (lambda x: None if x is None else x[start:stop])
-        return Trace(self.steps[start:stop], self.tok[start:stop], self.source, cut(self.weights), cut(self.pred))
+        return Trace(self.steps[start:stop], self.tok[start:stop], self.source, cut(self.weights), cut(self.pred),
+                     cut(self.probs), cut(self.seq), cut(self.step))
+
+    def rows(self, keep) -> Trace:
+        """The rows ``keep`` (indices, in order) as a trace of their own."""
+        pick = (lambda x: None if x is None else [x[i] for i in keep])
+        return Trace(pick(self.steps), pick(self.tok), self.source, pick(self.weights), pick(self.pred),
+                     pick(self.probs), pick(self.seq), pick(self.step))
+
+    def sequences(self) -> list[int]:
+        """The sequences (state slots) the rows belong to, ascending; ``[0]`` without ``seq``."""
+        return sorted(set(self.seq)) if self.seq is not None else [0]
+
+    def of_sequence(self, seq: int) -> Trace:
+        """Only the rows of sequence ``seq`` (the whole trace when it names no sequences)."""
+        if self.seq is None:
+            return self
+        return self.rows([i for i, s in enumerate(self.seq) if s == seq])
+
+    def groups(self) -> list[list[int]]:
+        """Row indices grouped by the engine step that computed them, in step order (a trace
+        without ``step``: every row a step of its own). The replay looks a group up as one
+        ``moe`` call per layer, as the engine did."""
+        if self.step is None:
+            return [[i] for i in range(len(self.steps))]
+        by: dict[int, list[int]] = {}
+        for i, s in enumerate(self.step):
+            by.setdefault(s, []).append(i)
+        return [by[s] for s in sorted(by)]
 
     def prediction_recall(self) -> float:
         """The share of the routed experts (layers with a prediction) that the lookahead predicted."""
@@ -101,12 +152,14 @@ class Trace:
 
     def reuse(self) -> float:
         """Next-token same-layer reuse: the share of a token's experts (tokens 2..n) that the
-        previous token used in the same layer."""
+        previous token (of the same sequence) used in the same layer."""
         inter = total = 0
-        for prev, cur in zip(self.steps, self.steps[1:]):
-            for a, b in zip(prev, cur):
-                inter += len(set(a).intersection(b))
-                total += len(b)
+        for seq in self.sequences():
+            steps = self.of_sequence(seq).steps
+            for prev, cur in zip(steps, steps[1:]):
+                for a, b in zip(prev, cur):
+                    inter += len(set(a).intersection(b))
+                    total += len(b)
         return inter / total if total else 0.0
 
 
@@ -166,6 +219,30 @@ def _check_pred(pred, n_layers: int, where: str) -> list[list[int]]:
     return out
 
 
+def _check_probs(probs, n_layers: int, where: str) -> list[list[float]]:
+    if not isinstance(probs, list) or len(probs) != n_layers:
+        raise TraceFormatError(f"{where}: \"probs\" must be a list of {n_layers} lists of router probabilities")
+    out = []
+    for i, p in enumerate(probs):
+        if not isinstance(p, list) or not p:
+            raise TraceFormatError(f"{where}: probs of layer {i}: expected a list of numbers, one per expert")
+        for v in p:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise TraceFormatError(f"{where}: probs of layer {i}: {v!r} is not a finite number")
+        out.append([float(v) for v in p])
+    return out
+
+
+def _check_index(obj: dict, field: str, where: str) -> int:
+    v = obj[field]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise TraceFormatError(f"{where}: \"{field}\" must be a non-negative integer, got {v!r}")
+    return v
+
+
+_OPTIONAL = ("weights", "pred", "probs", "seq", "step")
+
+
 def _in_id_order(weights: list[list[float]], layers: list[list[int]]) -> list[list[float]]:
     """``weights[i]`` (in the order of ``layers[i]``) reordered to ascending expert ids, the
     order of a trace's ``layers``."""
@@ -178,7 +255,10 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
     toks: list[int] = []
     weights: list = []
     preds: list = []
-    extras: tuple[bool, bool] | None = None
+    probs: list = []
+    seqs: list = []
+    stepno: list = []
+    extras: tuple[bool, ...] | None = None
     n_layers = None
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -200,19 +280,33 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
         raw = obj["layers"]
         layers = _check_layers(raw, where, n_layers)
         n_layers = len(layers)
-        has = ("weights" in obj, "pred" in obj)
+        has = tuple(f in obj for f in _OPTIONAL)
         if extras is not None and has != extras:
-            raise TraceFormatError(f"{where}: \"weights\"/\"pred\" on some lines but not on others")
+            odd = [f for f, a, b in zip(_OPTIONAL, has, extras) if a != b]
+            raise TraceFormatError(f"{where}: {', '.join(odd)} on some lines but not on others")
         extras = has
         if has[0]:
             weights.append(_in_id_order(_check_weights(obj["weights"], raw, where), raw))
         if has[1]:
             preds.append(_check_pred(obj["pred"], n_layers, where))
+        if has[2]:
+            probs.append(_check_probs(obj["probs"], n_layers, where))
+            n_e = len(probs[-1][0])
+            for i, (p, ids) in enumerate(zip(probs[-1], layers)):
+                if len(p) != n_e or ids[-1] >= n_e:
+                    raise TraceFormatError(f"{where}: probs of layer {i}: {len(p)} numbers, but the layers have "
+                                           f"{n_e} experts and expert {ids[-1]} is routed")
+        if has[3]:
+            seqs.append(_check_index(obj, "seq", where))
+        if has[4]:
+            stepno.append(_check_index(obj, "step", where))
         steps.append(layers)
         toks.append(tok)
     if not steps:
         raise TraceFormatError(f"{source}: the trace has no tokens")
-    return Trace(steps, toks, source, weights if extras[0] else None, preds if extras[1] else None)
+    keep = (lambda got, i: got if extras[i] else None)
+    return Trace(steps, toks, source, keep(weights, 0), keep(preds, 1), keep(probs, 2), keep(seqs, 3),
+                 keep(stepno, 4))
 
 
 def read_trace(path: str | os.PathLike) -> Trace:
@@ -231,26 +325,38 @@ class TraceWriter:
         self.path = os.fspath(path)
         self._f = open(self.path, "w", encoding="utf-8")
         self._layers: int | None = None
-        self._extras: tuple[bool, bool] | None = None
+        self._extras: tuple[bool, ...] | None = None
         self.records = 0
 
     def write(self, token_index: int, layers: list[list[int]], weights: list[list[float]] | None = None,
-              pred: list[list[int]] | None = None) -> None:
+              pred: list[list[int]] | None = None, probs: list[list[float]] | None = None,
+              seq: int | None = None, step: int | None = None) -> None:
         """``weights[i]`` (optional) in the order of ``layers[i]``; ``pred[i]`` the lookahead's
-        prediction for layer ``i`` (``[]``: none). Both or neither on every record."""
+        prediction for layer ``i`` (``[]``: none); ``probs[i]`` layer ``i``'s router probability of
+        every expert; ``seq`` the row's sequence (state slot), ``step`` the engine step that
+        computed it. Each optional field on every record or on none."""
         where = f"{self.path}: token {token_index}"
         raw = [[int(e) for e in ids] for ids in layers]
         clean = _check_layers(raw, where, self._layers)
         self._layers = len(clean)
-        obj: dict = {"tok": int(token_index), "layers": clean}
+        obj: dict = {"tok": int(token_index)}
+        if seq is not None:
+            obj["seq"] = _check_index({"seq": seq}, "seq", where)
+        if step is not None:
+            obj["step"] = _check_index({"step": step}, "step", where)
+        obj["layers"] = clean
         if weights is not None:
             w = _check_weights([[float(v) for v in wl] for wl in weights], raw, where)
             obj["weights"] = [[round(v, 6) for v in wl] for wl in _in_id_order(w, raw)]
         if pred is not None:
             obj["pred"] = _check_pred([[int(e) for e in p] for p in pred], len(clean), where)
-        has = (weights is not None, pred is not None)
+        if probs is not None:
+            p = _check_probs([[float(v) for v in pl] for pl in probs], len(clean), where)
+            obj["probs"] = [[round(v, 6) for v in pl] for pl in p]
+        has = (weights is not None, pred is not None, probs is not None, seq is not None, step is not None)
         if self._extras is not None and has != self._extras:
-            raise TraceFormatError(f"{where}: weights/pred given for some records but not for others")
+            odd = [f for f, a, b in zip(_OPTIONAL, has, self._extras) if a != b]
+            raise TraceFormatError(f"{where}: {', '.join(odd)} given for some records but not for others")
         self._extras = has
         self._f.write(json.dumps(obj, separators=(", ", ": ")) + "\n")
         self.records += 1
@@ -272,8 +378,8 @@ class TraceWriter:
 def write_trace(path: str | os.PathLike, trace: Trace) -> None:
     with TraceWriter(path) as w:
         for t, (tok, step) in enumerate(zip(trace.tok, trace.steps)):
-            w.write(tok, step, trace.weights[t] if trace.weights is not None else None,
-                    trace.pred[t] if trace.pred is not None else None)
+            at = (lambda x, t=t: None if x is None else x[t])
+            w.write(tok, step, at(trace.weights), at(trace.pred), at(trace.probs), at(trace.seq), at(trace.step))
 
 
 # -- pin lists ------------------------------------------------------------------------------

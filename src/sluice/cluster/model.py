@@ -58,7 +58,7 @@ def open_experts(location: str, direct_io: bool | None = None, ca_bundle: str | 
             if name not in tensors and alt in tensors:
                 tensors[name] = tensors[alt]
     if isinstance(ckpt, Container):
-        source = ContainerExperts(ckpt, desc.moe_layers, desc.n_experts, desc.expert.matrix_shapes())
+        source = ContainerExperts(ckpt, desc.moe_layers, desc.n_experts, desc.expert)
     else:
         source = CheckpointExperts(ckpt, desc.moe_layers, desc.n_experts, desc.expert_tensors, desc.expert_format,
                                    desc.expert)

@@ -174,7 +174,8 @@ class RayExperts(ExpertInterface):
 
     def _calls(self, layer: int, x: torch.Tensor, one_row: bool, work: dict, assign: dict[int, int], decode: set[int],
                prefetch):
-        """Send one call per worker with experts; returns {ref: (worker, [experts])}. ``decode``: the
+        """Send one call per worker with experts; returns {ref: (worker, [experts], rows)}, ``rows`` the
+        layer's rows the call sent (None: all, one row) in its order. ``decode``: the
         experts some decoding row routed to (the worker counts them as decode lookups, the rest as
         prefill lookups)."""
         per: dict[int, list[int]] = {}
@@ -189,7 +190,7 @@ class RayExperts(ExpertInterface):
         calls = {}
         for w, es in per.items():
             if one_row:
-                xs, items = x, [(e, None, work[e][1]) for e in es]
+                xs, items, used = x, [(e, None, work[e][1]) for e in es], None
             else:
                 used = sorted({r for e in es for r in work[e][0].tolist()})
                 local = {r: i for i, r in enumerate(used)}
@@ -197,7 +198,7 @@ class RayExperts(ExpertInterface):
                 items = [(e, torch.tensor([local[r] for r in work[e][0].tolist()]), work[e][1]) for e in es]
             ref = self.workers[w].compute.remote(layer, one_row, xs, items, by_worker.pop(w, None), self.decoding,
                                                  threads, [e for e in es if e in decode])
-            calls[ref] = (w, es)
+            calls[ref] = (w, es, used)
         for w, pf in by_worker.items():  # workers with nothing this layer: the prediction alone
             self.workers[w].prefetch.remote(*pf)
         return calls
@@ -215,13 +216,13 @@ class RayExperts(ExpertInterface):
         calls = self._calls(layer, x, one_row, work, assign, decode, prefetch)
         results: dict[int, torch.Tensor] = {}
         lost: dict[int, str] = {}
-        for ref, (w, es) in calls.items():
+        for ref, (w, es, used) in calls.items():
             try:
                 outs, deltas = ray.get(ref, timeout=CALL_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - Ray wraps what happened on the worker
                 err = self._classify(e)
                 if not isinstance(err, WorkerLostError):
-                    raise err from None
+                    raise layer_rows(err, used) from None
                 self.lost += 1
                 self._per[w]["lost_total"] += 1
                 self._down.add(w)
@@ -240,11 +241,11 @@ class RayExperts(ExpertInterface):
                     "worker; the next request runs on it") from None
             self.retries += 1
             again = self._calls(layer, x, one_row, work, retry, decode, None)
-            for ref, (w, es) in again.items():
+            for ref, (w, es, used) in again.items():
                 try:
                     outs, deltas = ray.get(ref, timeout=CALL_TIMEOUT_S)
                 except Exception as e:  # noqa: BLE001
-                    raise self._classify(e) from None
+                    raise layer_rows(self._classify(e), used) from None
                 self._count(deltas, w, outs)
                 results.update(zip(es, outs))
         return results
@@ -321,6 +322,16 @@ class RayExperts(ExpertInterface):
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self.workers = []
+
+
+def layer_rows(err: Exception, used: list[int] | None) -> Exception:
+    """A worker's failed read names the rows of its request (``x[used]``, as the provider's
+    ``run_experts`` names them): rename them the layer's rows, so the runner fails only the
+    sequences whose rows needed the expert, as in one process."""
+    rows = getattr(err, "rows", None)
+    if used is not None and rows:
+        err.rows = sorted({used[r] for r in rows})
+    return err
 
 
 def _cause(e: BaseException) -> str:

@@ -1,11 +1,14 @@
 """An expert worker: one Ray actor holding a share of the experts (the class is plain Python;
 ``provider.RayExperts`` makes it an actor with ``ray.remote``).
 
-It opens the model itself (``model.open_experts``), sizes its own expert cache from its memory
-budget, reads missing experts on its own reader pool and computes, for every expert of a
-request, that expert's weighted output on the rows routed to it, with the same functions and in
-the same way as ``ExpertProvider.moe`` (one row: ``expert_output`` with the weight as scale;
-more: ``expert_forward`` then times the weights). It returns the outputs, the driver folds them.
+It opens the model itself (``model.open_experts``), plans its expert cache from its memory
+budget with the planner a local run uses (``plan.make_plan``), and holds an ``ExpertProvider``
+over that cache and its own reader pool: the one process's lookups, reads (priorities,
+cancellation of wrong guesses, CRC checks), pins and compute. Per request it calls the
+provider's grouping-free entry (``ExpertProvider.run_experts``) on the experts, rows and weights
+the driver grouped, and returns each expert's weighted output, computed as ``ExpertProvider.moe``
+computes it (one row: ``expert_output`` with the weight as scale; more: ``expert_forward`` then
+times the weights); the driver folds them.
 """
 
 from __future__ import annotations
@@ -13,23 +16,60 @@ from __future__ import annotations
 import os
 import socket
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
 from .. import kernels
 from ..errors import BudgetError
-from ..experts.cache import LOADING, READY, ExpertCache, Slot
-from ..experts.compute import expert_forward, expert_output
-from ..experts.fold import weigh
+from ..experts.cache import ExpertCache
 from ..experts.policy import make_policy
-from ..experts.reader import DEMAND, PREFETCH, ReaderPool
-from ..quant.fp8 import assemble
+from ..experts.provider import ExpertProvider
+from ..experts.reader import ReaderPool
+from ..plan import budget_for, make_plan
 from ..sysmem import current_rss, default_budget
 from ..units import format_size
 from .model import open_experts, signature
 
-_MARGIN = 64 << 20  # allocator slack, Ray's worker runtime
+# the provider's counters a call's answer carries (what the call added), in this order
+_SENT = ("lookups", "hits", "prefill_lookups", "demand_reads", "prefetch_used", "read_wait_s", "compute_s")
+
+
+def cache_slots(index: int, budget: int, baseline: int, slot_bytes: int, total_experts: int, transient: int,
+                cache_experts: int | None) -> int:
+    """A worker's expert cache slots, planned by ``plan.make_plan`` as a local run's are: a process
+    with no spine and no sequence state, ``transient`` bytes of buffers, and one expert as its floor
+    (a worker computes each expert as soon as it is in memory, so one slot runs any request)."""
+    try:
+        return make_plan(budget=budget, baseline=baseline, spine_global=0, spine_layers={}, stream_buffer=0,
+                         state_bytes=0, activations=transient, slot_bytes=slot_bytes, working_set=1,
+                         total_experts=total_experts, top_k=1, max_context=0, prefill_chunk=0,
+                         cache_experts=cache_experts).cache_slots
+    except BudgetError:
+        slots = cache_experts or 1
+        what = ("holds no expert" if cache_experts is None else
+                f"cannot hold a cache of {slots} experts (--cache-experts)")
+        raise BudgetError(f"expert worker {index}: --worker-memory {format_size(budget)} {what} "
+                          f"({format_size(slot_bytes)} each) beside this process's {format_size(baseline)}: that "
+                          f"needs {format_size(budget_for(baseline + transient, slots * slot_bytes))}; raise "
+                          "--worker-memory" + ("" if cache_experts is None else " or lower --cache-experts")) from None
+
+
+class _Items:
+    """A request's experts with their rows and weights, as ``fold.Groups`` gives a layer's (what
+    ``ExpertProvider.run_experts`` takes): the driver grouped them."""
+
+    __slots__ = ("experts", "_work")
+
+    def __init__(self, items: list):
+        self.experts = [e for e, _, _ in items]
+        self._work = {e: (rows, w) for e, rows, w in items}
+
+    def work(self, e: int):
+        return self._work[e]
+
+    def rows(self, e: int) -> list[int]:
+        rows = self._work[e][0]
+        return [0] if rows is None else rows.tolist()
 
 
 class ExpertWorker:
@@ -45,23 +85,19 @@ class ExpertWorker:
         # a request's rows in and outputs back (and their copies in the object store), plus the
         # activations of one expert's forward on them
         transient = 8 * opts.get("max_rows", 512) * m.spec.hidden * 4 * 4
-        slot_bytes = self.source.slot_bytes
-        slots = opts.get("cache_experts")
-        if slots is None:
-            slots = (memory - current_rss() - _MARGIN - transient) // slot_bytes
-            slots = min(slots, len(m.moe_layers) * m.n_experts)
-        if slots < 1:
-            raise BudgetError(f"expert worker {index}: --worker-memory {format_size(memory)} holds no expert "
-                              f"({format_size(slot_bytes)} each) beside this process's {format_size(current_rss())}; "
-                              "raise --worker-memory")
-        self.cache = ExpertCache(int(slots), slot_bytes, make_policy(opts.get("cache_policy", "lfru")),
-                                 huge_pages=opts.get("huge_pages", True))
-        self.pool = ReaderPool(opts.get("reader_threads", 4), name=f"sluice-worker{index}-read")
-        self.verify = opts.get("verify_reads", True)
+        slots = cache_slots(index, memory, current_rss(), self.source.slot_bytes, len(m.moe_layers) * m.n_experts,
+                            transient, opts.get("cache_experts"))
+        cache = ExpertCache(slots, self.source.slot_bytes, make_policy(opts.get("cache_policy", "lfru")),
+                            huge_pages=opts.get("huge_pages", True))
+        threads = opts.get("reader_threads", 4)
+        # the local provider's lookups, reads, pins and compute; the driver groups and folds
+        self.experts = ExpertProvider(self.source, cache, m.spec, m.n_experts, verify_reads=opts.get("verify_reads", True),
+                                      pool=ReaderPool(threads, name=f"sluice-worker{index}-read"))
+        self.experts.decoding = True  # it times every call (worker_stats); the driver counts the decoding ones
+        self.cache = cache
         self.sig = signature(m.checkpoint)
         self.started = time.time()
-        self.stats = dict(calls=0, experts_computed=0, rows_computed=0, lookups=0, hits=0, demand_reads=0,
-                          prefetch_reads=0, read_wait_s=0.0, compute_s=0.0)
+        self.stats = dict(calls=0, experts_computed=0, rows_computed=0)
         self._reported = (0, 0)  # evictions, bytes read: last totals sent to the driver
 
     # -- what the driver asks ------------------------------------------------------------
@@ -75,16 +111,14 @@ class ExpertWorker:
         return x
 
     def stats_now(self) -> dict:
-        return dict(self.stats, index=self.index, pid=os.getpid(), slots=self.cache.capacity,
-                    cached=len(self.cache), evictions=self.cache.evictions,
-                    bytes_read=self.opened.checkpoint.stats.bytes_read)
+        c = self.experts.counters
+        return dict(self.stats, lookups=c.lookups, hits=c.hits, demand_reads=c.demand_reads,
+                    prefetch_reads=c.prefetch_reads, read_wait_s=c.read_wait_s, compute_s=c.compute_s,
+                    index=self.index, pid=os.getpid(), slots=self.cache.capacity, cached=len(self.cache),
+                    evictions=self.cache.evictions, bytes_read=self.opened.checkpoint.stats.bytes_read)
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
-        self.cache.policy.predict(layer, experts)
-        for e in experts:
-            key = (layer, e)
-            if self.cache.lookup(key) is None and self._start((layer, e), speculative=True) is None:
-                break
+        self.experts.prefetch(layer, experts)
 
     def compute(self, layer: int, one_row: bool, x: torch.Tensor, items: list, prefetch, decoding: bool,
                 torch_threads: int, decode: list[int]):
@@ -92,145 +126,35 @@ class ExpertWorker:
         the weight (a float for one row, else a tensor [n]). ``decode``: the experts of ``items``
         that count as decode lookups (some decoding row routed to them; the others are prefill
         lookups), as the driver's ``segments`` say; ``decoding``: some row is decoding (the wait and
-        compute times count). Returns (outputs in items' order, counter deltas)."""
+        compute times count). ``prefetch``: ``(next layer, experts)`` to read once this layer's
+        reads are issued, or None. Returns (outputs in items' order, counter deltas)."""
         if torch.get_num_threads() != torch_threads:
             torch.set_num_threads(torch_threads)  # as the driver ran: the same bits in torch's ops
+        p, c = self.experts, self.experts.counters
+        before = [getattr(c, k) for k in _SENT]
+        if prefetch is not None:
+            p.after_reads(layer, lambda: p.prefetch(*prefetch))
+        work = _Items(items)
+        results: dict[int, torch.Tensor] = {}
+
+        def keep(e: int, rows, y: torch.Tensor) -> None:
+            results[e] = y
+
+        with torch.inference_mode():
+            # experts in any order (whichever is in memory first): the driver folds them in order
+            p.run_experts(layer, x, work, keep, set(decode), out_of_order=True)
+        outs = [results[e] for e in work.experts]
         st = self.stats
         st["calls"] += 1
-        lookups = hits = prefill = demand = pf_used = 0
-        wait_s = compute_s = 0.0
-        self.cache.policy.begin_layer(layer)
-        slots: dict[int, Slot] = {}
-        missing: list[int] = []
-        decode = set(decode)
-        for e, _, _ in items:
-            key = (layer, e)
-            slot = self.cache.lookup(key)
-            if e in decode:
-                lookups += 1
-                if slot is not None and (slot.state == READY or slot.future.done()):
-                    hits += 1
-            else:
-                prefill += 1
-            if slot is None:
-                missing.append(e)
-                continue
-            if slot.speculative:
-                slot.speculative = False
-                pf_used += 1
-            slot.pins += 1
-            slots[e] = slot
-            self.cache.policy.access(key)
-        demand += self._issue(layer, missing, slots)
-        if prefetch is not None and not missing:
-            self.prefetch(*prefetch)
-            prefetch = None
-        # experts in any order (whichever is in memory first): the driver folds them in order
-        results: dict[int, torch.Tensor] = {}
-        pending = list(items)
-        try:
-            with torch.inference_mode():
-                while pending:
-                    demand += self._issue(layer, missing, slots)
-                    pick = next((i for i, (e, _, _) in enumerate(pending) if e in slots and
-                                 (slots[e].state == READY or slots[e].future.done())), None)
-                    if pick is None:
-                        t0 = time.perf_counter()
-                        mine = [slots[e].future for e, _, _ in pending if e in slots]
-                        if mine:
-                            wait(mine, return_when=FIRST_COMPLETED)
-                        else:  # no slot free for the next read: wait for any read in flight
-                            self._wait_any()
-                        wait_s += time.perf_counter() - t0
-                        continue
-                    e, rows, w = pending.pop(pick)
-                    slot = slots[e]
-                    if slot.state == LOADING:
-                        self._settle(slot)
-                    t1 = time.perf_counter()
-                    if one_row:
-                        y = expert_output(self.spec, slot.weights, x, w)
-                    else:
-                        y = weigh(expert_forward(self.spec, slot.weights, x[rows]), w)  # as ExpertProvider.moe
-                    compute_s += time.perf_counter() - t1
-                    slot.pins -= 1
-                    del slots[e]
-                    results[e] = y
-                    st["experts_computed"] += 1
-                    st["rows_computed"] += y.shape[0]
-        finally:
-            for slot in slots.values():
-                slot.pins = max(0, slot.pins - 1)
-        outs = [results[e] for e, _, _ in items]
-        if prefetch is not None:
-            self.prefetch(*prefetch)
-        st["lookups"] += lookups
-        st["hits"] += hits
-        st["demand_reads"] += demand
-        st["read_wait_s"] += wait_s
-        st["compute_s"] += compute_s
+        st["experts_computed"] += len(outs)
+        st["rows_computed"] += sum(y.shape[0] for y in outs)
         ev, br = self.cache.evictions, self.opened.checkpoint.stats.bytes_read
-        deltas = (lookups, hits, prefill, demand, pf_used, wait_s if decoding else 0.0,
-                  compute_s if decoding else 0.0, ev - self._reported[0], br - self._reported[1], self.started)
+        deltas = [getattr(c, k) - b for k, b in zip(_SENT, before)]
+        if not decoding:  # read waits and compute time count toward the driver's counters while decoding
+            deltas[-2:] = [0.0, 0.0]
+        deltas = (*deltas, ev - self._reported[0], br - self._reported[1], self.started)
         self._reported = (ev, br)
         return outs, deltas
 
-    # -- reads -----------------------------------------------------------------------------
-
-    def _read(self, base: int, layer: int, expert: int) -> None:
-        self.source.read(layer, expert, self.cache.arena, base, self.verify)
-
-    def _start(self, key: tuple[int, int], speculative: bool) -> Slot | None:
-        layout = self.source.layout(*key)
-        slot = self.cache.allocate(key, layout, speculative)
-        if slot is None:
-            self._settle_finished()
-            slot = self.cache.allocate(key, layout, speculative)
-        if slot is None:
-            return None
-        slot.speculative = speculative
-        slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1],
-                                       priority=PREFETCH if speculative else DEMAND)
-        if speculative:
-            self.stats["prefetch_reads"] += 1
-        return slot
-
-    def _issue(self, layer: int, missing: list[int], slots: dict[int, Slot]) -> int:
-        """Start demand reads for ``missing`` (in order) while slots allow; returns how many."""
-        n = 0
-        while missing:
-            slot = self._start((layer, missing[0]), speculative=False)
-            if slot is None:
-                break
-            slot.pins += 1
-            slots[missing.pop(0)] = slot
-            n += 1
-        return n
-
-    def _settle(self, slot: Slot) -> None:
-        try:
-            slot.future.result()
-        except BaseException:
-            self.cache.discard(slot)
-            raise
-        self.cache.ready(slot)
-        slot.weights = assemble(slot.weights, self.spec.block)
-
-    def _settle_finished(self) -> None:
-        for slot in self.cache.loading():
-            if slot.pins == 0 and slot.future is not None and slot.future.done():
-                try:
-                    self._settle(slot)
-                except Exception:
-                    pass
-
-    def _wait_any(self) -> None:
-        loading = [s.future for s in self.cache.loading() if s.future is not None]
-        if not loading:
-            raise BudgetError(f"expert worker {self.index}: its cache of {self.cache.capacity} slots cannot hold "
-                              "the experts one request needs at once; raise --worker-memory")
-        wait(loading, return_when=FIRST_COMPLETED)
-        self._settle_finished()
-
     def close(self) -> None:
-        self.pool.shutdown()
+        self.experts.close()

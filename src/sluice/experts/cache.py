@@ -9,11 +9,10 @@ from __future__ import annotations
 from collections.abc import Hashable
 from concurrent.futures import Future
 
-from ..quant import assemble
+from ..quant import ExpertWeights, assemble
 from ..storage import AlignedBuffer
 from .layout import ExpertLayout
 from .policy import Policy
-from .source import views
 
 EMPTY, LOADING, READY = 0, 1, 2
 
@@ -26,7 +25,7 @@ class Slot:
         self.key: Hashable | None = None
         self.state = EMPTY
         self.future: Future | None = None
-        self.weights: dict | None = None  # role -> tensor, or QuantMatrix for quantized formats
+        self.weights: ExpertWeights | None = None  # assembled once, when the read completes
         self.pins = 0
         self.speculative = False
         self.layout: ExpertLayout | None = None
@@ -89,12 +88,9 @@ class ExpertCache:
         return slot.index * self.slot_bytes
 
     def ready(self, slot: Slot) -> None:
-        """Mark a loaded slot READY and build its tensor views (assembled per format when quantized)."""
-        lay = slot.layout
-        weights = views(self.arena, self.base(slot), lay)
-        if lay.format is not None:
-            weights = assemble(lay.format, weights, {role: (n, k) for role, n, k in lay.shapes}, exact=lay.exact)
-        slot.weights = weights
+        """Mark a loaded slot READY and assemble its weights (``quant.assemble``: views over the
+        slot memory), once per read; a cached expert keeps them until its slot is reused."""
+        slot.weights = assemble(self.arena, self.base(slot), slot.layout)
         slot.state = READY
         slot.future = slot.ticket = None
 

@@ -36,6 +36,11 @@ class ExpertInterface(ABC):
         """Weighted sum of the routed experts: x [T, H] fp32, ids/weights [T, K] -> [T, H], summed
         in ascending expert order."""
 
+    def router_logits(self, layer: int, logits: torch.Tensor) -> None:
+        """The router logits [T, E] of ``layer``'s rows, given just before its ``moe`` call (for the
+        cache policy's view of the experts just below the top-k, and the routing trace). Results
+        never depend on it; by default ignored."""
+
     @abstractmethod
     def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1) -> None:
         """The lookahead's prediction for ``layer`` (made ``distance`` layers ahead), most likely

@@ -50,14 +50,17 @@ class ExpertLayout:
     reads: tuple[Read, ...]
     views: tuple[View, ...]
     slot_bytes: int
-    # Quantized records: the weight format (a ``sluice.quant.FORMATS`` name) and each role's
-    # (role, n, k); the views are then named "<role>.<part>" and ``quant.assemble`` turns them
-    # into what ``expert_forward`` uses. None: the views are the matrices themselves.
+    # What ``quant.assemble`` needs to turn the bytes into weights, once per read:
+    # quantized records: the weight format (a ``sluice.quant.FORMATS`` name) and each role's
+    # (role, n, k); the views are then named "<role>.<part>". None: the views are the matrices
+    # themselves (f32/bf16/f16, or FP8 "<role>" + "<role>_scale_inv"), bound by their dtype.
     format: str | None = None
     shapes: tuple[tuple[str, int, int], ...] = ()
     # the quantized weights are the model itself (a natively quantized checkpoint, or a container
     # that copied them): computed with fp32 activations, as the reference is (``quant.activations``)
     exact: bool = False
+    block: tuple[int, int] | None = None  # FP8 records: the (rows, cols) weight block of the scales
+    input_major: bool = False  # the model's experts are input-major (``ExpertSpec.input_major``)
 
     @property
     def read_bytes(self) -> int:

@@ -4,8 +4,10 @@ Keys are hashable, e.g. ``(layer, expert)``. The cache calls ``insert``/``access
 and asks ``victim(evictable)`` for the key to evict among those it may evict (not in use
 by the current layer, not being read). ``tick()`` advances time by one forward step. The
 expert provider adds two events about the future: ``begin_layer(layer)`` when a layer's
-routing is known, before its lookups (the layer's pass starts), and
-``predict(layer, experts)`` when the lookahead predicts the experts of a layer still to come.
+routing is known, before its lookups (the layer's pass starts),
+``predict(layer, experts)`` when the lookahead predicts the experts of a layer still to come,
+and, for a policy with ``ranks > 0``, ``ranked(layer, ranked, routed)``: the layer's experts in
+descending router probability at this pass.
 
 ``make_policy("lfru:half_life=16,history=true")`` builds one from a spec string;
 ``Pinned(policy, pins)`` keeps a fixed set of keys from ever being evicted once resident.
@@ -33,6 +35,17 @@ class Policy:
 
     def predict(self, layer: int, experts) -> None:
         """The lookahead predicts that ``layer`` (still to come this step) uses ``experts``."""
+
+    # how many experts (a multiple of the layer's routed ones) the policy wants ranked by router
+    # probability at each pass (``ranked``); 0: none (the provider then skips the ranking)
+    ranks = 0.0
+
+    def ranked(self, layer: int, ranked: list[int], routed: set[int]) -> None:
+        """``layer``'s experts in descending router probability (the best over the step's rows),
+        the first ``ceil(ranks x len(routed))`` of them, at this pass: after ``begin_layer``, before
+        its lookups; ``routed`` the experts its rows route to. The experts ranked just below the
+        routed ones are likelier than others at the layer's next pass. Called only when
+        ``ranks > 0``, for forwards of decode size (not prefill chunks)."""
 
     def insert(self, key: Hashable, speculative: bool = False) -> None:
         """A key became resident. ``speculative``: read on a prediction, not yet used; it must
@@ -99,6 +112,12 @@ class LFRU(Policy):
     got evicted and comes back resumes its score instead of restarting at 1. Costs one float
     per key ever seen (at most layers x experts).
 
+    ``router`` (needs ``protect``): at each pass the ``router`` x top-k experts the router ranks
+    just below the routed ones are *guessed* for the layer's next pass (an expert ranked there
+    is used by the next token about half as often as a routed one, three times as often as the
+    rest): from the layer's next event until that pass, a guessed stale key goes after every
+    other stale key (never after a fresh or predicted one). 0 turns it off.
+
     The defaults were chosen by trace replay (docs/cache-policy.md);
     ``LFRU(64, history=False, protect=False)`` is the original policy.
     """
@@ -112,15 +131,23 @@ class LFRU(Policy):
     speculative_max_hotness = 0.25
 
     def __init__(self, half_life: float = 16.0, history: bool = True, protect: bool = True,
-                 lookahead: bool = True, demote: bool = False):
+                 lookahead: bool = True, demote: bool = False, router: float = 2.0):
         if not half_life > 0:
             raise ValueError(f"lfru: half_life must be positive, got {half_life}")
+        if not router >= 0:
+            raise ValueError(f"lfru: router must be >= 0, got {router}")
+        # router > 0: at each pass, the router x top-k experts ranked just below the routed ones
+        # are guessed for the layer's next pass (``ranked``)
+        self.router = float(router)
         self.half_life = float(half_life)
         self.history = bool(history)
         self.protect = bool(protect)
         self.lookahead, self.demote = bool(lookahead), bool(demote)
         self._predicted: dict[Hashable, set[Hashable]] = {}  # layer -> its predicted keys, until it runs
         self._protected: set[Hashable] = set()  # union of the predicted keys
+        self._guesses: dict[Hashable, set[Hashable]] = {}  # layer -> keys the router ranked next (``ranked``)
+        self._guessed: set[Hashable] = set()  # their union
+        self._pending: tuple[Hashable, set[Hashable]] | None = None  # guesses waiting for their layer to end
         self.rate = math.log(2.0) / half_life
         self.now = 0
         self._score: dict[Hashable, float] = {}  # log score of every tracked key
@@ -137,6 +164,8 @@ class LFRU(Policy):
 
     def tick(self):
         self.now += 1
+        if self._pending is not None:
+            self._activate()
 
     @staticmethod
     def _layer(key):
@@ -183,8 +212,42 @@ class LFRU(Policy):
             self._protected.difference_update(spent)
 
     def begin_layer(self, layer):
+        if self._pending is not None:
+            self._activate()
         if self.protect and self._pass.get(layer) != self.now:
             self._pass_layer(layer)
+
+    @property
+    def ranks(self):
+        return 1.0 + self.router if self.router > 0 and self.protect else 0.0
+
+    def ranked(self, layer, ranked, routed):
+        """The ``router`` x len(routed) experts ranked just below the routed ones are the likelier
+        ones at the layer's next pass: once this layer's own misses are fetched (the next event),
+        they go after other stale keys until that pass (a ``guess``; docs/cache-policy.md)."""
+        n = math.ceil(self.router * len(routed))
+        if n < 1 or not self.protect:
+            return
+        keys = {(layer, e) for e in ranked[: len(routed) + n] if e not in routed}
+        self._activate()
+        old = self._guesses.pop(layer, None)
+        if old:
+            self._guessed.difference_update(old)
+        self._pending = (layer, keys)
+
+    def _activate(self):
+        if self._pending is not None:
+            layer, keys = self._pending
+            self._pending = None
+            self._guesses[layer] = keys
+            self._guessed.update(keys)
+
+    def _protect(self, layer, keys):
+        old = self._predicted.get(layer)
+        if old:
+            self._protected.difference_update(old)
+        self._predicted[layer] = keys
+        self._protected.update(keys)
 
     def predict(self, layer, experts):
         """Protect the predicted keys of ``layer`` until it has run; with ``demote``, the keys it
@@ -192,11 +255,7 @@ class LFRU(Policy):
         if not self.lookahead or not self.protect:
             return
         keys = {(layer, int(e)) for e in experts}
-        old = self._predicted.get(layer)
-        if old:
-            self._protected.difference_update(old)
-        self._predicted[layer] = keys
-        self._protected.update(keys)
+        self._protect(layer, keys)
         if self.demote:
             fresh = self._fresh_by_layer.get(layer)
             if fresh:
@@ -254,6 +313,11 @@ class LFRU(Policy):
         return found
 
     def victim(self, evictable):
+        if self._guessed:  # stale keys the router ranked next at their layer's pass go after other stale keys
+            prot, guess = self._protected, self._guessed
+            v = self._lowest(self._stale_heap, False, lambda k: k not in guess and k not in prot and evictable(k))
+            if v is not None:
+                return v
         if self._protected:  # predicted keys go last
             prot = self._protected
             v = self._victim(lambda k: k not in prot and evictable(k))
@@ -305,6 +369,13 @@ class Pinned(Policy):
 
     def predict(self, layer, experts):
         self.inner.predict(layer, experts)
+
+    @property
+    def ranks(self):
+        return self.inner.ranks
+
+    def ranked(self, layer, ranked, routed):
+        self.inner.ranked(layer, ranked, routed)
 
     def insert(self, key, speculative=False):
         if key in self.pins:

@@ -5,13 +5,15 @@ starts reads for the missing ones on the reader pool, computes the experts alrea
 memory while the reads run, and sums the weighted outputs in ascending expert order, so
 results are bit-identical whatever was cached, prefetched or read in which order. The
 grouping of rows by expert and the sum are ``fold.Groups`` and ``fold.Fold``, shared with the
-Ray driver (``cluster.provider.RayExperts``), so its logits are the same bits.
+Ray driver (``cluster.provider.RayExperts``), so its logits are the same bits; what runs between
+them, ``run_experts`` (lookups, reads, pins, compute), is also each Ray worker's entry.
 
 Shape legend: T tokens, H hidden, K experts per token, n_e tokens routed to expert e.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
@@ -19,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ExpertReadError
-from ..quant.fp8 import assemble
 from .cache import LOADING, READY, ExpertCache, Slot
 from .reader import DEMAND, PREFETCH, ReaderPool, Ticket
 from .compute import expert_forward, expert_output
@@ -31,6 +32,10 @@ from .spec import ExpertSpec
 # Decode-sized batches may compute experts out of order and fold them in order later;
 # larger (prefill) batches compute strictly in ascending order to bound held outputs.
 _OUT_OF_ORDER_BYTES = 8 << 20
+# the policy hears the router's ranking of forwards of at most this many rows (decode, batched
+# decodes, speculative verification), not of prefill chunks (Policy.ranked). A grouped router
+# (DeepSeek-V3) is ranked by its raw logits, without its correction bias and groups.
+SCORE_MAX_ROWS = 64
 
 
 @dataclass
@@ -77,10 +82,33 @@ class ExpertProvider(ExpertInterface):
         self._far: dict[int, list[int]] = {}  # layer -> experts predicted two layers ahead
         self._issued: dict[int, set[int]] = {}  # layer -> experts speculatively read for it
         self._deferred: tuple[int, object] | None = None  # (layer, fn): see ``after_reads``
-        # when set (tracing): layer -> (ids [T, K], weights [T, K]) of the last forward, and
+        # when set (tracing): layer -> (ids [T, K], weights [T, K], router probabilities [T, E]) of
+        # the last forward (probabilities None if the MoE block gave no logits), and
         # layer -> ids [T, K] the engine's lookahead predicted for it in that forward
-        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
+        self._logits: tuple[int, torch.Tensor] | None = None  # (layer, router logits) for its moe call
+        self._probs: torch.Tensor | None = None  # the last run_experts call's router probabilities (tracing)
         self.predicted_routing: dict[int, torch.Tensor] | None = None
+
+    def router_logits(self, layer: int, logits: torch.Tensor) -> None:
+        if self.routing is not None or (self.cache.policy.ranks and logits.shape[0] <= SCORE_MAX_ROWS):
+            self._logits = (layer, logits)
+
+    def _router_probs(self, layer: int, routed: list[int]) -> torch.Tensor | None:
+        """After ``begin_layer``: the policy hears ``layer``'s experts ranked by router probability
+        (the best over the rows; ``Policy.ranked``). Returns the softmax of the router logits
+        [T, E] when tracing (else None)."""
+        got, self._logits = self._logits, None
+        if got is None or got[0] != layer:
+            return None
+        logits = got[1]
+        ranks = self.cache.policy.ranks
+        probs = torch.softmax(logits.float(), dim=-1) if self.routing is not None or logits.shape[0] > 1 else None
+        if ranks and logits.shape[0] <= SCORE_MAX_ROWS:
+            n = min(logits.shape[1], math.ceil(ranks * len(routed)))
+            best = logits[0] if probs is None else probs.amax(0)  # one row: the logits rank alike
+            self.cache.policy.ranked(layer, best.topk(n).indices.tolist(), set(routed))
+        return probs if self.routing is not None else None
 
     def resident_mask(self, layer: int) -> torch.Tensor:
         """[E] float: 1 for experts of ``layer`` that are in memory (ready or being read), else 0."""
@@ -131,8 +159,7 @@ class ExpertProvider(ExpertInterface):
         except BaseException:
             self.cache.discard(slot)
             raise
-        self.cache.ready(slot)
-        slot.weights = assemble(slot.weights, self.spec.block)  # "<role>" + "<role>_scale_inv" -> one matrix
+        self.cache.ready(slot)  # the one quant.assemble of this read
 
     def _settle_finished(self) -> None:
         """Settle unpinned reads that have finished, so their slots become evictable."""
@@ -229,17 +256,34 @@ class ExpertProvider(ExpertInterface):
         read once and computed once on all its rows. A failed read raises its
         ``ExpertReadError`` with ``layer``, ``expert`` and ``rows`` (the rows that needed it)."""
         t = x.shape[0]
-        if self.routing is not None:
-            self.routing[layer] = (ids, weights)
         groups = Groups(ids, weights)
-        experts = groups.experts
+        out_of_order = t * x.shape[1] * 4 * len(groups.experts) <= _OUT_OF_ORDER_BYTES
+        decode_experts = self._count_union(ids, groups.experts)
+        fold = Fold(x, groups.experts)
+        self._probs = None
+        self.run_experts(layer, x, groups, fold.add, decode_experts, out_of_order)
+        if self.routing is not None:
+            self.routing[layer] = (ids, weights, self._probs)
+        return fold.result()
+
+    def run_experts(self, layer: int, x: torch.Tensor, work, sink, decode_experts: set[int],
+                    out_of_order: bool = True) -> None:
+        """The grouping-free part of ``moe`` (also the Ray worker's entry: its driver groups and folds).
+
+        ``work``: the layer's rows grouped by expert, as ``fold.Groups`` gives them: ``experts``
+        (ascending), ``work(e)`` -> ``(rows or None, w)`` and ``rows(e)`` (the rows a failed read's
+        error names). Looks each expert up, reads the missing ones, computes each expert's weighted
+        output (one row: ``expert_output`` with ``w`` as scale; more: ``expert_forward`` on
+        ``x[rows]`` then ``weigh``) and hands it to ``sink(e, rows, y)``: in ascending expert order,
+        or, if ``out_of_order``, as the experts come into memory. ``decode_experts``: the experts
+        that count as decode lookups (the others count as prefill lookups)."""
+        experts = work.experts
         if self._deferred is not None and self._deferred[0] != layer:
             self._deferred = None  # a lookahead left over from a forward that did not reach it
         self._check_predictions(layer, set(experts))
         self.cache.policy.begin_layer(layer)
-        out_of_order = t * x.shape[1] * 4 * len(experts) <= _OUT_OF_ORDER_BYTES
+        self._probs = self._router_probs(layer, experts) if self._logits is not None else None
         c = self.counters
-        decode_experts = self._count_union(ids, experts)
 
         slots: dict[int, Slot] = {}
         missing: list[int] = []
@@ -266,11 +310,11 @@ class ExpertProvider(ExpertInterface):
                 slots[e] = slot
                 self.cache.policy.access(key)
 
-        fold = Fold(x, experts)
         done: set[int] = set()
+        first = 0  # experts[:first] are done
         error: BaseException | None = None
         try:
-            while not fold.done:
+            while first < len(experts):
                 while missing:  # issue reads while slots allow
                     slot = self._start_read((layer, missing[0]), speculative=False)
                     if slot is None:
@@ -279,9 +323,9 @@ class ExpertProvider(ExpertInterface):
                     slots[missing.pop(0)] = slot
                 if self._deferred is not None:
                     self._run_deferred(layer)  # the lookahead, now that this layer's reads are on their way
-                pick = self._pick(experts, fold.next, slots, done, out_of_order)
+                pick = self._pick(experts, first, slots, done, out_of_order)
                 if pick is None:
-                    self._wait(experts, fold.next, slots, done, out_of_order, missing)
+                    self._wait(experts, first, slots, done, out_of_order, missing)
                     continue
                 slot = slots[pick]
                 if slot.state == LOADING:
@@ -289,10 +333,10 @@ class ExpertProvider(ExpertInterface):
                         self._settle(slot)
                     except ExpertReadError as err:  # name the rows that needed it: the runner fails only them
                         err.layer, err.expert = layer, pick
-                        err.rows = sorted(set(groups.rows(pick)))
+                        err.rows = sorted(set(work.rows(pick)))
                         raise
                 t0 = time.perf_counter()
-                idx, w = groups.work(pick)
+                idx, w = work.work(pick)
                 if idx is None:
                     y = self._output(self.spec, slot.weights, x, w)
                 else:
@@ -302,7 +346,9 @@ class ExpertProvider(ExpertInterface):
                     c.compute_s += time.perf_counter() - t0
                 slot.pins -= 1
                 done.add(pick)
-                fold.add(pick, idx, y)
+                while first < len(experts) and experts[first] in done:
+                    first += 1
+                sink(pick, idx, y)
         except BaseException as e:  # leave the cache consistent, then report
             error = e
         finally:
@@ -312,7 +358,6 @@ class ExpertProvider(ExpertInterface):
         if error is not None:
             self._quiesce(slots)
             raise error
-        return fold.result()
 
     def _pick(self, experts, next_fold, slots, done, out_of_order) -> int | None:
         if not out_of_order:

@@ -23,9 +23,6 @@ from ..storage import AlignedBuffer, ByteSource
 from .layout import ExpertLayout, Read, Span, View, layout_from_spans
 
 
-def views(buf: AlignedBuffer, base: int, layout: ExpertLayout) -> dict:
-    """Tensor views of a record read into ``buf`` at ``base``."""
-    return {v.name: buf.tensor(base + v.slot_offset, v.dtype, v.shape) for v in layout.views}
 from .spec import ExpertSpec, ExpertTensors
 
 
@@ -116,6 +113,9 @@ class CheckpointExperts(ExpertSource):
                 if not payload:
                     payload = sum(s.nbytes for s in spans)
         self._payload = payload
+        if spec is not None:  # what assemble needs beside the bytes
+            for key, lay in self._layouts.items():
+                self._layouts[key] = replace(lay, block=spec.block, input_major=spec.input_major)
         if format is not None:
             self._native(format, dtypes, part_dtypes, spec)
             return
@@ -197,8 +197,11 @@ class CheckpointExperts(ExpertSource):
 class ContainerExperts(ExpertSource):
     """Experts of a container: one aligned read per expert, header checked on every read."""
 
-    def __init__(self, container: Container, layers: list[int], n_experts: int, roles: dict[str, tuple[int, ...]]):
+    def __init__(self, container: Container, layers: list[int], n_experts: int, spec: ExpertSpec):
+        """``spec``: the model's experts (each role's shape; the FP8 weight block and the
+        input-major order that ``quant.assemble`` needs beside a record's bytes)."""
         self.container = container
+        roles = spec.matrix_shapes()
         self.format = container.expert_format
         src = container.manifest.get("source")
         # quantized records copied bit for bit from a natively quantized checkpoint (not requantized)
@@ -246,11 +249,12 @@ class ContainerExperts(ExpertSource):
             views = tuple(View(p.name, HEADER_BYTES + p.offset, DTYPES[p.dtype][0], p.shape) for p in parts)
             self._banks[layer] = (fname, rec, views, end)
             payload = end
-        # quantized records: the cache assembles "<role>.<part>" views into matrices
-        # dense records hold the matrices; FP8 records hold "<role>" + "<role>_scale_inv", paired by
-        # quant.fp8.assemble; the quant registry's formats hold "<role>.<part>" views
-        self._quant = {} if self.format in ("f32", "bf16", "f16", "fp8") else dict(
-            format=self.format, shapes=tuple((r, *s) for r, s in roles.items()), exact=self.native_quant)
+        # the record's description for quant.assemble: dense and FP8 records hold the matrices by
+        # role (FP8 with "<role>_scale_inv"), the other formats "<role>.<part>" views
+        self._quant = dict(block=spec.block, input_major=spec.input_major)
+        if self.format not in _FORMAT_OF_DTYPE.values():
+            self._quant.update(format=self.format, shapes=tuple((r, *s) for r, s in roles.items()),
+                               exact=self.native_quant)
         self.slot_bytes = max((b[1] for b in self._banks.values()), default=FORMAT_ALIGN)
         self._payload = payload
         self.crc_bytes = 0  # payload bytes CRC-checked so far, and the reader-thread seconds it took

@@ -10,7 +10,12 @@
  * sk_crc32_fold(crc, buf, len): len >= 64 and a multiple of 16; crc is zlib's running value
  * (the caller hands the tail, len % 16 bytes, to zlib). Callers check sk_has_clmul() first.
  */
+#define _XOPEN_SOURCE 700 /* pread under -std=c11 */
 #include "sk.h"
+
+#include <errno.h>
+#include <sys/types.h>
+#include <unistd.h>
 
 #define CLMUL __attribute__((target("pclmul,sse4.1")))
 
@@ -153,4 +158,41 @@ EXPORT uint32_t sk_crc32_fold(uint32_t crc, const unsigned char *buf, size_t len
     if (wide && len >= 1024)
         return ~fold_wide(buf, len, ~crc);
     return ~fold(buf, len, ~crc);
+}
+
+/* zlib's CRC-32 of a few bytes (the tail past the last 16-byte block), bit by bit. */
+static uint32_t crc_bytes(uint32_t crc, const unsigned char *buf, size_t len) {
+    crc = ~crc;
+    for (size_t i = 0; i < len; i++) {
+        crc ^= buf[i];
+        for (int b = 0; b < 8; b++)
+            crc = (crc >> 1) ^ (0xEDB88320u & (0u - (crc & 1u)));
+    }
+    return ~crc;
+}
+
+/*
+ * sk_pread_crc32(fd, buf, len, offset, crc_out): read len bytes at offset from fd into buf (as
+ * pread(2), repeated over short reads and EINTR) and store zlib's CRC-32 of the bytes read in
+ * *crc_out. Returns the bytes read (fewer than len only at the end of the file) or -errno.
+ * One call for a disk tier hit: called through ctypes.CDLL, it runs the read and the check
+ * without the GIL, so the reading thread takes the GIL back once. Callers check sk_has_clmul().
+ */
+EXPORT int64_t sk_pread_crc32(int fd, unsigned char *buf, size_t len, int64_t offset, uint32_t *crc_out) {
+    size_t got = 0;
+    while (got < len) {
+        ssize_t r = pread(fd, buf + got, len - got, (off_t)(offset + (int64_t)got));
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return -(int64_t)errno;
+        }
+        if (r == 0)
+            break;
+        got += (size_t)r;
+    }
+    size_t bulk = got >= 64 ? got & ~(size_t)15 : 0;
+    uint32_t crc = bulk ? sk_crc32_fold(0, buf, bulk) : 0;
+    *crc_out = crc_bytes(crc, buf + bulk, got - bulk);
+    return (int64_t)got;
 }

@@ -174,11 +174,12 @@ class MoEBlock:
         self.prefer_cached = 0.0  # lossy: selection bias toward resident experts
 
     def route(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, weights) for rows x; ``logits``: the router's logits for x if already computed."""
+        """(ids, weights) for ``x``; ``logits``: the router's logits for ``x`` if already computed
+        (``router(x)`` is ``router.select(router.logits(x))``, so the result is the same)."""
         if logits is None:
             logits = self.router.logits(x)
         if self.prefer_cached:
-            ids, weights = self.router.select(logits, bias=self.experts.resident_mask(self.layer) * self.prefer_cached)
+            ids, weights = self.router.select(logits, self.experts.resident_mask(self.layer) * self.prefer_cached)
         else:
             ids, weights = self.router.select(logits)
         if self.top_k is not None and self.top_k < ids.shape[1]:
@@ -188,7 +189,9 @@ class MoEBlock:
         return ids, weights
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
+        logits = self.router.logits(x)
+        ids, weights = self.route(x, logits)
+        self.experts.router_logits(self.layer, logits)  # the cache policy's and the trace's view of them
         y = self.experts.moe(self.layer, x, ids, weights)
         if self.shared is not None:
             s = self.shared(x)
@@ -226,7 +229,7 @@ class CausalLM:
         if not isinstance(target.mlp.router, Router):
             raise TypeError(f"layer {layer}'s router is a {type(target.mlp.router).__name__}, not a Router")
         x = target.post_norm(h)
-        logits = target.mlp.router.logits(x)  # once, for the guess and its confidence
+        logits = target.mlp.router.logits(x)
         ids, _ = target.mlp.route(x, logits)
         probs = torch.softmax(logits, dim=-1).gather(1, ids)
         return ids, probs

@@ -82,66 +82,52 @@ def _source(w: torch.Tensor) -> tuple[torch.Tensor, int]:
     return w.contiguous(), _DTYPES[w.dtype]
 
 
-def q4_quantize(w: torch.Tensor, candidates: torch.Tensor):
-    """q4 blocks [r, G, 16] and scales [r, G] (f16) of the rows of ``w`` [r, k] (zero-padded to a
-    multiple of 32), or None without C."""
+def _by_rows(kernel: str, what: str, w: torch.Tensor, outs, params: tuple = ()):
+    """Run the C row quantizer ``kernel`` on the rows of ``w`` [r, k] (zero-padded to kp, a
+    multiple of 32), split over ``threads()`` threads: ``kernel(w, dtype, r0, r1, k, kp, *params,
+    *outputs)``, a nonzero return meaning out of memory. ``outs(r, kp)``: the output tensors, which
+    it returns; None without C (or a library built before ``kernel``)."""
     lib = _load()
-    if lib is None:
+    fn = getattr(lib, kernel, None) if lib is not None else None
+    if fn is None:
         return None
     w, dtype = _source(w)
     r, k = w.shape
-    g = -(-k // 32)
-    blocks = torch.empty(r, g, 16, dtype=torch.uint8)
-    scales = torch.empty(r, g, dtype=torch.float16)
-    cands = candidates.float().contiguous()
+    kp = -(-k // 32) * 32
+    out = outs(r, kp)
+    ptrs = [t.data_ptr() for t in out]
 
     def run(r0: int, r1: int) -> None:
-        lib.sk_q4_quantize(w.data_ptr(), dtype, r0, r1, k, g * 32, cands.data_ptr(), cands.numel(),
-                           blocks.data_ptr(), scales.data_ptr())
+        if fn(w.data_ptr(), dtype, r0, r1, k, kp, *params, *ptrs):
+            raise MemoryError(f"{what}: out of memory quantizing rows of {k} weights")
 
     _split(r, run)
-    return blocks, scales
+    return out
+
+
+def q4_quantize(w: torch.Tensor, candidates: torch.Tensor):
+    """q4 blocks [r, G, 16] and scales [r, G] (f16) of the rows of ``w`` [r, k] (zero-padded to a
+    multiple of 32), or None without C."""
+    cands = candidates.float().contiguous()
+    return _by_rows("sk_q4_quantize", "q4", w, lambda r, kp: (torch.empty(r, kp // 32, 16, dtype=torch.uint8),
+                                                              torch.empty(r, kp // 32, dtype=torch.float16)),
+                    (cands.data_ptr(), cands.numel()))
 
 
 def mxfp4_quantize(w: torch.Tensor):
     """mxfp4 blocks [r, G, 16] and scales [r, G] (E8M0) of the rows of ``w`` [r, k] (zero-padded to
     a multiple of 32), or None without C."""
-    lib = _load()
-    if lib is None:
-        return None
-    w, dtype = _source(w)
-    r, k = w.shape
-    g = -(-k // 32)
-    blocks = torch.empty(r, g, 16, dtype=torch.uint8)
-    scales = torch.empty(r, g, dtype=torch.uint8)
-
-    def run(r0: int, r1: int) -> None:
-        lib.sk_mxfp4_quantize(w.data_ptr(), dtype, r0, r1, k, g * 32, blocks.data_ptr(), scales.data_ptr())
-
-    _split(r, run)
-    return blocks, scales
+    return _by_rows("sk_mxfp4_quantize", "mxfp4", w, lambda r, kp: (torch.empty(r, kp // 32, 16, dtype=torch.uint8),
+                                                                    torch.empty(r, kp // 32, dtype=torch.uint8)))
 
 
 def int8_quantize(w: torch.Tensor, ratios: torch.Tensor):
     """int8 levels [r, kp] (zero-padded to a multiple of 32) and f32 scales [r] of the rows of ``w``
     [r, k] for the clipping ``ratios``, or None without C."""
-    lib = _load()
-    if lib is None or not hasattr(lib, "sk_int8_quantize"):
-        return None
-    w, dtype = _source(w)
-    r, k = w.shape
-    kp = -(-k // 32) * 32
-    weight = torch.empty(r, kp, dtype=torch.int8)
-    scales = torch.empty(r, dtype=torch.float32)
     rats = ratios.float().contiguous()
-
-    def run(r0: int, r1: int) -> None:
-        if lib.sk_int8_quantize(w.data_ptr(), dtype, r0, r1, k, kp, rats.data_ptr(), rats.numel(),
-                                weight.data_ptr(), scales.data_ptr()) != 0:
-            raise MemoryError(f"int8: out of memory quantizing rows of {k} weights")
-
-    _split(r, run)
-    return weight, scales
+    return _by_rows("sk_int8_quantize", "int8", w, lambda r, kp: (torch.empty(r, kp, dtype=torch.int8),
+                                                                  torch.empty(r, dtype=torch.float32)),
+                    (rats.data_ptr(), rats.numel()))
 
 
 def rvq3_quantize(v: torch.Tensor, sample: int, iters: int, seed_batch: int, seed: int):

@@ -6,10 +6,11 @@ torch (``dequantize``, the reference), and multiplies fp32 activations by them w
 full-precision copy of the matrix (``matmul``: fused C kernels for a few tokens, bounded
 row blocks dequantized to fp32 + sgemm for prefill; torch fallbacks without the C kernels).
 
-``FORMATS`` maps a name to its format. ``QuantMatrix`` binds a format to one matrix's parts;
-``assemble`` turns the tensor views of an expert record (named ``"<role>.<part>"``) into
-what ``expert_forward`` consumes, and ``record_layout`` says where those parts go in a
-record. ``quant.linear`` accepts a ``QuantMatrix`` wherever it accepts a dense weight.
+``FORMATS`` maps a name to its format (f32/bf16/f16, int8, q4, mxfp4, rvq3, and fp8 from
+``fp8.py``). ``QuantMatrix`` binds a format to one matrix's parts; ``Format.record_parts`` and
+``Format.bind`` say how an expert record names a matrix's parts and what it multiplies with
+(``assembly.py`` builds an expert's weights with them), and ``record_layout`` says where those
+parts go in a record. ``quant.linear`` accepts a ``QuantMatrix`` wherever it accepts a dense weight.
 """
 
 from __future__ import annotations
@@ -91,6 +92,17 @@ class Format:
 
     def nbytes(self, n: int, k: int) -> int:
         return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.parts(n, k).values())
+
+    # ----------------------------------------------------------- expert records ---
+    def record_parts(self, role: str) -> dict[str, str]:
+        """Part -> the name of its view in an expert record holding matrix ``role``: "<role>.<part>"."""
+        return {part: f"{role}.{part}" for part in self.parts(1, self.block)}
+
+    def bind(self, parts: dict[str, torch.Tensor], n: int, k: int, exact: bool = False,
+             block: tuple[int, int] | None = None, name: str = ""):
+        """One [n, k] matrix over its stored ``parts`` (views, not copies): what ``quant.linear``
+        multiplies. ``exact``: see ``QuantMatrix``; ``block``: a block-scaled format's weight block."""
+        return QuantMatrix(self, parts, n, k, exact)
 
     # ------------------------------------------------------------- conversion -----
     def quantize(self, w: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -183,6 +195,12 @@ class DenseFormat(Format):
     def matmul(self, x, parts, n, k, bias=None, exact=False):
         return linear(x.float(), parts["weight"], bias)
 
+    def record_parts(self, role: str) -> dict[str, str]:
+        return {"weight": role}  # the record's view is the matrix itself
+
+    def bind(self, parts, n, k, exact=False, block=None, name=""):
+        return parts["weight"]
+
 
 class QuantMatrix:
     """One [n, k] matrix stored in ``format``: ``parts`` as ``format.parts(n, k)`` describes."""
@@ -250,47 +268,22 @@ def _check_part(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int
     return t
 
 
-def assemble(format_name: str, views: dict[str, torch.Tensor],
-             shapes: dict[str, tuple[int, int]], exact: bool = False) -> dict[str, torch.Tensor | QuantMatrix]:
-    """Turn one expert's slot views into what ``expert_forward`` uses.
-
-    ``views`` names each part ``"<role>.<part>"`` (e.g. ``"gate.blocks"``, ``"gate.scales"``);
-    ``shapes`` gives each role's [n, k]. Every role in ``shapes`` becomes a ``QuantMatrix``
-    (or, for the dense formats, its ``weight`` tensor itself); views that belong to no role
-    (e.g. ``"gate_bias"``) pass through unchanged. ``exact``: see ``QuantMatrix.exact``.
-    """
-    fmt = FORMATS[format_name]
-    out: dict[str, torch.Tensor | QuantMatrix] = {}
-    used: set[str] = set()
-    for role, (n, k) in shapes.items():
-        parts = {}
-        for part, (dtype, shape) in fmt.parts(n, k).items():
-            name = f"{role}.{part}"
-            if name not in views:
-                raise ValueError(f"{format_name} matrix {role!r} [{n}, {k}] is missing part {name!r}")
-            parts[part] = _check_part(name, views[name], dtype, shape)
-            used.add(name)
-        out[role] = parts["weight"] if isinstance(fmt, DenseFormat) else QuantMatrix(fmt, parts, n, k, exact)
-    for name, t in views.items():
-        if name not in used:
-            out[name] = t
-    return out
-
-
 def record_layout(format_name: str, shapes: dict[str, tuple[int, int]],
                   align: int = 64) -> tuple[list[tuple[str, int, torch.dtype, tuple[int, ...]]], int]:
     """Where each part of one expert record goes: for each role in ``shapes`` order, the parts
     of ``parts(n, k)`` in order, each at an offset aligned to ``align`` bytes.
 
-    Returns ([(view name "<role>.<part>", byte offset, dtype, shape), ...], record bytes).
+    Returns ([(view name, byte offset, dtype, shape), ...], record bytes); view names as
+    ``Format.record_parts`` gives them ("<role>.<part>"; the matrix's role for f32/bf16/f16).
     """
     fmt = FORMATS[format_name]
     entries = []
     off = 0
     for role, (n, k) in shapes.items():
+        names = fmt.record_parts(role)
         for part, (dtype, shape) in fmt.parts(n, k).items():
             off = -(-off // align) * align
-            entries.append((f"{role}.{part}", off, dtype, tuple(shape)))
+            entries.append((names[part], off, dtype, tuple(shape)))
             off += math.prod(shape) * dtype.itemsize
     return entries, off
 

@@ -12,10 +12,11 @@ materialising it: the C kernel for a few tokens (per-block partial sums scaled o
 dequantizing bounded row blocks to fp32 followed by sgemm for larger batches. Activations
 are never quantized: results match the model run on the dequantized fp32 weights.
 
-Self-contained on purpose: ``quant.linear`` dispatches here through the wrapper type (any
-non-tensor weight offers ``.linear(x, bias)``), ``assemble`` pairs an expert record's
-``<role>`` and ``<role>_scale_inv`` views, and ``CONFIG_KEYS``/``parse_quantization_config``
-read the checkpoint's ``quantization_config``.
+``quant.linear`` dispatches here through the wrapper type (any non-tensor weight offers
+``.linear(x, bias)``); ``FP8Format`` registers "fp8" in ``formats.FORMATS`` like every other
+format, so ``quant.assemble`` pairs an expert record's ``<role>`` and ``<role>_scale_inv`` views
+into one ``BlockFP8`` through the registry; ``parse_quantization_config`` reads the
+checkpoint's ``quantization_config``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from .. import kernels
 from ..errors import CheckpointError, UnsupportedModelError
+from .formats import Format, register
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -205,17 +207,43 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     return BlockFP8(weight, scale_inv, block).dequantize()
 
 
-def assemble(parts: dict[str, torch.Tensor], block: tuple[int, int] | None) -> dict:
-    """An expert record's views -> its matrices: ``<role>`` + ``<role>_scale_inv`` become one ``BlockFP8``."""
-    if block is None or not any(n.endswith(SCALE_SUFFIX) for n in parts):
-        return parts
-    out = {}
-    for name, t in parts.items():
-        if name.endswith(SCALE_SUFFIX):
-            continue
-        s = parts.get(name + SCALE_SUFFIX)
-        out[name] = BlockFP8(t, s, block, name) if s is not None else t
-    return out
+class FP8Format(Format):
+    """Block-scaled FP8 as a registered format: parts ``weight`` (e4m3 [N, K]) and ``scale_inv``
+    (fp32 [ceil(N / bn), ceil(K / bk)]). An expert record names them ``<role>`` and
+    ``<role>_scale_inv`` (as the checkpoints do); the weight block is the model's
+    (``quantization_config.weight_block_size``), given to ``bind`` by the record; ``parts``,
+    ``quantize`` and the reference use ``weight_block`` ([128, 128], DeepSeek-V3's)."""
+
+    name = FORMAT
+    lossy = True
+    bits_per_weight = 8.0 + 32.0 / (128 * 128)
+    block = 1  # no padding along K (edge blocks are partial)
+    weight_block = (128, 128)
+
+    def parts(self, n: int, k: int):
+        return {"weight": (FP8, (n, k)), "scale_inv": (torch.float32, scale_shape((n, k), self.weight_block))}
+
+    def record_parts(self, role: str) -> dict[str, str]:
+        return {"weight": role, "scale_inv": role + SCALE_SUFFIX}
+
+    def bind(self, parts, n, k, exact=False, block=None, name=""):
+        if block is None:
+            raise CheckpointError(f"{name or 'expert'}: FP8 weights without a weight block (config.json's "
+                                  "quantization_config.weight_block_size) to read their scales with")
+        return BlockFP8(parts["weight"], parts["scale_inv"], block, name)
+
+    def quantize(self, w: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
+        q, s = quantize(w, self.weight_block)
+        return {"weight": q, "scale_inv": s}
+
+    def dequantize_rows(self, parts, n, k, r0, r1):
+        return BlockFP8(parts["weight"], parts["scale_inv"], self.weight_block).dequantize(r0, r1)
+
+    def matmul(self, x, parts, n, k, bias=None, exact=False):
+        return BlockFP8(parts["weight"], parts["scale_inv"], self.weight_block).linear(x.float(), bias)
+
+
+FP8_FORMAT = register(FP8Format())
 
 
 def matrix_rows(w, r0: int, r1: int) -> torch.Tensor:
@@ -229,5 +257,5 @@ def nbytes(w) -> int:
     return w.nbytes if isinstance(w, BlockFP8) else w.numel() * w.element_size()
 
 
-__all__ = ["BlockFP8", "FORMAT", "SCALE_SUFFIX", "assemble", "dequantize", "matrix_rows", "not_converted",
+__all__ = ["BlockFP8", "FORMAT", "FP8Format", "SCALE_SUFFIX", "dequantize", "matrix_rows", "not_converted",
            "parse_quantization_config", "quantize", "scale_shape"]

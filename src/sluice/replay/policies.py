@@ -18,8 +18,16 @@ NEVER = math.inf
 
 
 def access_order(trace: Trace) -> list[tuple[int, int]]:
-    """Every ``(layer, expert)`` access in trace order: token, then layer, then ascending id."""
-    return [(layer, e) for step in trace.steps for layer, ids in enumerate(step) for e in ids]
+    """Every ``(layer, expert)`` access in trace order: engine step (a token, or the rows one step
+    of several sequences computed together, ``Trace.groups``), then layer, then ascending id of
+    the union of the step's rows."""
+    if trace.step is None:
+        return [(layer, e) for step in trace.steps for layer, ids in enumerate(step) for e in ids]
+    out = []
+    for group in trace.groups():
+        for layer in range(trace.layers):
+            out.extend((layer, e) for e in sorted({e for t in group for e in trace.steps[t][layer]}))
+    return out
 
 
 def next_uses(trace: Trace) -> dict[Hashable, deque]:

@@ -25,6 +25,9 @@ def describe(trace: Trace) -> dict:
          "next_token_reuse": trace.reuse()}
     if trace.pred is not None:
         d["prediction_recall"] = trace.prediction_recall()
+    if trace.seq is not None or trace.step is not None:
+        d["sequences"] = len(trace.sequences())
+        d["engine_steps"] = len(trace.groups())
     return d
 
 
@@ -63,6 +66,9 @@ def render(rep: Report) -> str:
             " (a layer's experts are looked up, then pinned while its misses are fetched)"
             if rep.semantics == "engine" else " (each access fetched on its own in id order: only it is pinned)"),
     ]
+    if t.get("sequences", 1) > 1 or t.get("engine_steps", t["tokens"]) != t["tokens"]:
+        lines.append(f"  {t['sequences']} sequences in {t['engine_steps']} engine steps: each step's rows are "
+                     "looked up together, as the engine did (--sequence N: one alone)")
     if "prediction_recall" in t:
         lines.append(f"  lookahead predictions recorded: recall {t['prediction_recall']:.3f} "
                      "(+hint: the policy hears them; +prefetch: they are read ahead too)")
@@ -120,6 +126,13 @@ def run_cli(args) -> int:
     if (args.trace is None) == (args.synthetic is None):
         raise InvalidArgumentError("give a trace file or --synthetic SPEC (one of the two)")
     trace = read_trace(args.trace) if args.trace else synthetic_trace(SyntheticSpec.parse(args.synthetic))
+    seq = getattr(args, "sequence", None)
+    if seq is not None:
+        if seq not in trace.sequences():
+            raise InvalidArgumentError(f"--sequence {seq}: {trace.source} has sequences "
+                                       f"{', '.join(map(str, trace.sequences()))}")
+        trace = trace.of_sequence(seq)
+        trace.source += f" [sequence {seq}]"
     if args.tokens:
         start, stop = parse_slice(args.tokens)
         trace = trace.slice(start, stop)

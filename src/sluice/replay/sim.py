@@ -134,10 +134,22 @@ class CacheSim:
         """What the engine's lookahead does after the previous layer's attention."""
         self.provider.prefetch(layer, list(experts), read=read)
 
-    def run_layer(self, layer: int, experts: Sequence[int]) -> None:
-        """One decode token's MoE call for ``layer``, routed to ``experts``."""
-        ids = torch.tensor([list(experts)])
-        self.provider.moe(layer, self._x, ids, torch.ones(ids.shape))
+    def run_layer(self, layer: int, experts: Sequence[int], probs: Sequence[float] | None = None) -> None:
+        """One decode token's MoE call for ``layer``, routed to ``experts``; ``probs``: the router's
+        probability of every expert (handed over as the engine's MoE block does, as logits)."""
+        self.run_rows(layer, [experts], None if probs is None else [probs])
+
+    def run_rows(self, layer: int, rows: Sequence[Sequence[int]], probs: Sequence[Sequence[float]] | None = None) -> None:
+        """One step's MoE call for ``layer`` over several rows (sequences batched in one step, a
+        verified draft), each routed to its experts: the union is looked up once, as in the engine."""
+        k = max(len(r) for r in rows)
+        # rows of fewer experts are padded with their own first expert (same union, zero weight)
+        ids = torch.tensor([list(r) + [r[0]] * (k - len(r)) for r in rows])
+        w = torch.tensor([[1.0] * len(r) + [0.0] * (k - len(r)) for r in rows])
+        x = self._x if len(rows) == 1 else torch.zeros(len(rows), 1)
+        if probs is not None:
+            self.provider.router_logits(layer, torch.tensor(probs, dtype=torch.float32).clamp_min(1e-30).log())
+        self.provider.moe(layer, x, ids, w)
 
 
 def replay(trace: Trace, policy: str | Callable[[], Policy], capacity: int, scope: str = "layer",
@@ -164,9 +176,10 @@ def replay(trace: Trace, policy: str | Callable[[], Policy], capacity: int, scop
     layers, k = trace.layers, trace.top_k
     if capacity < 1:
         raise InvalidArgumentError("capacity must be at least 1 expert per layer")
-    if semantics == "engine" and capacity < k:
-        raise InvalidArgumentError(f"capacity {capacity} per layer cannot hold one layer's {k} experts "
-                                   "(engine semantics)")
+    width = trace.step_width
+    if semantics == "engine" and capacity < width:
+        raise InvalidArgumentError(f"capacity {capacity} per layer cannot hold one layer's {width} experts of "
+                                   "one step (engine semantics)")
     if isinstance(policy, str):
         spec = policy
         if spec == "belady":
@@ -199,20 +212,24 @@ def replay(trace: Trace, policy: str | Callable[[], Policy], capacity: int, scop
         label += f" +{predictions}"
     read = predictions == "prefetch"
     pred = trace.pred if predictions != "off" else None
+    probs = trace.probs
     sequential = semantics == "sequential"
     try:
-        for t, step in enumerate(trace.steps):
+        for group in trace.groups():  # one engine step: one tick, one moe call per layer for its rows
             for sim in sims:
                 sim.tick()
-            for layer, ids in enumerate(step):
-                if pred is not None and layer + 1 < layers and pred[t][layer + 1]:
-                    sims[layer + 1 if n_caches > 1 else 0].predict(layer + 1, pred[t][layer + 1], read)
+            for layer in range(layers):
+                if pred is not None and layer + 1 < layers:
+                    guess = sorted({e for t in group for e in pred[t][layer + 1]})
+                    if guess:
+                        sims[layer + 1 if n_caches > 1 else 0].predict(layer + 1, guess, read)
                 sim = sims[layer if n_caches > 1 else 0]
+                rows = [trace.steps[t][layer] for t in group]
                 if sequential:  # one expert per call: only the expert being fetched is pinned
-                    for e in ids:
+                    for e in sorted({e for r in rows for e in r}):
                         sim.run_layer(layer, (e,))
                 else:
-                    sim.run_layer(layer, ids)
+                    sim.run_rows(layer, rows, None if probs is None else [probs[t][layer] for t in group])
     except RuntimeError as e:
         raise ValueError(f"{label}: {e}") from None
     hits = sum(s.provider.counters.hits for s in sims)
@@ -247,7 +264,8 @@ def pins_fit(trace: Trace, pins: Sequence[tuple[int, int]], capacity: int, scope
 def capacities_for(trace: Trace, multiples: Sequence[float] = DEFAULT_MULTIPLES) -> list[int]:
     """Experts per layer for multiples of one layer's top-k, deduplicated, within 1..experts."""
     k, n = trace.top_k, max(trace.experts, trace.top_k)
-    out = sorted({min(n, max(k, round(m * k))) for m in multiples})
+    least = min(n, trace.step_width)  # a step of several sequences needs its union resident
+    out = sorted({min(n, max(least, round(m * k))) for m in multiples})
     return out
 
 

@@ -8,9 +8,12 @@
 - ``Store`` (``store.py``): a model's files by name, small ones read whole; ``LocalDir``.
 - ``RemoteSource`` / ``RemoteStore`` (``remote.py``, the optional ``remote`` extra): an object
   or a model's files at an ``s3://`` or ``http(s)://`` URL, read by ranged GETs.
-- ``DiskTier`` (``disk_tier.py``; its entry files: ``tier_entry.py``) and ``TieredSource``
-  (``tiered.py``): the local disk tier of remote models (``--disk-cache``): ranges fetched
-  are kept on disk, CRC-checked, shared by processes.
+- ``DiskTier`` (``disk_tier.py``; its entry files: ``tier_entry.py``; the size bound its processes
+  share: ``tier_openers.py``) and ``TieredSource`` (``tiered.py``): the local disk tier of remote
+  models (``--disk-cache``): ranges fetched are kept on disk, CRC-checked, shared by processes.
+- ``MetaCache`` (``meta_cache.py``): a remote model's metadata (config, index, manifest,
+  tokenizer files, safetensors headers) kept in the local cache by URL and ETag, revalidated at
+  a restart instead of refetched.
 - ``open_source`` / ``open_store`` (``location.py``): the one place a path or a URL is
   turned into a source or a store; ``Sources`` (``sources.py``): the sources a model has
   open, with a wrapping hook (``faults.py`` injects faults through it).

@@ -53,6 +53,37 @@ _fold, _fold_gil = _load()
 FAST = _fold is not None
 
 
+def _load_pread():
+    if _fold is None:
+        return None
+    from ..kernels import _find_library
+
+    fn = getattr(ctypes.CDLL(_find_library()), "sk_pread_crc32", None)  # CDLL: called without the GIL
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint32)]
+    fn.restype = ctypes.c_int64
+    return fn
+
+
+_pread_crc = _load_pread()
+
+
+def pread_crc32(fd: int, dest: memoryview, offset: int) -> tuple[int, int] | None:
+    """Read ``len(dest)`` bytes at ``offset`` of ``fd`` into ``dest`` and CRC-32 them, in one C call that
+    holds no GIL (a disk tier hit: the reading thread takes the GIL back once, after the read and the
+    check). ``(bytes read, crc32 of them)``; None where the C kernels are not there (then read and check
+    in Python). Raises ``OSError`` for a failed read."""
+    if _pread_crc is None:
+        return None
+    arr = np.frombuffer(dest, dtype=np.uint8)  # no copy; keeps the buffer alive during the call
+    out = ctypes.c_uint32()
+    n = _pread_crc(fd, arr.ctypes.data, arr.nbytes, offset, ctypes.byref(out))
+    if n < 0:
+        raise OSError(-n, os.strerror(-n))
+    return n, out.value
+
+
 def crc32(data, crc: int = 0) -> int:
     """``zlib.crc32(data, crc)`` for any contiguous buffer (bytes, bytearray, memoryview)."""
     mv = memoryview(data)

@@ -32,8 +32,13 @@ the files (rows without a file are dropped, entry files without a row are re-ind
 their headers), and a damaged index is rebuilt from the entries.
 
 Bound and eviction. The entry files' bytes (headers and padding included) stay within the
-tier's capacity (``--disk-cache SIZE``; each process enforces its own at insert). The policy
-is the memory cache's kind, decayed frequency (lfru): each use of an entry adds 1 to its
+tier's bound, one for the directory as a whole: the smallest ``--disk-cache SIZE`` of the
+processes that have it open now (``tier_openers.py``: each opener's size in a record it holds
+an exclusive ``flock`` on while it is open; an insert, under the tier lock, takes the smallest
+size of the records whose lock is held, and removes the records of openers that are gone: a
+killed process never holds the bound). A process that opens the tier with a smaller size than
+the others evicts down to it at open, and the others keep to it until it closes. The policy is
+the memory cache's kind, decayed frequency (lfru): each use of an entry adds 1 to its
 score, and scores halve every ``HALF_LIFE_S`` (six hours) of wall-clock time; the entry with
 the lowest score goes first. Scores are kept as ``log2(sum of 2^(t_use / half-life))``, so
 ordering them needs no decay pass; uses are batched in memory and written to the index every
@@ -67,6 +72,7 @@ from pathlib import Path
 from ..errors import InvalidArgumentError, SluiceError
 from ..units import parse_size
 from .buffers import AlignedBuffer
+from . import tier_openers
 from .crc import crc32
 from .store import user_cache_dir
 from .tier_entry import (ENTRY_RE, HEADER_BYTES, STAGING_BYTES, EntryFile, Key, entry_size, fsync_dir, make_header,
@@ -143,11 +149,13 @@ class DiskTier:
         self._warned = False
         self.counts = {"hits": 0, "misses": 0, "corrupt": 0, "inserted": 0, "evicted": 0, "write_errors": 0}
         self._lock_fd = -1
+        self._opener_fd = -1
+        self._opener: Path | None = None  # this opener's record of its size (``bound``)
         self._db: sqlite3.Connection | None = None
         self._claim(create)
         try:
             self._lock_fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            for d in (self.entries_dir, self.tmp_dir):
+            for d in (self.entries_dir, self.tmp_dir, self.dir / tier_openers.OPENERS):
                 d.mkdir(exist_ok=True)
         except OSError as e:
             self.close()
@@ -155,6 +163,8 @@ class DiskTier:
         try:
             with self._locked():
                 self._open_index()
+                if capacity is not None:
+                    self._register()
                 self._sweep()
         except BaseException as e:
             self.close()
@@ -237,6 +247,21 @@ class DiskTier:
                 yield
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _register(self) -> None:
+        """Record this opener's size where the others see it, locked while it is open (locked)."""
+        self._opener_fd, self._opener = tier_openers.register(self.dir, self.capacity)
+
+    def bound(self) -> int | None:
+        """The most bytes the tier's entries may take now: the smallest size of the processes that have
+        it open (this one's included; None when none is); the records of openers that are gone are
+        removed (locked)."""
+        return tier_openers.scan(self.dir, self._opener, self.capacity)[0]
+
+    def openers(self) -> tuple[int | None, int]:
+        """(the bound now, how many openers with a size hold the tier open, this one included)."""
+        with self._locked():
+            return tier_openers.scan(self.dir, self._opener, self.capacity)
 
     def _entry_files(self) -> dict[str, Path]:
         out: dict[str, Path] = {}
@@ -446,10 +471,14 @@ class DiskTier:
             return False
 
     def _make_room(self, size: int) -> bool:
-        """Evict the lowest-scored entries until ``size`` more bytes fit (locked); False if they cannot."""
+        """Evict the lowest-scored entries until ``size`` more bytes fit in the shared bound (locked);
+        False if they cannot."""
         db = self._db
+        bound = self.bound()
+        if size > bound:
+            return False
         used = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
-        while used + size > self.capacity:
+        while used + size > bound:
             victims = db.execute("SELECT name, size FROM entries ORDER BY score ASC LIMIT 32").fetchall()
             if not victims:
                 return False
@@ -462,7 +491,7 @@ class DiskTier:
                 self._pending.pop(name, None)
                 self.counts["evicted"] += 1
                 used -= nbytes
-                if used + size <= self.capacity:
+                if used + size <= bound:
                     break
             db.execute("COMMIT")
         return True
@@ -555,6 +584,9 @@ class DiskTier:
             with contextlib.suppress(Exception):
                 self._db.close()
             self._db = None
+        if self._opener is not None:
+            tier_openers.unregister(self._opener_fd, self._opener)
+            self._opener, self._opener_fd = None, -1
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

@@ -81,13 +81,14 @@ def open_source(location: str | os.PathLike, *, direct: bool | None = None,
     return LocalFile(str(location), direct=direct, stats=stats)
 
 
-def open_store(location: str | os.PathLike, *, disk_tier=None, **remote_options) -> Store:
+def open_store(location: str | os.PathLike, *, disk_tier=None, progress=None, **remote_options) -> Store:
     """The ``Store`` (a model's files by name) at ``location``: a ``LocalDir`` for a local path, a
     ``RemoteStore`` for a URL, its data files read through ``disk_tier`` when one is given (a local
-    model needs no disk tier: it is ignored there)."""
+    model needs no disk tier: it is ignored there). ``progress``: a ``progress.Activity`` told of a
+    remote store's metadata requests (a local directory makes none)."""
     check_location(location)
     if is_url(location):
-        store = _remote(location).RemoteStore(str(location), **remote_options)
+        store = _remote(location).RemoteStore(str(location), progress=progress, **remote_options)
         if disk_tier is not None:
             from .tiered import TieredStore
 

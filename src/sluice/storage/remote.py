@@ -25,7 +25,9 @@ import re
 from datetime import timedelta
 from urllib.parse import urlsplit
 
+from ..progress import Activity
 from .aws_config import AwsConfigError, missing_credentials, profile_settings
+from .meta_cache import MetaCache
 from .source import ByteSource, ReadStats
 from .store import Store
 
@@ -119,7 +121,11 @@ class RemoteSource(ByteSource):
     """One object at ``url`` (``s3://`` or ``http(s)://``), its ETag pinned at open.
 
     ``store``/``path`` may be given (an obstore store and the object's path in it) instead of
-    being made from the URL; ``url`` is then only the name errors use.
+    being made from the URL; ``url`` is then only the name errors use. ``head``: the object's HEAD
+    answer when the caller has it already (no second HEAD). ``meta``: a ``MetaCache`` where small
+    metadata reads (``pread``: safetensors headers) are kept under this URL and ETag (None: the
+    default cache in the user cache directory; False: none). ``progress``: an ``Activity`` told of
+    each request (the metadata display while a model opens).
     """
 
     direct_io = False
@@ -127,19 +133,29 @@ class RemoteSource(ByteSource):
     read_size = READ_BYTES
     transfer_bytes = READ_BYTES
 
-    def __init__(self, url: str, *, store=None, path: str | None = None, stats: ReadStats | None = None, **options):
+    def __init__(self, url: str, *, store=None, path: str | None = None, stats: ReadStats | None = None,
+                 head: dict | None = None, meta: MetaCache | None | bool = None, progress: Activity | None = None,
+                 **options):
         self.name = url
         self.stats = stats if stats is not None else ReadStats()
         self._obstore = _obstore()
+        self.meta = MetaCache() if meta is None else (meta or None)
+        self.progress = progress
         if store is None:
             store, path = open_object_store(url, **options)
         self._store, self._path = store, path
-        try:
-            meta = self._obstore.head(store, path)
-        except (FileNotFoundError, self._obstore.exceptions.NotFoundError):
-            raise FileNotFoundError(f"{url}: no such file") from None
-        except Exception as e:
-            raise OSError(f"cannot open {url}: {_reason(e)}") from None
+        if head is None:
+            if progress is not None:
+                progress.step(f"HEAD {_short(url)}")
+            try:
+                head = self._obstore.head(store, path)
+            except (FileNotFoundError, self._obstore.exceptions.NotFoundError):
+                raise FileNotFoundError(f"{url}: no such file") from None
+            except Exception as e:
+                raise OSError(f"cannot open {url}: {_reason(e)}") from None
+            if progress is not None:
+                progress.done()
+        meta = head
         self.size = int(meta["size"])
         self.etag = meta.get("e_tag")
         self._modified = meta.get("last_modified")
@@ -158,6 +174,24 @@ class RemoteSource(ByteSource):
         if n:
             self._get_pieces(dest, offset)
 
+    def pread(self, nbytes: int, offset: int) -> bytes:
+        """A small metadata read (a safetensors header): from the local metadata cache when it holds this
+        range of this version (ETag) of the object, else fetched and kept there."""
+        n = max(0, min(nbytes, self.size - offset))
+        if not n:
+            return b""
+        if self.meta is not None and self.etag:
+            got = self.meta.get(self.name, offset, n)
+            if got is not None and got[0] == self.etag:
+                if self.progress is not None:
+                    self.progress.done(n, cached=True)
+                return got[1]
+        out = bytearray(n)
+        self._get_pieces(memoryview(out), offset)
+        if self.meta is not None and self.etag:
+            self.meta.put(self.name, self.etag, bytes(out), offset, n)
+        return bytes(out)
+
     def _get_pieces(self, dest: memoryview, offset: int) -> None:
         """One ranged GET per ``read_size`` bytes: a GET's body is held whole by the client before
         it is copied into ``dest``, so a read in flight holds at most ``transfer_bytes`` besides
@@ -168,6 +202,9 @@ class RemoteSource(ByteSource):
 
     def _get(self, dest: memoryview, offset: int) -> None:
         n = len(dest)
+        progress = self.progress
+        if progress is not None:
+            progress.step(f"GET {_short(self.name)} bytes {offset}-{offset + n}")
         options: dict = {"range": (offset, offset + n)}
         if self.etag:
             options["if_match"] = self.etag
@@ -190,6 +227,8 @@ class RemoteSource(ByteSource):
             raise OSError(f"short read: {len(data)} of {n} bytes at offset {offset}: {self.name}")
         dest[:] = memoryview(data)
         self.stats.add(n, remote=True)
+        if progress is not None:
+            progress.done(n)
 
     def close(self) -> None:
         self._store = None
@@ -199,11 +238,21 @@ class RemoteStore(Store):
     """A model's files under a URL prefix (``s3://bucket/models/olmoe``, ``https://host/models/olmoe``):
     member ``name`` is ``<url>/<name>``. One client (connection pool) for all members; metadata
     members are read whole, data members opened as ``RemoteSource``s; ``local_file`` (the
-    tokenizer's file) is a copy in the local file cache keyed by URL and ETag (``Store``)."""
+    tokenizer's file) is a copy in the local file cache keyed by URL and ETag (``Store``).
 
-    def __init__(self, url: str, **options):
+    Metadata requests: a member's HEAD is made once per store (``exists`` and ``open`` share it);
+    a member read whole is kept in the local metadata cache (``meta_cache.MetaCache``: ``meta``,
+    None for the default one, False for none) and revalidated, not refetched: no request when this
+    store's HEAD of it gave the copy's ETag, else one conditional GET (``If-None-Match``). A copy is
+    used only for the ETag it was fetched at. ``progress``: an ``Activity`` shown while a model opens."""
+
+    def __init__(self, url: str, *, meta: MetaCache | None | bool = None, progress: Activity | None = None,
+                 **options):
         self.location = url.rstrip("/")
         self._obstore = _obstore()
+        self.meta = MetaCache() if meta is None else (meta or None)
+        self.progress = progress
+        self._heads: dict[str, dict | None] = {}  # member -> its HEAD answer (None: not there), once per store
         # the store is rooted at the prefix: members are plain names inside it
         self._store, self._prefix = open_object_store(self.location + "/_", **options)
         self._prefix = self._prefix[:-1]  # "" for HTTP (rooted at the directory), "models/olmoe/" for S3
@@ -212,12 +261,20 @@ class RemoteStore(Store):
         return f"{self.location}/{name}"
 
     def _head(self, name: str):
+        if name in self._heads:
+            return self._heads[name]
+        if self.progress is not None:
+            self.progress.step(f"HEAD {name}")
         try:
-            return self._obstore.head(self._store, self._prefix + name)
+            head = self._obstore.head(self._store, self._prefix + name)
         except (FileNotFoundError, self._obstore.exceptions.NotFoundError):
-            return None
+            head = None
         except Exception as e:
             raise OSError(f"cannot read {self.locate(name)}: {_reason(e)}") from None
+        if self.progress is not None:
+            self.progress.done()
+        self._heads[name] = head
+        return head
 
     def exists(self, name: str) -> bool:
         return self._head(name) is not None
@@ -245,18 +302,49 @@ class RemoteStore(Store):
         return sorted(n for n in out if n and "/" not in n)
 
     def read_bytes(self, name: str) -> bytes:
+        url = self.locate(name)
+        if name in self._heads and self._heads[name] is None:
+            raise FileNotFoundError(f"{url}: no such file")
+        copy = self.meta.get(url) if self.meta is not None else None
+        head = self._heads.get(name)
+        progress = self.progress
+        if copy is not None and head is not None and head.get("e_tag") == copy[0]:
+            if progress is not None:
+                progress.done(len(copy[1]), cached=True)
+            return copy[1]  # this store's HEAD of it gave the copy's version
+        if progress is not None:
+            progress.step(f"GET {name}")
+        options = {"if_none_match": copy[0]} if copy is not None else {}
         try:
-            return bytes(self._obstore.get(self._store, self._prefix + name).bytes())
+            result = self._obstore.get(self._store, self._prefix + name, options=options)
+            etag = result.meta.get("e_tag")
+            data = bytes(result.bytes())
+        except self._obstore.exceptions.NotModifiedError:  # 304: the copy is the current version
+            if progress is not None:
+                progress.done(len(copy[1]), cached=True)
+            return copy[1]
         except (FileNotFoundError, self._obstore.exceptions.NotFoundError):
-            raise FileNotFoundError(f"{self.locate(name)}: no such file") from None
+            raise FileNotFoundError(f"{url}: no such file") from None
         except Exception as e:
-            raise OSError(f"cannot read {self.locate(name)}: {_reason(e)}") from None
+            raise OSError(f"cannot read {url}: {_reason(e)}") from None
+        if progress is not None:
+            progress.done(len(data))
+        if self.meta is not None:
+            self.meta.put(url, etag, data)
+        return data
 
     def open(self, name: str, *, direct: bool | None = None, stats: ReadStats | None = None) -> ByteSource:
-        return RemoteSource(self.locate(name), store=self._store, path=self._prefix + name, stats=stats)
+        head = self._heads.get(name)
+        return RemoteSource(self.locate(name), store=self._store, path=self._prefix + name, stats=stats,
+                            head=head, meta=self.meta or False, progress=self.progress)
 
     def __repr__(self) -> str:
         return f"<RemoteStore {self.location}>"
+
+
+def _short(url: str) -> str:
+    """The object's file name, for the progress line."""
+    return url.rpartition("/")[2] or url
 
 
 def _reason(e: Exception) -> str:

@@ -75,7 +75,9 @@ class Store:
             if not dest.is_file():
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 tmp = dest.with_name(f".{name}.{os.getpid()}.partial")
-                tmp.write_bytes(src.pread(src.size, 0))
+                data = bytearray(src.size)
+                src.read_into(memoryview(data), 0)
+                tmp.write_bytes(data)
                 os.replace(tmp, dest)
             return dest
         finally:

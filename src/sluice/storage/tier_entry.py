@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .buffers import ALIGN, AlignedBuffer, align_down, align_up
-from .crc import crc32
+from .crc import crc32, pread_crc32
 from .file import PIECE_BYTES, LocalFile
 from .source import ReadStats
 
@@ -59,6 +59,12 @@ def read_entry(f: LocalFile, key: Key, dest: memoryview, stage: AlignedBuffer) -
     fd = f.dfd if f.dfd is not None else f.fd
     body = align_down(n, ALIGN) if np.frombuffer(dest, dtype=np.uint8).ctypes.data % ALIGN == 0 else 0
     if f.crc is not None and body == n:  # header checked by an earlier read of this open file: the payload alone
+        if body < 2 * PIECE_BYTES:
+            got = pread_crc32(fd, dest, HEADER_BYTES)  # one C call without the GIL: read and CRC
+            if got is not None:
+                if f.dfd is None:
+                    os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                return got == (n, f.crc)
         if body >= 2 * PIECE_BYTES:
             if f.read_aligned(dest, HEADER_BYTES) != n:
                 return False

@@ -56,6 +56,8 @@ class TieredSource(WrappedSource):
             self._read(dest, offset)
 
     def pread(self, nbytes: int, offset: int) -> bytes:
+        # metadata (safetensors headers) is kept in the tier too: an entry is keyed by URL and ETag, as
+        # the metadata cache the inner source keeps without a tier (``meta_cache.py``)
         n = max(0, min(nbytes, self.size - offset))
         out = bytearray(n)
         if n:
