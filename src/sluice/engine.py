@@ -432,13 +432,19 @@ class Engine:
         verified draft), the union of the rows' guesses, by predicted weight mass."""
         traced = self.experts.predicted_routing
         prefetch = self.options.prefetch and h.shape[0] <= self.lookahead_max_rows
-        if traced is None and not prefetch:
+        if traced is None and (not prefetch or self._holds_all()):
             return
         if isinstance(self.model.layers[layer].mlp, MoEBlock):
             # guess once this layer's own demand reads are issued (inside its MoE call)
             self.experts.after_reads(layer, lambda: self._predict_ahead(layer, h, prefetch, traced))
         else:
             self._predict_ahead(layer, h, prefetch, traced)
+
+    def _holds_all(self) -> bool:
+        """Every expert of the model is in the cache and READY: a prediction could read nothing
+        and, with no eviction ever needed, inform no choice, so the lookahead is skipped (its
+        ``predicted`` counters then count nothing). Results never depend on it."""
+        return self.cache is not None and self.cache.ready_count >= self.desc.total_experts
 
     def _predict_ahead(self, layer: int, h: torch.Tensor, prefetch: bool, traced) -> None:
         for distance in range(1, (self.lookahead_depth if prefetch else 1) + 1):

@@ -46,6 +46,7 @@ class ExpertCache:
         self._draining: list[Slot] = []  # abandoned slots whose read has not stopped yet
         self.evictions = 0
         self.evicted_unused = 0  # speculative loads evicted before any use
+        self.ready_count = 0  # keys whose slot is READY (== the model's experts: the cache holds it all)
 
     def __len__(self) -> int:
         return len(self._map)
@@ -58,6 +59,18 @@ class ExpertCache:
 
     def lookup(self, key: Hashable) -> Slot | None:
         return self._map.get(key)
+
+    def ready_slots(self, keys) -> list[Slot] | None:
+        """The slots of ``keys`` if every one is READY (the warm case: nothing to read or wait
+        on), else None. Looks up only; the caller pins and tells the policy."""
+        get = self._map.get
+        out = []
+        for key in keys:
+            slot = get(key)
+            if slot is None or slot.state != READY:
+                return None
+            out.append(slot)
+        return out
 
     def _evictable(self, key: Hashable) -> bool:
         s = self._map[key]
@@ -76,6 +89,7 @@ class ExpertCache:
             slot = self._map.pop(victim)
             self.policy.remove(victim)
             self.evictions += 1
+            self.ready_count -= 1  # victims are READY (``_evictable``)
             if slot.speculative:
                 self.evicted_unused += 1
         slot.key, slot.state, slot.layout = key, LOADING, layout
@@ -91,6 +105,8 @@ class ExpertCache:
         """Mark a loaded slot READY and assemble its weights (``quant.assemble``: views over the
         slot memory), once per read; a cached expert keeps them until its slot is reused."""
         slot.weights = assemble(self.arena, self.base(slot), slot.layout)
+        if slot.state != READY and slot.key is not None and self._map.get(slot.key) is slot:
+            self.ready_count += 1
         slot.state = READY
         slot.future = slot.ticket = None
 
@@ -99,6 +115,8 @@ class ExpertCache:
         if slot.key is not None and self._map.get(slot.key) is slot:
             del self._map[slot.key]
             self.policy.remove(slot.key)
+            if slot.state == READY:
+                self.ready_count -= 1
         slot.key, slot.state, slot.weights, slot.future, slot.pins, slot.layout = None, EMPTY, None, None, 0, None
         slot.ticket = None
         self._free.append(slot.index)
@@ -109,6 +127,8 @@ class ExpertCache:
         if slot.key is not None and self._map.get(slot.key) is slot:
             del self._map[slot.key]
             self.policy.remove(slot.key)
+            if slot.state == READY:
+                self.ready_count -= 1
         slot.key = None
         self._draining.append(slot)
 

@@ -37,6 +37,19 @@ def expert_output(spec: ExpertSpec, w: ExpertWeights, x: torch.Tensor, scale: fl
     return expert_forward(spec, w, x) * scale
 
 
+def expert_outputs(spec: ExpertSpec, weights: list[ExpertWeights], x: torch.Tensor,
+                   scales: list[float]) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+    """``[expert_output(spec, w, x, s) for w, s in zip(weights, scales)]`` for one token (x [1, H]),
+    bit-identical: the experts that take the one-call kernel go through ``kernels.swiglu_many``
+    (the checks, the activations' address and the scratch once per layer, not per expert)."""
+    if not (x.shape[0] == 1 and spec.variant == "swiglu" and spec.act in ("silu", "swish") and kernels.available()):
+        return [expert_output(spec, w, x, s) for w, s in zip(weights, scales)]
+    args = [w.swiglu_args for w in weights]
+    if None not in args:
+        return kernels.swiglu_many(x, args, scales)
+    return [expert_output(spec, w, x, s) for w, s in zip(weights, scales)]
+
+
 def expert_forward(spec: ExpertSpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     """x: [n, H] fp32 -> [n, H] fp32."""
     if kernels.batch_invariant() and _fused_ok(spec, w, x):  # rows equal to expert_output's (times 1.0)

@@ -23,7 +23,7 @@ import torch
 from ..errors import ExpertReadError
 from .cache import LOADING, READY, ExpertCache, Slot
 from .reader import DEMAND, PREFETCH, ReaderPool, Ticket
-from .compute import expert_forward, expert_output
+from .compute import expert_forward, expert_output, expert_outputs
 from .fold import Fold, Groups, weigh
 from .interface import ExpertInterface
 from .source import ExpertSource
@@ -49,7 +49,9 @@ class ExpertCounters:
     prefetch_used: int = 0  # speculative reads later used by the layer they were for
     prefetch_cancelled: int = 0  # wrong guesses cancelled before their read started
     prefetch_aborted: int = 0  # wrong guesses stopped between pieces while being read
-    predicted: int = 0  # lookahead predictions checked against the real routing (decode)
+    # lookahead predictions checked against the real routing (decode); none are made, so none
+    # counted, while the cache holds every expert READY (Engine._lookahead: nothing to prefetch)
+    predicted: int = 0
     predicted_hits: int = 0  # ... that the layer really used
     predicted_far: int = 0  # the same for predictions made two layers ahead
     predicted_far_hits: int = 0
@@ -71,6 +73,8 @@ class ExpertProvider(ExpertInterface):
         self.source, self.cache, self.spec, self.n_experts = source, cache, spec, n_experts
         self.pool = pool if pool is not None else ReaderPool(reader_threads)
         self._output, self._forward = compute if compute is not None else (expert_output, expert_forward)
+        # one token's experts in one call (the warm fast path), with the default compute only
+        self._outputs = expert_outputs if compute is None else None
         self.verify_reads = verify_reads
         self.counters = ExpertCounters()
         self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
@@ -276,13 +280,20 @@ class ExpertProvider(ExpertInterface):
         output (one row: ``expert_output`` with ``w`` as scale; more: ``expert_forward`` on
         ``x[rows]`` then ``weigh``) and hands it to ``sink(e, rows, y)``: in ascending expert order,
         or, if ``out_of_order``, as the experts come into memory. ``decode_experts``: the experts
-        that count as decode lookups (the others count as prefill lookups)."""
+        that count as decode lookups (the others count as prefill lookups). When every expert is
+        already READY (warm decode), ``_run_ready`` does the same with less bookkeeping."""
         experts = work.experts
         if self._deferred is not None and self._deferred[0] != layer:
             self._deferred = None  # a lookahead left over from a forward that did not reach it
-        self._check_predictions(layer, set(experts))
+        if self._predictions or self._far or self._issued:  # else nothing to count or cancel
+            self._check_predictions(layer, set(experts))
         self.cache.policy.begin_layer(layer)
         self._probs = self._router_probs(layer, experts) if self._logits is not None else None
+        keys = [(layer, e) for e in experts]
+        ready = self.cache.ready_slots(keys)
+        if ready is not None:
+            self._run_ready(layer, x, work, sink, decode_experts, keys, ready)
+            return
         c = self.counters
 
         slots: dict[int, Slot] = {}
@@ -358,6 +369,54 @@ class ExpertProvider(ExpertInterface):
         if error is not None:
             self._quiesce(slots)
             raise error
+
+    def _run_ready(self, layer: int, x: torch.Tensor, work, sink, decode_experts: set[int],
+                   keys: list[tuple[int, int]], slots: list[Slot]) -> None:
+        """``run_experts`` when every expert of the layer is READY (warm decode): the same counters,
+        policy events, pins and lookahead, and the outputs handed to ``sink`` in ascending expert
+        order (what the general loop does when nothing waits on a read: the same bits), without
+        its per-expert bookkeeping for reads; one token's experts are computed in one call."""
+        c = self.counters
+        experts = work.experts
+        n = len(experts)
+        decode = sum(1 for e in experts if e in decode_experts)
+        c.lookups += decode
+        c.hits += decode
+        c.prefill_lookups += n - decode
+        access = self.cache.policy.access
+        for key, slot in zip(keys, slots):
+            if slot.speculative:
+                slot.speculative = False
+                c.prefetch_used += 1
+            slot.pins += 1
+            access(key)
+        try:
+            if self._deferred is not None:
+                self._run_deferred(layer)  # the lookahead (no reads of this layer to issue first)
+            if self._outputs is not None and getattr(work, "one_row", False):
+                t0 = time.perf_counter()
+                ys = self._outputs(self.spec, [s.weights for s in slots], x, [work.work(e)[1] for e in experts])
+                if self.decoding:
+                    c.compute_s += time.perf_counter() - t0
+                c.compute_calls += n
+                for e, y in zip(experts, ys):
+                    sink(e, None, y)
+                return
+            output, forward, spec = self._output, self._forward, self.spec
+            for e, slot in zip(experts, slots):
+                t0 = time.perf_counter()
+                idx, w = work.work(e)
+                if idx is None:
+                    y = output(spec, slot.weights, x, w)
+                else:
+                    y = weigh(forward(spec, slot.weights, x[idx]), w)
+                c.compute_calls += 1
+                if self.decoding:
+                    c.compute_s += time.perf_counter() - t0
+                sink(e, idx, y)
+        finally:
+            for slot in slots:
+                slot.pins -= 1
 
     def _pick(self, experts, next_fold, slots, done, out_of_order) -> int | None:
         if not out_of_order:

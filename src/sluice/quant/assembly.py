@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import kernels
 from ..errors import CheckpointError
 from .dense import chain_rows, linear, linear_chain
 from .formats import FORMATS, QuantMatrix, _check_part
@@ -173,10 +174,11 @@ class ExpertWeights:
     """One expert's assembled weights (see the module docstring).
 
     ``gate_up(x)``, ``down(h)``: the products; ``swiglu``: (gate, up, down) for the fused C
-    kernel or None. Read-only mapping of the record's names to matrices (tensor,
+    kernel or None, and ``swiglu_args`` their ``kernels.swiglu_args`` (addresses taken once).
+    Read-only mapping of the record's names to matrices (tensor,
     ``QuantMatrix``, ``BlockFP8``) and biases, for inspection and conversion."""
 
-    __slots__ = ("named", "input_major", "gate_up", "down", "swiglu")
+    __slots__ = ("named", "input_major", "gate_up", "down", "swiglu", "swiglu_args")
 
     def __init__(self, named: dict, input_major: bool = False):
         self.named = named
@@ -184,6 +186,8 @@ class ExpertWeights:
         self.gate_up = _gate_up(named, input_major)
         self.down = _down(named, input_major)
         self.swiglu = _swiglu(named)
+        # the one-call kernel's arguments (addresses, sizes), taken once: kernels.swiglu_many
+        self.swiglu_args = kernels.swiglu_args(*self.swiglu) if self.swiglu is not None else None
 
     def __getitem__(self, name: str):
         return self.named[name]
