@@ -303,7 +303,8 @@ class Engine:
             self.cache = ExpertCache(self.plan.cache_slots, self.experts_source.slot_bytes,
                                      make_policy(options.cache_policy), huge_pages=options.huge_pages)
             self.experts = ExpertProvider(self.experts_source, self.cache, self.desc.expert, self.desc.n_experts,
-                                          reader_threads=options.reader_threads, verify_reads=options.verify_reads)
+                                          reader_threads=options.reader_threads, verify_reads=options.verify_reads,
+                                          total_experts=self.desc.total_experts)
         if info.spine_format != "stored":
             warnings.warn(f"{info.path}: the spine is stored as {info.spine_format} (sluice convert --spine "
                           f"{info.spine_format}): lossy, outputs differ from the model's", stacklevel=3)
@@ -441,10 +442,10 @@ class Engine:
             self._predict_ahead(layer, h, prefetch, traced)
 
     def _holds_all(self) -> bool:
-        """Every expert of the model is in the cache and READY: a prediction could read nothing
-        and, with no eviction ever needed, inform no choice, so the lookahead is skipped (its
-        ``predicted`` counters then count nothing). Results never depend on it."""
-        return self.cache is not None and self.cache.ready_count >= self.desc.total_experts
+        """Every expert of the model is in the cache and READY (``ExpertProvider.holds_all``): a
+        prediction could read nothing and, with no eviction ever needed, inform no choice, so the
+        lookahead is skipped (its ``predicted`` counters then count nothing)."""
+        return self.cache is not None and self.experts.holds_all()
 
     def _predict_ahead(self, layer: int, h: torch.Tensor, prefetch: bool, traced) -> None:
         for distance in range(1, (self.lookahead_depth if prefetch else 1) + 1):

@@ -64,18 +64,21 @@ class ExpertCounters:
 
 class ExpertProvider(ExpertInterface):
     def __init__(self, source: ExpertSource, cache: ExpertCache, spec: ExpertSpec, n_experts: int,
-                 reader_threads: int = 4, verify_reads: bool = False, *, pool=None, compute=None):
+                 reader_threads: int = 4, verify_reads: bool = False, *, pool=None, compute=None,
+                 total_experts: int | None = None):
         """``pool`` (default: a ``ReaderPool`` of ``reader_threads``) runs the reads: anything with
         ``submit(fn, *args, priority=...) -> Future`` and ``shutdown()``. ``compute`` (default:
         ``compute.expert_output`` and ``expert_forward``) is a pair of functions with their
         signatures. The trace replay (``sluice.replay``) passes reads that complete at once and
-        compute that does nothing, so it simulates exactly this cache and this lookup loop."""
+        compute that does nothing, so it simulates exactly this cache and this lookup loop.
+        ``total_experts``: the model's routed experts (all MoE layers), for ``holds_all``."""
         self.source, self.cache, self.spec, self.n_experts = source, cache, spec, n_experts
         self.pool = pool if pool is not None else ReaderPool(reader_threads)
         self._output, self._forward = compute if compute is not None else (expert_output, expert_forward)
         # one token's experts in one call (the warm fast path), with the default compute only
         self._outputs = expert_outputs if compute is None else None
         self.verify_reads = verify_reads
+        self.total_experts = total_experts
         self.counters = ExpertCounters()
         self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
         # set by the runner for a forward of several sequences: (first row, end row, decoding) per
@@ -94,8 +97,15 @@ class ExpertProvider(ExpertInterface):
         self._probs: torch.Tensor | None = None  # the last run_experts call's router probabilities (tracing)
         self.predicted_routing: dict[int, torch.Tensor] | None = None
 
+    def holds_all(self) -> bool:
+        """Every expert of the model is in the cache and READY (``total_experts`` given): nothing
+        can be read or evicted any more, so what only informs reads and eviction (the lookahead,
+        the policy's router ranking) can be skipped. Results never depend on either."""
+        return self.total_experts is not None and self.cache.ready_count >= self.total_experts
+
     def router_logits(self, layer: int, logits: torch.Tensor) -> None:
-        if self.routing is not None or (self.cache.policy.ranks and logits.shape[0] <= SCORE_MAX_ROWS):
+        if self.routing is not None or (logits.shape[0] <= SCORE_MAX_ROWS and self.cache.policy.ranks
+                                        and not self.holds_all()):
             self._logits = (layer, logits)
 
     def _router_probs(self, layer: int, routed: list[int]) -> torch.Tensor | None:
