@@ -42,7 +42,11 @@ def child(a) -> int:
         vocab = eng.desc.vocab if hasattr(eng, "desc") else 32000
         g = torch.Generator().manual_seed(1)
         eng.generate(torch.randint(2, vocab, (a.prompt,), generator=g).tolist(), max_new_tokens=a.new_tokens,
-                     ignore_eos=True, speculate=False)  # every expert read once
+                     ignore_eos=True, speculate=False)
+        if getattr(eng, "cache", None) is not None:  # every expert read once, also those not routed to yet
+            for layer in eng.desc.moe_layers:
+                eng.experts.prefetch(layer, list(range(eng.desc.n_experts)))
+                eng.experts.drain()
         print(json.dumps({"ready": True, "sluice": os.path.dirname(sluice.__file__)}), flush=True)
         for line in sys.stdin:
             seed = int(line)

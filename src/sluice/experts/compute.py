@@ -38,7 +38,7 @@ def expert_output(spec: ExpertSpec, w: ExpertWeights, x: torch.Tensor, scale: fl
 
 
 def expert_outputs(spec: ExpertSpec, weights: list[ExpertWeights], x: torch.Tensor,
-                   scales: list[float]) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+                   scales: list[float]) -> list[torch.Tensor]:
     """``[expert_output(spec, w, x, s) for w, s in zip(weights, scales)]`` for one token (x [1, H]),
     bit-identical: the experts that take the one-call kernel go through ``kernels.swiglu_many``
     (the checks, the activations' address and the scratch once per layer, not per expert)."""

@@ -288,22 +288,24 @@ def swiglu_args(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> tup
     return gate.data_ptr(), up.data_ptr(), down.data_ptr(), h, i, _WTYPE[gate.dtype]
 
 
-def swiglu_many(x: torch.Tensor, experts: list[tuple], scales: list[float]) -> tuple[torch.Tensor, ...]:
+def swiglu_many(x: torch.Tensor, experts: list[tuple], scales: list[float]) -> list[torch.Tensor]:
     """One token through several SwiGLU experts: ``swiglu(x, gate, up, down, scale)`` of each,
     bit-identical (the same C call), with the per-call wrapper work done once: ``experts`` holds
-    ``swiglu_args`` of each; returns one [1, H] output per expert (rows of one allocation)."""
-    if x.stride(-1) != 1 or not x.is_contiguous():
+    ``swiglu_args`` of each; returns one [1, H] output per expert."""
+    if not x.is_contiguous():
         x = x.contiguous()
     h = x.shape[1]
-    y = torch.empty(len(experts), h, dtype=torch.float32)
     scratch = torch.empty(2 * max(a[4] for a in experts), dtype=torch.float32)
-    xp, sp, yp, step = x.data_ptr(), scratch.data_ptr(), y.data_ptr(), 4 * h
-    call, threads = _lib.lib.sk_swiglu, _lib.threads
-    for j, ((g, u, d, hh, i, wt), scale) in enumerate(zip(experts, scales)):
+    xp, sp = x.data_ptr(), scratch.data_ptr()
+    call, threads, empty, f32 = _lib.lib.sk_swiglu, _lib.threads, torch.empty, torch.float32
+    out = []
+    for (g, u, d, hh, i, wt), scale in zip(experts, scales):
         if hh != h:
             raise ValueError(f"swiglu_many: an expert of hidden size {hh} for activations of {h}")
-        call(xp, g, u, d, sp, yp + j * step, h, i, wt, scale, threads)
-    return y.split(1)
+        y = empty(1, h, dtype=f32)
+        call(xp, g, u, d, sp, y.data_ptr(), h, i, wt, scale, threads)
+        out.append(y)
+    return out
 
 
 def qmatmul(fmt: int, act: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, n: int,
