@@ -72,6 +72,29 @@ def test_fast_path_equals_read_path_bits_and_counters(model_dir):
             e.close()
 
 
+def test_fast_path_keeps_policy_events_in_a_partial_cache(model_dir):
+    """A cache of 6 of the 16 experts (demand reads only: deterministic): layers whose experts are
+    all READY take the fast path, the others read; the policy hears the same events either way, so
+    the same victims are evicted, the same reads happen, the same bits come out."""
+    path = model_dir("qwen3_moe")
+    ids = prompt_ids(n=10, seed=4)
+    fast = sluice.load(path, memory="2GiB", cache_experts=6, prefetch=False, progress=False)
+    slow = sluice.load(path, memory="2GiB", cache_experts=6, prefetch=False, progress=False)
+    try:
+        used = []
+        real = fast.experts._run_ready
+        fast.experts._run_ready = lambda *a: (used.append(a[0]), real(*a))
+        slow.cache.ready_slots = lambda keys: None
+        got = {e: _run(e, ids) for e in (fast, slow)}
+        assert used and not fast.experts.holds_all()
+        assert torch.equal(got[fast][0], got[slow][0]) and got[fast][1] == got[slow][1]
+        assert _counts(fast) == _counts(slow) and fast.experts.evictions == slow.experts.evictions > 0
+        assert sorted(fast.cache.keys()) == sorted(slow.cache.keys())
+    finally:
+        fast.close()
+        slow.close()
+
+
 def test_swiglu_many_equals_one_call_per_expert():
     from sluice import kernels
     from sluice.experts.compute import expert_output, expert_outputs

@@ -99,8 +99,10 @@ class ExpertProvider(ExpertInterface):
 
     def holds_all(self) -> bool:
         """Every expert of the model is in the cache and READY (``total_experts`` given): nothing
-        can be read or evicted any more, so what only informs reads and eviction (the lookahead,
-        the policy's router ranking) can be skipped. Results never depend on either."""
+        can be read or evicted any more (a read is only ever started for a key not in the cache),
+        so what only informs reads and the choice of victims is skipped from then on: the
+        engine's lookahead, and the policy's events (``begin_layer``, accesses, the router
+        ranking). Results never depend on them; the counters count the same lookups and hits."""
         return self.total_experts is not None and self.cache.ready_count >= self.total_experts
 
     def router_logits(self, layer: int, logits: torch.Tensor) -> None:
@@ -297,12 +299,14 @@ class ExpertProvider(ExpertInterface):
             self._deferred = None  # a lookahead left over from a forward that did not reach it
         if self._predictions or self._far or self._issued:  # else nothing to count or cancel
             self._check_predictions(layer, set(experts))
-        self.cache.policy.begin_layer(layer)
+        tell = not self.holds_all()  # else the policy picks no victim ever again: it hears nothing more
+        if tell:
+            self.cache.policy.begin_layer(layer)
         self._probs = self._router_probs(layer, experts) if self._logits is not None else None
         keys = [(layer, e) for e in experts]
         ready = self.cache.ready_slots(keys)
         if ready is not None:
-            self._run_ready(layer, x, work, sink, decode_experts, keys, ready)
+            self._run_ready(layer, x, work, sink, decode_experts, keys, ready, tell)
             return
         c = self.counters
 
@@ -381,11 +385,12 @@ class ExpertProvider(ExpertInterface):
             raise error
 
     def _run_ready(self, layer: int, x: torch.Tensor, work, sink, decode_experts: set[int],
-                   keys: list[tuple[int, int]], slots: list[Slot]) -> None:
+                   keys: list[tuple[int, int]], slots: list[Slot], tell: bool = True) -> None:
         """``run_experts`` when every expert of the layer is READY (warm decode): the same counters,
-        policy events, pins and lookahead, and the outputs handed to ``sink`` in ascending expert
-        order (what the general loop does when nothing waits on a read: the same bits), without
-        its per-expert bookkeeping for reads; one token's experts are computed in one call."""
+        policy events (``tell``: the cache does not hold every expert, see ``holds_all``), pins
+        and lookahead, and the outputs handed to ``sink`` in ascending expert order (what the
+        general loop does when nothing waits on a read: the same bits), without its per-expert
+        bookkeeping for reads; one token's experts are computed in one call."""
         c = self.counters
         experts = work.experts
         n = len(experts)
@@ -393,13 +398,14 @@ class ExpertProvider(ExpertInterface):
         c.lookups += decode
         c.hits += decode
         c.prefill_lookups += n - decode
-        access = self.cache.policy.access
+        access = self.cache.policy.access if tell else None
         for key, slot in zip(keys, slots):
             if slot.speculative:
                 slot.speculative = False
                 c.prefetch_used += 1
             slot.pins += 1
-            access(key)
+            if access is not None:
+                access(key)
         try:
             if self._deferred is not None:
                 self._run_deferred(layer)  # the lookahead (no reads of this layer to issue first)
