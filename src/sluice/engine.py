@@ -289,6 +289,13 @@ class Engine:
         self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle,
                                      disk_cache=options.disk_cache, disk_cache_dir=options.disk_cache_dir,
                                      progress=options.progress)
+        try:
+            self._build(info, memory, options, baseline, t_load)
+        except BaseException:  # a budget too small, an interrupt: what was opened is closed (the tier too)
+            self.close()
+            raise
+
+    def _build(self, info: ModelInfo, memory, options: Options, baseline: int, t_load: float) -> None:
         self.path, self.model_id = info.path, info.model_id  # model_id: what a server reports
         self.checkpoint, self.raw_config, self.family = info.checkpoint, info.raw_config, info.family
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts
@@ -378,13 +385,15 @@ class Engine:
         return experts
 
     def close(self) -> None:
-        self.scheduler.close()
-        if self.trace is not None:
-            self.trace.close()
-        if self.spine is not None:
-            self.spine.close()
-        self.experts.close()
-        self.info.close()
+        """Stop the engine's threads and close its files and disk tier; a second call does nothing (so
+        does a part that a failed load never made)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        for part in ("scheduler", "trace", "spine", "experts", "info"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                obj.close()
 
     def __enter__(self):
         return self
