@@ -31,36 +31,42 @@ if str(_SRC) not in sys.path:
 
 import sluice  # noqa: E402
 from sluice.bench import drop_cache, raw_read_bandwidth  # noqa: E402
-from sluice.experts.policy import parse_policy_spec  # noqa: E402
+from sluice.experts.policy import make_policy, parse_policy_spec  # noqa: E402
 from sluice.storage import file as file_io  # noqa: E402
 
 READER_CAP = 0
-DEFAULT_ARMS = ["off:prefetch=false", "ahead1:depth=1", "ahead2:depth=2", "ahead1p10:depth=1,min_prob=0.1"]
+# "old": main before the prefetch gate (one layer ahead, lfru's fixed hotness rule); "new": the defaults
+DEFAULT_ARMS = ["off:prefetch=false", "old:max_depth=1,gate=0", "new:"]
+SETTINGS = ("prefetch", "depth", "max_depth", "min_prob", "reader_cap", "piece_cap", "spec_hot", "gate")
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
     name, params = parse_policy_spec(text)  # NAME:KEY=VALUE,... (same syntax as cache policies)
-    unknown = set(params) - {"prefetch", "depth", "min_prob", "reader_cap", "piece_cap", "spec_hot"}
+    unknown = set(params) - set(SETTINGS)
     if unknown:
-        raise SystemExit(f"arm {text!r}: unknown setting(s) {sorted(unknown)} "
-                         "(prefetch, depth, min_prob, reader_cap, piece_cap, spec_hot)")
+        raise SystemExit(f"arm {text!r}: unknown setting(s) {sorted(unknown)} ({', '.join(SETTINGS)})")
     return name, params
 
 
 def run_arm(engine, ids: list[int], tokens: int, params: dict, read_seconds: float, seed: int) -> dict:
     engine.options.prefetch = bool(params.get("prefetch", True))
     engine.lookahead_depth = int(params.get("depth", type(engine).lookahead_depth))
+    # further layers ahead while the provider asks for them (readers idle, reads slower than layers)
+    engine.lookahead_max_depth = int(params.get("max_depth", type(engine).lookahead_max_depth))
     engine.prefetch_min_prob = float(params.get("min_prob", type(engine).prefetch_min_prob))
     # how many reader / piece threads may run prefetches at once (0: no limit)
     engine.experts.pool.low_cap = int(params.get("reader_cap", READER_CAP)) or None
     file_io._pieces().low_cap = int(params.get("piece_cap", file_io.PIECE_LOW_CAP)) or None
-    # lfru: a guess may evict a stale key only below this hotness
-    policy = engine.cache.policy
-    if hasattr(policy, "speculative_max_hotness"):
-        policy.speculative_max_hotness = float(params.get("spec_hot", type(policy).speculative_max_hotness))
     drop_cache(engine)
     before = raw_read_bandwidth(engine, read_seconds, seed=seed)["bytes_per_s"]
     drop_cache(engine)
+    # every arm starts from an empty cache and a fresh policy (no scores kept from other arms)
+    engine.cache.policy = policy = make_policy(engine.options.cache_policy)
+    # lfru: a guess may evict a stale key only below this hotness
+    if hasattr(policy, "speculative_max_hotness"):
+        policy.speculative_max_hotness = float(params.get("spec_hot", type(policy).speculative_max_hotness))
+    if hasattr(policy, "gate"):  # lfru's prefetch admission gate (0: the fixed hotness rule alone)
+        policy.gate = float(params.get("gate", policy.gate))
     c0 = vars(engine.experts.counters).copy()
     r = engine.generate(ids, max_new_tokens=tokens, ignore_eos=True, speculate=False, temperature=1.0, seed=0,
                         reuse_prefix=True)

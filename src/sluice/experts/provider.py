@@ -77,6 +77,14 @@ class ExpertProvider(ExpertInterface):
         self._far: dict[int, list[int]] = {}  # layer -> experts predicted two layers ahead
         self._issued: dict[int, set[int]] = {}  # layer -> experts speculatively read for it
         self._deferred: tuple[int, object] | None = None  # (layer, fn): see ``after_reads``
+        # measured at run time for the lookahead's depth (``lookahead_more``): reads submitted and
+        # not yet seen done, a read's time on its reader thread and a decode layer's time outside
+        # read waits (moving averages, seconds; None until measured)
+        self._inflight: list = []
+        self.read_s: float | None = None
+        self.layer_s: float | None = None
+        self._last_moe: tuple[int, float, float] | None = None  # (layer, time, read_wait_s) at its entry
+        self.queue_target = len(getattr(self.pool, "_threads", ())) or reader_threads
         # when set (tracing): layer -> (ids [T, K], weights [T, K]) of the last forward, and
         # layer -> ids [T, K] the engine's lookahead predicted for it in that forward
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -104,20 +112,25 @@ class ExpertProvider(ExpertInterface):
 
     def _read(self, base: int, layer: int, expert: int) -> None:
         """Runs on a reader thread: fill the slot at ``base`` with the expert's bytes."""
+        t0 = time.perf_counter()
         self.source.read(layer, expert, self.cache.arena, base, self.verify_reads)
+        dt = time.perf_counter() - t0  # one float store: no lock needed
+        self.read_s = dt if self.read_s is None else 0.8 * self.read_s + 0.2 * dt
 
-    def _start_read(self, key: tuple[int, int], speculative: bool, priority: int = PREFETCH) -> Slot | None:
+    def _start_read(self, key: tuple[int, int], speculative: bool, priority: int = PREFETCH,
+                    prob: float | None = None) -> Slot | None:
         layout = self.source.layout(*key)
-        slot = self.cache.allocate(key, layout, speculative)
+        slot = self.cache.allocate(key, layout, speculative, prob)
         if slot is None:
             self._settle_finished()
-            slot = self.cache.allocate(key, layout, speculative)
+            slot = self.cache.allocate(key, layout, speculative, prob)
         if slot is None:
             return None
         slot.speculative = speculative
         slot.ticket = Ticket(priority if speculative else DEMAND)
         slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1],
                                        priority=slot.ticket.priority, ticket=slot.ticket)
+        self._inflight.append(slot.future)
         if speculative:
             self.counters.prefetch_reads += 1
         else:
@@ -143,16 +156,21 @@ class ExpertProvider(ExpertInterface):
                 except Exception:
                     pass  # a failed speculative read: nothing cached, nobody waiting
 
-    def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1) -> None:
+    def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1,
+                 probs: list[float] | None = None) -> None:
         """Start speculative reads for experts predicted for ``layer`` (never evicts pinned ones).
 
         ``experts`` in the order to read them (the most likely first); ``distance``: how many
         layers ahead the prediction was made (1: the next layer; its reads go before those of
-        farther predictions, and it replaces them). The cache policy hears of the prediction
-        first (``Policy.predict``); ``read=False`` stops there (the prediction informs
-        eviction, nothing is read). When the layer runs, its wrong guesses are cancelled:
-        dropped if their read has not started, stopped between pieces if it has; right ones
-        still being read are raised to demand priority. Results never depend on prefetching.
+        farther predictions, and it replaces them). ``probs``: each guess's chance of being
+        used (``lookahead.weigh_guesses``); with it the cache policy's admission gate weighs
+        the guess against the victim's chance of reuse (a guess made further ahead is
+        discounted by how much less often such guesses were right, ``far_discount``). The cache
+        policy hears of the prediction first (``Policy.predict``); ``read=False`` stops there
+        (the prediction informs eviction, nothing is read). When the layer runs, its wrong
+        guesses are cancelled: dropped if their read has not started, stopped between pieces
+        if it has; right ones still being read are raised to demand priority. Results never
+        depend on prefetching.
         """
         experts = list(experts)
         (self._predictions if distance <= 1 else self._far)[layer] = experts
@@ -160,17 +178,51 @@ class ExpertProvider(ExpertInterface):
         if not read:
             return
         priority = PREFETCH + max(0, distance - 1)
+        discount = self.far_discount() ** max(0, distance - 1) if probs is not None else 1.0
         issued = self._issued.setdefault(layer, set())
-        for e in experts:
+        for i, e in enumerate(experts):
             key = (layer, e)
             slot = self.cache.lookup(key)
             if slot is not None:
                 if slot.ticket is not None and slot.speculative:
                     slot.ticket.raise_to(priority)  # a nearer prediction of a read already queued
                 continue
-            if self._start_read(key, speculative=True, priority=priority) is None:
+            prob = None if probs is None else probs[i] * discount
+            if self._start_read(key, speculative=True, priority=priority, prob=prob) is None:
                 break
             issued.add(e)
+
+    def far_discount(self) -> float:
+        """How much less often a guess one layer further ahead was right: (recall two layers ahead)
+        / (recall one layer ahead) over this run's decode, 0.8 until both have 64 checks."""
+        c = self.counters
+        if c.predicted < 64 or c.predicted_far < 64 or c.predicted_hits == 0:
+            return 0.8
+        return min(1.0, (c.predicted_far_hits / c.predicted_far) / (c.predicted_hits / c.predicted))
+
+    def in_flight(self) -> int:
+        """Reads submitted and not yet finished (demand and prefetch)."""
+        self._inflight = [f for f in self._inflight if not f.done()]
+        return len(self._inflight)
+
+    def lookahead_more(self, distance: int) -> bool:
+        """Predict one layer further than ``distance`` if the readers would otherwise idle (fewer
+        reads in flight than reader threads: a layer's demand reads and the next layer's guesses
+        are too few, e.g. small quantized records), or if a read takes longer than the
+        ``distance`` layers of compute left before the predicted layer runs (a latency-bound
+        source such as a remote store). Both times are measured while decoding."""
+        if self.in_flight() < self.queue_target:
+            return True
+        return self.read_s is not None and self.layer_s is not None and distance * self.layer_s < self.read_s
+
+    def _time_layer(self, layer: int) -> None:
+        """Measure a decode layer's time outside read waits, from one MoE call to the next."""
+        now, waited = time.perf_counter(), self.counters.read_wait_s
+        last, self._last_moe = self._last_moe, (layer, now, waited)
+        if last is None or not self.decoding or layer <= last[0]:
+            return
+        dt = max(0.0, (now - last[1]) - (waited - last[2])) / (layer - last[0])
+        self.layer_s = dt if self.layer_s is None else 0.8 * self.layer_s + 0.2 * dt
 
     def after_reads(self, layer: int, fn) -> None:
         """Run ``fn()`` inside ``moe(layer, ...)`` once that layer's demand reads are issued (the
@@ -235,6 +287,7 @@ class ExpertProvider(ExpertInterface):
         experts = groups.experts
         if self._deferred is not None and self._deferred[0] != layer:
             self._deferred = None  # a lookahead left over from a forward that did not reach it
+        self._time_layer(layer)
         self._check_predictions(layer, set(experts))
         self.cache.policy.begin_layer(layer)
         out_of_order = t * x.shape[1] * 4 * len(experts) <= _OUT_OF_ORDER_BYTES
