@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--memory", default="2.76GiB")
+    ap.add_argument("--cache-experts", type=int, help="expert cache slots (instead of what --memory leaves)")
     ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=32)
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write every rep as JSON here")
     args = ap.parse_args(argv)
     arms = [parse_arm(a) for a in (args.arm or DEFAULT_ARMS)]
-    engine = sluice.load(args.model, memory=args.memory, max_context=args.max_context, progress=False)
+    engine = sluice.load(args.model, memory=args.memory, max_context=args.max_context, progress=False,
+                         cache_experts=args.cache_experts, parallel=1)
     global READER_CAP
     READER_CAP = engine.experts.pool.low_cap or 0
     ids = [(i * 7919) % (engine.desc.vocab - 3) + 3 for i in range(args.prompt_tokens)]
