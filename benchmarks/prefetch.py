@@ -37,7 +37,7 @@ from sluice.storage import file as file_io  # noqa: E402
 READER_CAP = 0
 # "old": main before the prefetch gate (one layer ahead, lfru's fixed hotness rule); "new": the defaults
 DEFAULT_ARMS = ["off:prefetch=false", "old:max_depth=1,gate=0", "new:"]
-SETTINGS = ("prefetch", "depth", "max_depth", "min_prob", "reader_cap", "piece_cap", "spec_hot", "gate")
+SETTINGS = ("prefetch", "depth", "max_depth", "min_prob", "reader_cap", "piece_cap", "spec_hot", "gate", "latency")
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
@@ -53,6 +53,8 @@ def run_arm(engine, ids: list[int], tokens: int, params: dict, read_seconds: flo
     engine.lookahead_depth = int(params.get("depth", type(engine).lookahead_depth))
     # further layers ahead while the provider asks for them (readers idle, reads slower than layers)
     engine.lookahead_max_depth = int(params.get("max_depth", type(engine).lookahead_max_depth))
+    # ... also while a read outlasts the layers before its layer
+    engine.experts.latency_lookahead = bool(params.get("latency", False))
     engine.prefetch_min_prob = float(params.get("min_prob", type(engine).prefetch_min_prob))
     # how many reader / piece threads may run prefetches at once (0: no limit)
     engine.experts.pool.low_cap = int(params.get("reader_cap", READER_CAP)) or None

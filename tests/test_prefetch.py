@@ -336,6 +336,8 @@ def test_lookahead_more_keeps_readers_busy_and_covers_read_latency():
     p.prefetch(2, [3, 4, 5])
     assert p.in_flight() == 5 and not p.lookahead_more(1)  # readers busy, no latency measured
     p.read_s, p.layer_s = 0.05, 0.02  # a read outlasts two layers: predict three ahead, not four
+    assert not p.lookahead_more(2)  # only with latency_lookahead
+    p.latency_lookahead = True
     assert p.lookahead_more(2) and not p.lookahead_more(3)
     for f, _ in pool.held.values():
         f.set_running_or_notify_cancel()

@@ -85,6 +85,10 @@ class ExpertProvider(ExpertInterface):
         self.layer_s: float | None = None
         self._last_moe: tuple[int, float, float] | None = None  # (layer, time, read_wait_s) at its entry
         self.queue_target = len(getattr(self.pool, "_threads", ())) or reader_threads
+        # also look further while a read outlasts the layers left before its layer (off: on the
+        # disk-bound benchmark every bf16 read outlasts a layer, and two-ahead guesses, half of
+        # them wrong, cost bandwidth the demand reads need; docs/io.md)
+        self.latency_lookahead = False
         # when set (tracing): layer -> (ids [T, K], weights [T, K]) of the last forward, and
         # layer -> ids [T, K] the engine's lookahead predicted for it in that forward
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -208,12 +212,13 @@ class ExpertProvider(ExpertInterface):
     def lookahead_more(self, distance: int) -> bool:
         """Predict one layer further than ``distance`` if the readers would otherwise idle (fewer
         reads in flight than reader threads: a layer's demand reads and the next layer's guesses
-        are too few, e.g. small quantized records), or if a read takes longer than the
-        ``distance`` layers of compute left before the predicted layer runs (a latency-bound
-        source such as a remote store). Both times are measured while decoding."""
+        are too few, e.g. small quantized records), or, with ``latency_lookahead``, if a read
+        takes longer than the ``distance`` layers of compute left before the predicted layer
+        runs (both times measured while decoding: ``read_s``, ``layer_s``)."""
         if self.in_flight() < self.queue_target:
             return True
-        return self.read_s is not None and self.layer_s is not None and distance * self.layer_s < self.read_s
+        return (self.latency_lookahead and self.read_s is not None and self.layer_s is not None
+                and distance * self.layer_s < self.read_s)
 
     def _time_layer(self, layer: int) -> None:
         """Measure a decode layer's time outside read waits, from one MoE call to the next."""
