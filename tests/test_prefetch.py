@@ -402,3 +402,17 @@ def test_gate_and_two_ahead_leave_logits_bit_identical(family_models, family):
         assert on.generate(ids.tolist(), max_new_tokens=6, ignore_eos=True).token_ids == want
         assert on.experts.counters.prefetch_reads > 0
         on.close()
+
+
+def test_busy_readers_read_only_guesses_worth_their_read_time():
+    """With every reader busy, a guess is read only if prob x the wait it can hide beats
+    (1 - prob) x the read time it takes from demand reads; with idle readers, any guess."""
+    p, pool = _provider(slots=16)
+    p.read_s, p.layer_s = 0.04, 0.01  # a read takes four layers of compute
+    p.prefetch(1, [1, 2, 3, 4], probs=[0.3, 0.3, 0.3, 0.3])  # readers idle: all four are read
+    assert p.counters.prefetch_reads == 4 and p.in_flight() == 4
+    assert not p.worth_reading(0.75, 1)  # 0.75 x 0.01 < 0.25 x 0.04
+    assert p.worth_reading(0.85, 1)  # 0.85 x 0.01 > 0.15 x 0.04
+    assert p.worth_reading(0.6, 4) and not p.worth_reading(0.45, 4)  # four layers ahead hides the whole read
+    p.prefetch(2, [5, 6], probs=[0.9, 0.5])
+    assert (2, 5) in p.cache and (2, 6) not in p.cache and p.counters.prefetch_reads == 5

@@ -167,9 +167,10 @@ class ExpertProvider(ExpertInterface):
         ``experts`` in the order to read them (the most likely first); ``distance``: how many
         layers ahead the prediction was made (1: the next layer; its reads go before those of
         farther predictions, and it replaces them). ``probs``: each guess's chance of being
-        used (``lookahead.weigh_guesses``); with it the cache policy's admission gate weighs
-        the guess against the victim's chance of reuse (a guess made further ahead is
-        discounted by how much less often such guesses were right, ``far_discount``). The cache
+        used (``lookahead.weigh_guesses``); with it a guess is read only if it is worth its
+        read time (``worth_reading``) and the cache policy's admission gate weighs it against
+        the victim's chance of reuse (a guess made further ahead is discounted by how much
+        less often such guesses were right, ``far_discount``). The cache
         policy hears of the prediction first (``Policy.predict``); ``read=False`` stops there
         (the prediction informs eviction, nothing is read). When the layer runs, its wrong
         guesses are cancelled: dropped if their read has not started, stopped between pieces
@@ -192,9 +193,25 @@ class ExpertProvider(ExpertInterface):
                     slot.ticket.raise_to(priority)  # a nearer prediction of a read already queued
                 continue
             prob = None if probs is None else probs[i] * discount
+            if prob is not None and not self.worth_reading(prob, distance):
+                break  # the rest are less likely still
             if self._start_read(key, speculative=True, priority=priority, prob=prob) is None:
                 break
             issued.add(e)
+
+    def worth_reading(self, prob: float, distance: int) -> bool:
+        """Whether a guess with chance ``prob`` of being used, for the layer ``distance`` layers
+        ahead, is worth a read now. While fewer reads are in flight than reader threads, yes:
+        the read uses time the readers would idle. Otherwise the read takes bandwidth the
+        coming demand reads need: if wrong it delays them by about one read's time
+        (``read_s``); if right it saves the wait that the compute before its layer hides, at
+        most ``distance x layer_s`` (both measured). Read it only if the expected saving
+        beats the expected delay: ``prob x min(read_s, distance x layer_s) > (1 - prob) x
+        read_s``. Before both times are measured: yes."""
+        if self.in_flight() < self.queue_target or self.read_s is None or self.layer_s is None:
+            return True
+        hidden = min(self.read_s, distance * self.layer_s)
+        return prob * hidden > (1.0 - prob) * self.read_s
 
     def far_discount(self) -> float:
         """How much less often a guess one layer further ahead was right: (recall two layers ahead)
