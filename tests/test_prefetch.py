@@ -416,3 +416,15 @@ def test_busy_readers_read_only_guesses_worth_their_read_time():
     assert p.worth_reading(0.6, 4) and not p.worth_reading(0.45, 4)  # four layers ahead hides the whole read
     p.prefetch(2, [5, 6], probs=[0.9, 0.5])
     assert (2, 5) in p.cache and (2, 6) not in p.cache and p.counters.prefetch_reads == 5
+    # 6 waits in the backlog until the readers would idle: two reads finish, it starts
+    for e in (1, 2):
+        f, _ = pool.held[e]
+        f.set_running_or_notify_cancel()
+        f.set_result(None)
+    p._top_up(1)
+    assert (2, 6) in p.cache and p.counters.prefetch_reads == 6 and 6 in p._issued[2]
+    p.prefetch(3, [7], probs=[0.5])  # busy again: backlogged; a new forward drops it
+    assert p._backlog and (3, 7) not in p.cache
+    p.tick()
+    p._top_up(0)
+    assert (3, 7) not in p.cache

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ExpertReadError
+from ..storage.file import PIECE_BYTES, PIECE_THREADS
 from ..quant.fp8 import assemble
 from .cache import LOADING, READY, ExpertCache, Slot
 from .reader import DEMAND, PREFETCH, ReaderPool, Ticket
@@ -81,10 +82,17 @@ class ExpertProvider(ExpertInterface):
         # not yet seen done, a read's time on its reader thread and a decode layer's time outside
         # read waits (moving averages, seconds; None until measured)
         self._inflight: list = []
+        self._backlog: list[tuple[int, int, int, float]] = []  # (layer, expert, priority, prob) not yet worth a read
         self.read_s: float | None = None
         self.layer_s: float | None = None
         self._last_moe: tuple[int, float, float] | None = None  # (layer, time, read_wait_s) at its entry
-        self.queue_target = len(getattr(self.pool, "_threads", ())) or reader_threads
+        # reads in flight that keep the readers busy, in units of what runs in parallel: a record
+        # of two pieces or more is read in 4 MiB pieces by the piece threads (``storage/file.py``),
+        # a smaller one by one reader thread
+        threads = len(getattr(self.pool, "_threads", ())) or reader_threads
+        split = source.slot_bytes >= 2 * PIECE_BYTES
+        self._units = -(-source.slot_bytes // PIECE_BYTES) if split else 1  # per read
+        self.queue_target = PIECE_THREADS if split else threads
         # also look further while a read outlasts the layers left before its layer (off: on the
         # disk-bound benchmark every bf16 read outlasts a layer, and two-ahead guesses, half of
         # them wrong, cost bandwidth the demand reads need; docs/io.md)
@@ -107,6 +115,7 @@ class ExpertProvider(ExpertInterface):
 
     def tick(self) -> None:
         self.cache.policy.tick()
+        self._backlog = []  # guesses of the previous forward
 
     @property
     def evictions(self) -> int:
@@ -134,7 +143,7 @@ class ExpertProvider(ExpertInterface):
         slot.ticket = Ticket(priority if speculative else DEMAND)
         slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1],
                                        priority=slot.ticket.priority, ticket=slot.ticket)
-        self._inflight.append(slot.future)
+        self._inflight.append(slot.future)  # each counts ``_units``
         if speculative:
             self.counters.prefetch_reads += 1
         else:
@@ -194,10 +203,28 @@ class ExpertProvider(ExpertInterface):
                 continue
             prob = None if probs is None else probs[i] * discount
             if prob is not None and not self.worth_reading(prob, distance):
-                break  # the rest are less likely still
+                # the rest are less likely still: kept until the readers would idle (``_top_up``)
+                self._backlog = [b for b in self._backlog if b[0] != layer]
+                self._backlog += [(layer, e2, priority, probs[j] * discount) for j, e2 in enumerate(experts)
+                                  if j >= i and self.cache.lookup((layer, e2)) is None]
+                break
             if self._start_read(key, speculative=True, priority=priority, prob=prob) is None:
                 break
             issued.add(e)
+
+    def _top_up(self, layer: int) -> None:
+        """While fewer reads are in flight than keep the readers busy, start the guesses that were
+        not worth a read when they were made (layers after ``layer`` only; likeliest layer
+        first, in their order), so the queue does not run dry between layers."""
+        self._backlog = [b for b in self._backlog if b[0] > layer]
+        while self._backlog and self.in_flight() < self.queue_target:
+            lay, e, priority, prob = self._backlog.pop(0)
+            if self.cache.lookup((lay, e)) is not None:
+                continue
+            if self._start_read((lay, e), speculative=True, priority=priority, prob=prob) is None:
+                self._backlog = [b for b in self._backlog if b[0] != lay]  # the gate keeps the rest out too
+                continue
+            self._issued.setdefault(lay, set()).add(e)
 
     def worth_reading(self, prob: float, distance: int) -> bool:
         """Whether a guess with chance ``prob`` of being used, for the layer ``distance`` layers
@@ -224,7 +251,7 @@ class ExpertProvider(ExpertInterface):
     def in_flight(self) -> int:
         """Reads submitted and not yet finished (demand and prefetch)."""
         self._inflight = [f for f in self._inflight if not f.done()]
-        return len(self._inflight)
+        return len(self._inflight) * self._units
 
     def lookahead_more(self, distance: int) -> bool:
         """Predict one layer further than ``distance`` if the readers would otherwise idle (fewer
@@ -354,9 +381,13 @@ class ExpertProvider(ExpertInterface):
                     slots[missing.pop(0)] = slot
                 if self._deferred is not None:
                     self._run_deferred(layer)  # the lookahead, now that this layer's reads are on their way
+                if self._backlog:
+                    self._top_up(layer)
                 pick = self._pick(experts, fold.next, slots, done, out_of_order)
                 if pick is None:
                     self._wait(experts, fold.next, slots, done, out_of_order, missing)
+                    if self._backlog:
+                        self._top_up(layer)  # a read finished: keep the readers busy with guesses
                     continue
                 slot = slots[pick]
                 if slot.state == LOADING:
