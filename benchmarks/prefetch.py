@@ -35,9 +35,9 @@ from sluice.experts.policy import make_policy, parse_policy_spec  # noqa: E402
 from sluice.storage import file as file_io  # noqa: E402
 
 READER_CAP = 0
-# "old": main before the prefetch gate (one layer ahead, lfru's fixed hotness rule); "new": the defaults
-DEFAULT_ARMS = ["off:prefetch=false", "old:max_depth=1,gate=0", "new:"]
-SETTINGS = ("prefetch", "depth", "max_depth", "min_prob", "reader_cap", "piece_cap", "spec_hot", "gate", "latency")
+# "old": one layer ahead, lfru's fixed hotness rule (main before the gate); "new": the gate and cross-layer lookahead
+DEFAULT_ARMS = ["off:prefetch=false", "old:max_depth=1,gate=0", "new:max_depth=2,gate=1"]
+SETTINGS = ("prefetch", "depth", "max_depth", "min_prob", "reader_cap", "piece_cap", "spec_hot", "gate", "latency", "verify")
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
@@ -55,6 +55,8 @@ def run_arm(engine, ids: list[int], tokens: int, params: dict, read_seconds: flo
     engine.lookahead_max_depth = int(params.get("max_depth", type(engine).lookahead_max_depth))
     # ... also while a read outlasts the layers before its layer
     engine.experts.latency_lookahead = bool(params.get("latency", False))
+    # CRC of every record on read (the engine's default: on)
+    engine.experts.verify_reads = bool(params.get("verify", engine.options.verify_reads))
     engine.prefetch_min_prob = float(params.get("min_prob", type(engine).prefetch_min_prob))
     # how many reader / piece threads may run prefetches at once (0: no limit)
     engine.experts.pool.low_cap = int(params.get("reader_cap", READER_CAP)) or None
@@ -67,8 +69,10 @@ def run_arm(engine, ids: list[int], tokens: int, params: dict, read_seconds: flo
     # lfru: a guess may evict a stale key only below this hotness
     if hasattr(policy, "speculative_max_hotness"):
         policy.speculative_max_hotness = float(params.get("spec_hot", type(policy).speculative_max_hotness))
-    if hasattr(policy, "gate"):  # lfru's prefetch admission gate (0: the fixed hotness rule alone)
-        policy.gate = float(params.get("gate", policy.gate))
+    # guesses carry their probability (lfru's admission gate, the read-time rule); gate=0: the fixed rule
+    engine.prefetch_gate = bool(params.get("gate", type(engine).prefetch_gate))
+    if hasattr(policy, "gate") and params.get("gate"):
+        policy.gate = float(params["gate"])
     c0 = vars(engine.experts.counters).copy()
     r = engine.generate(ids, max_new_tokens=tokens, ignore_eos=True, speculate=False, temperature=1.0, seed=0,
                         reuse_prefix=True)

@@ -394,10 +394,10 @@ def test_gate_and_two_ahead_leave_logits_bit_identical(family_models, family):
     d = off.desc
     slots = max(d.top_k * len(d.moe_layers), d.n_experts) + d.top_k
     off.close()
-    for gate in (1.0, 0.0):
+    for gate in (True, False):
         on = sluice.load(path, memory="2GiB", cache_experts=slots, prefetch=True, progress=False)
         on.lookahead_depth = 2
-        on.cache.policy.gate = gate
+        on.prefetch_gate = gate
         assert torch.equal(on.forward(ids), ref)
         assert on.generate(ids.tolist(), max_new_tokens=6, ignore_eos=True).token_ids == want
         assert on.experts.counters.prefetch_reads > 0

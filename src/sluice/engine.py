@@ -413,8 +413,11 @@ class Engine:
     # Lookahead prefetch (measured in docs/io.md): predict at least this many layers ahead ...
     lookahead_depth = 1
     # ... and up to this many while the provider asks for more (``lookahead_more``: its readers
-    # would idle, or a read takes longer than the layers left before the predicted one) ...
+    # would idle) ...
     lookahead_max_depth = 2
+    # ... guesses carry their probability: the cache policy's admission gate weighs it against
+    # the victim's reuse, the provider against the read's time (``worth_reading``) ...
+    prefetch_gate = True
     # ... read a guess only if some row gives it at least this router probability ...
     prefetch_min_prob = 0.0
     # ... and predict for forwards of at most this many rows (decode, a batch of sequences'
@@ -452,7 +455,7 @@ class Engine:
                 traced[target] = ids
             if prefetch:
                 guesses, p = weigh_guesses(ids, probs, self.prefetch_min_prob)
-                self.experts.prefetch(target, guesses, distance=distance, probs=p)
+                self.experts.prefetch(target, guesses, distance=distance, probs=p if self.prefetch_gate else None)
 
     # -- model access ------------------------------------------------------------------------
 
