@@ -428,3 +428,11 @@ def test_busy_readers_read_only_guesses_worth_their_read_time():
     p.tick()
     p._top_up(0)
     assert (3, 7) not in p.cache
+
+def test_finished_reads_are_not_kept():
+    """The reads-in-flight list is pruned as reads are submitted, whether or not the gate asks."""
+    p, pool = _provider(slots=4)
+    for t in range(300):
+        p.tick()
+        p.moe(t % 8, torch.zeros(1, 1), torch.tensor([[t % 16]]), torch.ones(1, 1))  # demand reads finish at once
+    assert len(p._inflight) <= 257 and p.in_flight() == 0

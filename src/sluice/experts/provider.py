@@ -144,6 +144,8 @@ class ExpertProvider(ExpertInterface):
         slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1],
                                        priority=slot.ticket.priority, ticket=slot.ticket)
         self._inflight.append(slot.future)  # each counts ``_units``
+        if len(self._inflight) > 256:
+            self.in_flight()  # drop finished ones (nothing else may ask while the gate is off)
         if speculative:
             self.counters.prefetch_reads += 1
         else:
