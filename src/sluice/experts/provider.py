@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ExpertReadError
-from ..storage.file import PIECE_BYTES, PIECE_THREADS
 from ..quant.fp8 import assemble
+from ..storage.file import PIECE_BYTES, PIECE_THREADS
 from .cache import LOADING, READY, ExpertCache, Slot
 from .reader import DEMAND, PREFETCH, ReaderPool, Ticket
 from .compute import expert_forward, expert_output
