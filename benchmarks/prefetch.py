@@ -1,10 +1,17 @@
 """Cold decode against the I/O roofline with lookahead prefetch settings side by side.
 
-    PYTHONPATH=src python benchmarks/prefetch.py MODEL --memory 2.76GiB [--tokens 32] [--reps 3]
-        [--arm NAME:depth=2,min_prob=0.0 ...] [--json OUT]
+    PYTHONPATH=src python benchmarks/prefetch.py MODEL --memory 2.76GiB [--cache-experts N] [--tokens 32]
+        [--reps 3] [--arm NAME:depth=2,min_prob=0.0 ...] [--json OUT]
 
-One engine, one process; the arms (default: no prefetch, one layer ahead, two layers ahead)
-run interleaved ``--reps`` times, each a decode that starts from an empty expert cache after
+Arm settings: ``prefetch`` (false: no lookahead reads), ``depth`` (layers ahead always),
+``max_depth`` (up to this many while the readers would idle), ``gate`` (0: lfru's fixed rule;
+> 0: guesses carry their probability, ``Engine.prefetch_gate``, and lfru's ``gate`` factor),
+``latency`` (also look further while a read outlasts the layers before its layer),
+``min_prob``, ``reader_cap``, ``piece_cap``, ``spec_hot``, ``verify`` (CRC on read).
+
+One engine, one process; the arms (default: no prefetch; ``old``: one layer ahead, fixed rule;
+``new``: the gate, two ahead while readers idle) run interleaved ``--reps`` times, each a
+decode that starts from an empty expert cache and a fresh cache policy after
 the same prompt (``sluice bench io``'s measurement: prefill first, then the cache is
 dropped). Around every decode the disk's raw random-read bandwidth at the expert record
 size is measured through the engine's own read path (``sluice.bench.raw_read_bandwidth``),
