@@ -1,10 +1,17 @@
 """Cold decode against the I/O roofline with lookahead prefetch settings side by side.
 
-    PYTHONPATH=src python benchmarks/prefetch.py MODEL --memory 2.76GiB [--tokens 32] [--reps 3]
-        [--arm NAME:depth=2,min_prob=0.0 ...] [--json OUT]
+    PYTHONPATH=src python benchmarks/prefetch.py MODEL --memory 2.76GiB [--cache-experts N] [--tokens 32]
+        [--reps 3] [--arm NAME:depth=2,min_prob=0.0 ...] [--json OUT]
 
-One engine, one process; the arms (default: no prefetch, one layer ahead, two layers ahead)
-run interleaved ``--reps`` times, each a decode that starts from an empty expert cache after
+Arm settings: ``prefetch`` (false: no lookahead reads), ``depth`` (layers ahead always),
+``max_depth`` (up to this many while the readers would idle), ``gate`` (0: lfru's fixed rule;
+> 0: guesses carry their probability, ``Engine.prefetch_gate``, and lfru's ``gate`` factor),
+``latency`` (also look further while a read outlasts the layers before its layer),
+``min_prob``, ``reader_cap``, ``piece_cap``, ``spec_hot``, ``verify`` (CRC on read).
+
+One engine, one process; the arms (default: no prefetch; ``old``: one layer ahead, fixed rule;
+``new``: the gate, two ahead while readers idle) run interleaved ``--reps`` times, each a
+decode that starts from an empty expert cache and a fresh cache policy after
 the same prompt (``sluice bench io``'s measurement: prefill first, then the cache is
 dropped). Around every decode the disk's raw random-read bandwidth at the expert record
 size is measured through the engine's own read path (``sluice.bench.raw_read_bandwidth``),
@@ -31,36 +38,48 @@ if str(_SRC) not in sys.path:
 
 import sluice  # noqa: E402
 from sluice.bench import drop_cache, raw_read_bandwidth  # noqa: E402
-from sluice.experts.policy import parse_policy_spec  # noqa: E402
+from sluice.experts.policy import make_policy, parse_policy_spec  # noqa: E402
 from sluice.storage import file as file_io  # noqa: E402
 
 READER_CAP = 0
-DEFAULT_ARMS = ["off:prefetch=false", "ahead1:depth=1", "ahead2:depth=2", "ahead1p10:depth=1,min_prob=0.1"]
+# "old": one layer ahead, lfru's fixed hotness rule (main before the gate); "new": the gate and cross-layer lookahead
+DEFAULT_ARMS = ["off:prefetch=false", "old:max_depth=1,gate=0", "new:max_depth=2,gate=1"]
+SETTINGS = ("prefetch", "depth", "max_depth", "min_prob", "reader_cap", "piece_cap", "spec_hot", "gate", "latency", "verify")
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
     name, params = parse_policy_spec(text)  # NAME:KEY=VALUE,... (same syntax as cache policies)
-    unknown = set(params) - {"prefetch", "depth", "min_prob", "reader_cap", "piece_cap", "spec_hot"}
+    unknown = set(params) - set(SETTINGS)
     if unknown:
-        raise SystemExit(f"arm {text!r}: unknown setting(s) {sorted(unknown)} "
-                         "(prefetch, depth, min_prob, reader_cap, piece_cap, spec_hot)")
+        raise SystemExit(f"arm {text!r}: unknown setting(s) {sorted(unknown)} ({', '.join(SETTINGS)})")
     return name, params
 
 
 def run_arm(engine, ids: list[int], tokens: int, params: dict, read_seconds: float, seed: int) -> dict:
     engine.options.prefetch = bool(params.get("prefetch", True))
     engine.lookahead_depth = int(params.get("depth", type(engine).lookahead_depth))
+    # further layers ahead while the provider asks for them (readers idle, reads slower than layers)
+    engine.lookahead_max_depth = int(params.get("max_depth", type(engine).lookahead_max_depth))
+    # ... also while a read outlasts the layers before its layer
+    engine.experts.latency_lookahead = bool(params.get("latency", False))
+    # CRC of every record on read (the engine's default: on)
+    engine.experts.verify_reads = bool(params.get("verify", engine.options.verify_reads))
     engine.prefetch_min_prob = float(params.get("min_prob", type(engine).prefetch_min_prob))
     # how many reader / piece threads may run prefetches at once (0: no limit)
     engine.experts.pool.low_cap = int(params.get("reader_cap", READER_CAP)) or None
     file_io._pieces().low_cap = int(params.get("piece_cap", file_io.PIECE_LOW_CAP)) or None
-    # lfru: a guess may evict a stale key only below this hotness
-    policy = engine.cache.policy
-    if hasattr(policy, "speculative_max_hotness"):
-        policy.speculative_max_hotness = float(params.get("spec_hot", type(policy).speculative_max_hotness))
     drop_cache(engine)
     before = raw_read_bandwidth(engine, read_seconds, seed=seed)["bytes_per_s"]
     drop_cache(engine)
+    # every arm starts from an empty cache and a fresh policy (no scores kept from other arms)
+    engine.cache.policy = policy = make_policy(engine.options.cache_policy)
+    # lfru: a guess may evict a stale key only below this hotness
+    if hasattr(policy, "speculative_max_hotness"):
+        policy.speculative_max_hotness = float(params.get("spec_hot", type(policy).speculative_max_hotness))
+    # guesses carry their probability (lfru's admission gate, the read-time rule); gate=0: the fixed rule
+    engine.prefetch_gate = bool(params.get("gate", type(engine).prefetch_gate))
+    if hasattr(policy, "gate") and params.get("gate"):
+        policy.gate = float(params["gate"])
     c0 = vars(engine.experts.counters).copy()
     r = engine.generate(ids, max_new_tokens=tokens, ignore_eos=True, speculate=False, temperature=1.0, seed=0,
                         reuse_prefix=True)
@@ -98,6 +117,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--memory", default="2.76GiB")
+    ap.add_argument("--cache-experts", type=int, help="expert cache slots (instead of what --memory leaves)")
     ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=32)
@@ -107,7 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write every rep as JSON here")
     args = ap.parse_args(argv)
     arms = [parse_arm(a) for a in (args.arm or DEFAULT_ARMS)]
-    engine = sluice.load(args.model, memory=args.memory, max_context=args.max_context, progress=False)
+    engine = sluice.load(args.model, memory=args.memory, max_context=args.max_context, progress=False,
+                         cache_experts=args.cache_experts, parallel=1)
     global READER_CAP
     READER_CAP = engine.experts.pool.low_cap or 0
     ids = [(i * 7919) % (engine.desc.vocab - 3) + 3 for i in range(args.prompt_tokens)]

@@ -297,11 +297,13 @@ def main(argv=None) -> int:
                     warm = median_of([w for _, w in pairs])
                     near = median_of([loc for loc, _ in pairs])
                     warm.update(local_beside=near["decode_tok_s"], fetched_per_token=warm["bytes_per_token"],
-                                vs_local=statistics.median(w["decode_tok_s"] / loc["decode_tok_s"] for loc, w in pairs))
+                                vs_local=statistics.median(w["decode_tok_s"] / loc["decode_tok_s"] for loc, w in pairs),
+                                pair_ratios=[w["decode_tok_s"] / loc["decode_tok_s"] for loc, w in pairs],
+                                local_runs=[loc["decode_tok_s"] for loc, _ in pairs])
                     row["warm_tier"] = warm
                     print(f"{name} warm disk tier: {warm['decode_tok_s']:.2f} tok/s, local disk beside it "
-                          f"{near['decode_tok_s']:.2f} tok/s: {warm['vs_local']:.2f} of local (median of pair ratios)",
-                          flush=True)
+                          f"{near['decode_tok_s']:.2f} tok/s: {warm['vs_local']:.2f} of local (median of pair ratios "
+                          f"{', '.join(f'{r:.2f}' for r in warm['pair_ratios'])})", flush=True)
                 rows[name] = row
             finally:
                 proxy.close()

@@ -23,7 +23,9 @@ import torch
 
 import sluice
 from conftest import prompt_ids
+from sluice.storage import meta_cache
 from sluice.storage.disk_tier import ENTRY_RE, HEADER_BYTES, MARKER, DiskTier, DiskTierError, Key
+from sluice.storage.meta_cache import MetaCache
 from sluice.storage.tiered import TieredSource
 
 pytest.importorskip("obstore")
@@ -275,38 +277,57 @@ def test_cache_list_and_clear_via_the_cli(text_model, remote_servers, tmp_path, 
     assert main(["inspect", urls["http"], "--json", "--disk-cache", "64MiB", "--disk-cache-dir", str(tier)]) == 0
     report = json.loads(capsys.readouterr().out)["disk_tier"]
     assert report["model"]["entries"] > 0 and report["opening"]["misses"] == 0 and report["opening"]["hits"] > 0
+    # `sluice run` and `sluice bench` close their engine: in this test's process no run holds the tier
+    # open any more, nor does one whose budget is refused after the tier was opened
+    assert main(["run", urls["http"], *["1MiB" if a == "4GiB" else a for a in args]]) == 1
+    assert "memory" in capsys.readouterr().err
+    assert main(["bench", "spec", urls["http"], "--tokens", "2", "--json", *args[args.index("--memory"):]]) == 0
+    assert json.loads(capsys.readouterr().out)["identical"]
+    assert main(["cache", "list", "--disk-cache-dir", str(tier), "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert (listing["open_by"], listing["bound"]) == (0, None)
+    assert not list((tier / "openers").iterdir())
+    # the metadata cache (config, tokenizer files: read whole, kept outside the tier) is listed too
+    meta = listing["meta"]
+    assert meta["dir"] == str(tmp_path / "cache" / "sluice" / "meta") and meta["files"] > 0 and meta["bytes"] > 0
     other = tmp_path / "obj.bin"
     other.write_bytes(os.urandom(10000))
     t = DiskTier(tier, 1 << 30)
     src = TieredSource(sluice.storage.LocalFile(str(other)), t, "https://elsewhere/other-model")
     src.pread(5000, 100)
-    # `sluice run` leaves its engine (and tier) open to process exit: in this test's process they are open
+    MetaCache().put("https://elsewhere/other-model/config.json", '"e1"', b"{}")
     assert main(["cache", "list", "--disk-cache-dir", str(tier), "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
-    assert listing["open_by"] >= 1 and listing["bound"] == 64 << 20  # the smallest size open: the runs'
+    assert (listing["open_by"], listing["bound"]) == (1, 1 << 30)
+    assert listing["meta"]["files"] == meta["files"] + 1
     t.close()
     assert main(["cache", "list", "--disk-cache-dir", str(tier), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["open_by"] == listing["open_by"] - 1
+    assert json.loads(capsys.readouterr().out)["open_by"] == 0
     models = {m["model"]: m for m in listing["models"]}
     assert set(models) == {urls["http"], "https://elsewhere/other-model"}
     assert listing["bytes"] == sum(m["bytes"] for m in models.values()) > 0
     assert main(["cache", "list", "--disk-cache-dir", str(tier)]) == 0
     text = capsys.readouterr().out
     assert urls["http"] in text and "entries" in text
+    assert f"metadata cache {meta['dir']}: {meta['files'] + 1} files" in text
     # files the tier did not make survive a clear, wherever they are in its directory
     foreign = [tier / "notes.txt", tier / "entries" / "ab" / "mine.txt", tier / "tmp" / "keep.tmp"]
     for f in foreign:
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text("user data")
-    assert main(["cache", "clear", urls["http"], "--disk-cache-dir", str(tier)]) == 0
-    assert "removed" in capsys.readouterr().out
+    assert main(["cache", "clear", urls["http"], "--disk-cache-dir", str(tier), "--json"]) == 0
+    cleared = json.loads(capsys.readouterr().out)
+    assert cleared["removed"]["entries"] > 0 and cleared["meta"]["removed"]["files"] == meta["files"]
     assert main(["cache", "list", "--disk-cache-dir", str(tier), "--json"]) == 0
-    assert [m["model"] for m in json.loads(capsys.readouterr().out)["models"]] == ["https://elsewhere/other-model"]
+    listing = json.loads(capsys.readouterr().out)
+    assert [m["model"] for m in listing["models"]] == ["https://elsewhere/other-model"]
+    assert [c.url for c in meta_cache.survey().copies] == ["https://elsewhere/other-model/config.json"]
     assert main(["cache", "clear", "--disk-cache-dir", str(tier)]) == 0
-    capsys.readouterr()
+    assert "removed 1 files" in capsys.readouterr().out
     assert not _entries(tier) and all(f.read_text() == "user data" for f in foreign)
+    assert not meta_cache.survey().copies
     assert main(["cache", "clear", "nope://x", "--disk-cache-dir", str(tier)]) == 1
-    assert "holds nothing of nope://x" in capsys.readouterr().err
+    assert "holds anything of nope://x" in capsys.readouterr().err
 
 
 def test_a_directory_of_other_files_is_never_a_tier(tmp_path, capsys):

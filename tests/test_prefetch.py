@@ -260,3 +260,179 @@ def test_lookahead_runs_after_the_layers_demand_reads():
     p.after_reads(5, lambda: p.prefetch(6, [1]))
     p.moe(2, torch.zeros(1, 1), torch.tensor([[9]]), torch.ones(1, 1))  # not layer 5: dropped
     assert (6, 1) not in p.cache and p._deferred is None
+
+
+# -- the prefetch admission gate and cross-layer lookahead -------------------------------------
+
+
+def _gate_policy():
+    """lfru after 10 ticks of layers 0 and 2: (0, 1) used at every pass, (2, 6) at 9 of layer
+    2's 10 passes, (2, 5) once, 9 passes ago. Tick 10 has begun and layer 0 has run."""
+    p = make_policy("lfru")
+    for t in range(11):
+        p.tick()
+        p.begin_layer(0)
+        if t == 0:
+            p.insert((0, 1))
+        else:
+            p.access((0, 1))
+        if t == 10:
+            break
+        p.begin_layer(2)
+        e = 5 if t == 0 else 6
+        if t <= 1:
+            p.insert((2, e))
+        else:
+            p.access((2, e))
+    return p
+
+
+def test_gate_weighs_guess_probability_against_victims_reuse():
+    p = _gate_policy()
+    assert p.reuse((0, 1)) == pytest.approx(1.0)
+    assert 0.8 < p.reuse((2, 6)) < 1.0 and p.reuse((2, 5)) < 0.15
+    anything = lambda k: True  # noqa: E731
+    # (2, 5) is the stale key: a guess likelier than its reuse evicts it, a less likely one does not
+    assert p.speculative_victim(anything, prob=0.2) == (2, 5)
+    assert p.speculative_victim(anything, prob=0.05) is None
+    # without a probability: the fixed rule (hotness of (2, 5) is above 0.25: kept)
+    assert p.speculative_victim(anything) is None
+    # layer 2 (still to come this tick) is predicted to use 7, not 6: 6, hot but left out of the
+    # prediction, is a candidate; only a guess likelier than its reuse evicts it
+    p.predict(2, [7])
+    not_stale = lambda k: k != (2, 5)  # noqa: E731
+    assert p.speculative_victim(not_stale, prob=0.5) is None
+    assert p.speculative_victim(not_stale, prob=0.97) == (2, 6)
+    assert p.speculative_victim(lambda k: k == (0, 1), prob=0.99) is None  # fresh, its layer not predicted
+    p.gate = 0.0  # the gate off: the fixed rule for every guess
+    assert p.speculative_victim(anything, prob=0.99) is None
+
+
+def test_gate_in_the_cache_high_probability_guess_evicts_cold_key_low_one_keeps_hot():
+    """Through ``ExpertProvider.prefetch``: a full 3-slot cache; the guess with probability 0.6
+    evicts the cold key, the next guesses (0.3 and 0.1 for the predicted layer's hot key's
+    place) read nothing."""
+    p, pool = _provider(slots=3)
+    one = torch.ones(1, 1)
+    for t in range(11):
+        p.tick()
+        p.moe(0, torch.zeros(1, 1), torch.tensor([[1]]), one)
+        if t < 10:
+            p.moe(2, torch.zeros(1, 1), torch.tensor([[5 if t == 0 else 6]]), one)
+    assert set(p.cache.keys()) == {(0, 1), (2, 5), (2, 6)}
+    p.prefetch(1, [3, 4], probs=[0.6, 0.3])
+    assert (1, 3) in p.cache and (2, 5) not in p.cache  # cold key out for a likely guess
+    assert (1, 4) not in p.cache and p.counters.prefetch_reads == 1  # only a protected guess or hot keys left
+    p.prefetch(2, [8], probs=[0.1])  # layer 2's own hot expert (6) left out: 0.1 < its reuse
+    assert (2, 6) in p.cache and (2, 8) not in p.cache and p.counters.prefetch_reads == 1
+    assert p.cache.evictions == 1
+
+
+def test_lookahead_more_keeps_readers_busy_and_covers_read_latency():
+    p, pool = _provider(slots=16)
+    assert p.queue_target == 4  # the test pool has no threads of its own: reader_threads
+    p.prefetch(1, [1, 2])
+    assert p.in_flight() == 2 and p.lookahead_more(1)  # two reads for four readers: look further
+    p.prefetch(2, [3, 4, 5])
+    assert p.in_flight() == 5 and not p.lookahead_more(1)  # readers busy, no latency measured
+    p.read_s, p.layer_s = 0.05, 0.02  # a read outlasts two layers: predict three ahead, not four
+    assert not p.lookahead_more(2)  # only with latency_lookahead
+    p.latency_lookahead = True
+    assert p.lookahead_more(2) and not p.lookahead_more(3)
+    for f, _ in pool.held.values():
+        f.set_running_or_notify_cancel()
+        f.set_result(None)
+    assert p.in_flight() == 0
+
+
+def test_weigh_guesses_probability_of_any_row():
+    from sluice.experts.lookahead import weigh_guesses
+
+    ids = torch.tensor([[3, 1], [1, 4]])
+    probs = torch.tensor([[0.5, 0.2], [0.5, 0.1]])
+    order, p = weigh_guesses(ids, probs)
+    assert order == [1, 3, 4]
+    assert p == pytest.approx([1 - 0.8 * 0.5, 0.5, 0.1])
+
+
+def test_two_ahead_reads_start_before_the_layers_router(family_models):
+    """With two layers ahead, layer L's guesses are issued inside layer L-2's MoE call (after its
+    demand reads), before layer L-1 runs: before L's router has its input."""
+    path = family_models.hf("mixtral")  # three MoE layers
+    eng = sluice.load(path, memory="2GiB", cache_experts=12, prefetch=True, progress=False)
+    eng.lookahead_depth = 2
+    events = []
+    real_moe, real_prefetch = eng.experts.moe, eng.experts.prefetch
+
+    def moe(layer, *a):
+        events.append(("moe", layer))
+        return real_moe(layer, *a)
+
+    def prefetch(layer, experts, read=True, distance=1, probs=None):
+        events.append(("prefetch", layer, distance, len(experts), eng.experts.counters.prefetch_reads))
+        return real_prefetch(layer, experts, read=read, distance=distance, probs=probs)
+
+    eng.experts.moe, eng.experts.prefetch = moe, prefetch
+    eng.forward(prompt_ids(n=1, seed=4))
+    assert events[:2] == [("moe", 0), ("prefetch", 1, 1, 2, 0)]
+    far = events.index(next(e for e in events if e[0] == "prefetch" and e[1] == 2 and e[2] == 2))
+    assert far < events.index(("moe", 1)) and events[far][3] == 2
+    assert eng.experts.counters.prefetch_reads >= 4  # layer 1's and layer 2's guesses were read
+    eng.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "kimi_linear", "deepseek_v3",
+                                    "gpt_oss"])
+def test_gate_and_two_ahead_leave_logits_bit_identical(family_models, family):
+    """Every family: prefetch with the gate and two layers ahead (and the gate off) at a cache of
+    about one token's working set gives the same logits and tokens as no prefetch."""
+    path = family_models.hf(family)
+    ids = prompt_ids(n=10, seed=5)
+    off = sluice.load(path, memory="2GiB", prefetch=False, progress=False)
+    ref = off.forward(ids)
+    want = off.generate(ids.tolist(), max_new_tokens=6, ignore_eos=True).token_ids
+    d = off.desc
+    slots = max(d.top_k * len(d.moe_layers), d.n_experts) + d.top_k
+    off.close()
+    for gate in (True, False):
+        on = sluice.load(path, memory="2GiB", cache_experts=slots, prefetch=True, progress=False)
+        on.lookahead_depth = 2
+        on.prefetch_gate = gate
+        assert torch.equal(on.forward(ids), ref)
+        assert on.generate(ids.tolist(), max_new_tokens=6, ignore_eos=True).token_ids == want
+        assert on.experts.counters.prefetch_reads > 0
+        on.close()
+
+
+def test_busy_readers_read_only_guesses_worth_their_read_time():
+    """With every reader busy, a guess is read only if prob x the wait it can hide beats
+    (1 - prob) x the read time it takes from demand reads; with idle readers, any guess."""
+    p, pool = _provider(slots=16)
+    p.read_s, p.layer_s = 0.04, 0.01  # a read takes four layers of compute
+    p.prefetch(1, [1, 2, 3, 4], probs=[0.3, 0.3, 0.3, 0.3])  # readers idle: all four are read
+    assert p.counters.prefetch_reads == 4 and p.in_flight() == 4
+    assert not p.worth_reading(0.75, 1)  # 0.75 x 0.01 < 0.25 x 0.04
+    assert p.worth_reading(0.85, 1)  # 0.85 x 0.01 > 0.15 x 0.04
+    assert p.worth_reading(0.6, 4) and not p.worth_reading(0.45, 4)  # four layers ahead hides the whole read
+    p.prefetch(2, [5, 6], probs=[0.9, 0.5])
+    assert (2, 5) in p.cache and (2, 6) not in p.cache and p.counters.prefetch_reads == 5
+    # 6 waits in the backlog until the readers would idle: two reads finish, it starts
+    for e in (1, 2):
+        f, _ = pool.held[e]
+        f.set_running_or_notify_cancel()
+        f.set_result(None)
+    p._top_up(1)
+    assert (2, 6) in p.cache and p.counters.prefetch_reads == 6 and 6 in p._issued[2]
+    p.prefetch(3, [7], probs=[0.5])  # busy again: backlogged; a new forward drops it
+    assert p._backlog and (3, 7) not in p.cache
+    p.tick()
+    p._top_up(0)
+    assert (3, 7) not in p.cache
+
+def test_finished_reads_are_not_kept():
+    """The reads-in-flight list is pruned as reads are submitted, whether or not the gate asks."""
+    p, pool = _provider(slots=4)
+    for t in range(300):
+        p.tick()
+        p.moe(t % 8, torch.zeros(1, 1), torch.tensor([[t % 16]]), torch.ones(1, 1))  # demand reads finish at once
+    assert len(p._inflight) <= 257 and p.in_flight() == 0

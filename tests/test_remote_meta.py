@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import warnings
 from collections import Counter
@@ -215,3 +216,83 @@ def test_a_member_read_whole_is_revalidated_by_one_conditional_get(meta_models, 
     proxy.reset()
     assert open_store(url).read_bytes("config.json") == b'{"a": 22}'
     assert [(r.method, r.status) for r in proxy.records] == [("GET", 200)]
+
+
+def test_cache_list_and_clear_cover_the_metadata_cache(tmp_path, monkeypatch, capsys):
+    """``sluice cache list|clear`` with no disk tier: the metadata cache's copies are listed and removed
+    (all, or a model's by the URL in each copy's header); foreign files, links and a live writer's
+    temporary file are left alone; a corrupt copy is cleared with the rest."""
+    from sluice.cli import main
+    from sluice.storage import meta_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    c = MetaCache()
+    a = "https://h/models/a"
+    for url, offset, length in ((f"{a}/config.json", 0, None), (f"{a}/tokenizer.json", 0, None),
+                                (f"{a}/model.safetensors", 0, 8), ("https://h/models/ab/config.json", 0, None),
+                                ("s3://b/other.sluice/manifest.json", 0, None)):
+        c.put(url, '"e1"', b"{}" * 10, offset, length)
+    corrupt = c.path("https://h/models/x/config.json", 0, None)
+    corrupt.parent.mkdir(parents=True, exist_ok=True)
+    corrupt.write_bytes(MAGIC + b"{not json\nbody")
+    dead = corrupt.with_name(f".{corrupt.name}.999999999.0123abcd.tmp")  # a killed writer's (no such pid)
+    dead.write_bytes(MAGIC + b"partial")
+    live = corrupt.with_name(f".{corrupt.name}.{os.getpid()}.0123abcd.tmp")  # being written now
+    live.write_bytes(MAGIC + b"partial")
+    user = tmp_path / "user.meta"
+    user.write_bytes(MAGIC + b"a user's file that looks like a copy")
+    link = c.path("https://h/models/a/linked", 0, None)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(user)
+    foreign = [c.dir / "notes.txt", c.dir / "ab" / ("0" * 40 + ".meta"), corrupt.parent / "mine.meta", link]
+    for f in foreign[:3]:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("user data")  # no magic line, or not a copy's name
+    assert main(["cache", "list", "--json"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert (report["exists"], report["entries"], report["models"]) == (False, 0, [])  # no disk tier: keys kept
+    m = report["meta"]
+    assert (m["dir"], m["files"], m["corrupt"], m["partial"], m["foreign"]) == (str(c.dir), 6, 1, 2, 4)
+    assert m["bytes"] == sum(p.stat().st_size for p in c.dir.rglob("*.meta") if p.is_file() and
+                             not p.is_symlink() and p.read_bytes().startswith(MAGIC))
+    assert "4 file(s)" in out.err and "left alone" in out.err
+    assert main(["cache", "list"]) == 0
+    text = capsys.readouterr().out
+    assert "no disk tier at" in text and f"metadata cache {c.dir}: 6 files" in text and "1 corrupt" in text
+    # one model: its copies only (not .../ab, whose URL only starts with the same letters)
+    assert main(["cache", "clear", a + "/", "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)["meta"]
+    assert m["removed"]["files"] == 3 and m["files"] == 3 and m["notes"] == []
+    assert sorted(x.url or "?" for x in meta_cache.survey().copies) == [
+        "?", "?", "?", "https://h/models/ab/config.json", "s3://b/other.sluice/manifest.json"]
+    assert main(["cache", "clear", "https://h/models/zzz"]) == 1
+    assert "holds anything of https://h/models/zzz" in capsys.readouterr().err
+    assert main(["cache", "clear"]) == 0
+    assert "removed 3 files" in capsys.readouterr().out
+    left = meta_cache.survey()
+    assert [x.path for x in left.copies] == [live] and sorted(left.foreign) == sorted(foreign)
+    assert all(f.read_text() == "user data" for f in foreign[:3]) and user.read_bytes().startswith(MAGIC)
+    assert not dead.exists() and live.exists()
+    assert main(["cache", "--help"]) == 0
+    assert "metadata cache" in capsys.readouterr().out
+
+
+def test_an_unreadable_metadata_cache_is_reported_not_a_traceback(tmp_path, monkeypatch, capsys):
+    from sluice.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    meta = tmp_path / "cache" / "sluice" / "meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text("a file where the directory belongs")
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr()
+    assert f"sluice: warning: metadata cache: cannot read {meta}: Not a directory" in out.err
+    assert "Traceback" not in out.err
+    assert main(["cache", "clear", "--json"]) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out)["meta"]["notes"] == [f"cannot read {meta}: Not a directory"]
+    assert out.err.startswith("sluice: error: the metadata cache was not cleared completely: cannot read")
+    assert main(["cache", "clear", "https://h/models/a"]) == 1
+    assert "not cleared completely: cannot read" in capsys.readouterr().err
+    assert meta.read_text() == "a file where the directory belongs"

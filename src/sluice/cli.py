@@ -187,16 +187,17 @@ def cmd_run(args) -> int:
             raise InvalidArgumentError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
     else:
         prompt = args.prompt
-    engine = load(args.model, memory=args.memory, revision=args.revision, **_engine_options(args))
-    echo = prompt if args.echo else None
-    if args.chat:
-        if engine.tokenizer is None:
-            raise SluiceError(f"{args.model}: no tokenizer, so no chat template")
-        text = engine.tokenizer.render_chat([{"role": "user", "content": prompt}])
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-        echo = text if args.echo else None
-        args.stop = list(args.stop or []) + [x for x in engine.tokenizer.chat_stop_strings if x not in args.stop]
-    return generate_and_print(engine, prompt, args, echo=echo)
+    # closed however the run ends (an error, ^C): its disk tier is released, not held to process exit
+    with load(args.model, memory=args.memory, revision=args.revision, **_engine_options(args)) as engine:
+        echo = prompt if args.echo else None
+        if args.chat:
+            if engine.tokenizer is None:
+                raise SluiceError(f"{args.model}: no tokenizer, so no chat template")
+            text = engine.tokenizer.render_chat([{"role": "user", "content": prompt}])
+            prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+            echo = text if args.echo else None
+            args.stop = list(args.stop or []) + [x for x in engine.tokenizer.chat_stop_strings if x not in args.stop]
+        return generate_and_print(engine, prompt, args, echo=echo)
 
 
 def cmd_inspect(args) -> int:
@@ -210,40 +211,61 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_cache(args) -> int:
+    from .storage import meta_cache
     from .storage.disk_tier import DiskTier, default_dir
 
     directory = args.disk_cache_dir or default_dir()
     if not os.path.exists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
-        report = {"dir": str(directory), "exists": False, "models": [], "entries": 0, "bytes": 0}
-        print(json.dumps(report, indent=2) if args.json else f"no disk tier at {directory}")
-        return 0
-    tier = DiskTier(directory, create=False)
+        tier, report = None, {"dir": str(directory), "exists": False, "models": [], "entries": 0, "bytes": 0}
+        lines = [f"no disk tier at {directory}"]
+    else:
+        tier = DiskTier(directory, create=False)  # a directory that is not a tier is refused here, untouched
     try:
         if args.action == "clear":
-            if args.model is not None and not any(m["model"] == args.model for m in tier.models()):
-                raise SluiceError(f"the disk tier {tier.dir} holds nothing of {args.model} "
-                                  "(sluice cache list shows the models it holds)")
-            report = {"dir": str(tier.dir), "removed": tier.clear(args.model), **tier.usage()}
-            if not args.json:
-                r = report["removed"]
-                print(f"removed {r['entries']} entries ({format_size(r['bytes'])}) of "
-                      f"{args.model or 'every model'} from {tier.dir}; {report['entries']} entries "
-                      f"({format_size(report['bytes'])}) left")
+            meta, meta_removed = meta_cache.clear(model=args.model)
+            if tier is not None:
+                held = args.model is None or any(m["model"] == args.model for m in tier.models())
+                report = {"dir": str(tier.dir), "removed": tier.clear(args.model) if held else
+                          {"entries": 0, "bytes": 0}, **tier.usage()}
+                lines = [f"removed {report['removed']['entries']} entries ({format_size(report['removed']['bytes'])}) "
+                         f"of {args.model or 'every model'} from {tier.dir}; {report['entries']} entries "
+                         f"({format_size(report['bytes'])}) left"]
+            if (args.model is not None and not report.get("removed", {}).get("entries") and not meta_removed["files"]
+                    and not meta.problems):  # (with problems: the report, then the error naming them)
+                raise SluiceError(f"neither the disk tier {directory} nor the metadata cache {meta.dir} holds anything "
+                                  f"of {args.model} (sluice cache list shows what they hold)")
+            report["meta"] = {"dir": str(meta.dir), "removed": meta_removed, **meta.totals(), "notes": meta.problems}
+            lines.append(f"removed {meta_removed['files']} files ({format_size(meta_removed['bytes'])}) of "
+                         f"{args.model or 'every model'} from the metadata cache {meta.dir}; "
+                         f"{report['meta']['files']} files left")
         else:
-            bound, users = tier.openers()
-            report = {"dir": str(tier.dir), "exists": True, "models": tier.models(), **tier.usage(),
-                      "open_by": users, "bound": bound}
-            if not args.json:
+            meta = meta_cache.survey()
+            if tier is not None:
+                bound, users = tier.openers()
+                report = {"dir": str(tier.dir), "exists": True, "models": tier.models(), **tier.usage(),
+                          "open_by": users, "bound": bound}
                 held = f"; open by {users} process(es), bound {format_size(bound)} (the smallest --disk-cache)" \
                     if users else ""
-                print(f"disk tier {tier.dir}: {report['entries']} entries, {format_size(report['bytes'])}{held}")
-                for m in report["models"]:
-                    print(f"  {format_size(m['bytes']):>12}  {m['entries']:6d} entries  {m['objects']:4d} files  "
-                          f"{m['hits']:8d} hits  {m['model']}")
-        if args.json:
-            print(json.dumps(report, indent=2))
+                lines = [f"disk tier {tier.dir}: {report['entries']} entries, {format_size(report['bytes'])}{held}"]
+                lines += [f"  {format_size(m['bytes']):>12}  {m['entries']:6d} entries  {m['objects']:4d} files  "
+                          f"{m['hits']:8d} hits  {m['model']}" for m in report["models"]]
+            report["meta"] = {"dir": str(meta.dir), "exists": meta.exists, **meta.totals(), "notes": meta.problems}
+            t = report["meta"]
+            extra = "".join(f", {t[k]} {k}" for k in ("corrupt", "partial") if t[k])
+            lines.append(f"metadata cache {meta.dir}: {t['files']} files, {format_size(t['bytes'])}{extra}"
+                         if meta.exists else f"no metadata cache at {meta.dir}")
+        if meta.foreign:
+            print(f"sluice: note: {len(meta.foreign)} file(s) in {meta.dir} that the metadata cache did not make "
+                  f"were left alone (e.g. {meta.foreign[0]})", file=sys.stderr)
+        print(json.dumps(report, indent=2) if args.json else "\n".join(lines))
+        if meta.problems:
+            problems = "; ".join(meta.problems)
+            if args.action == "clear":
+                raise SluiceError(f"the metadata cache was not cleared completely: {problems}")
+            print(f"sluice: warning: metadata cache: {problems}", file=sys.stderr)
     finally:
-        tier.close()
+        if tier is not None:
+            tier.close()
     return 0
 
 
@@ -433,13 +455,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_disk_cache_args(i)
     i.set_defaults(func=cmd_inspect)
 
-    dc = sub.add_parser("cache", help="list or clear the local disk tier of remote models (--disk-cache)",
-                        description="list: the disk tier's entries grouped by model URL, with their sizes and "
-                                    "recorded hits, and the totals. clear: remove every entry, or only MODEL's. "
-                                    "Only files the tier made are removed; a directory that is not a disk tier "
-                                    "is refused.")
+    dc = sub.add_parser("cache", help="list or clear what Sluice keeps of remote models: the disk tier "
+                        "(--disk-cache) and the metadata cache",
+                        description="Covers the local disk tier of remote models (--disk-cache-dir, default "
+                                    "$XDG_CACHE_HOME/sluice/disk-tier) and the metadata cache (copies of remote "
+                                    "models' config, index, manifest, tokenizer files and safetensors headers, "
+                                    "$XDG_CACHE_HOME/sluice/meta). list: the tier's entries grouped by model URL, "
+                                    "with their sizes and recorded hits, and the totals; the metadata cache's files "
+                                    "and bytes. clear: remove every entry and copy, or only MODEL's. Only files "
+                                    "they made are removed; a directory that is not a disk tier is refused.")
     dc.add_argument("action", choices=["list", "clear"], help="what to do")
-    dc.add_argument("model", nargs="?", default=None, help="clear: only this model's entries (its URL, as listed)")
+    dc.add_argument("model", nargs="?", default=None,
+                    help="clear: only this model's entries and metadata copies (its URL, as listed)")
     dc.add_argument("--disk-cache-dir", default=None, metavar="DIR",
                     help="the disk tier's directory (default $XDG_CACHE_HOME/sluice/disk-tier)")
     dc.add_argument("--json", action="store_true", help="print the report as JSON")

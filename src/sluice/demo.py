@@ -97,9 +97,10 @@ def run_demo(args, options: dict, generate_and_print) -> int:
               "the streaming numbers are the point.", file=sys.stderr)
         engine = load(path, memory=budget, **options)
         echo = None
-    rc = generate_and_print(engine, prompt, args, echo=echo)
-    if not args.json:
-        print(plan_summary(engine.plan, "demo" if args.synthetic is None else str(path)), file=sys.stderr)
+    with engine:  # closed however the run ends (an error, ^C)
+        rc = generate_and_print(engine, prompt, args, echo=echo)
+        if not args.json:
+            print(plan_summary(engine.plan, "demo" if args.synthetic is None else str(path)), file=sys.stderr)
     return rc
 
 

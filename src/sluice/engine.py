@@ -29,7 +29,7 @@ from .cluster.connect import connect as connect_cluster
 from .cluster.model import signature as cluster_signature
 from .cluster.provider import RayExperts
 from .experts.cache import ExpertCache
-from .experts.lookahead import rank_guesses
+from .experts.lookahead import weigh_guesses
 from .experts.policy import make_policy
 from .experts.provider import ExpertProvider
 from .experts.source import CheckpointExperts, ContainerExperts
@@ -289,6 +289,13 @@ class Engine:
         self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle,
                                      disk_cache=options.disk_cache, disk_cache_dir=options.disk_cache_dir,
                                      progress=options.progress)
+        try:
+            self._build(info, memory, options, baseline, t_load)
+        except BaseException:  # a budget too small, an interrupt: what was opened is closed (the tier too)
+            self.close()
+            raise
+
+    def _build(self, info: ModelInfo, memory, options: Options, baseline: int, t_load: float) -> None:
         self.path, self.model_id = info.path, info.model_id  # model_id: what a server reports
         self.checkpoint, self.raw_config, self.family = info.checkpoint, info.raw_config, info.family
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts
@@ -379,13 +386,15 @@ class Engine:
         return experts
 
     def close(self) -> None:
-        self.scheduler.close()
-        if self.trace is not None:
-            self.trace.close()
-        if self.spine is not None:
-            self.spine.close()
-        self.experts.close()
-        self.info.close()
+        """Stop the engine's threads and close its files and disk tier; a second call does nothing (so
+        does a part that a failed load never made)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        for part in ("scheduler", "trace", "spine", "experts", "info"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                obj.close()
 
     def __enter__(self):
         return self
@@ -418,8 +427,15 @@ class Engine:
         if routing and warn:
             warnings.warn(f"lossy routing enabled ({routing}): outputs differ from the model's", stacklevel=2)
 
-    # Lookahead prefetch (measured in docs/io.md): predict this many layers ahead (1 or 2) ...
+    # Lookahead prefetch (measured in docs/io.md): predict at least this many layers ahead ...
     lookahead_depth = 1
+    # ... and up to this many while the provider asks for more (``lookahead_more``: its readers
+    # would idle; 2 is the opt-in cross-layer lookahead) ...
+    lookahead_max_depth = 1
+    # ... guesses carry their probability (opt-in): the cache policy's admission gate weighs it
+    # against the victim's reuse, the provider against the read's time (``worth_reading``).
+    # Off by default: on the cold benchmarks it raised hit rates but not speed (docs/io.md) ...
+    prefetch_gate = False
     # ... read a guess only if some row gives it at least this router probability ...
     prefetch_min_prob = 0.0
     # ... and predict for forwards of at most this many rows (decode, a batch of sequences'
@@ -448,7 +464,10 @@ class Engine:
         return self.cache is not None and self.experts.holds_all()
 
     def _predict_ahead(self, layer: int, h: torch.Tensor, prefetch: bool, traced) -> None:
-        for distance in range(1, (self.lookahead_depth if prefetch else 1) + 1):
+        depth = max(self.lookahead_depth, self.lookahead_max_depth) if prefetch else 1
+        for distance in range(1, depth + 1):
+            if distance > self.lookahead_depth and not self.experts.lookahead_more(distance - 1):
+                return
             target = layer + distance
             if self.spine is not None and not self.spine.ready(target):
                 return  # its router is still being read
@@ -459,7 +478,8 @@ class Engine:
             if distance == 1 and traced is not None:
                 traced[target] = ids
             if prefetch:
-                self.experts.prefetch(target, rank_guesses(ids, probs, self.prefetch_min_prob), distance=distance)
+                guesses, p = weigh_guesses(ids, probs, self.prefetch_min_prob)
+                self.experts.prefetch(target, guesses, distance=distance, probs=p if self.prefetch_gate else None)
 
     # -- model access ------------------------------------------------------------------------
 

@@ -143,7 +143,8 @@ class RayExperts(ExpertInterface):
         raise InvalidArgumentError("prefer_cached (--prefer-cached) needs the expert cache in this process; "
                                    "it cannot be used with --ray")
 
-    def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1) -> None:
+    def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1,
+                 probs: list[float] | None = None) -> None:
         if distance != 1:
             return  # the prediction travels with the previous layer's request: one layer ahead only
         self._predictions[layer] = list(experts)

@@ -76,14 +76,20 @@ class ExpertCache:
         s = self._map[key]
         return s.state == READY and s.pins == 0
 
-    def allocate(self, key: Hashable, layout: ExpertLayout, speculative: bool = False) -> Slot | None:
-        """A slot for ``key`` (state LOADING), evicting by policy; None if every slot is busy."""
+    def allocate(self, key: Hashable, layout: ExpertLayout, speculative: bool = False,
+                 prob: float | None = None) -> Slot | None:
+        """A slot for ``key`` (state LOADING), evicting by policy; None if every slot is busy (or,
+        for a ``speculative`` key, if the policy keeps every victim over a guess of probability
+        ``prob``)."""
         if not self._free and self._draining:
             self._reclaim()
         if self._free:
             slot = self.slots[self._free.pop()]
         else:
-            victim = (self.policy.speculative_victim if speculative else self.policy.victim)(self._evictable)
+            if speculative:
+                victim = self.policy.speculative_victim(self._evictable, prob)
+            else:
+                victim = self.policy.victim(self._evictable)
             if victim is None:
                 return None
             slot = self._map.pop(victim)

@@ -42,10 +42,16 @@ class ExpertInterface(ABC):
         never depend on it; by default ignored."""
 
     @abstractmethod
-    def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1) -> None:
+    def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1,
+                 probs: list[float] | None = None) -> None:
         """The lookahead's prediction for ``layer`` (made ``distance`` layers ahead), most likely
-        first: tell the cache policy, and start reads unless ``read`` is False. Results never
-        depend on it."""
+        first, with each guess's probability of being used (``probs``, or None): tell the cache
+        policy, and start reads unless ``read`` is False. Results never depend on it."""
+
+    def lookahead_more(self, distance: int) -> bool:
+        """After the lookahead has predicted ``distance`` layers ahead: should it predict one
+        layer further (beyond the engine's fixed ``lookahead_depth``)? By default no."""
+        return False
 
     def _count_union(self, ids: torch.Tensor, experts: list[int]) -> set[int]:
         """Count a MoE layer's ``union`` (``experts``, the distinct experts of all rows) and the

@@ -27,3 +27,15 @@ def rank_guesses(ids: torch.Tensor, probs: torch.Tensor, min_prob: float = 0.0) 
         mass[e] = mass.get(e, 0.0) + p
         best[e] = max(best.get(e, 0.0), p)
     return sorted((e for e in mass if best[e] >= min_prob), key=lambda e: (-mass[e], e))
+
+
+def weigh_guesses(ids: torch.Tensor, probs: torch.Tensor, min_prob: float = 0.0) -> tuple[list[int], list[float]]:
+    """``rank_guesses`` with each guess's chance of being used by the layer: the probability
+    that at least one row routes to it, ``1 - prod(1 - p_row)`` over the rows that predict it
+    (the rows taken as independent). This is what the cache's prefetch gate weighs against
+    the victim's chance of reuse."""
+    order = rank_guesses(ids, probs, min_prob)
+    miss: dict[int, float] = {}
+    for e, p in zip(ids.reshape(-1).tolist(), probs.reshape(-1).tolist()):
+        miss[e] = miss.get(e, 1.0) * (1.0 - min(1.0, max(0.0, p)))
+    return order, [1.0 - miss[e] for e in order]

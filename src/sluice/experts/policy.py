@@ -61,9 +61,10 @@ class Policy:
     def victim(self, evictable: Callable[[Hashable], bool]) -> Hashable | None:
         raise NotImplementedError
 
-    def speculative_victim(self, evictable: Callable[[Hashable], bool]) -> Hashable | None:
-        """A victim to make room for a *predicted* expert, or None to skip the prefetch. By
-        default any victim; policies that know which keys are about to be used protect them."""
+    def speculative_victim(self, evictable: Callable[[Hashable], bool], prob: float | None = None) -> Hashable | None:
+        """A victim to make room for a *predicted* expert, or None to skip the prefetch. ``prob``:
+        the guess's chance of being used (the router's probability; None: unknown). By default
+        any victim; policies that know which keys are about to be used protect them."""
         return self.victim(evictable)
 
 
@@ -118,6 +119,15 @@ class LFRU(Policy):
     rest): from the layer's next event until that pass, a guessed stale key goes after every
     other stale key (never after a fresh or predicted one). 0 turns it off.
 
+    ``gate`` (the prefetch admission gate, used when a guess comes with its probability):
+    a guess with probability ``p`` may evict the candidate victim ``v`` only if
+    ``p * gate > reuse(v)``, where ``reuse(v)`` is ``v``'s decayed use count over its layer's
+    decayed pass count (the share of its layer's recent passes that used it: its chance of
+    being used at the layer's next pass). Candidates: the lowest-scored stale key, and the
+    keys a layer still to come used last pass that its pending prediction leaves out. A guess
+    without a probability falls back to the fixed rule (``speculative_max_hotness``);
+    ``gate=0`` always uses the fixed rule.
+
     The defaults were chosen by trace replay (docs/cache-policy.md);
     ``LFRU(64, history=False, protect=False)`` is the original policy.
     """
@@ -131,14 +141,19 @@ class LFRU(Policy):
     speculative_max_hotness = 0.25
 
     def __init__(self, half_life: float = 16.0, history: bool = True, protect: bool = True,
-                 lookahead: bool = True, demote: bool = False, router: float = 2.0):
+                 lookahead: bool = True, demote: bool = False, router: float = 2.0,
+                 gate: float = 1.0):
         if not half_life > 0:
             raise ValueError(f"lfru: half_life must be positive, got {half_life}")
         if not router >= 0:
             raise ValueError(f"lfru: router must be >= 0, got {router}")
+        if not gate >= 0:
+            raise ValueError(f"lfru: gate must be >= 0, got {gate}")
         # router > 0: at each pass, the router x top-k experts ranked just below the routed ones
         # are guessed for the layer's next pass (``ranked``)
         self.router = float(router)
+        self.gate = float(gate)
+        self._passes: dict[Hashable, tuple[int, float]] = {}  # layer -> (tick of last pass counted, log pass score)
         self.half_life = float(half_life)
         self.history = bool(history)
         self.protect = bool(protect)
@@ -183,10 +198,28 @@ class LFRU(Policy):
             heapq.heapify(self._stale_heap)
             heapq.heapify(self._fresh_heap)
 
-    def _bump(self, key):
+    def _add(self, old: float | None) -> float:
+        """A log score plus one use now."""
         t = self.rate * self.now
-        old = self._score.get(key)
-        self._score[key] = t if old is None else max(old, t) + math.log1p(math.exp(-abs(old - t)))
+        return t if old is None else max(old, t) + math.log1p(math.exp(-abs(old - t)))
+
+    def _count_pass(self, layer) -> None:
+        got = self._passes.get(layer)
+        if got is None or got[0] != self.now:
+            self._passes[layer] = (self.now, self._add(None if got is None else got[1]))
+
+    def reuse(self, key) -> float:
+        """The chance that ``key`` is used at its layer's next pass, estimated as its decayed use
+        count over the layer's decayed pass count (1.0 at most; 0 if never used)."""
+        s = self._score.get(key)
+        passes = self._passes.get(self._layer(key))
+        if s is None or passes is None:
+            return 0.0
+        return min(1.0, math.exp(s - passes[1]))
+
+    def _bump(self, key):
+        self._count_pass(self._layer(key))
+        self._score[key] = self._add(self._score.get(key))
         self._seq += 1
         self._stamp[key] = self._seq  # ties go to the least recently used
         if not self.protect:
@@ -214,6 +247,7 @@ class LFRU(Policy):
     def begin_layer(self, layer):
         if self._pending is not None:
             self._activate()
+        self._count_pass(layer)
         if self.protect and self._pass.get(layer) != self.now:
             self._pass_layer(layer)
 
@@ -329,22 +363,35 @@ class LFRU(Policy):
         v = self._lowest(self._stale_heap, False, evictable)
         return v if v is not None else self._lowest(self._fresh_heap, True, evictable)
 
-    def speculative_victim(self, evictable):
+    def speculative_victim(self, evictable, prob=None):
         """Only stale keys make room for a prediction: a fresh key (one a layer still to come
         used last token, or one used this token) is worth more than a guess. With the cache at
         one token's working set every key is fresh, so prefetching stops by itself there
         (measured: 207 -> 50 MB read per token, 9.4 -> 21.2 tok/s, on the 2 GB demo
-        container at 64 slots; docs/cache-policy.md)."""
+        container at 64 slots; docs/cache-policy.md).
+
+        With ``prob`` (and ``gate`` > 0) the admission gate decides instead: the candidate with
+        the lowest ``reuse`` among the lowest-scored stale key and the keys that a pending
+        prediction leaves out of its layer, evicted only if ``prob * gate > reuse``."""
         if not self.protect:
             return self.victim(evictable)
-        if self._protected:
-            prot = self._protected
-            v = self._lowest(self._stale_heap, False, lambda k: k not in prot and evictable(k))
-        else:
-            v = self._lowest(self._stale_heap, False, evictable)
-        if v is not None and self.hotness(v) >= self.speculative_max_hotness:
-            return None  # the coldest evictable key is still hot: keep it rather than guess
-        return v
+        prot = self._protected
+        ok = (lambda k: k not in prot and evictable(k)) if prot else evictable
+        v = self._lowest(self._stale_heap, False, ok)
+        if prob is None or self.gate <= 0:
+            if v is not None and self.hotness(v) >= self.speculative_max_hotness:
+                return None  # the coldest evictable key is still hot: keep it rather than guess
+            return v
+        best, best_reuse = v, (self.reuse(v) if v is not None else 2.0)
+        for layer, keys in self._predicted.items():  # used last pass, left out of the layer's prediction
+            for k in self._fresh_by_layer.get(layer, ()):
+                if k not in keys and k in self._resident and ok(k):
+                    r = self.reuse(k)
+                    if r < best_reuse or (r == best_reuse and best is not None and self._stamp[k] < self._stamp[best]):
+                        best, best_reuse = k, r
+        if best is None or not prob * self.gate > best_reuse:
+            return None
+        return best
 
 
 class Pinned(Policy):
@@ -396,8 +443,8 @@ class Pinned(Policy):
     def victim(self, evictable):
         return self.inner.victim(evictable)
 
-    def speculative_victim(self, evictable):
-        return self.inner.speculative_victim(evictable)
+    def speculative_victim(self, evictable, prob=None):
+        return self.inner.speculative_victim(evictable, prob)
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {"lru": LRU, "lfru": LFRU}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ExpertReadError
+from ..storage.file import PIECE_BYTES, PIECE_THREADS
 from .cache import LOADING, READY, ExpertCache, Slot
 from .reader import DEMAND, PREFETCH, ReaderPool, Ticket
 from .compute import expert_forward, expert_output, expert_outputs
@@ -89,6 +90,25 @@ class ExpertProvider(ExpertInterface):
         self._far: dict[int, list[int]] = {}  # layer -> experts predicted two layers ahead
         self._issued: dict[int, set[int]] = {}  # layer -> experts speculatively read for it
         self._deferred: tuple[int, object] | None = None  # (layer, fn): see ``after_reads``
+        # measured at run time for the lookahead's depth (``lookahead_more``): reads submitted and
+        # not yet seen done, a read's time on its reader thread and a decode layer's time outside
+        # read waits (moving averages, seconds; None until measured)
+        self._inflight: list = []
+        self._backlog: list[tuple[int, int, int, float]] = []  # (layer, expert, priority, prob) not yet worth a read
+        self.read_s: float | None = None
+        self.layer_s: float | None = None
+        self._last_moe: tuple[int, float, float] | None = None  # (layer, time, read_wait_s) at its entry
+        # reads in flight that keep the readers busy, in units of what runs in parallel: a record
+        # of two pieces or more is read in 4 MiB pieces by the piece threads (``storage/file.py``),
+        # a smaller one by one reader thread
+        threads = len(getattr(self.pool, "_threads", ())) or reader_threads
+        split = source.slot_bytes >= 2 * PIECE_BYTES
+        self._units = -(-source.slot_bytes // PIECE_BYTES) if split else 1  # per read
+        self.queue_target = PIECE_THREADS if split else threads
+        # also look further while a read outlasts the layers left before its layer (off: on the
+        # disk-bound benchmark every bf16 read outlasts a layer, and two-ahead guesses, half of
+        # them wrong, cost bandwidth the demand reads need; docs/io.md)
+        self.latency_lookahead = False
         # when set (tracing): layer -> (ids [T, K], weights [T, K], router probabilities [T, E]) of
         # the last forward (probabilities None if the MoE block gave no logits), and
         # layer -> ids [T, K] the engine's lookahead predicted for it in that forward
@@ -139,6 +159,7 @@ class ExpertProvider(ExpertInterface):
 
     def tick(self) -> None:
         self.cache.policy.tick()
+        self._backlog = []  # guesses of the previous forward
 
     @property
     def evictions(self) -> int:
@@ -148,20 +169,27 @@ class ExpertProvider(ExpertInterface):
 
     def _read(self, base: int, layer: int, expert: int) -> None:
         """Runs on a reader thread: fill the slot at ``base`` with the expert's bytes."""
+        t0 = time.perf_counter()
         self.source.read(layer, expert, self.cache.arena, base, self.verify_reads)
+        dt = time.perf_counter() - t0  # one float store: no lock needed
+        self.read_s = dt if self.read_s is None else 0.8 * self.read_s + 0.2 * dt
 
-    def _start_read(self, key: tuple[int, int], speculative: bool, priority: int = PREFETCH) -> Slot | None:
+    def _start_read(self, key: tuple[int, int], speculative: bool, priority: int = PREFETCH,
+                    prob: float | None = None) -> Slot | None:
         layout = self.source.layout(*key)
-        slot = self.cache.allocate(key, layout, speculative)
+        slot = self.cache.allocate(key, layout, speculative, prob)
         if slot is None:
             self._settle_finished()
-            slot = self.cache.allocate(key, layout, speculative)
+            slot = self.cache.allocate(key, layout, speculative, prob)
         if slot is None:
             return None
         slot.speculative = speculative
         slot.ticket = Ticket(priority if speculative else DEMAND)
         slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1],
                                        priority=slot.ticket.priority, ticket=slot.ticket)
+        self._inflight.append(slot.future)  # each counts ``_units``
+        if len(self._inflight) > 256:
+            self.in_flight()  # drop finished ones (nothing else may ask while the gate is off)
         if speculative:
             self.counters.prefetch_reads += 1
         else:
@@ -186,16 +214,22 @@ class ExpertProvider(ExpertInterface):
                 except Exception:
                     pass  # a failed speculative read: nothing cached, nobody waiting
 
-    def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1) -> None:
+    def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1,
+                 probs: list[float] | None = None) -> None:
         """Start speculative reads for experts predicted for ``layer`` (never evicts pinned ones).
 
         ``experts`` in the order to read them (the most likely first); ``distance``: how many
         layers ahead the prediction was made (1: the next layer; its reads go before those of
-        farther predictions, and it replaces them). The cache policy hears of the prediction
-        first (``Policy.predict``); ``read=False`` stops there (the prediction informs
-        eviction, nothing is read). When the layer runs, its wrong guesses are cancelled:
-        dropped if their read has not started, stopped between pieces if it has; right ones
-        still being read are raised to demand priority. Results never depend on prefetching.
+        farther predictions, and it replaces them). ``probs``: each guess's chance of being
+        used (``lookahead.weigh_guesses``); with it a guess is read only if it is worth its
+        read time (``worth_reading``) and the cache policy's admission gate weighs it against
+        the victim's chance of reuse (a guess made further ahead is discounted by how much
+        less often such guesses were right, ``far_discount``). The cache
+        policy hears of the prediction first (``Policy.predict``); ``read=False`` stops there
+        (the prediction informs eviction, nothing is read). When the layer runs, its wrong
+        guesses are cancelled: dropped if their read has not started, stopped between pieces
+        if it has; right ones still being read are raised to demand priority. Results never
+        depend on prefetching.
         """
         experts = list(experts)
         (self._predictions if distance <= 1 else self._far)[layer] = experts
@@ -203,17 +237,86 @@ class ExpertProvider(ExpertInterface):
         if not read:
             return
         priority = PREFETCH + max(0, distance - 1)
+        discount = self.far_discount() ** max(0, distance - 1) if probs is not None else 1.0
         issued = self._issued.setdefault(layer, set())
-        for e in experts:
+        for i, e in enumerate(experts):
             key = (layer, e)
             slot = self.cache.lookup(key)
             if slot is not None:
                 if slot.ticket is not None and slot.speculative:
                     slot.ticket.raise_to(priority)  # a nearer prediction of a read already queued
                 continue
-            if self._start_read(key, speculative=True, priority=priority) is None:
+            prob = None if probs is None else probs[i] * discount
+            if prob is not None and not self.worth_reading(prob, distance):
+                # the rest are less likely still: kept until the readers would idle (``_top_up``)
+                self._backlog = [b for b in self._backlog if b[0] != layer]
+                self._backlog += [(layer, e2, priority, probs[j] * discount) for j, e2 in enumerate(experts)
+                                  if j >= i and self.cache.lookup((layer, e2)) is None]
+                break
+            if self._start_read(key, speculative=True, priority=priority, prob=prob) is None:
                 break
             issued.add(e)
+
+    def _top_up(self, layer: int) -> None:
+        """While fewer reads are in flight than keep the readers busy, start the guesses that were
+        not worth a read when they were made (layers after ``layer`` only; likeliest layer
+        first, in their order), so the queue does not run dry between layers."""
+        self._backlog = [b for b in self._backlog if b[0] > layer]
+        while self._backlog and self.in_flight() < self.queue_target:
+            lay, e, priority, prob = self._backlog.pop(0)
+            if self.cache.lookup((lay, e)) is not None:
+                continue
+            if self._start_read((lay, e), speculative=True, priority=priority, prob=prob) is None:
+                self._backlog = [b for b in self._backlog if b[0] != lay]  # the gate keeps the rest out too
+                continue
+            self._issued.setdefault(lay, set()).add(e)
+
+    def worth_reading(self, prob: float, distance: int) -> bool:
+        """Whether a guess with chance ``prob`` of being used, for the layer ``distance`` layers
+        ahead, is worth a read now. While fewer reads are in flight than reader threads, yes:
+        the read uses time the readers would idle. Otherwise the read takes bandwidth the
+        coming demand reads need: if wrong it delays them by about one read's time
+        (``read_s``); if right it saves the wait that the compute before its layer hides, at
+        most ``distance x layer_s`` (both measured). Read it only if the expected saving
+        beats the expected delay: ``prob x min(read_s, distance x layer_s) > (1 - prob) x
+        read_s``. Before both times are measured: yes."""
+        if self.in_flight() < self.queue_target or self.read_s is None or self.layer_s is None:
+            return True
+        hidden = min(self.read_s, distance * self.layer_s)
+        return prob * hidden > (1.0 - prob) * self.read_s
+
+    def far_discount(self) -> float:
+        """How much less often a guess one layer further ahead was right: (recall two layers ahead)
+        / (recall one layer ahead) over this run's decode, 0.8 until both have 64 checks."""
+        c = self.counters
+        if c.predicted < 64 or c.predicted_far < 64 or c.predicted_hits == 0:
+            return 0.8
+        return min(1.0, (c.predicted_far_hits / c.predicted_far) / (c.predicted_hits / c.predicted))
+
+    def in_flight(self) -> int:
+        """Reads submitted and not yet finished (demand and prefetch)."""
+        self._inflight = [f for f in self._inflight if not f.done()]
+        return len(self._inflight) * self._units
+
+    def lookahead_more(self, distance: int) -> bool:
+        """Predict one layer further than ``distance`` if the readers would otherwise idle (fewer
+        reads in flight than reader threads: a layer's demand reads and the next layer's guesses
+        are too few, e.g. small quantized records), or, with ``latency_lookahead``, if a read
+        takes longer than the ``distance`` layers of compute left before the predicted layer
+        runs (both times measured while decoding: ``read_s``, ``layer_s``)."""
+        if self.in_flight() < self.queue_target:
+            return True
+        return (self.latency_lookahead and self.read_s is not None and self.layer_s is not None
+                and distance * self.layer_s < self.read_s)
+
+    def _time_layer(self, layer: int) -> None:
+        """Measure a decode layer's time outside read waits, from one MoE call to the next."""
+        now, waited = time.perf_counter(), self.counters.read_wait_s
+        last, self._last_moe = self._last_moe, (layer, now, waited)
+        if last is None or not self.decoding or layer <= last[0]:
+            return
+        dt = max(0.0, (now - last[1]) - (waited - last[2])) / (layer - last[0])
+        self.layer_s = dt if self.layer_s is None else 0.8 * self.layer_s + 0.2 * dt
 
     def after_reads(self, layer: int, fn) -> None:
         """Run ``fn()`` inside ``moe(layer, ...)`` once that layer's demand reads are issued (the
@@ -297,6 +400,7 @@ class ExpertProvider(ExpertInterface):
         experts = work.experts
         if self._deferred is not None and self._deferred[0] != layer:
             self._deferred = None  # a lookahead left over from a forward that did not reach it
+        self._time_layer(layer)
         if self._predictions or self._far or self._issued:  # else nothing to count or cancel
             self._check_predictions(layer, set(experts))
         tell = not self.holds_all()  # else the policy picks no victim ever again: it hears nothing more
@@ -348,9 +452,13 @@ class ExpertProvider(ExpertInterface):
                     slots[missing.pop(0)] = slot
                 if self._deferred is not None:
                     self._run_deferred(layer)  # the lookahead, now that this layer's reads are on their way
+                if self._backlog:
+                    self._top_up(layer)
                 pick = self._pick(experts, first, slots, done, out_of_order)
                 if pick is None:
                     self._wait(experts, first, slots, done, out_of_order, missing)
+                    if self._backlog:
+                        self._top_up(layer)  # a read finished: keep the readers busy with guesses
                     continue
                 slot = slots[pick]
                 if slot.state == LOADING:
@@ -409,7 +517,7 @@ class ExpertProvider(ExpertInterface):
         try:
             if self._deferred is not None:
                 self._run_deferred(layer)  # the lookahead (no reads of this layer to issue first)
-            if self._outputs is not None and getattr(work, "one_row", False):
+            if self._outputs is not None and getattr(work, "one_row", False) and not self._backlog:
                 t0 = time.perf_counter()
                 ys = self._outputs(self.spec, [s.weights for s in slots], x, [work.work(e)[1] for e in experts])
                 if self.decoding:
@@ -420,6 +528,8 @@ class ExpertProvider(ExpertInterface):
                 return
             output, forward, spec = self._output, self._forward, self.spec
             for e, slot in zip(experts, slots):
+                if self._backlog:
+                    self._top_up(layer)  # as the general loop does before each expert (the opt-in gate's guesses)
                 t0 = time.perf_counter()
                 idx, w = work.work(e)
                 if idx is None:

@@ -18,15 +18,24 @@ line, a JSON line (URL, ETag, offset, length, the body's size and CRC-32) and th
 published by rename. A copy that fails any check (magic, header, URL, range, size, CRC) is
 removed with a warning and the metadata fetched again; its bytes are never returned. Failing
 to write a copy (a read-only or full disk) never fails a read: one warning, then no copies.
+
+``survey`` and ``clear`` are ``sluice cache list|clear``'s view of the directory: a file is a copy
+only when its name is one a copy gets (``<2 hex>/<40 hex>.meta``, or a writer's temporary
+``.<40 hex>.meta.<pid>.<8 hex>.tmp``) and it starts with the magic line; anything else is a
+foreign file, counted and left alone. A copy whose header cannot be read (corrupt) is still a
+copy: cleared with everything, but never matched to a model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import secrets
+import stat
 import threading
 import warnings
 from pathlib import Path
@@ -116,4 +125,152 @@ class MetaCache:
             self.counts["stored"] += 1
 
 
-__all__ = ["MAGIC", "MetaCache", "default_dir"]
+_SUBDIR = re.compile(r"^[0-9a-f]{2}$")
+_COPY = re.compile(r"^([0-9a-f]{40})\.meta$")
+_TEMP = re.compile(r"^\.([0-9a-f]{40})\.meta\.(\d+)\.[0-9a-f]{8}\.tmp$")
+_HEAD_MAX = 1 << 20  # a header line longer than this is not one ``put`` wrote
+
+
+@dataclasses.dataclass
+class Copy:
+    """A file of the metadata cache: ``url`` from its header (None: unreadable, a corrupt copy);
+    ``writer``: the pid of the process writing it, for a temporary file."""
+
+    path: Path
+    size: int
+    url: str | None
+    writer: int | None = None
+
+
+@dataclasses.dataclass
+class Survey:
+    """What ``directory`` holds: the cache's files, foreign files (left alone) and what could not be
+    read (``problems``: one line each)."""
+
+    dir: Path
+    exists: bool = False
+    copies: list[Copy] = dataclasses.field(default_factory=list)
+    foreign: list[Path] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    def totals(self) -> dict:
+        done = [c for c in self.copies if c.writer is None]
+        return {"files": len(done), "bytes": sum(c.size for c in done),
+                "corrupt": sum(1 for c in done if c.url is None),
+                "partial": len(self.copies) - len(done), "foreign": len(self.foreign)}
+
+
+def _read_copy(path: Path, writer: int | None) -> Copy | None:
+    """The copy at ``path``, or None when it is not one (not a plain file, no magic line)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # a link, or gone
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        head = os.pread(fd, len(MAGIC) + _HEAD_MAX, 0)
+    finally:
+        os.close(fd)
+    if not head.startswith(MAGIC):
+        return None
+    url = None
+    end = head.find(b"\n", len(MAGIC))
+    if end > 0:
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            h = json.loads(head[len(MAGIC):end].decode("utf-8"))
+            if isinstance(h, dict) and isinstance(h.get("url"), str):
+                url = h["url"]
+    return Copy(path, st.st_size, url, writer)
+
+
+def survey(directory: str | os.PathLike | None = None) -> Survey:
+    """The metadata cache's files in ``directory`` (default ``default_dir()``); never raises for what
+    is on disk: what cannot be read is a line in ``problems``."""
+    s = Survey(Path(directory) if directory is not None else default_dir())
+    try:
+        top = sorted(os.scandir(s.dir), key=lambda e: e.name)
+    except FileNotFoundError:
+        return s
+    except OSError as e:
+        s.exists = os.path.lexists(s.dir)
+        s.problems.append(f"cannot read {s.dir}: {e.strerror or e}")
+        return s
+    s.exists = True
+    for sub in top:
+        if not (_SUBDIR.match(sub.name) and sub.is_dir(follow_symlinks=False)):
+            s.foreign.append(Path(sub.path))
+            continue
+        try:
+            files = sorted(os.scandir(sub.path), key=lambda e: e.name)
+        except OSError as e:
+            s.problems.append(f"cannot read {sub.path}: {e.strerror or e}")
+            continue
+        for f in files:
+            m, t = _COPY.match(f.name), _TEMP.match(f.name)
+            name = m.group(1) if m else t.group(1) if t else None
+            copy = None
+            if name is not None and name.startswith(sub.name):
+                try:
+                    copy = _read_copy(Path(f.path), int(t.group(2)) if t else None)
+                except OSError as e:
+                    s.problems.append(f"cannot read {f.path}: {e.strerror or e}")
+                    continue
+            if copy is None:
+                s.foreign.append(Path(f.path))
+            else:
+                s.copies.append(copy)
+    return s
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def covers(model: str, url: str) -> bool:
+    """Whether ``url`` (a copy's) is ``model`` or a file inside it."""
+    model = model.rstrip("/")
+    return url == model or url.startswith(model + "/")
+
+
+def clear(directory: str | os.PathLike | None = None, model: str | None = None) -> tuple[Survey, dict]:
+    """Remove the metadata cache's copies (``model``: only those of its URLs; None: all, corrupt
+    ones and dead writers' temporary files included). Returns the survey made before and
+    ``{"files", "bytes"}`` removed; what could not be removed is added to the survey's problems,
+    and the removed copies are taken out of it."""
+    s = survey(directory)
+    removed = {"files": 0, "bytes": 0}
+    kept = []
+    for c in s.copies:
+        if c.writer is not None:
+            go = model is None and not _alive(c.writer)  # a live writer's file is renamed into place soon
+        else:
+            go = model is None or (c.url is not None and covers(model, c.url))
+        if not go:
+            kept.append(c)
+            continue
+        try:
+            c.path.unlink()
+        except FileNotFoundError:
+            continue  # removed meanwhile (a reader found it corrupt)
+        except OSError as e:
+            s.problems.append(f"cannot remove {c.path}: {e.strerror or e}")
+            kept.append(c)
+            continue
+        if c.writer is None:
+            removed["files"] += 1
+            removed["bytes"] += c.size
+        with contextlib.suppress(OSError):
+            c.path.parent.rmdir()  # only when empty
+    s.copies = kept
+    return s, removed
+
+
+__all__ = ["MAGIC", "Copy", "MetaCache", "Survey", "clear", "covers", "default_dir", "survey"]
