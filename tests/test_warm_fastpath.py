@@ -9,6 +9,7 @@ import torch
 
 import sluice
 from conftest import prompt_ids
+from sluice.experts.cache import READY
 
 _TIMES = ("read_wait_s", "compute_s")
 
@@ -90,6 +91,8 @@ def test_fast_path_keeps_policy_events_in_a_partial_cache(model_dir):
         assert torch.equal(got[fast][0], got[slow][0]) and got[fast][1] == got[slow][1]
         assert _counts(fast) == _counts(slow) and fast.experts.evictions == slow.experts.evictions > 0
         assert sorted(fast.cache.keys()) == sorted(slow.cache.keys())
+        # ready_count follows reads and evictions
+        assert fast.cache.ready_count == sum(fast.cache.lookup(k).state == READY for k in fast.cache.keys()) == 6
     finally:
         fast.close()
         slow.close()
