@@ -320,6 +320,9 @@ def main() -> int:
                     lines = trace.read_text().splitlines()[before:]
                     routes.append([json.loads(x)["layers"] for x in lines])
             print(f"{name}: solo runs done", flush=True)
+        if solo.get("llamacpp"):  # a sanity check that both compute the same model (not required to hold)
+            info["llamacpp"]["solo_texts_equal_to_sluice"] = sum(
+                x["text"] == y["text"] for x, y in zip(solo["sluice"], solo["llamacpp"]))
         k = len(routes[0][0][0]) if routes and routes[0] else 0
         names = list(servers)
         for rep in range(a.reps):
@@ -359,6 +362,9 @@ def main() -> int:
             s = next(r for r in rows if r["engine"] == "sluice" and r["clients"] == n)
             q = next(r for r in rows if r["engine"] == "llamacpp" and r["clients"] == n)
             print(f"clients {n}: Sluice / llama.cpp aggregate {s['aggregate_tok_s'] / q['aggregate_tok_s']:.2f}x")
+    if "solo_texts_equal_to_sluice" in info["llamacpp"]:
+        print(f"llama.cpp's solo texts equal to Sluice's: {info['llamacpp']['solo_texts_equal_to_sluice']} of "
+              f"{len(prompts)}")
     print(f"1-minute load average {min(loads):.1f}-{max(loads):.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps({
