@@ -10,7 +10,8 @@ Starts ``sluice serve MODEL --parallel P`` (P: the largest client count unless `
 with ``--trace-routing`` and, with ``--llama-cpp`` (or ``$SLUICE_LLAMA_CPP``), ``llama-server
 --parallel P`` (continuous batching, its default) on the same model converted to GGUF at the
 same precision (f32 stays f32, bf16 stays bf16), with an f32 KV cache as Sluice keeps and the
-same thread count. Both servers stay up; for each client count N and repeat the engines run in
+same thread count and the same ``OMP_WAIT_POLICY`` (PASSIVE unless set: both use OpenMP threads,
+and spinning ones collapse on a shared machine). Both servers stay up; for each client count N and repeat the engines run in
 turn (the order alternating), N streaming completions at once (asyncio tasks in this process,
 the official ``openai`` client, a different prompt each, greedy, ``ignore_eos``). Every engine
 gets the same prompt token ids (the chat template rendered by the model's tokenizer where it
@@ -48,6 +49,7 @@ import time
 from pathlib import Path
 
 import httpx
+import sluice  # noqa: F401  (before transformers imports torch: it sets OpenMP's wait policy)
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
@@ -123,6 +125,13 @@ class Server:
             cmd = self.cgroup.wrap(cmd)
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
         t0 = time.perf_counter()
+        if env is None:
+            # both servers wait for work the same way: OpenMP threads sleep instead of spinning
+            # (what `import sluice` sets, and what benchmarks/harness.py gives every engine);
+            # llama.cpp's threads are OpenMP threads too, and spinning ones collapse on a shared machine
+            env = dict(os.environ)
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self.omp_wait_policy = env.get("OMP_WAIT_POLICY")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
         def up():
@@ -256,6 +265,7 @@ def main() -> int:
                     help="llama.cpp tree built with cmake (default $SLUICE_LLAMA_CPP; none: Sluice alone)")
     ap.add_argument("--gguf", default=None, help="the model as GGUF (default: converted once and cached)")
     ap.add_argument("--llama-kv", default="f32", choices=["f32", "f16"], help="llama.cpp's KV cache type")
+    ap.add_argument("--llama-args", default="", help="more llama-server arguments, one string (e.g. '--poll 0')")
     ap.add_argument("--no-llama-solo", action="store_true", help="skip llama.cpp's solo runs (its 'same' column)")
     ap.add_argument("--json", default=None)
     argv = sys.argv[1:]
@@ -291,15 +301,17 @@ def main() -> int:
                                               "--trace-routing", str(trace), "--no-progress", "--threads",
                                               str(threads), *extra], port, cap)
         info["sluice"] = {"start_s": servers["sluice"].start_s, "args": extra,
+                          "omp_wait_policy": servers["sluice"].omp_wait_policy,
                           "health": httpx.get(servers["sluice"].url + "/health", timeout=30).json()}
         if use_llama:
             server_bin = llamacpp.binary("llama-server", a.llama_cpp)
             cmd = [str(server_bin), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port := free_port()),
                    "--parallel", str(parallel), "--ctx-size", str(ctx * parallel), "--threads", str(threads),
                    "--threads-batch", str(threads), "--cache-type-k", a.llama_kv, "--cache-type-v", a.llama_kv,
-                   "--batch-size", "512", "--ubatch-size", "512"]
+                   "--batch-size", "512", "--ubatch-size", "512", *a.llama_args.split()]
             servers["llamacpp"] = Server("llama-server", cmd, port, cap)
             info["llamacpp"] = {"start_s": servers["llamacpp"].start_s, "version": llamacpp.version(a.llama_cpp),
+                                "omp_wait_policy": servers["llamacpp"].omp_wait_policy,
                                 "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size,
                                 "args": [c for c in cmd[1:] if c not in (str(gguf),)]}
         model_id = {"sluice": httpx.get(servers["sluice"].url + "/v1/models", timeout=30).json()["data"][0]["id"],
