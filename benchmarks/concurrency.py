@@ -380,7 +380,7 @@ def main() -> int:
     print(f"1-minute load average {min(loads):.1f}-{max(loads):.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps({
-            "model": a.model, "parallel": parallel, "max_tokens": a.max_tokens, "reps": a.reps, "threads": threads,
+            "model": a.model if a.model == "demo" else path.name, "parallel": parallel, "max_tokens": a.max_tokens, "reps": a.reps, "threads": threads,
             "cap_bytes": cap, "prompt_tokens": [len(p) for p in prompts], "top_k": k, "engines": info,
             "load1": loads, "rows": rows,
             "runs": {name: {str(n): runs for n, runs in per_n.items()} for name, per_n in results.items()},

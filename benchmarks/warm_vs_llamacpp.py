@@ -3,8 +3,8 @@
     PYTHONPATH=src python benchmarks/warm_vs_llamacpp.py MODEL --llama-cpp DIR --reps 5 \\
         --json benchmarks/results/warm-vs-llamacpp.json
 
-MODEL is a Hugging Face checkpoint that fits in memory (e.g. ``make_model.py write --family
-mixtral --size 2GB``); llama.cpp gets it converted to GGUF at the same precision
+MODEL is a Hugging Face checkpoint that fits in memory; a directory without one gets a
+synthetic Mixtral shape of ``--size`` (default 2GB, bf16; ``make_model.py write --family mixtral``); llama.cpp gets it converted to GGUF at the same precision
 (``benchmarks/llamacpp.py``: bf16 stays bf16, f32 stays f32; converted once and cached).
 ``--llama-cpp DIR`` (or ``$SLUICE_LLAMA_CPP``) is a llama.cpp tree built with cmake.
 
@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("model", type=Path, help="Hugging Face checkpoint directory (fits in memory)")
     ap.add_argument("--llama-cpp", default=None, metavar="DIR", help="llama.cpp tree (default $SLUICE_LLAMA_CPP)")
     ap.add_argument("--gguf", type=Path, default=None, help="the model as GGUF (default: converted and cached)")
+    ap.add_argument("--size", default="2GB", help="size of the Mixtral shape written to MODEL if it is not there")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=32)
@@ -97,6 +98,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     model = a.model.expanduser().resolve()
+    if not (model / "config.json").exists():  # written once: a Mixtral shape of --size, bf16
+        import make_model
+        from sluice.units import parse_size
+
+        make_model.write(model, family="mixtral", size=parse_size(a.size), dtype="bf16")
     gguf = a.gguf or llamacpp.gguf(model, a.llama_cpp)
     bench_bin = llamacpp.binary("llama-bench", a.llama_cpp)
     facts = model_facts(str(model))
