@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 import httpx
-import sluice  # noqa: F401  (before transformers imports torch: it sets OpenMP's wait policy)
+import sluice  # (before transformers imports torch: it sets OpenMP's wait policy)
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
@@ -64,8 +64,6 @@ TOPICS = ["the history of tea", "how a bicycle gear works", "why the sky is blue
 
 def model_path(model: str) -> Path:
     if model == "demo":
-        import sluice
-
         return Path(sluice.__file__).resolve().parent / "demo_model"
     return Path(model).expanduser().resolve()
 
@@ -216,8 +214,8 @@ def union_bound(routes: list[list[list[list[int]]]], n: int, k: int) -> float | 
 
 
 def measure(srv: Server, model_id: str, prompts: list[list[int]], max_tokens: int, solo: list[dict] | None,
-            sluice: bool) -> dict:
-    m0 = metrics(srv.url) if sluice else {}
+            is_sluice: bool) -> dict:
+    m0 = metrics(srv.url) if is_sluice else {}
     rb0 = srv.read_bytes()
     load0 = os.getloadavg()[0]
     res, wall = asyncio.run(round_of(srv.url, model_id, prompts, max_tokens))
@@ -230,7 +228,7 @@ def measure(srv: Server, model_id: str, prompts: list[list[int]], max_tokens: in
            "identical_to_solo": (all(r["text"] == solo[i]["text"] for i, r in enumerate(res))
                                  if solo is not None else None),
            "load1": [load0, os.getloadavg()[0]]}
-    if sluice:
+    if is_sluice:
         m1 = metrics(srv.url)
         generated = m1["sluice_generated_tokens_total"] - m0["sluice_generated_tokens_total"]
         steps = m1["sluice_engine_steps_total"] - m0["sluice_engine_steps_total"]
