@@ -158,6 +158,8 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(30)
+        self.log.close()
+        os.unlink(self.log.name)  # kept only when the server failed to start (named in that error)
         out = {}
         if self.cgroup is not None:
             out = self.cgroup.stats()
