@@ -211,6 +211,14 @@ def to_gguf(src: str | Path, out: str | Path, python: str, converter: str | Path
         "except ImportError:\n"
         "    import convert_hf_to_gguf as base\n"
         "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'\n"
+        # without a tokenizer.model the converter falls back to tokenizer.json on FileNotFoundError,
+        # but it imports sentencepiece first: say "no file" before that import is needed
+        "_sp = base.TextModel._set_vocab_sentencepiece\n"
+        "def _sp_or_missing(self, *a, **k):\n"
+        "    if not (self.dir_model / 'tokenizer.model').is_file():\n"
+        "        raise FileNotFoundError('tokenizer.model')\n"
+        "    return _sp(self, *a, **k)\n"
+        "base.TextModel._set_vocab_sentencepiece = _sp_or_missing\n"
         f"runpy.run_path({str(converter)!r}, run_name='__main__')\n"
     )
     tmp = out.with_name(out.name + ".partial")

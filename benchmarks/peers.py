@@ -12,6 +12,10 @@ install time; nothing is downloaded when a benchmark runs.
 - ``llamacpp``: llama-cpp-python, built from its sdist (about 12 minutes on 2 cores); the
   sdist's vendored ``convert_hf_to_gguf.py`` and ``gguf-py`` are kept for the conversion.
 - ``airllm``: AirLLM 4.0.0, used on CPU.
+
+``status`` also says whether ``$SLUICE_LLAMA_CPP`` names a llama.cpp tree with ``llama-server``
+and ``llama-bench`` built (``benchmarks/concurrency.py`` and ``benchmarks/warm_vs_llamacpp.py``
+use those; how to build them: ``benchmarks/llamacpp.py``).
 """
 
 from __future__ import annotations
@@ -122,6 +126,16 @@ def status(cache: Path) -> dict:
     for peer in PEERS:
         py = venv_python(cache, peer)
         out[peer] = {"installed": installed(cache, peer), "python": str(py) if py.exists() else None}
+    # llama.cpp's own programs, built with cmake (benchmarks/llamacpp.py), for the benchmarks
+    # that run llama-server and llama-bench
+    tree = os.environ.get("SLUICE_LLAMA_CPP")
+    found = {}
+    if tree:
+        for name in ("llama-server", "llama-bench"):
+            hits = [d / name for d in (Path(tree) / "build" / "bin", Path(tree) / "bin", Path(tree))
+                    if (d / name).is_file()]
+            found[name] = str(hits[0]) if hits else None
+    out["llamacpp-cmake"] = {"SLUICE_LLAMA_CPP": tree, **found}
     return out
 
 
