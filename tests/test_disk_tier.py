@@ -624,3 +624,44 @@ def test_a_kept_open_entry_is_read_and_checked_in_one_call_and_a_changed_payload
         assert tier.counts["corrupt"] == 1 and not entry.exists()
     finally:
         tier.close()
+
+
+def test_an_aligned_read_clipped_at_the_end_is_read_whole_pages_and_checked(tmp_path, monkeypatch):
+    """An aligned read that reaches the end of its object (an entry whose length is not a whole page)
+    is, once its header was checked, one whole-page read into the caller's buffer (the C call, the
+    payload with its zero padding, checked against the CRC of both): the bytes are the object's, and
+    a changed payload byte or a changed padding byte is caught (dropped and refetched)."""
+    from sluice.storage import AlignedBuffer, LocalFile
+    from sluice.storage import crc as crcmod
+    from sluice.storage.buffers import align_up
+    from sluice.storage.crc import pread_crc32
+
+    data = random.Random(9).randbytes(5 * 4096 + 1234)
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(data)
+    tier = DiskTier(tmp_path / "tier", 64 << 20)
+    try:
+        src = TieredSource(LocalFile(str(blob)), tier, "m")
+        off, n = 8192, len(data) - 8192
+        buf = AlignedBuffer(4 * 4096)
+        assert src.read_aligned(buf.view(0, 4 * 4096), off) == n and src.stats.tier_misses == 1
+        calls = []
+        monkeypatch.setattr("sluice.storage.tier_entry.pread_crc32", lambda *a: calls.append(a) or pread_crc32(*a))
+        for hit in (1, 2):  # the first hit checks the header, the second is one whole-page call
+            buf.release()
+            assert src.read_aligned(buf.view(0, 4 * 4096), off) == n and src.stats.tier_hits == hit
+            assert bytes(buf.view(0, n)) == data[off:]
+        if crcmod._pread_crc is not None:  # the C kernels are built
+            assert [len(a[1]) for a in calls] == [align_up(n, 4096)]
+        entry = tier.path(Key(src.name, src.version, off, n).name)
+        for pos in (HEADER_BYTES + n - 1, HEADER_BYTES + n + 5):  # the payload's last byte, then its padding
+            raw = bytearray(entry.read_bytes())
+            raw[pos] ^= 0x40
+            entry.write_bytes(bytes(raw))
+            with pytest.warns(UserWarning, match="is corrupt"):
+                assert src.read_aligned(buf.view(0, 4 * 4096), off) == n  # refetched, kept again
+            assert bytes(buf.view(0, n)) == data[off:]
+            assert src.read_aligned(buf.view(0, 4 * 4096), off) == n and bytes(buf.view(0, n)) == data[off:]
+        assert tier.counts["corrupt"] == 2
+    finally:
+        tier.close()

@@ -327,9 +327,10 @@ class DiskTier:
             buf = self._local.buf = AlignedBuffer(STAGING_BYTES)
         return buf
 
-    def get(self, key: Key, dest: memoryview) -> bool:
+    def get(self, key: Key, dest: memoryview, room: memoryview | None = None) -> bool:
         """Fill ``dest`` (``key.length`` bytes) from the tier; False when the entry is not there or
-        was corrupt (then dropped, and ``dest`` holds nothing useful)."""
+        was corrupt (then dropped, and ``dest`` holds nothing useful). ``room``: ``read_entry``'s (the
+        caller's buffer going on past ``dest``, which the read may fill with the entry's padding)."""
         name = key.name
         with self._open_lock:
             f = self._open.pop(name, None)  # this thread's alone while it reads; put back after
@@ -341,7 +342,7 @@ class DiskTier:
         try:
             if self._direct is None:
                 self._direct = f.direct_io  # the first entry's probe decides for the tier's filesystem
-            ok = read_entry(f, key, dest, self._staging())
+            ok = read_entry(f, key, dest, self._staging(), room)
         except OSError:
             ok = False
         if not ok:

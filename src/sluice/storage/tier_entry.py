@@ -42,13 +42,19 @@ class Key:
         return hashlib.sha1(f"{self.url}\0{self.version}\0{self.offset}\0{self.length}".encode()).hexdigest()
 
 
-def read_entry(f: LocalFile, key: Key, dest: memoryview, stage: AlignedBuffer) -> bool:
+def read_entry(f: LocalFile, key: Key, dest: memoryview, stage: AlignedBuffer, room: memoryview | None = None) -> bool:
     """Fill ``dest`` with the payload of entry file ``f`` (an ``EntryFile``) if the entry is ``key``'s
     and its CRC-32 matches; False otherwise. ``stage``: a staging buffer of ``STAGING_BYTES``.
+    ``room``: where given, a view that starts where ``dest`` starts and that the read may fill up
+    to the payload's page padding (an aligned read clipped at the end of its object: the caller's
+    buffer goes on past ``dest``); the bytes past ``dest`` are then the entry's zero padding.
 
     An entry file read before (``f.crc`` set: its header was the key's and its CRC matched the
-    payload then) and a page-aligned ``dest`` of whole pages: one read of the payload alone,
-    checked against that CRC (entries are immutable; a payload changed on disk fails the check).
+    payload then) and a page-aligned ``dest`` of whole pages (or with ``room`` for its last page):
+    one read of the payload alone (and its padding), checked against that CRC (entries are
+    immutable; a payload changed on disk fails the check; a payload read with its padding is
+    checked against the CRC of the payload followed by as many zero bytes, which matches only
+    when both the payload and the padding are intact).
     Otherwise one read for the header, the page-aligned part of the payload (straight into ``dest`` when
     its address is page-aligned) and the start of the rest (through ``stage``); a payload of
     8 MiB or more (aligned) is read in parallel pieces (``LocalFile.read_aligned``) after its
@@ -58,6 +64,21 @@ def read_entry(f: LocalFile, key: Key, dest: memoryview, stage: AlignedBuffer) -
         return False
     fd = f.dfd if f.dfd is not None else f.fd
     body = align_down(n, ALIGN) if np.frombuffer(dest, dtype=np.uint8).ctypes.data % ALIGN == 0 else 0
+    span = align_up(n, ALIGN)
+    if f.crc is not None and body and body != n and room is not None and len(room) >= span:
+        # the last page of the payload with its padding, into the caller's buffer: a whole-page read
+        want = crc32(bytes(span - n), f.crc)  # the CRC of the payload followed by its zero padding
+        if span < 2 * PIECE_BYTES:
+            got = pread_crc32(fd, room[:span], HEADER_BYTES)
+            if got is not None:
+                if f.dfd is None:
+                    os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                return got == (span, want)
+        if f.read_aligned(room[:span], HEADER_BYTES) != span:
+            return False
+        if f.dfd is None:
+            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return crc32(room[:span]) == want
     if f.crc is not None and body == n:  # header checked by an earlier read of this open file: the payload alone
         if body < 2 * PIECE_BYTES:
             got = pread_crc32(fd, dest, HEADER_BYTES)  # one C call without the GIL: read and CRC

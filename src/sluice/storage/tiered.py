@@ -44,7 +44,7 @@ class TieredSource(WrappedSource):
     def read_aligned(self, buf: memoryview, offset: int) -> int:
         n = max(0, min(len(buf), self.size - offset))
         if n:
-            self._read(buf[:n], offset)
+            self._read(buf[:n], offset, buf)  # a read clipped at the end: its last page may be read whole
         return n
 
     def read_into(self, dest: memoryview, offset: int) -> None:
@@ -64,9 +64,9 @@ class TieredSource(WrappedSource):
             self._read(memoryview(out), offset)
         return bytes(out)
 
-    def _read(self, dest: memoryview, offset: int) -> None:
+    def _read(self, dest: memoryview, offset: int, room: memoryview | None = None) -> None:
         key = Key(self.name, self.version, offset, len(dest))
-        if self.tier.get(key, dest):
+        if self.tier.get(key, dest, room):
             self.stats.tier_hit(len(dest))
             return
         self.inner.read_into(dest, offset)
