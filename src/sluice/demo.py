@@ -82,10 +82,9 @@ def run_demo(args, options: dict, generate_and_print) -> int:
         budget = args.memory or budget + (32 << 20)
         prompt = args.prompt if args.prompt is not None else SHIPPED_PROMPT
         engine = load(path, memory=budget, **options)
-        print(f"[sluice demo] the shipped demo model ({format_size(size)}, trained on Python's standard library; "
-              f"docs/demo-model.md) with an expert cache of {engine.plan.cache_slots} of "
-              f"{engine.plan.total_experts} experts: the others are read from disk when a token is routed to them.",
-              file=sys.stderr)
+        intro = (f"[sluice demo] the shipped demo model ({format_size(size)}, trained on Python's standard library; "
+                 f"docs/demo-model.md) with an expert cache of {engine.plan.cache_slots} of "
+                 f"{engine.plan.total_experts} experts: the others are read from disk when a token is routed to them.")
         echo = None if args.json else prompt
     else:
         path = ensure_synthetic(args.synthetic, args.cache_dir, progress=not args.no_progress)
@@ -96,8 +95,10 @@ def run_demo(args, options: dict, generate_and_print) -> int:
               f"({100 * budget / size:.0f}% of the model). Random weights: the text is meaningless; "
               "the streaming numbers are the point.", file=sys.stderr)
         engine = load(path, memory=budget, **options)
-        echo = None
+        intro, echo = None, None
     with engine:  # closed however the run ends (an error, ^C)
+        if intro is not None:
+            print(intro, file=sys.stderr)
         rc = generate_and_print(engine, prompt, args, echo=echo)
         if not args.json:
             print(plan_summary(engine.plan, "demo" if args.synthetic is None else str(path)), file=sys.stderr)

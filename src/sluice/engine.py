@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import generation, kernels, validate
+from . import kernels, validate
 from .checkpoint import Checkpoint
 from .container import Container, is_container
 from .errors import CheckpointError, InvalidArgumentError, SluiceError
