@@ -69,6 +69,17 @@ def reference(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def at_level(level: int, fn):
+    """``fn()`` with the C kernels capped at ISA ``level`` (0 portable, 1 AVX2, ...), then restored."""
+    from sluice import kernels
+
+    prev = kernels.set_isa_cap(level)
+    try:
+        return fn()
+    finally:
+        kernels.set_isa_cap(prev)
+
+
 def prompt_ids(n: int = 16, seed: int = 1, vocab: int = 256) -> torch.Tensor:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import sluice
-from conftest import prompt_ids
+from conftest import at_level, prompt_ids
 from families import FAMILY_NAMES, kinds
 from sluice import kernels, quant
 from sluice.quant import QuantMatrix, linear
@@ -23,14 +23,6 @@ LEVELS = kernels.isa_levels()
 WIDE = [lv for lv in LEVELS if lv > 1]
 
 pytestmark = pytest.mark.skipif(1 not in LEVELS, reason="C kernels not built on this machine")
-
-
-def at_level(level: int, fn):
-    prev = kernels.set_isa_cap(level)
-    try:
-        return fn()
-    finally:
-        kernels.set_isa_cap(prev)
 
 
 def check_levels(fn, x: torch.Tensor) -> None:

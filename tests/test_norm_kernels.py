@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import sluice  # noqa: F401
+from conftest import at_level
 from sluice import kernels
 from sluice.layers import norm as norm_mod
 from sluice.layers.norm import RMSNorm
@@ -22,14 +23,6 @@ pytestmark = pytest.mark.skipif(not kernels.norm_available(), reason="C kernels 
 
 # the portable path (0) and every level the host has; 1 (AVX2) is the reference
 PATHS = [0] + kernels.isa_levels()
-
-
-def at_level(level: int, fn):
-    prev = kernels.set_isa_cap(level)
-    try:
-        return fn()
-    finally:
-        kernels.set_isa_cap(prev)
 
 
 @pytest.mark.parametrize("d", [5, 33, 64, 67, 1024, 2056])

@@ -16,8 +16,8 @@ from sluice.experts.layout import ExpertLayout
 from sluice.experts.lookahead import rank_guesses
 from sluice.experts.policy import LRU, make_policy
 from sluice.experts.provider import ExpertProvider
-from sluice.experts.source import ExpertSource
 from sluice.experts.spec import ExpertSpec
+from sluice.replay.sim import WeightlessExperts
 from sluice.storage import AlignedBuffer, LocalFile
 from sluice.storage.file import PIECE_BYTES
 from sluice.storage.priority import DEMAND, PREFETCH, PriorityPool, ReadCancelled, Ticket, carrying
@@ -121,16 +121,6 @@ def test_rank_guesses_union_by_mass():
     assert rank_guesses(torch.tensor([[2, 7]]), torch.tensor([[0.25, 0.25]])) == [2, 7]  # ties: lower id
 
 
-class _Source(ExpertSource):
-    format = "test"
-    slot_bytes = 1
-    _layout = ExpertLayout(reads=(), views=(), slot_bytes=1)
-
-    def layout(self, layer, expert):
-        return self._layout
-
-    def read(self, layer, expert, buf, base=0, verify_crc=False):
-        return self._layout
 
 
 class _HeldPool:
@@ -155,7 +145,7 @@ class _HeldPool:
 def _provider(slots=8):
     cache = ExpertCache(slots, 1, make_policy("lfru"))
     pool = _HeldPool()
-    out = ExpertProvider(_Source(), cache, ExpertSpec(hidden=1, intermediate=1), 16, pool=pool,
+    out = ExpertProvider(WeightlessExperts(), cache, ExpertSpec(hidden=1, intermediate=1), 16, pool=pool,
                          compute=(lambda spec, w, x, s: x, lambda spec, w, x: x))
     out.decoding = True
     return out, pool

@@ -49,7 +49,7 @@ class ReplayResult:
         return d
 
 
-class _Weightless(ExpertSource):
+class WeightlessExperts(ExpertSource):
     """Experts without bytes: every record is an empty one-byte slot and a read lands nothing."""
 
     format = "weightless"
@@ -121,8 +121,8 @@ class CacheSim:
     bookkeeping runs: lookups, pins, evictions, the policy's events and the counters."""
 
     def __init__(self, slots: int, policy: Policy, n_experts: int):
-        self.cache = ExpertCache(slots, _Weightless.slot_bytes, policy)
-        self.provider = ExpertProvider(_Weightless(), self.cache, _SPEC, n_experts, pool=_AtOnce(),
+        self.cache = ExpertCache(slots, WeightlessExperts.slot_bytes, policy)
+        self.provider = ExpertProvider(WeightlessExperts(), self.cache, _SPEC, n_experts, pool=_AtOnce(),
                                        compute=(_no_output, _no_forward))
         self.provider.decoding = True
         self._x = torch.zeros(1, 1)
