@@ -9,7 +9,7 @@ and without speculation. Every *cell* changes some of the axes in ``AXES`` and m
 logits at every position bit-identical to the baseline (``torch.equal``) and the same 32
 greedy tokens.
 
-The decoding axis is bitwise too: the kernels are batch-invariant (``tests/test_batch_invariance.py``),
+The decoding axis is bitwise too: the kernels are batch-invariant (``tests/runtime/test_batch_invariance.py``),
 so token-by-token prefill (``prefill_chunk=1``) gives the logits of one chunk, and speculation
 (drafts verified several rows at a time) gives the same tokens and the same log-probability
 of every generated token as plain decoding, bit for bit.

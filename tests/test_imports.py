@@ -42,7 +42,7 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
                 ("generation", "scheduler", "runner", "speculative", "spine", "stats", "text", "tokenizer", "chat_template",
                  "trace")),
     "api": ("sluice.load, Engine, ModelInfo, the checks of their arguments", ("", "engine", "validate")),
-    "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "inspect", "bench")),
+    "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "model_report", "bench")),
     "faces": ("what users run: the command line, terminal chat, demo, HTTP server", ("cli", "cli_args", "chat", "demo", "server")),
 }
 

@@ -878,7 +878,7 @@ def write_report(path: Path, m: dict, out_rel: str, plot_rel: str) -> None:
     if "heldout_check" in m:
         hc = m["heldout_check"]
         lines.append(f"* The first {hc['windows']} held-out windows alone: {hc['loss']:.4f} nats/token "
-                     "(`tests/test_demo_model.py` re-scores them with Sluice and requires the same value).")
+                     "(`tests/models/test_demo_model.py` re-scores them with Sluice and requires the same value).")
     lines += [
         "* How its decode-time routing compares with a real MoE's (OLMoE) and with random weights: "
         "[routing-realism.md](routing-realism.md).",

@@ -201,7 +201,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .inspect import inspect_model, render_inspect
+    from .model_report import inspect_model, render_inspect
 
     report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision,
                            ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-# Measured (the tokenizer: tokenizers 0.23; tests/test_hostile_server.py prints the server's
+# Measured (the tokenizer: tokenizers 0.23; tests/hostile/test_hostile_server.py prints the server's
 # peak RSS): the body, its decoded text and the copies made while parsing cost ~4x the body;
 # a parsed JSON value (a message object, a token id in a list) up to ~800 bytes; the
 # tokenizer ~120 bytes per character of its input (alignments and copies per byte) plus

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import sluice
 from sluice.demo import SHIPPED_MODEL
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "training" / "train_demo_model.py"
 METRICS = json.loads((SHIPPED_MODEL / "training_metrics.json").read_text())
 PROMPTS = [s["prompt"] for s in METRICS["samples"]]

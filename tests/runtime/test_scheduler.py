@@ -232,7 +232,7 @@ def test_parallel_reserves_state_for_each_sequence_and_inspect_says_what_fits():
 
 
 def test_inspect_and_load_report_parallel(family_models):
-    from sluice.inspect import inspect_model, render_inspect
+    from sluice.model_report import inspect_model, render_inspect
 
     path = family_models.hf("qwen3_moe")
     r = inspect_model(path, memory=2 << 30)

@@ -32,7 +32,7 @@ pytest.importorskip("obstore")
 
 N_NEW = 5
 CACHE = 4  # a small memory cache: experts are read again and again
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +366,7 @@ def test_metrics_report_each_tier(text_model, remote_servers, tmp_path, monkeypa
     """``/metrics`` of a server on a remote model with a disk tier: memory hits, tier hits, misses
     and bytes, and remote bytes, summed over completed generations."""
     import httpx
-    from test_server import MODEL, LiveServer
+    from live_server import MODEL, LiveServer
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     url = remote_servers.publish("dt-served", text_model)["http"]

@@ -7,7 +7,7 @@ computes. A read that fails names its expert, layer and the request's rows, whic
 renames the layer's rows (``layer_rows``); the worker computes the next request as if nothing had
 happened. Its cache is sized by the planner a local run uses (``plan.make_plan``): one expert is
 its floor, the margin is the planner's.
-(The Ray tests, tests/test_ray_experts.py, run the same class as actors on a local cluster.)
+(The Ray tests, tests/cluster/test_ray_experts.py, run the same class as actors on a local cluster.)
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from sluice.storage import (AlignedBuffer, ByteSource, LocalDir, LocalFile, Read
 from sluice.storage.faults import FaultPlan, FaultySource
 from sluice.storage.file import PIECE_BYTES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "sluice"
 MiB = 1 << 20
 

@@ -205,7 +205,7 @@ def test_portable_kernels_invariant():
         "t.test_delta_rule_recurrence(True)\n"
     )
     env = dict(os.environ, SLUICE_KERNELS_PORTABLE="1")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
 

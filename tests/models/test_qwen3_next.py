@@ -10,7 +10,7 @@ import sluice
 from conftest import check_chunked_vs_stepwise, check_prefix_reuse, check_exact, expected_outputs, prompt_ids, reference, save_tiny
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
-from sluice.inspect import inspect_model, render_inspect
+from sluice.model_report import inspect_model, render_inspect
 from sluice.layers.gated_delta import SNAPSHOTS, LinearState
 from sluice.models import qwen3_next
 

@@ -21,7 +21,7 @@ from sluice.layers.sampling import SamplingParams
 from sluice.runner import ModelRunner, SeqState, SeqWork
 from sluice.stats import STATS_KEYS, EngineCounters, GenerationStats
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "sluice"
 N_NEW = 8
 # the hybrid family of test_qwen3_next.py (linear, full, linear attention; layer 2 dense), whose

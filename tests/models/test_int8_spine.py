@@ -69,7 +69,7 @@ def test_embedding_rows_and_linear(boxes):
     torch.testing.assert_close(eng.model.logits(x), x @ eng.model.lm_head.dequantize().T, rtol=1e-5, atol=1e-5)
     assert isinstance(eng.model.layers[0].attn.wq, QuantMatrix)
     assert isinstance(eng.model.layers[0].mlp.router.weight, torch.Tensor)  # routing stays exact
-    from sluice.inspect import inspect_model, render_inspect
+    from sluice.model_report import inspect_model, render_inspect
 
     r = inspect_model(boxes["int8"])
     assert r["spine_format"] == "int8" and "matrices int8 (lossy)" in render_inspect(r)

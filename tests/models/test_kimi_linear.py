@@ -14,7 +14,7 @@ from conftest import check_chunked_vs_stepwise, check_prefix_reuse, LOGIT_MARGIN
     tiny_config
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
-from sluice.inspect import inspect_model, render_inspect
+from sluice.model_report import inspect_model, render_inspect
 from sluice.layers.gated_delta import SNAPSHOTS
 from sluice.models import kimi_linear
 

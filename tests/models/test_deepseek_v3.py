@@ -322,7 +322,7 @@ def test_block_fp8_matrix(shape):
 
 
 def test_inspect_and_notes(ds_dir, tmp_path):
-    from sluice.inspect import inspect_model
+    from sluice.model_report import inspect_model
 
     src = ds_dir("yarn")
     cfg = json.loads((src / "config.json").read_text())

@@ -322,7 +322,7 @@ print("portable ok")
 
 @needs_c
 def test_portable_c_path():
-    env = dict(os.environ, SLUICE_KERNELS_PORTABLE="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent / "src"))
+    env = dict(os.environ, SLUICE_KERNELS_PORTABLE="1", PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
     out = subprocess.run([sys.executable, "-c", PORTABLE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "portable ok" in out.stdout

@@ -31,7 +31,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from serve_process import spawn_serve, wait_for  # noqa: E402
-from test_server import LiveServer, error_of, req_key  # noqa: E402
+from live_server import LiveServer, error_of, req_key  # noqa: E402
 
 MODEL = "tiny-chat"
 CTX = 256
@@ -420,7 +420,7 @@ def test_startup_probe_refuses_template(probe_engine, template, words):
 
 
 def test_shutdown_ends_open_stream_with_error_event(probe_engine):
-    from test_server import Gate
+    from live_server import Gate
 
     s = LiveServer(probe_engine)
     gate = Gate(probe_engine)

@@ -174,7 +174,7 @@ def test_planner_counts_the_buffers(family_models):
             held = sum(c.k.nbytes + c.v.nbytes for c in eng.state.layers)
             assert eng.plan.seq_state_bytes == eng.info.desc.state_bytes(max_context) == held
             assert eng.plan.state_bytes == eng.plan.parallel * held
-    from sluice.inspect import inspect_model, render_inspect
+    from sluice.model_report import inspect_model, render_inspect
 
     r = inspect_model(family_models.hf("gpt_oss"))
     assert "each sliding-window layer keeps at most 30 positions" in render_inspect(r)

@@ -22,7 +22,7 @@ from sluice.experts import cache as cache_module
 from sluice.quant import FORMATS, assemble
 from sluice.quant.assembly import BIASES
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "sluice"
+SRC = Path(__file__).resolve().parents[2] / "src" / "sluice"
 ROLES = ("gate", "up", "down", "gate_up", "gate_up_t", "down_t")
 # the builders of expert weights from bytes or views: only quant/ calls them
 BUILDERS = {"record_views", "assemble_views", "ExpertWeights"}

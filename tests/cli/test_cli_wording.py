@@ -12,7 +12,7 @@ import re
 import pytest
 
 from sluice.cli import main
-from sluice.inspect import format_params
+from sluice.model_report import format_params
 
 RUN = ["--memory", "2GiB", "--threads", "1", "--no-progress"]
 

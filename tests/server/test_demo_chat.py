@@ -20,7 +20,7 @@ import sluice
 from sluice.chat import ConversationTooLong, chat_loop, reply_room, trim_conversation
 from sluice.resolve import DEMO_DIR
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 KW = dict(memory="2GiB", threads=1, progress=False)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import sluice
 from serve_process import wait_for
-from test_server import CTX, MODEL, Gate, LiveServer, error_of, req_key
+from live_server import CTX, MODEL, Gate, LiveServer, error_of, req_key
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")

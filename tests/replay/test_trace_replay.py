@@ -36,7 +36,7 @@ from sluice.trace import (
 )
 
 # a real OLMoE routing trace kept in the repository (tests/data/README.md: source, licence, sha256)
-OLMOE_TRACE = Path(__file__).resolve().parent / "data" / "olmoe-1b-7b_299tok.jsonl"
+OLMOE_TRACE = Path(__file__).resolve().parents[1] / "data" / "olmoe-1b-7b_299tok.jsonl"
 OLMOE_SHA256 = "7d8e7f63551aa24ddab98134b267b6bdf1b4f55d72a6fa7589042f54a4a4383b"
 
 

@@ -239,7 +239,7 @@ SAME_COUNTERS = ("forwards", "tokens_forwarded", "expert_union", "expert_seq_uni
 
 
 def mixed_step(eng):
-    """One step of three sequences (as tests/test_mixed_batch.py): a prefills 10 tokens, b decodes
+    """One step of three sequences (as tests/runtime/test_mixed_batch.py): a prefills 10 tokens, b decodes
     one token after its 7-token context, c verifies a token and a draft of 3 after its 6-token
     context. Returns (per-sequence logits, the counters the step moved)."""
     from sluice.runner import SeqState, SeqWork

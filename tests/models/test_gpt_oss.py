@@ -142,7 +142,7 @@ def test_bf16_against_upcast_reference(models):
 
 
 def test_inspect_describes_gpt_oss(models, expected):
-    from sluice.inspect import inspect_model, render_inspect
+    from sluice.model_report import inspect_model, render_inspect
 
     ref = expected[3]
     n_params = sum(p.numel() for p in ref.parameters())
@@ -216,7 +216,7 @@ def test_mxfp4_weights_bit_identical_to_transformers(mxfp4):
     h, i = 64, 32
     assert src.record_bytes == 3 * h * i // 2 + 3 * h * i // 32 + 2 * (2 * i + h)
     info.checkpoint.close()
-    from sluice.inspect import inspect_model
+    from sluice.model_report import inspect_model
 
     r = inspect_model(path)
     assert r["expert_format"] == "mxfp4" and r["bytes_per_expert"] == src.record_bytes
