@@ -193,7 +193,7 @@ def test_portable_kernels_invariant():
     """The portable C path (hosts without AVX2) is batch-invariant too."""
     code = (
         "import torch, sys\n"
-        "sys.path.insert(0, 'tests')\n"
+        "sys.path[:0] = ['tests/runtime', 'tests']\n"
         "from sluice import kernels\n"
         "assert not kernels.info()['avx2']\n"
         "import test_batch_invariance as t\n"
