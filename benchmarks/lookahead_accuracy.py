@@ -11,7 +11,7 @@ routing of that token. Decode tokens only (the prefill's forward is not counted)
 Reported per distance: recall (the share of routed experts that were predicted; with
 ``K`` guesses for ``K`` routed experts per row this is also the precision), the share of
 the routing weight the predicted experts carry, and, per router-probability threshold, the
-share of guesses kept, their precision and the recall left (what ``prefetch_min_prob``
+share of guesses kept, their precision and the recall left (what ``PrefetchOptions.min_prob``
 would trade).
 """
 
@@ -36,18 +36,17 @@ THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.3)
 
 
 def measure(model, prompt: str, tokens: int) -> dict:
-    engine = sluice.load(model, memory="4GiB", progress=False)
-    engine.lookahead_depth = 2
+    engine = sluice.load(model, memory="4GiB", progress=False, prefetch=sluice.PrefetchOptions(depth=2))
     guesses: dict[tuple[int, int], list[tuple[int, list[tuple[int, float]]]]] = {}
     step = [0]
     decoding = [False]
     source = [0]  # the layer whose attention just ran (the lookahead's own argument)
     real_predict = engine.model.predict_weights
-    real_lookahead = engine.model.lookahead
+    real_lookahead = engine.lookahead.after_attention
 
-    def lookahead(layer, h):
+    def lookahead(layer, h, ctx):
         source[0] = layer
-        return real_lookahead(layer, h)
+        return real_lookahead(layer, h, ctx)
 
     def predict_weights(layer, h):
         got = real_predict(layer, h)
@@ -61,13 +60,13 @@ def measure(model, prompt: str, tokens: int) -> dict:
     provider = engine.experts
     real_moe = provider.moe
 
-    def moe(layer, x, ids, weights):
+    def moe(layer, x, ids, weights, *args, **kw):
         if x.shape[0] == 1 and decoding[0]:
             routed[(step[0], layer)] = list(zip(ids[0].tolist(), weights[0].tolist()))
-        return real_moe(layer, x, ids, weights)
+        return real_moe(layer, x, ids, weights, *args, **kw)
 
     engine.model.predict_weights = predict_weights
-    engine.model.lookahead = lookahead
+    engine.lookahead.after_attention = lookahead
     provider.moe = moe
     ids = engine.encode(prompt)
     n = 0

@@ -5,7 +5,7 @@
 
 Arm settings: ``prefetch`` (false: no lookahead reads), ``depth`` (layers ahead always),
 ``max_depth`` (up to this many while the readers would idle), ``gate`` (0: lfru's fixed rule;
-> 0: guesses carry their probability, ``Engine.prefetch_gate``, and lfru's ``gate`` factor),
+> 0: guesses carry their probability, ``PrefetchOptions.gate``, and lfru's ``gate`` factor),
 ``latency`` (also look further while a read outlasts the layers before its layer),
 ``min_prob``, ``reader_cap``, ``piece_cap``, ``spec_hot``, ``verify`` (CRC on read).
 
@@ -56,15 +56,16 @@ def parse_arm(text: str) -> tuple[str, dict]:
 
 
 def run_arm(engine, ids: list[int], tokens: int, params: dict, read_seconds: float, seed: int) -> dict:
-    engine.options.prefetch = bool(params.get("prefetch", True))
-    engine.lookahead_depth = int(params.get("depth", type(engine).lookahead_depth))
+    pf, default = engine.options.prefetch, sluice.PrefetchOptions()  # the settings the engine's Lookahead reads
+    pf.enabled = bool(params.get("prefetch", True))
+    pf.depth = int(params.get("depth", default.depth))
     # further layers ahead while the provider asks for them (readers idle, reads slower than layers)
-    engine.lookahead_max_depth = int(params.get("max_depth", type(engine).lookahead_max_depth))
+    pf.max_depth = int(params.get("max_depth", default.max_depth))
     # ... also while a read outlasts the layers before its layer
-    engine.experts.latency_lookahead = bool(params.get("latency", False))
+    pf.latency = bool(params.get("latency", False))
     # CRC of every record on read (the engine's default: on)
     engine.experts.verify_reads = bool(params.get("verify", engine.options.verify_reads))
-    engine.prefetch_min_prob = float(params.get("min_prob", type(engine).prefetch_min_prob))
+    pf.min_prob = float(params.get("min_prob", default.min_prob))
     # how many reader / piece threads may run prefetches at once (0: no limit)
     engine.experts.pool.low_cap = int(params.get("reader_cap", READER_CAP)) or None
     file_io._pieces().low_cap = int(params.get("piece_cap", file_io.PIECE_LOW_CAP)) or None
@@ -77,7 +78,7 @@ def run_arm(engine, ids: list[int], tokens: int, params: dict, read_seconds: flo
     if hasattr(policy, "speculative_max_hotness"):
         policy.speculative_max_hotness = float(params.get("spec_hot", type(policy).speculative_max_hotness))
     # guesses carry their probability (lfru's admission gate, the read-time rule); gate=0: the fixed rule
-    engine.prefetch_gate = bool(params.get("gate", type(engine).prefetch_gate))
+    pf.gate = bool(params.get("gate", default.gate))
     if hasattr(policy, "gate") and params.get("gate"):
         policy.gate = float(params["gate"])
     c0 = vars(engine.experts.counters).copy()

@@ -22,18 +22,18 @@ ENGINE_KW = dict(memory="2GiB", threads=1, max_context=CTX, cache_experts=6, pro
 
 
 class Gate:
-    """Wraps ``engine.model.forward_segments`` (every forward pass of a step): hold the engine after
+    """Wraps ``engine.model.forward`` (every forward pass of a step): hold the engine after
     ``allow`` more passes, or make a pass fail."""
 
     def __init__(self, engine):
         self.model = engine.model
-        self.orig = engine.model.forward_segments
+        self.orig = engine.model.forward
         self.cond = threading.Condition()
         self.budget: int | None = None  # None: open
         self.fail_after: int | None = None
         self.fail_with: BaseException | None = None
         self.blocked = 0
-        self.model.forward_segments = self._forward
+        self.model.forward = self._forward
 
     def _forward(self, *args, **kwargs):
         with self.cond:
@@ -67,7 +67,7 @@ class Gate:
     def remove(self) -> None:
         self.release()
         self.fail_after = None
-        self.model.forward_segments = self.orig
+        self.model.forward = self.orig
 
 
 class LiveServer:

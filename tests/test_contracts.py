@@ -257,7 +257,7 @@ def test_streamed_spine_is_bit_identical(family_model, family, dtype):
     path = family_model(family, dtype)
     ids = prompt_ids()
     resident = _load(path)
-    streamed = _load(path, max_resident_layers=0, poison_stream_buffers=True)
+    streamed = _load(path, max_resident_layers=0, debug=sluice.DebugOptions(poison_stream_buffers=True))
     try:
         assert not resident.plan.streamed_layers
         assert streamed.plan.streamed_layers == list(range(resident.desc.n_layers))  # every layer streamed
@@ -285,7 +285,7 @@ def test_poisoned_buffers_catch_a_build_time_derivation(family_model, monkeypatc
         self.conv_weight = lambda: frozen
 
     monkeypatch.setattr(GatedDeltaNet, "__init__", derive_at_build)
-    eng = _load(family_model("qwen3_next", "bfloat16"), max_resident_layers=0, poison_stream_buffers=True)
+    eng = _load(family_model("qwen3_next", "bfloat16"), max_resident_layers=0, debug=sluice.DebugOptions(poison_stream_buffers=True))
     try:
         assert torch.isnan(eng.forward(prompt_ids())).all()
     finally:
@@ -316,7 +316,7 @@ def test_streamed_block_fp8_is_bit_identical(family_model, tmp_path, scale_dtype
                                   "weight_block_size": [16, 16]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     ids = prompt_ids()
-    resident, streamed = _load(tmp_path), _load(tmp_path, max_resident_layers=0, poison_stream_buffers=True)
+    resident, streamed = _load(tmp_path), _load(tmp_path, max_resident_layers=0, debug=sluice.DebugOptions(poison_stream_buffers=True))
     try:
         want = resident.forward(ids)
         assert torch.isfinite(want).all()

@@ -211,7 +211,7 @@ def _options(row: dict, base: dict) -> dict:
                 direct_io=None if row["io"] == "direct" else False,
                 prefill_chunk=1 if row["prefill"] == "stepwise" else 512)
     if row["spine"] == "streamed":  # NaN in the stream buffers until their first fill: nothing derives early
-        opts.update(max_resident_layers=1, poison_stream_buffers=True)
+        opts.update(max_resident_layers=1, debug=sluice.DebugOptions(poison_stream_buffers=True))
     if row["cache"] == "working_set":
         opts["cache_experts"] = base["working_set"]
     return opts
@@ -378,7 +378,7 @@ def test_int8_spine(family_models, family):
         result = eng.generate(IDS.tolist(), max_new_tokens=4, ignore_eos=True)
         assert result.stats["lossy"] == {"spine": "int8"} and eng.info.spine_format == "int8"
         assert eng.plan.spine_bytes < 0.75 * spine_bytes  # bf16 -> int8 + scales; norms, routers stay
-    with sluice.load(box, memory=MEMORY, progress=False, max_resident_layers=0, poison_stream_buffers=True) as eng:
+    with sluice.load(box, memory=MEMORY, progress=False, max_resident_layers=0, debug=sluice.DebugOptions(poison_stream_buffers=True)) as eng:
         assert eng.plan.streamed_layers
         assert torch.equal(eng.forward(seq), got)
         assert eng.generate(IDS.tolist(), max_new_tokens=4, ignore_eos=True).token_ids == result.token_ids

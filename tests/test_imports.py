@@ -41,7 +41,8 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
                 "streaming, tokenizer, chat templates, traces",
                 ("generation", "scheduler", "runner", "speculative", "spine", "stats", "text", "tokenizer", "chat_template",
                  "trace")),
-    "api": ("sluice.load, Engine, ModelInfo, the checks of their arguments", ("", "engine", "validate")),
+    "api": ("sluice.load, Engine, ModelInfo, their options and the checks of their arguments",
+            ("", "engine", "options", "validate")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "model_report", "bench")),
     "faces": ("what users run: the command line, terminal chat, demo, HTTP server", ("cli", "cli_args", "chat", "demo", "server")),
 }

@@ -42,7 +42,7 @@ __version__ = "0.1.0"
 # The engine (and with it torch, a second or more to import) loads on first use of one of these
 # names, so `import sluice`, `sluice --help` and `sluice --version` stay fast
 # (benchmarks/cli_startup.py). The OMP_WAIT_POLICY default above is set before that happens.
-_ENGINE_EXPORTS = ("Engine", "Options", "Result", "Step", "load")
+_ENGINE_EXPORTS = ("DebugOptions", "Engine", "Options", "PrefetchOptions", "Result", "Step", "load")
 
 
 def __getattr__(name: str):
@@ -60,7 +60,7 @@ def __dir__():
 
 
 __all__ = [
-    "BudgetError", "ChatTemplateError", "CheckpointError", "ConfigError", "ConvertError", "Engine", "ExpertReadError",
-    "GenerationCancelled", "InvalidArgumentError", "Options", "Result",
+    "BudgetError", "ChatTemplateError", "CheckpointError", "ConfigError", "ConvertError", "DebugOptions", "Engine",
+    "ExpertReadError", "GenerationCancelled", "InvalidArgumentError", "Options", "PrefetchOptions", "Result",
     "SluiceError", "Step", "UnsupportedModelError", "format_size", "load", "parse_size", "__version__",
 ]

@@ -17,7 +17,6 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +28,7 @@ from .cluster.connect import connect as connect_cluster
 from .cluster.model import signature as cluster_signature
 from .cluster.provider import RayExperts
 from .experts.cache import ExpertCache
-from .experts.lookahead import weigh_guesses
+from .experts.lookahead import Lookahead, PrefetchOptions
 from .experts.policy import make_policy
 from .experts.provider import ExpertProvider
 from .experts.source import CheckpointExperts, ContainerExperts
@@ -40,6 +39,7 @@ from .models import get_family
 from .models import quantized_spine
 from .models.base import MoEBlock, check_tensor
 from .models.config import check_layer_count, eos_ids
+from .options import DEFAULT_MAX_CONTEXT, DebugOptions, Options
 from .plan import Plan, activation_bytes, make_plan
 from .progress import Activity, Progress
 from .resolve import resolve_model
@@ -54,43 +54,6 @@ from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
 from .trace import TraceWriter
 from .units import parse_size
-
-DEFAULT_MAX_CONTEXT = 4096
-DEFAULT_PREFILL_CHUNK = 512
-
-
-@dataclass
-class Options:
-    """Everything ``load()`` accepts besides the path and budget, with its default."""
-
-    cache_experts: int | None = None
-    max_context: int | None = None
-    threads: int | None = None
-    reader_threads: int = 4
-    cache_policy: str = "lfru"
-    prefetch: bool = True
-    huge_pages: bool = True  # transparent huge pages for read buffers: ~1.7-2x O_DIRECT throughput here
-    direct_io: bool | None = None  # None: probe O_DIRECT, fall back to buffered
-    ca_bundle: str | None = None  # a model at an https:// URL: PEM file of extra CA certificates to trust
-    disk_cache: int | str | None = None  # a model at a URL: keep what is fetched in a local disk tier of this size
-    disk_cache_dir: str | None = None  # the disk tier's directory (None: storage.disk_tier.default_dir())
-    verify_reads: bool = True  # CRC32 of every expert record and streamed spine layer read from a container
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-    parallel: int | None = None  # sequences run at once, each with KV/state for max_context (None: min(4, the budget's))
-    progress: bool = True
-    trace_routing: str | None = None  # write each decode token's routing to this JSONL file
-    max_resident_layers: int | None = None  # stream the spine of the other layers (None: the planner decides)
-    moe_top_k: int | None = None  # lossy
-    prefer_cached: float = 0.0  # lossy
-    # test-only: fill the spine stream buffers with 0xFF bytes (NaN in every float dtype) before
-    # their first real fill, so a family that derives tensors from streamed weights at build time
-    # gives NaN logits (the rule in spine.py); costs the buffers' memory up front
-    poison_stream_buffers: bool = False
-    # experts on a Ray cluster (docs/scale-out.md): "auto" or the cluster's address; None: this process
-    ray: str | None = None
-    expert_workers: int | None = None  # Ray expert workers (None: one per node of the cluster)
-    worker_memory: int | str | None = None  # each worker's budget (None: a safe share of its machine's memory)
-    replicate_hot: int = 0  # per MoE layer, the N most-routed experts may also run on a second worker
 
 
 def load(path: str | os.PathLike, memory: int | str | None = None, *, revision: str | None = None,
@@ -318,16 +281,17 @@ class Engine:
         self.model = self.family.build(self.config, spine.__getitem__, self.experts)
         self.model.spine = self.spine
         del spine
-        if options.prefetch or options.trace_routing:
-            self.model.lookahead = self._lookahead
+        # the router lookahead (the expert side's): prefetch, and the predictions a routing trace records
+        self.lookahead = (Lookahead(self.experts, self.model, options.prefetch)
+                          if options.prefetch.enabled or options.trace_routing else None)
         self.set_lossy(moe_top_k=options.moe_top_k, prefer_cached=options.prefer_cached)
         self.trace = TraceWriter(options.trace_routing) if options.trace_routing else None
         # the generator and the server reach the model only through the runner
-        self.runner = ModelRunner(self.model, self.experts, self.cache, self.checkpoint, self.spine,
+        self.runner = ModelRunner(self.model, self.experts, self.checkpoint, self.spine,
                                   max_context=self.plan.max_context, prefill_chunk=self.plan.prefill_chunk,
                                   threads=self.threads, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
                                   moe_layers=self.desc.moe_layers, trace=self.trace, info=self._info,
-                                  slots=self.plan.parallel)
+                                  slots=self.plan.parallel, lookahead=self.lookahead)
         # every generation runs as a sequence of the scheduler, on one of the runner's state slots
         self.scheduler = Scheduler(self.runner, step_tokens=self.plan.prefill_chunk)
         self.load_s = time.perf_counter() - t_load
@@ -343,7 +307,7 @@ class Engine:
             reads = self.info.layer_reads()
             self.spine = SpineStreamer(self.checkpoint, [reads[i] for i in sorted(streamed)],
                                        huge_pages=self.options.huge_pages, verify=self.options.verify_reads,
-                                       poison=self.options.poison_stream_buffers)
+                                       poison=self.options.debug.poison_stream_buffers)
             for i in sorted(streamed):
                 out.update(self.spine.views(i))
         names = [n for n in quantized_spine.stored_names(list(self.desc.spine), self.info.spine_quant)
@@ -426,60 +390,6 @@ class Engine:
         self.lossy = {**routing, **({"spine": spine} if spine != "stored" else {})}  # every result's stats say so
         if routing and warn:
             warnings.warn(f"lossy routing enabled ({routing}): outputs differ from the model's", stacklevel=2)
-
-    # Lookahead prefetch (measured in docs/io.md): predict at least this many layers ahead ...
-    lookahead_depth = 1
-    # ... and up to this many while the provider asks for more (``lookahead_more``: its readers
-    # would idle; 2 is the opt-in cross-layer lookahead) ...
-    lookahead_max_depth = 1
-    # ... guesses carry their probability (opt-in): the cache policy's admission gate weighs it
-    # against the victim's reuse, the provider against the read's time (``worth_reading``).
-    # Off by default: on the cold benchmarks it raised hit rates but not speed (docs/io.md) ...
-    prefetch_gate = False
-    # ... read a guess only if some row gives it at least this router probability ...
-    prefetch_min_prob = 0.0
-    # ... and predict for forwards of at most this many rows (decode, a batch of sequences'
-    # decode rows, speculative verification); a prefill chunk reads each expert once anyway
-    lookahead_max_rows = 64
-
-    def _lookahead(self, layer: int, h: torch.Tensor) -> None:
-        """After layer ``layer``'s attention, start reads for the experts the next layers are
-        predicted to use (and, when tracing routing, record the next layer's prediction for
-        every token of the forward). With several rows (sequences batched in one forward, a
-        verified draft), the union of the rows' guesses, by predicted weight mass."""
-        traced = self.experts.predicted_routing
-        prefetch = self.options.prefetch and h.shape[0] <= self.lookahead_max_rows
-        if traced is None and (not prefetch or self._holds_all()):
-            return
-        if isinstance(self.model.layers[layer].mlp, MoEBlock):
-            # guess once this layer's own demand reads are issued (inside its MoE call)
-            self.experts.after_reads(layer, lambda: self._predict_ahead(layer, h, prefetch, traced))
-        else:
-            self._predict_ahead(layer, h, prefetch, traced)
-
-    def _holds_all(self) -> bool:
-        """Every expert of the model is in the cache and READY (``ExpertProvider.holds_all``): a
-        prediction could read nothing and, with no eviction ever needed, inform no choice, so the
-        lookahead is skipped (its ``predicted`` counters then count nothing)."""
-        return self.cache is not None and self.experts.holds_all()
-
-    def _predict_ahead(self, layer: int, h: torch.Tensor, prefetch: bool, traced) -> None:
-        depth = max(self.lookahead_depth, self.lookahead_max_depth) if prefetch else 1
-        for distance in range(1, depth + 1):
-            if distance > self.lookahead_depth and not self.experts.lookahead_more(distance - 1):
-                return
-            target = layer + distance
-            if self.spine is not None and not self.spine.ready(target):
-                return  # its router is still being read
-            got = self.model.predict_weights(target, h)
-            if got is None:
-                continue  # a dense layer (or past the last one)
-            ids, probs = got
-            if distance == 1 and traced is not None:
-                traced[target] = ids
-            if prefetch:
-                guesses, p = weigh_guesses(ids, probs, self.prefetch_min_prob)
-                self.experts.prefetch(target, guesses, distance=distance, probs=p if self.prefetch_gate else None)
 
     # -- model access ------------------------------------------------------------------------
 
@@ -659,4 +569,4 @@ def _collect(steps: Iterator[Step], want_lp: bool) -> Result:
     return Result(tokens, "".join(text), finish, stats, lps if want_lp else None)
 
 
-__all__ = ["Engine", "ModelInfo", "Options", "Result", "Step", "load"]
+__all__ = ["DebugOptions", "Engine", "ModelInfo", "Options", "PrefetchOptions", "Result", "Step", "load"]

@@ -1,16 +1,19 @@
 """The model runner: executes steps of sequences, each at its own positions on its own state.
 
 The generator (``generation.py``) and the speculative verifier see the model only through
-this interface; the engine builds the runner over its parts (model, expert provider and
-cache, checkpoint, spine streamer, routing trace) and owns it.
+this interface; the engine builds the runner over its parts (the model and the expert side,
+typed by the ``Model`` and ``Experts`` protocols, the lookahead, checkpoint, spine streamer,
+routing trace) and owns it.
 
 A step is a list of ``SeqWork`` items: a sequence's state slot (``SeqState``), the tokens to
 run at positions ``start..`` (a prefill chunk, a decode token, or a token plus a speculative
 draft) and how many of the last positions' logits to return. ``step`` runs the items as
-one forward (``CausalLM.forward_segments``): attention per sequence on its own state and
+one forward: one ``layers.context.ForwardContext`` (token ids, each sequence's ``Segment`` of
+rows, positions and state, what to record, the lookahead) handed to ``model.forward`` and by
+the model to each MoE layer's ``experts.moe``. Attention per sequence on its own state and
 positions, everything per-row (norms, routers, experts, MLPs, head) on all rows at once, so
 an expert two sequences route to is read and computed once. An item longer than
-``prefill_chunk`` is split into the chunks it gets alone (forward k of the step holds chunk k
+``prefill_chunk`` is split into the chunks it gets alone (``SeqWork.pieces``; forward k of the step holds chunk k
 of every item), so with batch-invariant kernels each item's logits are bit-identical to its
 solo run (docs/architecture.md, "Engine: scheduler and model runner").
 """
@@ -19,13 +22,39 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from .errors import ExpertReadError, InvalidArgumentError
+from .layers.context import ForwardContext, Recording, Segment
 from .stats import EngineCounters, EngineInfo
 
 TORCH_SERIAL_TOKENS = 64
+
+
+class Model(Protocol):
+    """What the runner calls on the family's model (``models.base.CausalLM``)."""
+
+    def new_state(self, max_ctx: int): ...
+
+    def forward(self, ctx: ForwardContext) -> torch.Tensor: ...  # final hidden [T, H]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+class Experts(Protocol):
+    """What the runner calls on the expert side (``experts.interface.ExpertInterface``)."""
+
+    counters: object
+
+    def begin(self, ctx: ForwardContext) -> None: ...
+
+    @property
+    def evictions(self) -> int: ...
+
+    @property
+    def bytes_read_elsewhere(self) -> int: ...
 
 
 class SeqState:
@@ -78,6 +107,24 @@ class SeqWork:
     decoding: bool = False  # the sequence is past its prefill: its lookups count toward hit_rate etc.
     record_routing: bool = False  # return each MoE layer's routed expert ids, weights and lookahead predictions
 
+    def piece(self, start: int, stop: int) -> "SeqWork":
+        """Tokens ``start..stop`` of this work as work of their own: at positions ``self.start +
+        start..``, returning the logits of those of this work's last ``last_n`` positions that
+        fall in the piece. The one place a step's work is cut (the scheduler's token budget,
+        the runner's prefill chunks)."""
+        stop = min(stop, len(self.tokens))
+        first_logit = len(self.tokens) - self.last_n  # this work's logits are of positions first_logit..
+        return SeqWork(self.seq, self.tokens[start:stop], self.start + start, max(0, stop - max(start, first_logit)),
+                       self.decoding, self.record_routing)
+
+    def pieces(self, chunk: int) -> list["SeqWork"]:
+        """This work cut into pieces of at most ``chunk`` tokens (one piece if it fits, none if empty)."""
+        if not self.tokens:
+            return []
+        if len(self.tokens) <= chunk:
+            return [self]
+        return [self.piece(c, c + chunk) for c in range(0, len(self.tokens), chunk)]
+
 
 @dataclass
 class SeqResult:
@@ -95,10 +142,10 @@ class SeqResult:
 class ModelRunner:
     """Runs forward steps on the engine's model for sequences with their own state slots."""
 
-    def __init__(self, model, experts, cache, checkpoint, spine, *, max_context: int, prefill_chunk: int,
+    def __init__(self, model: Model, experts: Experts, checkpoint, spine, *, max_context: int, prefill_chunk: int,
                  threads: int, tokenizer, eos_token_ids: list[int], moe_layers: list[int], trace=None,
-                 info: Callable[[], EngineInfo], slots: int = 1):
-        self._model, self._experts, self._cache = model, experts, cache
+                 info: Callable[[], EngineInfo], slots: int = 1, lookahead=None):
+        self._model, self._experts, self._lookahead = model, experts, lookahead
         self._checkpoint, self._spine, self._trace = checkpoint, spine, trace
         self._info = info
         self.prefill_chunk = prefill_chunk
@@ -173,10 +220,10 @@ class ModelRunner:
         return {i for i, r0, r1, _ in self._rows if any(r0 <= r < r1 for r in rows)}
 
     def _run_forwards(self, work: list[SeqWork]) -> list[SeqResult]:
-        """Forward the items' tokens, chunk k of each item in forward k; logits of each item's last
-        ``last_n`` positions, and its routing when asked."""
-        chunk = self.prefill_chunk
-        n_forwards = max(((len(w.tokens) + chunk - 1) // chunk for w in work), default=0)
+        """Forward the items' tokens, chunk k of each item in forward k (``SeqWork.pieces``); logits
+        of each item's last ``last_n`` positions, and its routing when asked."""
+        pieces = [w.pieces(self.prefill_chunk) for w in work]
+        n_forwards = max((len(p) for p in pieces), default=0)
         outs: list[list[torch.Tensor]] = [[] for _ in work]
         record = any(w.record_routing for w in work)
         routed: list[dict[int, list[torch.Tensor]]] = [{} for _ in work]
@@ -185,67 +232,58 @@ class ModelRunner:
         probed: list[dict[int, list[torch.Tensor]]] = [{} for _ in work]
         self._steps += 1
         chunks = [0] * len(work)
-        experts = self._experts
-        try:
-            for k in range(n_forwards):
-                c0 = k * chunk
-                segments: list[tuple[torch.Tensor, object, int]] = []  # (ids, model state, start)
-                rows: list[tuple[int, int, int, int]] = []  # (item, first row, end row, its token offset)
-                r = 0
-                for i, w in enumerate(work):
-                    part = w.tokens[c0 : c0 + chunk]
-                    if part:
-                        segments.append((torch.tensor(part, dtype=torch.long), w.seq.model_state, w.start + c0))
-                        rows.append((i, r, r + len(part), c0))
-                        r += len(part)
-                self._rows = rows
-                # steps of up to 64 tokens (decode, speculation, short prompts) run torch single-threaded:
-                # their ops are too small to share, and an OpenMP barrier stalls the whole step whenever
-                # another process holds the other core (measured: index_add_ on [15, 1024] took 76 ms);
-                # the C kernels split the large matrix products with their own work-claiming pool.
-                torch.set_num_threads(1 if r <= TORCH_SERIAL_TOKENS else self.threads)
-                self._experts.tick()
-                experts.decoding = any(work[i].decoding for i, *_ in rows)
-                experts.segments = None if len(rows) == 1 else [(r0, r1, work[i].decoding) for i, r0, r1, _ in rows]
-                if record:
-                    experts.routing, experts.predicted_routing = {}, {}
-                h = self._model.forward_segments(segments)
-                for i, r0, r1, off in rows:
-                    w = work[i]
-                    state = w.seq.model_state
-                    state.length = w.start + off + r1 - r0
-                    state.tokens[w.start + off :] = w.tokens[off : off + r1 - r0]
-                self._forwards += 1
-                self._tokens += r
-                if record:
-                    for i, r0, r1, _ in rows:
-                        if not work[i].record_routing:
-                            continue
-                        chunks[i] += 1
-                        for layer, (ids, wt, *more) in experts.routing.items():
-                            routed[i].setdefault(layer, []).append(ids[r0:r1])
-                            weighed[i].setdefault(layer, []).append(wt[r0:r1])
-                            if more and more[0] is not None:
-                                probed[i].setdefault(layer, []).append(more[0][r0:r1])
-                        for layer, ids in experts.predicted_routing.items():
-                            predicted[i].setdefault(layer, []).append(ids[r0:r1])
-                want = []  # (item, first row, end row) whose logits the item asked for
-                for i, r0, r1, off in rows:
-                    w = work[i]
-                    first = len(w.tokens) - w.last_n
-                    if w.last_n and off + r1 - r0 > first:
-                        want.append((i, r0 + max(0, first - off), r1))
-                if want:
-                    picked = h[want[0][1] : want[0][2]] if len(want) == 1 else torch.cat([h[a:b] for _, a, b in want])
-                    logits = self._model.logits(picked)
-                    at = 0
-                    for i, a, b in want:
-                        outs[i].append(logits[at : at + b - a])
-                        at += b - a
-        finally:
-            experts.decoding = False
-            experts.segments = None
-            experts.routing = experts.predicted_routing = None
+        offsets = [0] * len(work)
+        for k in range(n_forwards):
+            segments: list[Segment] = []
+            rows: list[tuple[int, int, int, int]] = []  # (item, first row, end row, its token offset)
+            parts: list[SeqWork] = []
+            r = 0
+            for i, p in enumerate(pieces):
+                if k < len(p):
+                    part = p[k]
+                    n = len(part.tokens)
+                    segments.append(Segment(r, r + n, part.start, part.seq.model_state, part.decoding))
+                    rows.append((i, r, r + n, offsets[i]))
+                    parts.append(part)
+                    offsets[i] += n
+                    r += n
+            self._rows = rows
+            ids = [t for part in parts for t in part.tokens]
+            ctx = ForwardContext(torch.tensor(ids, dtype=torch.long), segments,
+                                 record=Recording() if record else None, lookahead=self._lookahead)
+            # steps of up to 64 tokens (decode, speculation, short prompts) run torch single-threaded:
+            # their ops are too small to share, and an OpenMP barrier stalls the whole step whenever
+            # another process holds the other core (measured: index_add_ on [15, 1024] took 76 ms);
+            # the C kernels split the large matrix products with their own work-claiming pool.
+            torch.set_num_threads(1 if r <= TORCH_SERIAL_TOKENS else self.threads)
+            self._experts.begin(ctx)
+            h = self._model.forward(ctx)
+            for (i, r0, r1, off), part in zip(rows, parts):
+                state = part.seq.model_state
+                state.length = part.start + r1 - r0
+                state.tokens[part.start :] = part.tokens
+            self._forwards += 1
+            self._tokens += r
+            if record:
+                for i, r0, r1, _ in rows:
+                    if not work[i].record_routing:
+                        continue
+                    chunks[i] += 1
+                    for layer, (lids, wt, probs) in ctx.record.routing.items():
+                        routed[i].setdefault(layer, []).append(lids[r0:r1])
+                        weighed[i].setdefault(layer, []).append(wt[r0:r1])
+                        if probs is not None:
+                            probed[i].setdefault(layer, []).append(probs[r0:r1])
+                    for layer, lids in ctx.record.predicted.items():
+                        predicted[i].setdefault(layer, []).append(lids[r0:r1])
+            want = [(i, r1 - part.last_n, r1) for (i, r0, r1, _), part in zip(rows, parts) if part.last_n]
+            if want:
+                picked = h[want[0][1] : want[0][2]] if len(want) == 1 else torch.cat([h[a:b] for _, a, b in want])
+                logits = self._model.logits(picked)
+                at = 0
+                for i, a, b in want:
+                    outs[i].append(logits[at : at + b - a])
+                    at += b - a
         results = []
         for i, w in enumerate(work):
             logits = (torch.cat(outs[i]) if len(outs[i]) > 1 else outs[i][0]) if outs[i] else None

@@ -374,10 +374,7 @@ class Scheduler:
             if n == rest and seq.done == 0:
                 plan.append((seq, w, True))
                 continue
-            start, stop = seq.done, seq.done + n
-            first_logit = len(w.tokens) - w.last_n  # the work's logits are of positions first_logit..
-            last_n = max(0, stop - max(start, first_logit))
-            plan.append((seq, SeqWork(w.seq, w.tokens[start:stop], w.start + start, last_n, w.decoding), stop == len(w.tokens)))
+            plan.append((seq, w.piece(seq.done, seq.done + n), seq.done + n == len(w.tokens)))
         return plan
 
     def _step(self) -> None:

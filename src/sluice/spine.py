@@ -17,7 +17,7 @@ token: refilling a buffer changes what the views see. The rule for families and 
 such as ``.view``/``.reshape`` of a contiguous tensor are fine: they see every refill).
 1-D tensors may be converted once at build time.
 
-The rule is enforced by the test-only load option ``poison_stream_buffers``: it fills
+The rule is enforced by the test-only load option ``DebugOptions.poison_stream_buffers``: it fills
 every stream buffer with 0xFF bytes (NaN in f32, bf16, f16 and FP8 e4m3) before the first
 real fill, so anything derived at build time from a streamed tensor is NaN and the
 streamed spine stops being bit-identical to the resident one (tests/test_contracts.py).

@@ -159,7 +159,7 @@ _OPTION_CHECKS = {
     "threads": _opt_int(1, MAX_THREADS),
     "reader_threads": _opt_int(1, MAX_THREADS, none=False),
     "cache_policy": _policy,
-    "prefetch": _opt_bool(),
+    "prefetch": lambda v, n: prefetch_options(v, n),
     "huge_pages": _opt_bool(),
     "direct_io": _opt_bool(none=True),
     "verify_reads": _opt_bool(none=True),
@@ -173,12 +173,36 @@ _OPTION_CHECKS = {
     "max_resident_layers": _opt_int(0),
     "moe_top_k": _opt_int(1),
     "prefer_cached": lambda v, n: number(v, n, lo=0.0),
-    "poison_stream_buffers": _opt_bool(),
+    "debug": lambda v, n: debug_options(v, n),
     "ray": lambda v, n: _ray_address(v, n),
     "expert_workers": _opt_int(1),
     "worker_memory": lambda v, n: v is None or parse_size(v, n),
     "replicate_hot": _opt_int(0, none=False),
 }
+
+
+def prefetch_options(value, name: str = "prefetch") -> None:
+    """``prefetch``: a bool or an ``experts.lookahead.PrefetchOptions`` with sane fields."""
+    from .experts.lookahead import PrefetchOptions
+
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, PrefetchOptions):
+        raise InvalidArgumentError(f"{name} must be True, False or a sluice.PrefetchOptions, got {shown(value)}")
+    for flag in ("enabled", "gate", "latency"):
+        boolean(getattr(value, flag), f"{name}.{flag}")
+    integer(value.depth, f"{name}.depth", 1, 64)
+    integer(value.max_depth, f"{name}.max_depth", 1, 64)
+    integer(value.max_rows, f"{name}.max_rows", 0)
+    number(value.min_prob, f"{name}.min_prob", lo=0.0, hi=1.0)
+
+
+def debug_options(value, name: str = "debug") -> None:
+    from .options import DebugOptions
+
+    if not isinstance(value, DebugOptions):
+        raise InvalidArgumentError(f"{name} must be a sluice.DebugOptions, got {shown(value)}")
+    boolean(value.poison_stream_buffers, f"{name}.poison_stream_buffers")
 
 
 def _ray_address(value, name: str) -> None:

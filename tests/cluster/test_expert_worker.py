@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sluice.layers.context import ForwardContext
 from sluice.cluster.model import open_experts
 from sluice.cluster.provider import layer_rows
 from sluice.cluster.worker import ExpertWorker, cache_slots
@@ -80,7 +81,7 @@ def test_worker_outputs_folded_are_one_process_bits(family, family_models):
             for rows in (7, 1):  # a prefill chunk (expert_forward, then the weights), one decode row
                 x = torch.randn(rows, m.spec.hidden, generator=g)
                 ids, weights = routing(m.n_experts, rows, k, seed=layer * 10 + rows)
-                want = local.moe(layer, x, ids, weights)
+                want = local.moe(layer, x, ids, weights, ForwardContext.single(torch.zeros(rows, dtype=torch.long)))
                 got, deltas = run_layer(worker, layer, x, ids, weights, decode=rows == 1)
                 assert torch.equal(got, want), (family, layer, rows)
                 n = len(Groups(ids, weights).experts)
@@ -118,7 +119,7 @@ def test_a_failed_read_names_the_layers_rows_and_the_worker_goes_on(family_model
         assert (err.layer, err.expert, err.rows) == (layer, e, used)
         assert not worker.cache.loading()  # every read in flight settled or dropped
         got, _ = run_layer(worker, layer, x, ids, weights, decode=False)  # the fault was one read
-        assert torch.equal(got, local.moe(layer, x, ids, weights))
+        assert torch.equal(got, local.moe(layer, x, ids, weights, ForwardContext.single(torch.zeros(9, dtype=torch.long))))
     finally:
         worker.close()
         local.close()

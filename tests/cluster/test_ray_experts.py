@@ -123,7 +123,7 @@ def test_bit_identical_to_one_process(family, family_models, cluster, single):
             use(eng, n, 2)
             logits_of(eng)
             for _ in range(16):
-                eng.experts.tick()
+                eng.experts.begin(None)
             pl = eng.experts.placement
             assert pl.hot(eng.desc.moe_layers[0]) == sorted(pl.counts[0].topk(2).indices.tolist())
             assert torch.equal(logits_of(eng), single[family])

@@ -17,6 +17,7 @@ from sluice.experts.lookahead import rank_guesses
 from sluice.experts.policy import LRU, make_policy
 from sluice.experts.provider import ExpertProvider
 from sluice.experts.spec import ExpertSpec
+from sluice.layers.context import ForwardContext
 from sluice.replay.sim import WeightlessExperts
 from sluice.storage import AlignedBuffer, LocalFile
 from sluice.storage.file import PIECE_BYTES
@@ -147,8 +148,11 @@ def _provider(slots=8):
     pool = _HeldPool()
     out = ExpertProvider(WeightlessExperts(), cache, ExpertSpec(hidden=1, intermediate=1), 16, pool=pool,
                          compute=(lambda spec, w, x, s: x, lambda spec, w, x: x))
-    out.decoding = True
     return out, pool
+
+
+# a decoding forward's context (one sequence: only ``decoding`` matters to the provider's counters)
+DECODE = ForwardContext.single(torch.zeros(1, dtype=torch.long), decoding=True)
 
 
 def test_wrong_guesses_cancelled_or_stopped_right_ones_raised():
@@ -167,7 +171,7 @@ def test_wrong_guesses_cancelled_or_stopped_right_ones_raised():
 
     th = threading.Thread(target=finish_when_raised)
     th.start()
-    p.moe(1, torch.zeros(1, 1), torch.tensor([[5, 7]]), torch.ones(1, 2))
+    p.moe(1, torch.zeros(1, 1), torch.tensor([[5, 7]]), torch.ones(1, 2), DECODE)
     th.join(10)
     c = p.counters
     assert (c.prefetch_reads, c.prefetch_used, c.prefetch_cancelled, c.prefetch_aborted) == (3, 1, 1, 1)
@@ -179,7 +183,7 @@ def test_wrong_guesses_cancelled_or_stopped_right_ones_raised():
     # the stopped read ends; once the cache needs its slot it is reused
     running.set_exception(ReadCancelled("stopped"))
     for e in range(10, 16):
-        p.moe(2, torch.zeros(1, 1), torch.tensor([[e]]), torch.ones(1, 1))
+        p.moe(2, torch.zeros(1, 1), torch.tensor([[e]]), torch.ones(1, 1), DECODE)
     assert not p.cache.draining() and len(p.cache) == 8
 
 
@@ -193,7 +197,7 @@ def test_two_layers_ahead_nearer_prediction_raises_priority():
     for f, _ in pool.held.values():
         f.set_running_or_notify_cancel()
         f.set_result(None)
-    p.moe(3, torch.zeros(1, 1), torch.tensor([[2, 6]]), torch.ones(1, 2))
+    p.moe(3, torch.zeros(1, 1), torch.tensor([[2, 6]]), torch.ones(1, 2), DECODE)
     c = p.counters
     assert (c.predicted, c.predicted_hits, c.predicted_far, c.predicted_far_hits) == (2, 2, 2, 1)
     assert (3, 4) in p.cache  # a finished wrong guess stays cached like any expert
@@ -221,10 +225,10 @@ def test_multi_row_lookahead_prefetches_and_is_exact(model_dir):
     on = sluice.load(path, memory="2GiB", cache_experts=10, prefetch=True, progress=False)
     assert torch.equal(off.forward(ids), on.forward(ids))
     assert on.experts.counters.prefetch_reads > 0 and off.experts.counters.prefetch_reads == 0
-    on.lookahead_depth = 1
+    assert on.options.prefetch.depth == 1
     a = off.generate(ids.tolist(), max_new_tokens=8).token_ids
     assert on.generate(ids.tolist(), max_new_tokens=8).token_ids == a
-    on.lookahead_max_rows = 4  # a 12-token prefill is past the limit now
+    on.options.prefetch.max_rows = 4  # a 12-token prefill is past the limit now
     before = on.experts.counters.prefetch_reads
     on.forward(ids)
     assert on.experts.counters.prefetch_reads == before
@@ -245,10 +249,10 @@ def test_lookahead_runs_after_the_layers_demand_reads():
 
     pool.submit = submit
     p.after_reads(0, lambda: p.prefetch(1, [4]))
-    p.moe(0, torch.zeros(1, 1), torch.tensor([[2, 3]]), torch.ones(1, 2))
+    p.moe(0, torch.zeros(1, 1), torch.tensor([[2, 3]]), torch.ones(1, 2), DECODE)
     assert order == [(0, 2, DEMAND), (0, 3, DEMAND), (1, 4, PREFETCH)]
     p.after_reads(5, lambda: p.prefetch(6, [1]))
-    p.moe(2, torch.zeros(1, 1), torch.tensor([[9]]), torch.ones(1, 1))  # not layer 5: dropped
+    p.moe(2, torch.zeros(1, 1), torch.tensor([[9]]), torch.ones(1, 1), DECODE)  # not layer 5: dropped
     assert (6, 1) not in p.cache and p._deferred is None
 
 
@@ -305,10 +309,10 @@ def test_gate_in_the_cache_high_probability_guess_evicts_cold_key_low_one_keeps_
     p, pool = _provider(slots=3)
     one = torch.ones(1, 1)
     for t in range(11):
-        p.tick()
-        p.moe(0, torch.zeros(1, 1), torch.tensor([[1]]), one)
+        p.begin(DECODE)
+        p.moe(0, torch.zeros(1, 1), torch.tensor([[1]]), one, DECODE)
         if t < 10:
-            p.moe(2, torch.zeros(1, 1), torch.tensor([[5 if t == 0 else 6]]), one)
+            p.moe(2, torch.zeros(1, 1), torch.tensor([[5 if t == 0 else 6]]), one, DECODE)
     assert set(p.cache.keys()) == {(0, 1), (2, 5), (2, 6)}
     p.prefetch(1, [3, 4], probs=[0.6, 0.3])
     assert (1, 3) in p.cache and (2, 5) not in p.cache  # cold key out for a likely guess
@@ -326,9 +330,8 @@ def test_lookahead_more_keeps_readers_busy_and_covers_read_latency():
     p.prefetch(2, [3, 4, 5])
     assert p.in_flight() == 5 and not p.lookahead_more(1)  # readers busy, no latency measured
     p.read_s, p.layer_s = 0.05, 0.02  # a read outlasts two layers: predict three ahead, not four
-    assert not p.lookahead_more(2)  # only with latency_lookahead
-    p.latency_lookahead = True
-    assert p.lookahead_more(2) and not p.lookahead_more(3)
+    assert not p.lookahead_more(2)  # only with the latency rule (PrefetchOptions.latency)
+    assert p.lookahead_more(2, latency=True) and not p.lookahead_more(3, latency=True)
     for f, _ in pool.held.values():
         f.set_running_or_notify_cancel()
         f.set_result(None)
@@ -349,14 +352,13 @@ def test_two_ahead_reads_start_before_the_layers_router(family_models):
     """With two layers ahead, layer L's guesses are issued inside layer L-2's MoE call (after its
     demand reads), before layer L-1 runs: before L's router has its input."""
     path = family_models.hf("mixtral")  # three MoE layers
-    eng = sluice.load(path, memory="2GiB", cache_experts=12, prefetch=True, progress=False)
-    eng.lookahead_depth = 2
+    eng = sluice.load(path, memory="2GiB", cache_experts=12, prefetch=sluice.PrefetchOptions(depth=2), progress=False)
     events = []
     real_moe, real_prefetch = eng.experts.moe, eng.experts.prefetch
 
-    def moe(layer, *a):
+    def moe(layer, *a, **kw):
         events.append(("moe", layer))
-        return real_moe(layer, *a)
+        return real_moe(layer, *a, **kw)
 
     def prefetch(layer, experts, read=True, distance=1, probs=None):
         events.append(("prefetch", layer, distance, len(experts), eng.experts.counters.prefetch_reads))
@@ -385,9 +387,8 @@ def test_gate_and_two_ahead_leave_logits_bit_identical(family_models, family):
     slots = max(d.top_k * len(d.moe_layers), d.n_experts) + d.top_k
     off.close()
     for gate in (True, False):
-        on = sluice.load(path, memory="2GiB", cache_experts=slots, prefetch=True, progress=False)
-        on.lookahead_depth = 2
-        on.prefetch_gate = gate
+        on = sluice.load(path, memory="2GiB", cache_experts=slots, prefetch=sluice.PrefetchOptions(depth=2, gate=gate),
+                         progress=False)
         assert torch.equal(on.forward(ids), ref)
         assert on.generate(ids.tolist(), max_new_tokens=6, ignore_eos=True).token_ids == want
         assert on.experts.counters.prefetch_reads > 0
@@ -415,7 +416,7 @@ def test_busy_readers_read_only_guesses_worth_their_read_time():
     assert (2, 6) in p.cache and p.counters.prefetch_reads == 6 and 6 in p._issued[2]
     p.prefetch(3, [7], probs=[0.5])  # busy again: backlogged; a new forward drops it
     assert p._backlog and (3, 7) not in p.cache
-    p.tick()
+    p.begin(DECODE)
     p._top_up(0)
     assert (3, 7) not in p.cache
 
@@ -423,6 +424,6 @@ def test_finished_reads_are_not_kept():
     """The reads-in-flight list is pruned as reads are submitted, whether or not the gate asks."""
     p, pool = _provider(slots=4)
     for t in range(300):
-        p.tick()
-        p.moe(t % 8, torch.zeros(1, 1), torch.tensor([[t % 16]]), torch.ones(1, 1))  # demand reads finish at once
+        p.begin(DECODE)
+        p.moe(t % 8, torch.zeros(1, 1), torch.tensor([[t % 16]]), torch.ones(1, 1), DECODE)  # demand reads finish at once
     assert len(p._inflight) <= 257 and p.in_flight() == 0

@@ -46,7 +46,7 @@ def test_fast_path_equals_read_path_bits_and_counters(model_dir):
         fast.experts.run_experts = lambda *a, **k: (calls.append(a[0]), run(*a, **k))
         slow.cache.ready_slots = lambda keys: None
         for e in (fast, slow):
-            e._holds_all = lambda: False
+            e.lookahead._holds_all = lambda: False
         before = {e: _counts(e) for e in (fast, slow, small)}
         got = {e: _run(e, ids) for e in (fast, slow, small)}
         assert used and used == calls  # every MoE call took the fast path
@@ -61,8 +61,8 @@ def test_fast_path_equals_read_path_bits_and_counters(model_dir):
         for k in ("lookups", "prefill_lookups", "union", "seq_union", "compute_calls"):
             assert delta[small][k] == delta[fast][k], k
         # the lookahead skipped while the cache holds every expert: the same bits, no predictions
-        del fast._holds_all
-        assert fast._holds_all() and not small._holds_all()
+        del fast.lookahead._holds_all
+        assert fast.lookahead._holds_all() and not small.lookahead._holds_all()
         c0 = _counts(fast)
         again = _run(fast, ids)
         assert torch.equal(again[0], got[fast][0]) and again[1] == got[fast][1]

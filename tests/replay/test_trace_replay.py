@@ -474,9 +474,9 @@ def test_replay_drives_the_engine_provider(monkeypatch):
     calls = []
     real = ExpertProvider.moe
 
-    def counting(self, layer, x, ids, weights):
+    def counting(self, layer, x, ids, weights, *args, **kw):
         calls.append((layer, ids.tolist()))
-        return real(self, layer, x, ids, weights)
+        return real(self, layer, x, ids, weights, *args, **kw)
 
     monkeypatch.setattr(ExpertProvider, "moe", counting)
     trace = synthetic_trace(SyntheticSpec(layers=3, experts=12, top_k=2, tokens=20, seed=2))

@@ -1,4 +1,4 @@
-"""Mixed sequences in one step (runner.py, ``CausalLM.forward_segments``): a step holding a
+"""Mixed sequences in one step (runner.py, ``CausalLM.forward``): a step holding a
 prefill of several chunks, a decode token and a token with a speculative draft of three runs
 them as one forward per chunk, and each sequence's logits are bit-identical (``torch.equal``)
 to its solo run, on every family of the registry (tests/families.py), greedy continuations

@@ -88,9 +88,10 @@ def test_two_state_slots_in_one_step_equal_their_solo_runs(engines):
     chunks and decode tokens interleaved) get their solo logits bit for bit. Recurrent
     layers included: nothing of one sequence's state leaks into the other's."""
     eng = engines["qwen3_next"]
-    runner = ModelRunner(eng.model, eng.experts, eng.cache, eng.checkpoint, eng.spine, max_context=64,
+    runner = ModelRunner(eng.model, eng.experts, eng.checkpoint, eng.spine, max_context=64,
                          prefill_chunk=eng.plan.prefill_chunk, threads=eng.threads, tokenizer=eng.tokenizer,
-                         eos_token_ids=eng.eos_token_ids, moe_layers=eng.desc.moe_layers, info=eng._info, slots=2)
+                         eos_token_ids=eng.eos_token_ids, moe_layers=eng.desc.moe_layers, info=eng._info, slots=2,
+                         lookahead=eng.lookahead)
     a, b = runner.slots
     pa, pb = prompt_ids(13, seed=5).tolist(), prompt_ids(6, seed=6).tolist()
 

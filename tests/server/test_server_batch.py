@@ -24,7 +24,7 @@ class StepGate(Gate):
     """``Gate`` around the engine's ``runner.step`` (one call per scheduler step, however the
     runner computes it): hold the engine before its next step, let it go."""
 
-    def __init__(self, engine):  # not super().__init__: that wraps model.forward_segments
+    def __init__(self, engine):  # not super().__init__: that wraps model.forward
         self.model = engine.runner
         self.orig = engine.runner.step
         self.cond = threading.Condition()

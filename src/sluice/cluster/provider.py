@@ -51,9 +51,6 @@ class RayExperts(ExpertInterface):
         self.signature = signature
         self.placement = Placement(moe_layers, n_experts, self.n_workers, replicate_hot)
         self.counters = ExpertCounters()
-        self.decoding = False
-        self.segments = None  # set by the runner: see ExpertInterface
-        self.routing = self.predicted_routing = None
         self._evictions = 0
         self._bytes = 0
         self._predictions: dict[int, list[int]] = {}
@@ -128,7 +125,7 @@ class RayExperts(ExpertInterface):
 
     # -- the interface -----------------------------------------------------------------------
 
-    def tick(self) -> None:
+    def begin(self, ctx) -> None:
         self.placement.tick()
 
     @property
@@ -151,18 +148,21 @@ class RayExperts(ExpertInterface):
         if read:
             self._pending = (layer, list(experts))
 
-    def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ctx,
+            logits: torch.Tensor | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
-        if self.routing is not None:
-            self.routing[layer] = (ids, weights)
+        if ctx.record is not None:  # no router probabilities: the driver holds no cache policy to rank for
+            ctx.record.routing[layer] = (ids, weights, None)
         groups = Groups(ids, weights)  # grouped and folded as ExpertProvider.moe does (experts.fold)
         experts = groups.experts
-        self._count_predictions(set(experts), self._predictions.pop(layer, None))  # no far ones: see prefetch
-        decode = self._count_union(ids, experts)  # union, seq_union; the decode lookups (as ExpertProvider)
+        decoding = ctx.decoding
+        # no far predictions: see prefetch
+        self._count_predictions(set(experts), self._predictions.pop(layer, None), decoding=decoding)
+        decode = self._count_union(ids, experts, ctx)  # union, seq_union; the decode lookups (as ExpertProvider)
         # per expert: (global row index tensor or None, weight)
         work = {e: groups.work(e) for e in experts}
         assign = self.placement.assign(layer, {e: groups.count(e) for e in experts})
-        results = self._run(layer, x, groups.one_row, work, assign, decode)
+        results = self._run(layer, x, groups.one_row, work, assign, decode, decoding)
         fold = Fold(x, experts)
         for e in experts:
             fold.add(e, work[e][0], results[e])
@@ -174,7 +174,7 @@ class RayExperts(ExpertInterface):
     # -- dispatch ------------------------------------------------------------------------------
 
     def _calls(self, layer: int, x: torch.Tensor, one_row: bool, work: dict, assign: dict[int, int], decode: set[int],
-               prefetch):
+               prefetch, decoding: bool):
         """Send one call per worker with experts; returns {ref: (worker, [experts], rows)}, ``rows`` the
         layer's rows the call sent (None: all, one row) in its order. ``decode``: the
         experts some decoding row routed to (the worker counts them as decode lookups, the rest as
@@ -197,7 +197,7 @@ class RayExperts(ExpertInterface):
                 local = {r: i for i, r in enumerate(used)}
                 xs = x[torch.tensor(used)]
                 items = [(e, torch.tensor([local[r] for r in work[e][0].tolist()]), work[e][1]) for e in es]
-            ref = self.workers[w].compute.remote(layer, one_row, xs, items, by_worker.pop(w, None), self.decoding,
+            ref = self.workers[w].compute.remote(layer, one_row, xs, items, by_worker.pop(w, None), decoding,
                                                  threads, [e for e in es if e in decode])
             calls[ref] = (w, es, used)
         for w, pf in by_worker.items():  # workers with nothing this layer: the prediction alone
@@ -205,7 +205,7 @@ class RayExperts(ExpertInterface):
         return calls
 
     def _run(self, layer: int, x, one_row: bool, work: dict, assign: dict[int, int],
-             decode: set[int]) -> dict[int, torch.Tensor]:
+             decode: set[int], decoding: bool) -> dict[int, torch.Tensor]:
         ray = self._ray
         if self._down:  # run on replicas while a lost worker restarts; wait for it if some expert has none
             self._await_restarted(block=False)
@@ -214,7 +214,7 @@ class RayExperts(ExpertInterface):
                 if any(w in self._down for w in assign.values()):
                     self._await_restarted()
         prefetch, self._pending = self._pending, None
-        calls = self._calls(layer, x, one_row, work, assign, decode, prefetch)
+        calls = self._calls(layer, x, one_row, work, assign, decode, prefetch, decoding)
         results: dict[int, torch.Tensor] = {}
         lost: dict[int, str] = {}
         for ref, (w, es, used) in calls.items():
@@ -241,7 +241,7 @@ class RayExperts(ExpertInterface):
                     f"{sorted(e for e in todo if retry[e] in lost)} have no live replica. Ray restarts the "
                     "worker; the next request runs on it") from None
             self.retries += 1
-            again = self._calls(layer, x, one_row, work, retry, decode, None)
+            again = self._calls(layer, x, one_row, work, retry, decode, None, decoding)
             for ref, (w, es, used) in again.items():
                 try:
                     outs, deltas = ray.get(ref, timeout=CALL_TIMEOUT_S)

@@ -93,7 +93,6 @@ class ExpertWorker:
         # the local provider's lookups, reads, pins and compute; the driver groups and folds
         self.experts = ExpertProvider(self.source, cache, m.spec, m.n_experts, verify_reads=opts.get("verify_reads", True),
                                       pool=ReaderPool(threads, name=f"sluice-worker{index}-read"))
-        self.experts.decoding = True  # it times every call (worker_stats); the driver counts the decoding ones
         self.cache = cache
         self.sig = signature(m.checkpoint)
         self.started = time.time()
@@ -125,7 +124,7 @@ class ExpertWorker:
         """``items``: ascending ``(expert, rows, w)``; ``rows`` index ``x`` (None for one row), ``w``
         the weight (a float for one row, else a tensor [n]). ``decode``: the experts of ``items``
         that count as decode lookups (some decoding row routed to them; the others are prefill
-        lookups), as the driver's ``segments`` say; ``decoding``: some row is decoding (the wait and
+        lookups), as the driver's ``ForwardContext`` says; ``decoding``: some row is decoding (the wait and
         compute times count). ``prefetch``: ``(next layer, experts)`` to read once this layer's
         reads are issued, or None. Returns (outputs in items' order, counter deltas)."""
         if torch.get_num_threads() != torch_threads:
@@ -142,7 +141,8 @@ class ExpertWorker:
 
         with torch.inference_mode():
             # experts in any order (whichever is in memory first): the driver folds them in order
-            p.run_experts(layer, x, work, keep, set(decode), out_of_order=True)
+            # timed as decoding always (worker_stats); the driver counts the decoding calls' times
+            p.run_experts(layer, x, work, keep, set(decode), out_of_order=True, decoding=True)
         outs = [results[e] for e in work.experts]
         st = self.stats
         st["calls"] += 1

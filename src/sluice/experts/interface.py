@@ -3,7 +3,8 @@
 Two implementations: ``experts.provider.ExpertProvider`` (this process: cache, reader pool,
 compute) and ``cluster.provider.RayExperts`` (experts sharded over Ray actors, the driver
 holding no expert cache). A family sees only ``moe`` (and ``resident_mask`` for the lossy
-``prefer_cached``); the runner and the engine use the rest. Both fold the expert outputs
+``prefer_cached``); the runner (``begin``, counters) and the lookahead (``prefetch``,
+``after_reads``, ``lookahead_more``, ``holds_all``) use the rest. Both fold the expert outputs
 in ascending expert order, so logits are bit-identical whichever runs them.
 """
 
@@ -13,33 +14,23 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..layers.context import ForwardContext
+
 
 class ExpertInterface(ABC):
-    """What the engine reaches for. Attributes every implementation keeps:
-
-    - ``counters``: an ``experts.provider.ExpertCounters`` (lookups, hits, reads, waits, ...);
-    - ``decoding``: set by the runner, lookups count toward the hit rate only while True (some
-      row of the forward is decoding);
-    - ``segments``: None, or the runner's (first row, end row, decoding) of each sequence of a
-      forward of several (per-row lookup kinds and the ``union``/``seq_union`` counters);
-    - ``routing`` / ``predicted_routing``: None, or dicts the runner sets to record each MoE
-      layer's (ids, weights) and the lookahead's predicted ids during a forward.
-    """
-
-    decoding: bool = False
-    segments: list | None = None
-    routing: dict | None = None
-    predicted_routing: dict | None = None
+    """What the runner, the lookahead and the families reach for. Every implementation keeps
+    ``counters``, an ``experts.provider.ExpertCounters`` (lookups, hits, reads, waits, ...).
+    What a forward is (its rows' sequences, decoding or prefill, what to record) reaches it as
+    the ``layers.context.ForwardContext`` given to ``begin`` and to each ``moe`` call."""
 
     @abstractmethod
-    def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ctx: ForwardContext,
+            logits: torch.Tensor | None = None) -> torch.Tensor:
         """Weighted sum of the routed experts: x [T, H] fp32, ids/weights [T, K] -> [T, H], summed
-        in ascending expert order."""
-
-    def router_logits(self, layer: int, logits: torch.Tensor) -> None:
-        """The router logits [T, E] of ``layer``'s rows, given just before its ``moe`` call (for the
-        cache policy's view of the experts just below the top-k, and the routing trace). Results
-        never depend on it; by default ignored."""
+        in ascending expert order. ``ctx``: the forward's context (lookups of decoding rows count
+        toward the hit rate; ``ctx.record`` receives the routing). ``logits``: the router logits
+        [T, E] of the rows (the cache policy's view of the experts just below the top-k, and the
+        routing trace's probabilities); results never depend on them."""
 
     @abstractmethod
     def prefetch(self, layer: int, experts: list[int], read: bool = True, distance: int = 1,
@@ -48,36 +39,43 @@ class ExpertInterface(ABC):
         first, with each guess's probability of being used (``probs``, or None): tell the cache
         policy, and start reads unless ``read`` is False. Results never depend on it."""
 
-    def lookahead_more(self, distance: int) -> bool:
+    def lookahead_more(self, distance: int, latency: bool = False) -> bool:
         """After the lookahead has predicted ``distance`` layers ahead: should it predict one
-        layer further (beyond the engine's fixed ``lookahead_depth``)? By default no."""
+        layer further (beyond its fixed ``PrefetchOptions.depth``)? ``latency``: also while a
+        read outlasts the layers left before its layer. By default no."""
         return False
 
-    def _count_union(self, ids: torch.Tensor, experts: list[int]) -> set[int]:
+    def holds_all(self) -> bool:
+        """Every expert of the model is in memory and READY: a lookahead could read nothing. By
+        default False (an implementation that cannot tell)."""
+        return False
+
+    def _count_union(self, ids: torch.Tensor, experts: list[int], ctx: ForwardContext) -> set[int]:
         """Count a MoE layer's ``union`` (``experts``, the distinct experts of all rows) and the
         sequences' own unions (``seq_union``); return the experts some decoding row routed to (the
         decode lookups; the rest are prefill lookups). Shared so both implementations count the
         same from the same routing."""
         c = self.counters
         c.union += len(experts)
-        segs = self.segments
-        if segs is None or len(segs) == 1:
+        segs = ctx.segments
+        if len(segs) <= 1:
             c.seq_union += len(experts)
-            return set(experts) if (self.decoding if segs is None else segs[0][2]) else set()
+            return set(experts) if ctx.decoding else set()
         decode: set[int] = set()
-        for r0, r1, decoding in segs:
-            own = set(ids[r0:r1].reshape(-1).tolist())
+        for s in segs:
+            own = set(ids[s.first : s.end].reshape(-1).tolist())
             c.seq_union += len(own)
-            if decoding:
+            if s.decoding:
                 decode |= own
         return decode
 
-    def _count_predictions(self, used: set[int], predicted: list[int] | None, far: list[int] | None = None) -> None:
+    def _count_predictions(self, used: set[int], predicted: list[int] | None, far: list[int] | None = None,
+                           decoding: bool = True) -> None:
         """Count the lookahead's predictions for a MoE layer (``predicted``: made one layer ahead,
         ``far``: two; None where none was made) against ``used``, the experts the layer's rows
         really routed to: per prediction, ``len(used)`` checked and how many of them it named.
-        Counted only while decoding. Shared so both implementations count the same."""
-        if not self.decoding:
+        Counted only while ``decoding``. Shared so both implementations count the same."""
+        if not decoding:
             return
         c = self.counters
         if predicted is not None:
@@ -97,8 +95,8 @@ class ExpertInterface(ABC):
         """[E] float: 1 for experts of ``layer`` in memory (the lossy ``prefer_cached`` bias)."""
 
     @abstractmethod
-    def tick(self) -> None:
-        """A forward begins (the cache policy's clock)."""
+    def begin(self, ctx: ForwardContext) -> None:
+        """The forward ``ctx`` begins (the cache policy's clock)."""
 
     @property
     @abstractmethod

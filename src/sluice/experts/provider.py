@@ -1,6 +1,6 @@
 """The expert interface: "give me these experts of layer L for these tokens".
 
-``ExpertProvider.moe(layer, x, ids, weights)`` looks every routed expert up in the cache,
+``ExpertProvider.moe(layer, x, ids, weights, ctx)`` looks every routed expert up in the cache,
 starts reads for the missing ones on the reader pool, computes the experts already in
 memory while the reads run, and sums the weighted outputs in ascending expert order, so
 results are bit-identical whatever was cached, prefetched or read in which order. The
@@ -51,7 +51,7 @@ class ExpertCounters:
     prefetch_cancelled: int = 0  # wrong guesses cancelled before their read started
     prefetch_aborted: int = 0  # wrong guesses stopped between pieces while being read
     # lookahead predictions checked against the real routing (decode); none are made, so none
-    # counted, while the cache holds every expert READY (Engine._lookahead: nothing to prefetch)
+    # counted, while the cache holds every expert READY (``Lookahead``: nothing to prefetch)
     predicted: int = 0
     predicted_hits: int = 0  # ... that the layer really used
     predicted_far: int = 0  # the same for predictions made two layers ahead
@@ -81,11 +81,6 @@ class ExpertProvider(ExpertInterface):
         self.verify_reads = verify_reads
         self.total_experts = total_experts
         self.counters = ExpertCounters()
-        self.decoding = False  # set by the engine: lookups count toward hit_rate only while decoding
-        # set by the runner for a forward of several sequences: (first row, end row, decoding) per
-        # sequence; an expert some decoding row routed to counts as a decode lookup, others as prefill
-        # lookups. None: one sequence, all rows decoding or not as ``decoding`` says.
-        self.segments: list[tuple[int, int, bool]] | None = None
         self._predictions: dict[int, list[int]] = {}  # layer -> experts predicted one layer ahead
         self._far: dict[int, list[int]] = {}  # layer -> experts predicted two layers ahead
         self._issued: dict[int, set[int]] = {}  # layer -> experts speculatively read for it
@@ -105,17 +100,6 @@ class ExpertProvider(ExpertInterface):
         split = source.slot_bytes >= 2 * PIECE_BYTES
         self._units = -(-source.slot_bytes // PIECE_BYTES) if split else 1  # per read
         self.queue_target = PIECE_THREADS if split else threads
-        # also look further while a read outlasts the layers left before its layer (off: on the
-        # disk-bound benchmark every bf16 read outlasts a layer, and two-ahead guesses, half of
-        # them wrong, cost bandwidth the demand reads need; docs/io.md)
-        self.latency_lookahead = False
-        # when set (tracing): layer -> (ids [T, K], weights [T, K], router probabilities [T, E]) of
-        # the last forward (probabilities None if the MoE block gave no logits), and
-        # layer -> ids [T, K] the engine's lookahead predicted for it in that forward
-        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
-        self._logits: tuple[int, torch.Tensor] | None = None  # (layer, router logits) for its moe call
-        self._probs: torch.Tensor | None = None  # the last run_experts call's router probabilities (tracing)
-        self.predicted_routing: dict[int, torch.Tensor] | None = None
 
     def holds_all(self) -> bool:
         """Every expert of the model is in the cache and READY (``total_experts`` given): nothing
@@ -125,26 +109,21 @@ class ExpertProvider(ExpertInterface):
         ranking). Results never depend on them; the counters count the same lookups and hits."""
         return self.total_experts is not None and self.cache.ready_count >= self.total_experts
 
-    def router_logits(self, layer: int, logits: torch.Tensor) -> None:
-        if self.routing is not None or (logits.shape[0] <= SCORE_MAX_ROWS and self.cache.policy.ranks
-                                        and not self.holds_all()):
-            self._logits = (layer, logits)
+    def _wants_logits(self, rows: int) -> bool:
+        """The policy ranks the router's view of a forward of ``rows`` rows (``_router_probs``)."""
+        return rows <= SCORE_MAX_ROWS and bool(self.cache.policy.ranks) and not self.holds_all()
 
-    def _router_probs(self, layer: int, routed: list[int]) -> torch.Tensor | None:
+    def _router_probs(self, layer: int, routed: list[int], logits: torch.Tensor, trace: bool) -> torch.Tensor | None:
         """After ``begin_layer``: the policy hears ``layer``'s experts ranked by router probability
         (the best over the rows; ``Policy.ranked``). Returns the softmax of the router logits
-        [T, E] when tracing (else None)."""
-        got, self._logits = self._logits, None
-        if got is None or got[0] != layer:
-            return None
-        logits = got[1]
+        [T, E] when tracing (``trace``; else None)."""
         ranks = self.cache.policy.ranks
-        probs = torch.softmax(logits.float(), dim=-1) if self.routing is not None or logits.shape[0] > 1 else None
+        probs = torch.softmax(logits.float(), dim=-1) if trace or logits.shape[0] > 1 else None
         if ranks and logits.shape[0] <= SCORE_MAX_ROWS:
             n = min(logits.shape[1], math.ceil(ranks * len(routed)))
             best = logits[0] if probs is None else probs.amax(0)  # one row: the logits rank alike
             self.cache.policy.ranked(layer, best.topk(n).indices.tolist(), set(routed))
-        return probs if self.routing is not None else None
+        return probs if trace else None
 
     def resident_mask(self, layer: int) -> torch.Tensor:
         """[E] float: 1 for experts of ``layer`` that are in memory (ready or being read), else 0."""
@@ -157,7 +136,7 @@ class ExpertProvider(ExpertInterface):
     def close(self) -> None:
         self.pool.shutdown()
 
-    def tick(self) -> None:
+    def begin(self, ctx) -> None:
         self.cache.policy.tick()
         self._backlog = []  # guesses of the previous forward
 
@@ -298,22 +277,22 @@ class ExpertProvider(ExpertInterface):
         self._inflight = [f for f in self._inflight if not f.done()]
         return len(self._inflight) * self._units
 
-    def lookahead_more(self, distance: int) -> bool:
+    def lookahead_more(self, distance: int, latency: bool = False) -> bool:
         """Predict one layer further than ``distance`` if the readers would otherwise idle (fewer
         reads in flight than reader threads: a layer's demand reads and the next layer's guesses
-        are too few, e.g. small quantized records), or, with ``latency_lookahead``, if a read
-        takes longer than the ``distance`` layers of compute left before the predicted layer
-        runs (both times measured while decoding: ``read_s``, ``layer_s``)."""
+        are too few, e.g. small quantized records), or, with ``latency``, if a read takes longer
+        than the ``distance`` layers of compute left before the predicted layer runs (both
+        times measured while decoding: ``read_s``, ``layer_s``)."""
         if self.in_flight() < self.queue_target:
             return True
-        return (self.latency_lookahead and self.read_s is not None and self.layer_s is not None
+        return (latency and self.read_s is not None and self.layer_s is not None
                 and distance * self.layer_s < self.read_s)
 
-    def _time_layer(self, layer: int) -> None:
+    def _time_layer(self, layer: int, decoding: bool) -> None:
         """Measure a decode layer's time outside read waits, from one MoE call to the next."""
         now, waited = time.perf_counter(), self.counters.read_wait_s
         last, self._last_moe = self._last_moe, (layer, now, waited)
-        if last is None or not self.decoding or layer <= last[0]:
+        if last is None or not decoding or layer <= last[0]:
             return
         dt = max(0.0, (now - last[1]) - (waited - last[2])) / (layer - last[0])
         self.layer_s = dt if self.layer_s is None else 0.8 * self.layer_s + 0.2 * dt
@@ -329,10 +308,10 @@ class ExpertProvider(ExpertInterface):
         if deferred is not None and deferred[0] == layer:
             deferred[1]()
 
-    def _check_predictions(self, layer: int, used: set[int]) -> None:
+    def _check_predictions(self, layer: int, used: set[int], decoding: bool) -> None:
         """Count the lookahead's predictions for ``layer`` against ``used`` (the experts its rows
-        routed to), then cancel its speculative reads of experts not used."""
-        self._count_predictions(used, self._predictions.pop(layer, None), self._far.pop(layer, None))
+        routed to; counted while ``decoding``), then cancel its speculative reads of experts not used."""
+        self._count_predictions(used, self._predictions.pop(layer, None), self._far.pop(layer, None), decoding)
         issued = self._issued.pop(layer, ())
         for e in issued:
             if e in used:
@@ -368,25 +347,30 @@ class ExpertProvider(ExpertInterface):
 
     # -- compute -------------------------------------------------------------------------
 
-    def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ctx,
+            logits: torch.Tensor | None = None) -> torch.Tensor:
         """Weighted sum of routed experts. x [T, H] fp32, ids/weights [T, K] -> [T, H].
 
-        The rows may belong to several sequences (``segments``): each expert of the union is
+        The rows may belong to several sequences (``ctx.segments``): each expert of the union is
         read once and computed once on all its rows. A failed read raises its
         ``ExpertReadError`` with ``layer``, ``expert`` and ``rows`` (the rows that needed it)."""
         t = x.shape[0]
         groups = Groups(ids, weights)
         out_of_order = t * x.shape[1] * 4 * len(groups.experts) <= _OUT_OF_ORDER_BYTES
-        decode_experts = self._count_union(ids, groups.experts)
+        decode_experts = self._count_union(ids, groups.experts, ctx)
         fold = Fold(x, groups.experts)
-        self._probs = None
-        self.run_experts(layer, x, groups, fold.add, decode_experts, out_of_order)
-        if self.routing is not None:
-            self.routing[layer] = (ids, weights, self._probs)
+        record = ctx.record
+        if logits is not None and record is None and not self._wants_logits(t):
+            logits = None
+        probs = self.run_experts(layer, x, groups, fold.add, decode_experts, out_of_order, decoding=ctx.decoding,
+                                 logits=logits, trace=record is not None)
+        if record is not None:
+            record.routing[layer] = (ids, weights, probs)
         return fold.result()
 
     def run_experts(self, layer: int, x: torch.Tensor, work, sink, decode_experts: set[int],
-                    out_of_order: bool = True) -> None:
+                    out_of_order: bool = True, *, decoding: bool = False, logits: torch.Tensor | None = None,
+                    trace: bool = False) -> torch.Tensor | None:
         """The grouping-free part of ``moe`` (also the Ray worker's entry: its driver groups and folds).
 
         ``work``: the layer's rows grouped by expert, as ``fold.Groups`` gives them: ``experts``
@@ -395,23 +379,26 @@ class ExpertProvider(ExpertInterface):
         output (one row: ``expert_output`` with ``w`` as scale; more: ``expert_forward`` on
         ``x[rows]`` then ``weigh``) and hands it to ``sink(e, rows, y)``: in ascending expert order,
         or, if ``out_of_order``, as the experts come into memory. ``decode_experts``: the experts
-        that count as decode lookups (the others count as prefill lookups). When every expert is
-        already READY (warm decode), ``_run_ready`` does the same with less bookkeeping."""
+        that count as decode lookups (the others count as prefill lookups); ``decoding``: some row
+        decodes (read waits and compute time are counted). ``logits``: the rows' router logits
+        (the policy's ranking, ``_router_probs``; None: no ranking). Returns the router
+        probabilities [T, E] when ``trace`` (else None). When every expert is already READY
+        (warm decode), ``_run_ready`` does the same with less bookkeeping."""
         experts = work.experts
         if self._deferred is not None and self._deferred[0] != layer:
             self._deferred = None  # a lookahead left over from a forward that did not reach it
-        self._time_layer(layer)
+        self._time_layer(layer, decoding)
         if self._predictions or self._far or self._issued:  # else nothing to count or cancel
-            self._check_predictions(layer, set(experts))
+            self._check_predictions(layer, set(experts), decoding)
         tell = not self.holds_all()  # else the policy picks no victim ever again: it hears nothing more
         if tell:
             self.cache.policy.begin_layer(layer)
-        self._probs = self._router_probs(layer, experts) if self._logits is not None else None
+        probs = self._router_probs(layer, experts, logits, trace) if logits is not None else None
         keys = [(layer, e) for e in experts]
         ready = self.cache.ready_slots(keys)
         if ready is not None:
-            self._run_ready(layer, x, work, sink, decode_experts, keys, ready, tell)
-            return
+            self._run_ready(layer, x, work, sink, decode_experts, keys, ready, tell, decoding)
+            return probs
         c = self.counters
 
         slots: dict[int, Slot] = {}
@@ -456,7 +443,7 @@ class ExpertProvider(ExpertInterface):
                     self._top_up(layer)
                 pick = self._pick(experts, first, slots, done, out_of_order)
                 if pick is None:
-                    self._wait(experts, first, slots, done, out_of_order, missing)
+                    self._wait(experts, first, slots, done, out_of_order, missing, decoding)
                     if self._backlog:
                         self._top_up(layer)  # a read finished: keep the readers busy with guesses
                     continue
@@ -475,7 +462,7 @@ class ExpertProvider(ExpertInterface):
                 else:
                     y = weigh(self._forward(self.spec, slot.weights, x[idx]), w)
                 c.compute_calls += 1
-                if self.decoding:
+                if decoding:
                     c.compute_s += time.perf_counter() - t0
                 slot.pins -= 1
                 done.add(pick)
@@ -491,9 +478,10 @@ class ExpertProvider(ExpertInterface):
         if error is not None:
             self._quiesce(slots)
             raise error
+        return probs
 
     def _run_ready(self, layer: int, x: torch.Tensor, work, sink, decode_experts: set[int],
-                   keys: list[tuple[int, int]], slots: list[Slot], tell: bool = True) -> None:
+                   keys: list[tuple[int, int]], slots: list[Slot], tell: bool = True, decoding: bool = False) -> None:
         """``run_experts`` when every expert of the layer is READY (warm decode): the same counters,
         policy events (``tell``: the cache does not hold every expert, see ``holds_all``), pins
         and lookahead, and the outputs handed to ``sink`` in ascending expert order (what the
@@ -520,7 +508,7 @@ class ExpertProvider(ExpertInterface):
             if self._outputs is not None and getattr(work, "one_row", False) and not self._backlog:
                 t0 = time.perf_counter()
                 ys = self._outputs(self.spec, [s.weights for s in slots], x, [work.work(e)[1] for e in experts])
-                if self.decoding:
+                if decoding:
                     c.compute_s += time.perf_counter() - t0
                 c.compute_calls += n
                 for e, y in zip(experts, ys):
@@ -537,7 +525,7 @@ class ExpertProvider(ExpertInterface):
                 else:
                     y = weigh(forward(spec, slot.weights, x[idx]), w)
                 c.compute_calls += 1
-                if self.decoding:
+                if decoding:
                     c.compute_s += time.perf_counter() - t0
                 sink(e, idx, y)
         finally:
@@ -557,7 +545,7 @@ class ExpertProvider(ExpertInterface):
                 return e
         return None
 
-    def _wait(self, experts, next_fold, slots, done, out_of_order, missing) -> None:
+    def _wait(self, experts, next_fold, slots, done, out_of_order, missing, decoding: bool) -> None:
         t0 = time.perf_counter()
         mine = [s.future for e, s in slots.items() if e not in done and s.state == LOADING]
         if not out_of_order:
@@ -575,7 +563,7 @@ class ExpertProvider(ExpertInterface):
             self._settle_finished()
         elif mine:
             wait(mine, return_when=FIRST_COMPLETED)
-        if self.decoding:
+        if decoding:
             self.counters.read_wait_s += time.perf_counter() - t0
 
     def _quiesce(self, slots: dict[int, Slot]) -> None:

@@ -11,7 +11,9 @@ A family module (``models/<model_type>.py``) provides:
   a ``MoEBlock`` over a ``layers.routing.Router`` (families keep no routing code of their
   own), and nothing is derived at build time from a tensor of two or more dimensions
   (it may be a stream buffer's view, filled only before its forward: see ``spine.py``).
-  Attention layers take the rows of several sequences at once:
+  ``MoEBlock(x, ctx)`` takes the step's ``layers.context.ForwardContext`` (token ids,
+  positions, segments) and hands it to ``experts.moe``. Attention layers take the rows of
+  several sequences at once:
   ``attn.segments(x, [(first row, end row, start, layer state), ...], cos, sin)`` (every
   attention class of ``layers/`` has it; ``attn(x, start, state, cos, sin)`` is one segment);
 - optionally ``tensor_aliases(cfg) -> {name: other name}``: spine tensors that some
@@ -29,6 +31,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..experts.spec import ExpertSpec, ExpertTensors
+from ..layers.context import ForwardContext
 from ..layers.norm import RMSNorm
 from ..layers.pointwise import pointwise
 from ..layers.rotary import Rotary
@@ -188,11 +191,11 @@ class MoEBlock:
             weights = kept * (total / kept.sum(-1, keepdim=True))
         return ids, weights
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         logits = self.router.logits(x)
         ids, weights = self.route(x, logits)
-        self.experts.router_logits(self.layer, logits)  # the cache policy's and the trace's view of them
-        y = self.experts.moe(self.layer, x, ids, weights)
+        # the logits: the cache policy's and the trace's view of the experts just below the top-k
+        y = self.experts.moe(self.layer, x, ids, weights, ctx, logits=logits)
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:
@@ -207,8 +210,11 @@ class CausalLM:
     def __init__(self, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: torch.Tensor,
                  rotary: Rotary | None):
         self.embed, self.layers, self.norm, self.lm_head, self.rotary = embed, layers, norm, lm_head, rotary
-        self.lookahead = None  # optional hook(layer_index, h) called after each layer's attention
         self.spine = None  # optional SpineStreamer for layers whose matrices are streamed
+
+    def is_moe(self, layer: int) -> bool:
+        """Layer ``layer`` exists and routes its MLP through the experts."""
+        return 0 <= layer < len(self.layers) and isinstance(self.layers[layer].mlp, MoEBlock)
 
     def predict(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
         """Router lookahead: the experts layer ``layer`` would pick for residual stream ``h``.
@@ -223,7 +229,7 @@ class CausalLM:
         """``predict`` with a confidence: (ids [T, K], p [T, K]), ``p`` the softmax of the
         router's logits over all experts at ``ids`` (whatever the routing rule; it only ranks
         guesses). None for dense layers and past the last layer."""
-        if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, MoEBlock):
+        if not self.is_moe(layer):
             return None
         target = self.layers[layer]
         if not isinstance(target.mlp.router, Router):
@@ -237,37 +243,24 @@ class CausalLM:
     def new_state(self, max_ctx: int) -> State:
         return State([layer.attn.new_cache(max_ctx) for layer in self.layers], max_ctx)
 
-    def forward(self, ids: torch.Tensor, state: State, start: int) -> torch.Tensor:
-        """Run tokens ``ids`` [T] at positions start..start+T-1; returns final hidden [T, H].
-
-        Writes the per-layer state for those positions; the caller advances ``state.length``.
-        One sequence is the one-segment case of ``forward_segments``.
-        """
-        return self.forward_segments([(ids, state, start)])
-
-    def forward_segments(self, segments: list[tuple[torch.Tensor, State, int]]) -> torch.Tensor:
-        """Run several sequences' tokens as one forward; final hidden [sum T, H], rows in order.
-        ``segments`` holds each sequence's (token ids [T], state, start position).
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        """Run one forward of the step ``ctx`` (one or several sequences' rows); final hidden [T, H],
+        rows in order. Writes each segment's per-layer state for its positions; the caller
+        advances ``state.length``.
 
         Everything that is per row runs on all rows at once: projections, norms, routers,
         experts (each routed expert read and computed once for every row of the step that needs
         it), dense and shared MLPs, rotary at each row's own position. Attention proper runs per
         sequence on its own KV cache or recurrent state (``attn.segments(x, [(first row, end
         row, start, layer state), ...], cos, sin)``). With batch-invariant kernels a segment's
-        rows are bit-identical to its solo forward.
+        rows are bit-identical to its solo forward. After each layer's attention the step's
+        lookahead (``ctx.lookahead``, the expert side's) may start reads for later layers.
         """
-        ids = segments[0][0] if len(segments) == 1 else torch.cat([s[0] for s in segments])
-        h = embed(self.embed, ids)
-        bounds: list[tuple[int, int, int]] = []  # (first row, end row, start position)
-        r = 0
-        for seg_ids, _, start in segments:
-            bounds.append((r, r + seg_ids.shape[0], start))
-            r += seg_ids.shape[0]
+        h = embed(self.embed, ctx.token_ids)
         cos = sin = None
         if self.rotary is not None:
-            positions = torch.cat([torch.arange(p, p + r1 - r0) for r0, r1, p in bounds])
-            cos, sin = self.rotary.cos_sin(positions)
-        spine = self.spine
+            cos, sin = self.rotary.cos_sin(ctx.positions())
+        spine, lookahead = self.spine, ctx.lookahead
         if spine is not None:
             spine.start()
         # h += attn(input_norm(h)); h += mlp(post_norm(h)): each residual add runs in one call with
@@ -276,12 +269,11 @@ class CausalLM:
         for i, layer in enumerate(self.layers):
             if spine is not None:
                 spine.acquire(i)
-            segs = [(r0, r1, p, s[1].layers[i]) for (r0, r1, p), s in zip(bounds, segments)]
             h, x = layer.input_norm.add(h, y) if y is not None else (h, layer.input_norm(h))
-            h, x = layer.post_norm.add(h, layer.attn.segments(x, segs, cos, sin))
-            if self.lookahead is not None:
-                self.lookahead(i, h)
-            y = layer.mlp(x)
+            h, x = layer.post_norm.add(h, layer.attn.segments(x, ctx.layer_segments(i), cos, sin))
+            if lookahead is not None:
+                lookahead.after_attention(i, h, ctx)
+            y = layer.mlp(x, ctx) if isinstance(layer.mlp, MoEBlock) else layer.mlp(x)
             if spine is not None:
                 spine.release(i)
         return self.norm.add(h, y)[1] if y is not None else self.norm(h)

@@ -14,6 +14,7 @@ from ..experts.policy import Pinned, Policy, make_policy
 from ..experts.provider import ExpertProvider
 from ..experts.source import ExpertSource
 from ..experts.spec import ExpertSpec
+from ..layers.context import ForwardContext
 from ..trace import Trace
 from .policies import STUDY_POLICIES, Belady, next_uses
 
@@ -124,11 +125,17 @@ class CacheSim:
         self.cache = ExpertCache(slots, WeightlessExperts.slot_bytes, policy)
         self.provider = ExpertProvider(WeightlessExperts(), self.cache, _SPEC, n_experts, pool=_AtOnce(),
                                        compute=(_no_output, _no_forward))
-        self.provider.decoding = True
         self._x = torch.zeros(1, 1)
+        self._ctx: dict[int, ForwardContext] = {}  # a decoding forward of n rows, one per n
+
+    def _context(self, rows: int) -> ForwardContext:
+        ctx = self._ctx.get(rows)
+        if ctx is None:
+            ctx = self._ctx[rows] = ForwardContext.single(torch.zeros(rows, dtype=torch.long), decoding=True)
+        return ctx
 
     def tick(self) -> None:
-        self.cache.policy.tick()  # what Engine._run does before each forward
+        self.cache.policy.tick()  # what the runner's ``experts.begin`` does before each forward
 
     def predict(self, layer: int, experts: Sequence[int], read: bool) -> None:
         """What the engine's lookahead does after the previous layer's attention."""
@@ -147,9 +154,8 @@ class CacheSim:
         ids = torch.tensor([list(r) + [r[0]] * (k - len(r)) for r in rows])
         w = torch.tensor([[1.0] * len(r) + [0.0] * (k - len(r)) for r in rows])
         x = self._x if len(rows) == 1 else torch.zeros(len(rows), 1)
-        if probs is not None:
-            self.provider.router_logits(layer, torch.tensor(probs, dtype=torch.float32).clamp_min(1e-30).log())
-        self.provider.moe(layer, x, ids, w)
+        logits = None if probs is None else torch.tensor(probs, dtype=torch.float32).clamp_min(1e-30).log()
+        self.provider.moe(layer, x, ids, w, self._context(len(rows)), logits=logits)
 
 
 def replay(trace: Trace, policy: str | Callable[[], Policy], capacity: int, scope: str = "layer",
