@@ -50,6 +50,7 @@ from .spine import buffer_bytes as spine_buffer_bytes
 from .stats import EngineCounters, EngineInfo, GenerationStats
 from .storage import is_url, open_store
 from .storage.disk_tier import open_tier
+from .storage.urls import mask
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
 from .trace import TraceWriter
@@ -72,6 +73,7 @@ class Options:
     huge_pages: bool = True  # transparent huge pages for read buffers: ~1.7-2x O_DIRECT throughput here
     direct_io: bool | None = None  # None: probe O_DIRECT, fall back to buffered
     ca_bundle: str | None = None  # a model at an https:// URL: PEM file of extra CA certificates to trust
+    allow_unversioned_remote: bool = False  # read a URL whose server sends neither ETag nor Last-Modified
     disk_cache: int | str | None = None  # a model at a URL: keep what is fetched in a local disk tier of this size
     disk_cache_dir: str | None = None  # the disk tier's directory (None: storage.disk_tier.default_dir())
     verify_reads: bool = True  # CRC32 of every expert record and streamed spine layer read from a container
@@ -131,12 +133,15 @@ class ModelInfo:
 
     def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None,
                  ca_bundle: str | None = None, disk_cache: int | str | None = None,
-                 disk_cache_dir: str | os.PathLike | None = None, progress: bool = False):
+                 disk_cache_dir: str | os.PathLike | None = None, progress: bool = False,
+                 allow_unversioned_remote: bool = False):
         if disk_cache_dir is not None and disk_cache is None:
             raise InvalidArgumentError("disk_cache_dir (--disk-cache-dir) needs disk_cache (--disk-cache SIZE): "
                                        "there is no disk tier without a size")
         self.path, self.model_id = resolve_model(path, revision)  # a local Path or a URL (str)
         remote = {"ca_bundle": os.fspath(ca_bundle)} if ca_bundle else {}
+        if allow_unversioned_remote:
+            remote["allow_unversioned"] = True
         # memory -> disk tier -> remote store: only a model at a URL has one (a local file needs none)
         self.disk_tier = open_tier(disk_cache, disk_cache_dir) if disk_cache is not None and is_url(self.path) else None
         if self.disk_tier is not None:
@@ -154,7 +159,7 @@ class ModelInfo:
             self.close()
             if isinstance(e, OSError) and not isinstance(e, SluiceError):
                 # a remote store that cannot be reached, listed or authenticated to
-                raise CheckpointError(f"{self.path}: cannot open the model: {e}") from None
+                raise CheckpointError(mask(f"{self.path}: cannot open the model: {e}")) from None
             raise
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
@@ -288,7 +293,8 @@ class Engine:
         kernels.set_threads(self.threads)
         self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle,
                                      disk_cache=options.disk_cache, disk_cache_dir=options.disk_cache_dir,
-                                     progress=options.progress)
+                                     progress=options.progress,
+                                     allow_unversioned_remote=options.allow_unversioned_remote)
         try:
             self._build(info, memory, options, baseline, t_load)
         except BaseException:  # a budget too small, an interrupt: what was opened is closed (the tier too)

@@ -22,11 +22,11 @@ def format_params(n: int) -> str:
 def inspect_model(path: str | Path, memory: int | None = None, max_context: int | None = None,
                   revision: str | None = None, ca_bundle: str | None = None, parallel: int | None = None,
                   disk_cache: int | str | None = None, disk_cache_dir: str | None = None,
-                  progress: bool = False) -> dict:
+                  progress: bool = False, allow_unversioned_remote: bool = False) -> dict:
     """The model report; ``parallel``: sequences at once (None: the default rule per budget); ``progress``:
     show a remote model's metadata requests on a terminal."""
     info = ModelInfo(path, revision=revision, ca_bundle=ca_bundle, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir,
-                     progress=progress)
+                     progress=progress, allow_unversioned_remote=allow_unversioned_remote)
     try:
         return _report(info, memory, max_context, parallel)
     finally:
