@@ -1,5 +1,6 @@
 """A tiny real HTTP server for the remote-storage tests: serves a directory with Range support, and
-sends ETag and Last-Modified only when asked to (``validators``), so a test can play a server that
+sends ETag and Last-Modified only when asked to (``validators``: True for both, ``"last-modified"``
+for that one alone; conditional request headers are ignored, as some servers do), so a test can play a server that
 gives the client no way to tell one version of a file from the next. ``auth``: ``(user, password)``
 it demands as HTTP Basic auth (401 otherwise). ``stall``: a ``threading.Event``; while it is clear,
 GETs of data (range requests) wait for it (a server that stops answering)."""
@@ -16,9 +17,9 @@ from pathlib import Path
 
 
 class PlainHTTPServer:
-    def __init__(self, docroot: Path, *, validators: bool = False, auth: tuple[str, str] | None = None):
+    def __init__(self, docroot: Path, *, validators: bool | str = False, auth: tuple[str, str] | None = None):
         self.docroot, self.validators, self.auth = Path(docroot), validators, auth
-        self.requests: list[tuple[str, str, dict]] = []  # (method, path, headers) of every request
+        self.requests: list[tuple[str, str, dict]] = []  # (method, path, headers by lower-case name) of every request
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -34,7 +35,7 @@ class PlainHTTPServer:
                 self._serve(body=True)
 
             def _serve(self, body: bool):
-                owner.requests.append((self.command, self.path, dict(self.headers)))
+                owner.requests.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
                 if owner.auth is not None:
                     want = "Basic " + base64.b64encode(":".join(owner.auth).encode()).decode()
                     if self.headers.get("Authorization") != want:
@@ -59,7 +60,8 @@ class PlainHTTPServer:
                 self.send_response(status)
                 if owner.validators:
                     st = os.stat(path)
-                    self.send_header("ETag", '"' + hashlib.md5(data).hexdigest() + '"')
+                    if owner.validators is True:
+                        self.send_header("ETag", '"' + hashlib.md5(data).hexdigest() + '"')
                     self.send_header("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True))
                 if status == 206:
                     self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")

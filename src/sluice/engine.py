@@ -147,7 +147,7 @@ class ModelInfo:
         if self.disk_tier is not None:
             remote["disk_tier"] = self.disk_tier
         # a remote model's metadata requests (config, index, headers, tokenizer), shown on a terminal
-        self.meta_progress = Activity(f"{self.path}: metadata", enabled=progress and is_url(self.path))
+        self.meta_progress = Activity(f"{mask(str(self.path))}: metadata", enabled=progress and is_url(self.path))
         try:
             self.store = store = open_store(self.path, progress=self.meta_progress, **remote)
             self.is_container = is_container(store)
@@ -551,7 +551,7 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise CheckpointError(f"{self.path}: no tokenizer.json; pass token ids instead of text")
+            raise CheckpointError(f"{mask(str(self.path))}: no tokenizer.json; pass token ids instead of text")
         return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 from .engine import ModelInfo, Options
 from .errors import BudgetError
 from .plan import max_parallel
+from .storage.urls import mask
 from .sysmem import current_rss
 from .units import format_size
 
@@ -58,7 +59,7 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
             table.append({"budget_bytes": b, "cache_experts": 0, "ok": False, "cache_share": 0.0,
                           "streamed_layers": 0, "spine_read_per_token": 0, "parallel": 0, "parallel_max": 0})
     report = {
-        "path": str(info.path),
+        "path": mask(str(info.path)),  # a URL's password is never shown
         "model_id": info.model_id,
         "model_type": d.model_type,
         "layers": d.n_layers,
