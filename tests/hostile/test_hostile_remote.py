@@ -190,3 +190,54 @@ def test_a_url_password_never_reaches_the_terminal(plain, model_dir):
     assert secret not in r.stderr and "reader:***@" in r.stderr, r.stderr
     r = _cli("inspect", f"{base}/m", "--json")  # and the model opens with the credentials
     assert r.returncode == 0 and secret not in r.stdout + r.stderr, r.stderr
+
+
+# -- SIGTERM while a request waits on a stalled remote read -----------------------------------------
+
+
+def test_sigterm_stops_a_serve_whose_read_stalls(remote_servers, fault_proxy, model_dir):
+    """The remote server stops sending mid-body (60 s stall): SIGTERM reaches the read in flight, the
+    request ends with a 503 naming shutdown, and ``sluice serve`` exits within its grace period."""
+    pytest.importorskip("fastapi")
+    import signal
+    import threading
+    import time
+
+    import httpx
+    from remote_servers import Fault
+    from serve_process import spawn_serve, wait_for
+
+    urls = remote_servers.publish("stall-model", model_dir("qwen3_moe"))
+    proxy = fault_proxy(remote_servers.http.port)
+    url = urls["http"].replace(remote_servers.http.url, proxy.url)
+    proc, base = spawn_serve(url, "--memory", "2GiB", "--cache-experts", "2", "--no-prefetch", "--threads", "1",
+                             "--max-context", "128", "--no-progress", stdout=subprocess.DEVNULL)
+    try:
+        proxy.inject(*[Fault("stall", after=0, seconds=60) for _ in range(64)])  # every GET from now on
+        box: dict = {}
+
+        def ask():
+            r = httpx.post(base + "/v1/completions", json={"model": "stall-model", "prompt": list(range(3, 40)),
+                                                           "max_tokens": 4}, timeout=60)
+            box["r"] = r
+
+        t = threading.Thread(target=ask)
+        t.start()
+        wait_for(lambda: any(r.fault == "stall" for r in proxy.records), timeout=20, what="a stalled GET")
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+        took = time.monotonic() - t0
+        t.join(10)
+        _, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert took < 6.0, f"sluice serve took {took:.1f} s to exit after SIGTERM"
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    r = box["r"]
+    assert r.status_code == 503, r.text
+    e = r.json()["error"]
+    assert e["code"] == "shutting_down" and "shutting down" in e["message"], e

@@ -25,6 +25,7 @@ from datetime import datetime, timedelta, timezone
 from urllib.parse import urlsplit
 
 from ..progress import Activity
+from . import interrupt
 from .aws_config import AwsConfigError, missing_credentials, profile_settings
 from .meta_cache import MetaCache
 from .source import ByteSource, ReadStats
@@ -261,10 +262,14 @@ class RemoteSource(ByteSource):
             options["if_match"] = self.etag
         elif self._modified is not None:
             options["if_unmodified_since"] = self._modified
-        try:
+        def fetch():
             result = self._obstore.get(self._store, self._path, options=options)
-            answer = result.meta
-            data = result.bytes()
+            return result.meta, result.bytes()
+
+        try:  # waited for in slices: a shutdown (``interrupt.interrupt_reads``) stops it at once
+            answer, data = interrupt.call(fetch, f"read of {n} bytes at offset {offset} of {self.name}")
+        except interrupt.ReadInterruptedError:
+            raise
         except self._obstore.exceptions.PreconditionError:
             pinned = f"ETag {self.etag}" if self.etag else f"Last-Modified {self._modified.isoformat()}"
             raise RemoteObjectChangedError(
