@@ -384,7 +384,8 @@ class Engine:
             workers=o.expert_workers, worker_memory=worker_memory, replicate_hot=int(o.replicate_hot),
             worker_opts=dict(reader_threads=o.reader_threads, cache_policy=o.cache_policy,
                              verify_reads=o.verify_reads, huge_pages=o.huge_pages, direct_io=o.direct_io,
-                             ca_bundle=o.ca_bundle, cache_experts=o.cache_experts,
+                             ca_bundle=o.ca_bundle, allow_unversioned_remote=o.allow_unversioned_remote,
+                             cache_experts=o.cache_experts,
                              max_rows=self.plan.prefill_chunk * self.desc.top_k))
         self.cluster_note = f"{note}: {experts.describe()}"
         if o.progress:
