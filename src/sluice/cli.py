@@ -55,6 +55,7 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     g.add_argument("--ca-bundle", default=None, metavar="PEM",
                    help="a model at an https:// URL: a PEM file of extra CA certificates to trust "
                         "(TLS verification is always on)")
+    _add_unversioned_arg(g)
     _add_disk_cache_args(g)
     g.add_argument("--trace-routing", default=None, metavar="FILE",
                    help="write every decode token's expert routing (its sequence and engine step), router weights, "
@@ -81,6 +82,13 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                             "experts (mixing weights stay the model's own), trading fidelity for fewer reads")
 
 
+def _add_unversioned_arg(g) -> None:
+    g.add_argument("--allow-unversioned-remote", action="store_true",
+                   help="a model at a URL whose server sends neither ETag nor Last-Modified: read it anyway. "
+                        "Such a store cannot guarantee consistency: a file replaced while or between runs goes "
+                        "unnoticed (refused by default)")
+
+
 def _add_disk_cache_args(g) -> None:
     g.add_argument("--disk-cache", type=_size, default=None, metavar="SIZE",
                    help="a model at a URL: keep what is fetched (expert records, spine, headers) in a local disk "
@@ -98,6 +106,7 @@ def _engine_options(args) -> dict:
                 trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress,
                 ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
+                allow_unversioned_remote=args.allow_unversioned_remote,
                 disk_cache_dir=args.disk_cache_dir, ray=args.ray, expert_workers=args.expert_workers,
                 worker_memory=args.worker_memory, replicate_hot=args.replicate_hot)
 
@@ -205,7 +214,8 @@ def cmd_inspect(args) -> int:
 
     report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision,
                            ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
-                           disk_cache_dir=args.disk_cache_dir, progress=True)  # stderr, on a terminal only
+                           disk_cache_dir=args.disk_cache_dir, progress=True,
+                           allow_unversioned_remote=args.allow_unversioned_remote)  # stderr, on a terminal only
     print(json.dumps(report, indent=2) if args.json else render_inspect(report))
     return 0
 
@@ -452,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.add_argument("--ca-bundle", default=None, metavar="PEM",
                    help="a model at an https:// URL: a PEM file of extra CA certificates to trust")
+    _add_unversioned_arg(i)
     _add_disk_cache_args(i)
     i.set_defaults(func=cmd_inspect)
 
@@ -576,11 +587,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - every error ends as one line (the traceback with --debug)
         if args.debug:
             raise
+        from .storage.urls import mask  # a URL's password and known secrets never reach the terminal
+
         if isinstance(e, InvalidArgumentError):
-            print(f"sluice: error: {e}", file=sys.stderr)
+            print(f"sluice: error: {mask(str(e))}", file=sys.stderr)
             return EXIT_USAGE
         if isinstance(e, (SluiceError, ValueError, OSError)):
-            print(f"sluice: error: {e}", file=sys.stderr)
+            print(f"sluice: error: {mask(str(e))}", file=sys.stderr)
             return EXIT_ERROR
         print(f"sluice: internal error: {type(e).__name__}: {e} (a bug in sluice, not in your input: "
               "rerun with --debug for the traceback and report it)", file=sys.stderr)

@@ -50,6 +50,7 @@ from .spine import buffer_bytes as spine_buffer_bytes
 from .stats import EngineCounters, EngineInfo, GenerationStats
 from .storage import is_url, open_store
 from .storage.disk_tier import open_tier
+from .storage.urls import mask
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
 from .trace import TraceWriter
@@ -94,18 +95,21 @@ class ModelInfo:
 
     def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None,
                  ca_bundle: str | None = None, disk_cache: int | str | None = None,
-                 disk_cache_dir: str | os.PathLike | None = None, progress: bool = False):
+                 disk_cache_dir: str | os.PathLike | None = None, progress: bool = False,
+                 allow_unversioned_remote: bool = False):
         if disk_cache_dir is not None and disk_cache is None:
             raise InvalidArgumentError("disk_cache_dir (--disk-cache-dir) needs disk_cache (--disk-cache SIZE): "
                                        "there is no disk tier without a size")
         self.path, self.model_id = resolve_model(path, revision)  # a local Path or a URL (str)
         remote = {"ca_bundle": os.fspath(ca_bundle)} if ca_bundle else {}
+        if allow_unversioned_remote:
+            remote["allow_unversioned"] = True
         # memory -> disk tier -> remote store: only a model at a URL has one (a local file needs none)
         self.disk_tier = open_tier(disk_cache, disk_cache_dir) if disk_cache is not None and is_url(self.path) else None
         if self.disk_tier is not None:
             remote["disk_tier"] = self.disk_tier
         # a remote model's metadata requests (config, index, headers, tokenizer), shown on a terminal
-        self.meta_progress = Activity(f"{self.path}: metadata", enabled=progress and is_url(self.path))
+        self.meta_progress = Activity(f"{mask(str(self.path))}: metadata", enabled=progress and is_url(self.path))
         try:
             self.store = store = open_store(self.path, progress=self.meta_progress, **remote)
             self.is_container = is_container(store)
@@ -117,7 +121,7 @@ class ModelInfo:
             self.close()
             if isinstance(e, OSError) and not isinstance(e, SluiceError):
                 # a remote store that cannot be reached, listed or authenticated to
-                raise CheckpointError(f"{self.path}: cannot open the model: {e}") from None
+                raise CheckpointError(mask(f"{self.path}: cannot open the model: {e}")) from None
             raise
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
@@ -251,7 +255,8 @@ class Engine:
         kernels.set_threads(self.threads)
         self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle,
                                      disk_cache=options.disk_cache, disk_cache_dir=options.disk_cache_dir,
-                                     progress=options.progress)
+                                     progress=options.progress,
+                                     allow_unversioned_remote=options.allow_unversioned_remote)
         try:
             self._build(info, memory, options, baseline, t_load)
         except BaseException:  # a budget too small, an interrupt: what was opened is closed (the tier too)
@@ -342,7 +347,8 @@ class Engine:
             workers=o.expert_workers, worker_memory=worker_memory, replicate_hot=int(o.replicate_hot),
             worker_opts=dict(reader_threads=o.reader_threads, cache_policy=o.cache_policy,
                              verify_reads=o.verify_reads, huge_pages=o.huge_pages, direct_io=o.direct_io,
-                             ca_bundle=o.ca_bundle, cache_experts=o.cache_experts,
+                             ca_bundle=o.ca_bundle, allow_unversioned_remote=o.allow_unversioned_remote,
+                             cache_experts=o.cache_experts,
                              max_rows=self.plan.prefill_chunk * self.desc.top_k))
         self.cluster_note = f"{note}: {experts.describe()}"
         if o.progress:
@@ -455,7 +461,7 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise CheckpointError(f"{self.path}: no tokenizer.json; pass token ids instead of text")
+            raise CheckpointError(f"{mask(str(self.path))}: no tokenizer.json; pass token ids instead of text")
         return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:

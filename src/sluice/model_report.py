@@ -7,6 +7,7 @@ from pathlib import Path
 from .engine import ModelInfo, Options
 from .errors import BudgetError
 from .plan import max_parallel
+from .storage.urls import mask
 from .sysmem import current_rss
 from .units import format_size
 
@@ -22,11 +23,11 @@ def format_params(n: int) -> str:
 def inspect_model(path: str | Path, memory: int | None = None, max_context: int | None = None,
                   revision: str | None = None, ca_bundle: str | None = None, parallel: int | None = None,
                   disk_cache: int | str | None = None, disk_cache_dir: str | None = None,
-                  progress: bool = False) -> dict:
+                  progress: bool = False, allow_unversioned_remote: bool = False) -> dict:
     """The model report; ``parallel``: sequences at once (None: the default rule per budget); ``progress``:
     show a remote model's metadata requests on a terminal."""
     info = ModelInfo(path, revision=revision, ca_bundle=ca_bundle, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir,
-                     progress=progress)
+                     progress=progress, allow_unversioned_remote=allow_unversioned_remote)
     try:
         return _report(info, memory, max_context, parallel)
     finally:
@@ -58,7 +59,7 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
             table.append({"budget_bytes": b, "cache_experts": 0, "ok": False, "cache_share": 0.0,
                           "streamed_layers": 0, "spine_read_per_token": 0, "parallel": 0, "parallel_max": 0})
     report = {
-        "path": str(info.path),
+        "path": mask(str(info.path)),  # a URL's password is never shown
         "model_id": info.model_id,
         "model_type": d.model_type,
         "layers": d.n_layers,

@@ -36,6 +36,7 @@ class Options:
     huge_pages: bool = True  # transparent huge pages for read buffers: ~1.7-2x O_DIRECT throughput here
     direct_io: bool | None = None  # None: probe O_DIRECT, fall back to buffered
     ca_bundle: str | None = None  # a model at an https:// URL: PEM file of extra CA certificates to trust
+    allow_unversioned_remote: bool = False  # read a URL whose server sends neither ETag nor Last-Modified
     disk_cache: int | str | None = None  # a model at a URL: keep what is fetched in a local disk tier of this size
     disk_cache_dir: str | None = None  # the disk tier's directory (None: storage.disk_tier.default_dir())
     verify_reads: bool = True  # CRC32 of every expert record and streamed spine layer read from a container

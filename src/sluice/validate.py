@@ -168,6 +168,7 @@ _OPTION_CHECKS = {
     "progress": _opt_bool(),
     "trace_routing": _path,
     "ca_bundle": _path,
+    "allow_unversioned_remote": _opt_bool(),
     "disk_cache": _size,
     "disk_cache_dir": _path,
     "max_resident_layers": _opt_int(0),

@@ -446,6 +446,8 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str,
 
     import uvicorn
 
+    from ..storage.interrupt import interrupt_reads, resume_reads
+
     app = create_app(engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      max_body_bytes=max_body_bytes)
     service: Service = app.state.service
@@ -455,6 +457,7 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str,
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: end open streams (error event, [DONE]) at once
+            interrupt_reads("the server is shutting down")  # remote reads in flight stop too (storage/interrupt.py)
             service.begin_shutdown()
             super().handle_exit(sig, frame)
 
@@ -478,3 +481,4 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str,
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+        resume_reads()
