@@ -59,6 +59,7 @@ class Plan:
     floor_slots: int = 0  # the cache slots the floor holds: one step of one layer (top-k + lookahead reads)
     working_set_budget: int = 0  # the smallest budget whose cache keeps one token's working set
     requested_chunk: int = 0  # the prefill chunk asked for (``prefill_chunk``: what the cache allows of it)
+    reduced: bool = False  # the budget gave a cache below the working set (not --cache-experts): warn at load
 
     @property
     def below_working_set(self) -> bool:
@@ -127,7 +128,7 @@ def chunk_for(slots: int, *, chunk: int, top_k: int, layer_experts: int, lookahe
 
 def below_working_set_warning(plan: Plan) -> str | None:
     """The load-time warning of a plan whose cache is smaller than one token's working set."""
-    if not plan.below_working_set:
+    if not (plan.reduced and plan.below_working_set):
         return None
     chunk = (f"; the prefill chunk shrinks from {plan.requested_chunk} to {plan.prefill_chunk} tokens"
              if plan.prefill_chunk < plan.requested_chunk else "")
@@ -249,12 +250,14 @@ def _make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: d
     floor_base = fixed0 + acts_for(floor_chunk)
     floor_resident = budget_for(floor_base + spine_all, floor_slots * slot_bytes)
     floor = min(floor_resident, budget_for(floor_base + spine_global + buffers, floor_slots * slot_bytes))
+    if floor_resident >= ws_budget:  # there the working set comes first (layers streamed): resident with it
+        floor_resident = ws_resident
     reduced = cache_experts is None and budget < ws_budget  # between the floor and the working set
     if cache_experts is not None:
         want_slots = min(cache_experts, total_experts)
     else:
         want_slots = floor_slots if reduced else working_set
-    chunk = chunk_for(want_slots, **fit)
+    chunk = chunk_for(want_slots, **fit) if reduced else prefill_chunk  # --cache-experts: its union streams through
     acts = acts_for(chunk)
     base = fixed0 + acts
     streamed: list[int] = []
@@ -320,4 +323,4 @@ def _make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: d
                 streamed_layers=streamed,
                 spine_streamed_bytes=sum(spine_layers[i] for i in streamed),
                 stream_buffer_bytes=buffers if streamed else 0, parallel=parallel, seq_state_bytes=seq_state,
-                floor_slots=floor_slots, working_set_budget=ws_budget, requested_chunk=prefill_chunk)
+                floor_slots=floor_slots, working_set_budget=ws_budget, requested_chunk=prefill_chunk, reduced=reduced)
