@@ -112,7 +112,7 @@ def floor_model(tmp_path_factory):
     from sluice.synthetic import write_model
 
     root = tmp_path_factory.mktemp("floor")
-    path = write_model(root / "model", CONFIG, std=0.2, progress=False, tokenizer=False)
+    path = write_model(root / "model", CONFIG, std=0.2, progress=False, tokenizer=True)
     yield path
     shutil.rmtree(root, ignore_errors=True)
 
@@ -165,3 +165,38 @@ def test_engine_at_the_floor_and_below(floor_model):
     with pytest.raises(BudgetError, match=r"is below the floor .* one step of one layer's experts \(top-2 \+ 2 "
                                           r"lookahead reads = 4 x 3\.00 MiB"):
         sluice.load(floor_model, memory=floor - 8 * MiB, max_context=256, parallel=1, progress=False)
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "sluice.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_inspect_run_and_refusal(floor_model):
+    import json
+
+    r = _cli("inspect", floor_model, "--max-context", 256, "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["floor_slots"] == 4 and rep["working_set_experts"] == 12
+    assert rep["floor_bytes"] < rep["working_set_budget_bytes"]
+    between = [b for b in rep["budgets"] if b["ok"] and b["below_working_set"]]
+    assert between and all(b["prefill_chunk"] < 512 for b in between)
+    text = _cli("inspect", floor_model, "--max-context", 256).stdout
+    assert "memory floor" in text and "working set" in text and "keeps one token's experts (12)" in text
+    mid = (rep["floor_bytes"] + rep["working_set_budget_bytes"]) // 2
+    r = _cli("run", floor_model, "--memory", f"{mid}B", "--max-context", 256, "--parallel", 1, "-p", "hello",
+             "--max-new-tokens", 4, "--ignore-eos", "--no-progress", "--json")
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stderr.splitlines() if "working set" in line]
+    assert len(notes) == 1 and notes[0].startswith("sluice: warning: ")  # once, on stderr
+    assert json.loads(r.stdout)["stats"]["generated_tokens"] == 4
+    low = rep["floor_bytes"] - 16 * MiB
+    r = _cli("run", floor_model, "--memory", f"{low}B", "--max-context", 256, "-p", "hello", "--no-progress")
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sluice: error: memory budget") and "below the floor" in lines[0]
+    assert "Traceback" not in r.stderr
