@@ -200,3 +200,21 @@ def test_cli_inspect_run_and_refusal(floor_model):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sluice: error: memory budget") and "below the floor" in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_batch_below_the_working_set_streams_through_the_cache(floor_model):
+    """Two sequences at once (an explicit --parallel) below the working set: their union in a
+    layer can exceed the cache; it streams through (each expert released once computed) and
+    each sequence gets the tokens it gets alone in an unconstrained engine."""
+    prompts = [PROMPT, list(range(50, 75))]
+    with sluice.load(floor_model, memory="4GiB", max_context=256, parallel=1, progress=False) as full:
+        want = [full.generate(p, **GEN).token_ids for p in prompts]
+    floor, ws = _budgets(floor_model)
+    with pytest.warns(UserWarning, match="less than one token's working set"):
+        eng = sluice.load(floor_model, memory=(floor + ws) // 2 + 4 * MiB, max_context=256, parallel=2,
+                          progress=False)
+    with eng:
+        assert eng.plan.parallel == 2 and eng.plan.below_working_set
+        got = eng.generate(prompts, **GEN)
+        assert [r.token_ids for r in got] == want
+        assert eng.scheduler.stats().max_batch_size == 2
