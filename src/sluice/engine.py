@@ -40,7 +40,7 @@ from .models import quantized_spine
 from .models.base import MoEBlock, check_tensor
 from .models.config import check_layer_count, eos_ids
 from .options import DEFAULT_MAX_CONTEXT, DebugOptions, Options
-from .plan import Plan, activation_bytes, make_plan
+from .plan import Plan, activation_bytes, below_working_set_warning, make_plan
 from .progress import Activity, Progress
 from .resolve import resolve_model
 from .runner import ModelRunner, SeqState
@@ -231,13 +231,20 @@ class ModelInfo:
         # a remote read holds its response body until it is copied into the slot: one per reader
         # thread and one for the spine stream (0 for local files, read straight into the buffers)
         transfer = (options.reader_threads + 1) * self.checkpoint.sources.transfer_bytes
+
+        def acts(c: int) -> int:  # a prefill chunk's buffers (the planner shrinks the chunk to fit a small cache)
+            return activation_bytes(self.desc.hidden, ffn, self.desc.vocab, c, self.desc.attn_heads, max_ctx,
+                                    score_block=SCORE_BLOCK_BYTES) + transfer
+
         return dict(
             budget=budget, baseline=current_rss() if baseline is None else baseline,
             spine_global=glob, spine_layers=layers,
             stream_buffer=max((spine_buffer_bytes(r) for r in reads.values()), default=0),
             state_bytes=self.desc.state_bytes(max_ctx),
-            activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx,
-                                         score_block=SCORE_BLOCK_BYTES) + transfer,
+            activations=acts(chunk), activations_for=acts, layer_experts=self.desc.n_experts,
+            # the floor holds the lookahead's reads in flight: top-k per layer it predicts ahead
+            lookahead_slots=(self.desc.top_k * max(options.prefetch.depth, options.prefetch.max_depth)
+                             if here and options.prefetch.enabled else 0),
             slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set if here else 0,
             total_experts=self.desc.total_experts, top_k=self.desc.top_k if here else 0, max_context=max_ctx,
             prefill_chunk=chunk, cache_experts=options.cache_experts if here else 0,
@@ -269,6 +276,8 @@ class Engine:
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts
         self.tokenizer, self.eos_token_ids = info.tokenizer, info.eos_token_ids
         self.plan: Plan = info.plan(memory, options, baseline)
+        if (note := below_working_set_warning(self.plan)) is not None:
+            warnings.warn(note, stacklevel=3)  # once per load: the cache cannot keep experts across tokens
         self.spine: SpineStreamer | None = None
         spine = self._load_spine()
         if options.ray:

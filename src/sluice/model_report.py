@@ -43,7 +43,7 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
     base = info.plan(1 << 50, Options(max_context=max_context, parallel=parallel or 1), baseline=baseline)
     expert_bytes = info.experts.record_bytes
     glob, layers = info.spine_split()
-    budgets = sorted({base.floor, base.floor_resident, base.budget_for_slots(d.total_experts // 4),
+    budgets = sorted({base.floor, base.floor_resident, base.working_set_budget, base.budget_for_slots(d.total_experts // 4),
                       base.budget_for_slots(d.total_experts // 2), base.budget_for_slots(d.total_experts)}
                      | ({memory} if memory else set()))
     table = []
@@ -51,12 +51,14 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
         try:
             p = info.plan(b, opts, baseline=baseline)
             table.append({"budget_bytes": b, "cache_experts": p.cache_slots, "ok": True,
+                          "below_working_set": p.below_working_set, "prefill_chunk": p.prefill_chunk,
                           "cache_share": p.cache_slots / max(d.total_experts, 1),
                           "streamed_layers": len(p.streamed_layers), "spine_read_per_token": p.spine_streamed_bytes,
                           "parallel": p.parallel,
                           "parallel_max": max_parallel(**info.plan_args(b, opts, baseline=baseline))})
         except BudgetError:
             table.append({"budget_bytes": b, "cache_experts": 0, "ok": False, "cache_share": 0.0,
+                          "below_working_set": False, "prefill_chunk": 0,
                           "streamed_layers": 0, "spine_read_per_token": 0, "parallel": 0, "parallel_max": 0})
     report = {
         "path": mask(str(info.path)),  # a URL's password is never shown
@@ -87,6 +89,8 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
         "baseline_bytes": baseline,
         "floor_bytes": base.floor,
         "floor_resident_bytes": base.floor_resident,
+        "floor_slots": base.floor_slots,  # one step of one layer: top-k + the lookahead's reads in flight
+        "working_set_budget_bytes": base.working_set_budget,  # the smallest budget keeping one token's experts
         "budgets": table,
         "notes": list(d.notes),
     }
@@ -123,9 +127,12 @@ def render_inspect(r: dict) -> str:
         f"  KV/state          {format_size(r['kv_state_bytes'])} for {r['max_context']} tokens, per sequence that "
         "runs at once (--parallel)",
         f"  memory floor      {format_size(r['floor_resident_bytes'])} with the whole spine resident "
-        f"(baseline {format_size(r['baseline_bytes'])} + spine + one token's experts + KV + buffers)",
+        f"(baseline {format_size(r['baseline_bytes'])} + spine + one step of one layer's experts: "
+        f"{r['floor_slots']} slots + KV + buffers)",
         f"                    {format_size(r['floor_bytes'])} streaming the spine layer by layer "
         "(slower: layers are read every token)",
+        f"  working set       {format_size(r['working_set_budget_bytes'])} keeps one token's experts "
+        f"({r['working_set_experts']}); below it every token reads its experts again",
         "  budget -> expert cache, sequences at once (default, most), spine streaming:",
     ]
     for b in r["budgets"]:
@@ -136,7 +143,8 @@ def render_inspect(r: dict) -> str:
                   if b["streamed_layers"] else "")
         lines.append(f"    {format_size(b['budget_bytes']):>12}  {b['cache_experts']:6d} experts "
                      f"({100 * b['cache_share']:5.1f}% of all), parallel {b['parallel']} (at most "
-                     f"{b['parallel_max']}){stream}")
+                     f"{b['parallel_max']}){stream}"
+                     + (f", below the working set (prefill chunk {b['prefill_chunk']})" if b["below_working_set"] else ""))
     if "plan" in r:
         p = r["plan"]
         lines.append(f"  --memory plan: cache {p['cache_slots']} experts, {p['parallel']} sequences at once (--parallel), "
