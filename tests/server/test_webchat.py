@@ -277,7 +277,6 @@ def test_renderer_is_linear_on_hostile_replies(server, browser):
         return out;
     """, {name: text for name, (text, _) in HOSTILE_REPLIES.items()})
     assert got.pop("pwned") is None
-    print({name: round(r["ms"], 1) for name, r in got.items()})
     slow = {name: round(r["ms"], 1) for name, r in got.items() if r["ms"] > RENDER_BUDGET_MS}
     assert not slow, f"rendering took over {RENDER_BUDGET_MS} ms: {slow}"
     for name, (text, want) in HOSTILE_REPLIES.items():
