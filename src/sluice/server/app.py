@@ -343,6 +343,14 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
         body, headers = webchat.page()
         return Response(body, media_type="text/html; charset=utf-8", headers=headers)
 
+    async def chat_script(request: Request):
+        """The chat page's scripts (no API key either)."""
+        body, headers = webchat.script(request.url.path.rsplit("/", 1)[-1])
+        return Response(body, media_type="text/javascript; charset=utf-8", headers=headers)
+
+    for name in webchat.SCRIPTS:
+        app.add_api_route("/" + name, chat_script, methods=["GET"], include_in_schema=False)
+
     @app.get("/health")
     async def health():
         waiting, running = service.scheduler.depth()
