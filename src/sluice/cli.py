@@ -585,6 +585,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sluice: internal error: {type(e).__name__}: {e} (a bug in sluice, not in your input: "
               "rerun with --debug for the traceback and report it)", file=sys.stderr)
         return EXIT_ERROR
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # a native library's panic (pyo3's PanicException is a BaseException)
+        if args.debug:
+            raise
+        from .errors import describe_panic
+
+        print(f"sluice: error: {describe_panic(e)}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover
