@@ -70,6 +70,9 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     ray.add_argument("--worker-memory", type=_size, default=None, metavar="SIZE",
                      help="each expert worker's memory budget, its expert cache included (default: a safe share "
                           "of its machine's available memory)")
+    ray.add_argument("--ray-timeout", type=float_arg(0.0, lo_open=True), default=60.0, metavar="S",
+                     help="seconds to wait for the cluster to answer and for the expert workers to be placed and "
+                          "started, with a line on stderr every 5 s, before failing with the cause (default 60)")
     ray.add_argument("--replicate-hot", type=int_arg(0), default=0, metavar="N",
                      help="per MoE layer, the N most-routed experts may also run on a second worker (load "
                           "balance and failover; exact either way)")
@@ -99,7 +102,8 @@ def _engine_options(args) -> dict:
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress,
                 ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
                 disk_cache_dir=args.disk_cache_dir, ray=args.ray, expert_workers=args.expert_workers,
-                worker_memory=args.worker_memory, replicate_hot=args.replicate_hot)
+                worker_memory=args.worker_memory, replicate_hot=args.replicate_hot,
+                ray_timeout=args.ray_timeout)
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:

@@ -91,6 +91,7 @@ class Options:
     expert_workers: int | None = None  # Ray expert workers (None: one per node of the cluster)
     worker_memory: int | str | None = None  # each worker's budget (None: a safe share of its machine's memory)
     replicate_hot: int = 0  # per MoE layer, the N most-routed experts may also run on a second worker
+    ray_timeout: float = 60.0  # seconds to reach the cluster, and to place and start the workers
 
 
 def load(path: str | os.PathLike, memory: int | str | None = None, *, revision: str | None = None,
@@ -371,11 +372,12 @@ class Engine:
             raise InvalidArgumentError(f"expert_workers (--expert-workers) must be at least 1, got {o.expert_workers!r}")
         validate.number(o.replicate_hot, "replicate_hot (--replicate-hot)", lo=0)
         worker_memory = parse_size(o.worker_memory, "worker_memory") if o.worker_memory is not None else None
-        note = connect_cluster(o.ray)
+        note = connect_cluster(o.ray, timeout=float(o.ray_timeout))
         location = self.path if isinstance(self.path, str) else os.fspath(self.path.resolve())
         experts = RayExperts(
             location, cluster_signature(self.checkpoint), self.desc.moe_layers, self.desc.n_experts,
             workers=o.expert_workers, worker_memory=worker_memory, replicate_hot=int(o.replicate_hot),
+            timeout=float(o.ray_timeout),
             worker_opts=dict(reader_threads=o.reader_threads, cache_policy=o.cache_policy,
                              verify_reads=o.verify_reads, huge_pages=o.huge_pages, direct_io=o.direct_io,
                              ca_bundle=o.ca_bundle, cache_experts=o.cache_experts,

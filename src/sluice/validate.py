@@ -178,6 +178,7 @@ _OPTION_CHECKS = {
     "expert_workers": _opt_int(1),
     "worker_memory": lambda v, n: v is None or parse_size(v, n),
     "replicate_hot": _opt_int(0, none=False),
+    "ray_timeout": lambda v, n: number(v, n, lo=0.0, lo_open=True),
 }
 
 

@@ -29,13 +29,17 @@ def serve_command(args, engine_options: dict) -> int:
     """``sluice serve``: load the model, then serve it until interrupted."""
     import sys
 
-    require_dependencies()
-    from .. import load
-    from .app import serve
     from .bind import bind, check_api_key
 
     args.api_key = check_api_key(args.api_key)
+    require_dependencies()
     sock = bind(args.host, args.port)  # before loading: a port in use fails at once, nothing announced
+    try:
+        from .. import load
+        from .app import serve
+    except BaseException:
+        sock.close()
+        raise
     port = sock.getsockname()[1]
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"sluice: warning: serving on {args.host} without --api-key: anyone who can reach this port "
