@@ -62,8 +62,8 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                         "trace-replay reads)")
     ray = p.add_argument_group("experts on a Ray cluster (docs/scale-out.md; the ray extra)")
     ray.add_argument("--ray", default=None, metavar="auto|ADDRESS",
-                     help="compute the experts on Ray actors: auto (RAY_ADDRESS, else a cluster running here, else "
-                          "a new local one, said so) or a cluster's HOST:PORT. --memory is then this process's "
+                     help="compute the experts on Ray actors: auto (RAY_ADDRESS, else a cluster this user started here, "
+                          "else a new local one, said so) or a cluster's HOST:PORT. --memory is then this process's "
                           "budget (spine, KV, buffers; no expert cache). Run Ray on a private network only")
     ray.add_argument("--expert-workers", type=int_arg(1, 4096), default=None, metavar="N",
                      help="expert workers (Ray actors) to start (default: one per node)")
