@@ -191,6 +191,10 @@ def cmd_run(args) -> int:
             raise InvalidArgumentError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
     else:
         prompt = args.prompt
+    if not args.chat:  # a prompt that cannot fit is refused before the weights load
+        from .prompt_fit import precheck
+
+        precheck(args.model, prompt, revision=args.revision, max_context=args.max_context)
     # closed however the run ends (an error, ^C): its disk tier is released, not held to process exit
     with load(args.model, memory=args.memory, revision=args.revision, **_engine_options(args)) as engine:
         echo = prompt if args.echo else None

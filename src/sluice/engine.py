@@ -52,6 +52,7 @@ from .storage import is_url, open_store
 from .storage.disk_tier import open_tier
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
+from . import prompt_fit
 from .trace import TraceWriter
 from .units import parse_size
 
@@ -606,11 +607,7 @@ class Engine:
         if not ids:
             raise InvalidArgumentError("the prompt is empty: give at least one token")
         self._check_ids(ids)
-        if len(ids) >= self.max_context:
-            raise InvalidArgumentError(
-                f"prompt of {len(ids)} tokens does not fit the context of {self.max_context} tokens "
-                "(raise --max-context or shorten the prompt)"
-            )
+        prompt_fit.check(len(ids), self.max_context, self.desc.max_position_embeddings)
         stop = kw["stop"]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return Request(ids, params, kw["max_new_tokens"], stops, set(kw["stop_token_ids"] or []), kw["ignore_eos"],

@@ -170,3 +170,34 @@ def test_ray_address_with_nothing_listening_waits_bounded_with_progress(monkeypa
         assert said and all(line.startswith(f"sluice: waiting for a Ray cluster at 127.0.0.1:{port}") for line in said)
     with pytest.raises(ClusterError, match="not an address"):
         wait_listening("no-port-here", 1.0)
+
+
+def test_prompt_beyond_the_models_own_limit_names_it_before_loading(tmp_path, capsys, monkeypatch):
+    """The demo model's max_position_embeddings is 512: a longer prompt is refused naming that limit
+    (never "raise --max-context"), on the command line before any weights load."""
+    import sluice
+
+    long = tmp_path / "long.txt"
+    long.write_text("def f(x):\n    return x\n" * 200)
+    monkeypatch.setattr(sluice, "load", lambda *a, **k: pytest.fail("the weights were loaded"))
+    for extra in ([], ["--max-context", "100"], ["--max-context", "512"]):
+        assert cli.main(["run", "demo", "--prompt-file", str(long), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "the model's own limit of 512 positions (max_position_embeddings" in err, err
+        assert "raise --max-context" not in err and err.count("\n") == 1
+    mid = tmp_path / "mid.txt"
+    mid.write_text("def f(x): return x " * 20)
+    assert cli.main(["run", "demo", "--prompt-file", str(mid), "--max-context", "20"]) == 2
+    assert "(raise --max-context (the model allows up to 512) or shorten the prompt)" in capsys.readouterr().err
+
+
+def test_engine_names_the_models_limit_for_token_ids():
+    import sluice
+    from sluice.errors import InvalidArgumentError
+
+    with sluice.load("demo", "2GiB", progress=False, max_context=512) as eng:
+        with pytest.raises(InvalidArgumentError, match=r"prompt of 600 tokens does not fit the model's own limit "
+                                                       r"of 512 positions"):
+            eng.generate([5] * 600, max_new_tokens=1)
+        with pytest.raises(InvalidArgumentError, match=r"prompt of 512 tokens does not fit the model's own limit"):
+            eng.generate([5] * 512, max_new_tokens=1)
