@@ -141,7 +141,11 @@ def stats_line(stats: dict, finish_reason: str | None = None, max_new_tokens: in
     if stats.get("disk_tier_hits") or stats.get("disk_tier_misses"):  # memory -> disk tier -> remote
         line += (f" | disk tier {stats['disk_tier_hits']} hits ({stats['disk_tier_bytes_read'] / 1e9:.2f} GB), "
                  f"{stats['disk_tier_misses']} misses, fetched {stats['remote_bytes_read'] / 1e9:.2f} GB")
+    from .lossy import summary
     from .text import limit_note
+
+    if summary(stats.get("lossy") or {}):
+        line += f" | {summary(stats['lossy'])}"
 
     cut = limit_note(finish_reason, stats.get("generated_tokens"), max_new_tokens)
     return f"{line} | {cut}" if cut else line

@@ -203,6 +203,14 @@ class ModelInfo:
         format of ``quantized_spine.SPINE_FORMATS`` (lossy: ``convert --spine``)."""
         return next(iter(self.spine_quant.values()), "stored")
 
+    @property
+    def expert_loss(self) -> str | None:
+        """How the experts differ from the source checkpoint's (a container that ``sluice convert``
+        quantized or narrowed), or None when they are its own weights (``lossy.py``)."""
+        from .lossy import container_expert_loss
+
+        return container_expert_loss(self.checkpoint) if self.is_container else None
+
     def spine_tensor_bytes(self, name: str) -> int:
         """Bytes spine tensor ``name`` takes as stored (every part of a quantized one)."""
         return quantized_spine.nbytes(name, self.spine_quant, self.checkpoint.tensors)
@@ -426,7 +434,9 @@ class Engine:
                 layer.mlp.prefer_cached = prefer_cached
         routing = {k: v for k, v in (("moe_top_k", moe_top_k), ("prefer_cached", prefer_cached)) if v}
         spine = self.info.spine_format
-        self.lossy = {**routing, **({"spine": spine} if spine != "stored" else {})}  # every result's stats say so
+        experts = self.info.expert_loss
+        self.lossy = {**routing, **({"spine": spine} if spine != "stored" else {}),
+                      **({"experts": self.experts_source.format} if experts else {})}  # every result's stats say so
         if routing and warn:
             warnings.warn(f"lossy routing enabled ({routing}): outputs differ from the model's", stacklevel=2)
 
