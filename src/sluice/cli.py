@@ -196,7 +196,7 @@ def cmd_run(args) -> int:
     else:
         prompt = args.prompt
     if not args.chat:  # a prompt that cannot fit is refused before the weights load
-        from .prompt_fit import precheck
+        from .cli_prompt import precheck
 
         precheck(args.model, prompt, revision=args.revision, max_context=args.max_context)
     # closed however the run ends (an error, ^C): its disk tier is released, not held to process exit

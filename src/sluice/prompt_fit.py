@@ -2,8 +2,8 @@
 
 The context (``--max-context``) can be raised only up to the model's own limit, its
 ``max_position_embeddings``; a prompt longer than that limit cannot run at all, and the message
-says so instead of suggesting ``--max-context``. ``precheck`` runs the same test on the
-command line before the model's weights are loaded (the tokenizer and config only).
+says so instead of suggesting ``--max-context``. ``cli_prompt.precheck`` runs the same test on
+the command line before the model's weights are loaded (the tokenizer and config only).
 """
 
 from __future__ import annotations
@@ -23,24 +23,3 @@ def check(n_tokens: int, max_context: int, model_limit: int | None) -> None:
     top = f" (the model allows up to {model_limit})" if model_limit is not None else ""
     raise InvalidArgumentError(f"prompt of {n_tokens} tokens does not fit the context of {max_context} tokens "
                                f"(raise --max-context{top} or shorten the prompt)")
-
-
-def precheck(model, prompt: str, *, revision=None, max_context: int | None = None) -> None:
-    """Before ``load``: refuse a text prompt that cannot fit, reading only the model's config and
-    tokenizer (a local model; a URL's is checked after loading, by the engine)."""
-    from .engine import DEFAULT_MAX_CONTEXT, ModelInfo
-    from .storage.location import is_url
-
-    if not isinstance(prompt, str) or is_url(str(model)):
-        return
-    info = ModelInfo(model, revision=revision)
-    try:
-        if info.tokenizer is None:
-            return
-        limit = info.desc.max_position_embeddings
-        ctx = min(max_context, limit) if max_context else min(limit, DEFAULT_MAX_CONTEXT)
-        if max_context and max_context > limit:
-            return  # the engine names that error itself
-        check(len(info.tokenizer.encode(prompt)), ctx, limit)
-    finally:
-        info.close()
