@@ -201,3 +201,18 @@ def test_engine_names_the_models_limit_for_token_ids():
             eng.generate([5] * 600, max_new_tokens=1)
         with pytest.raises(InvalidArgumentError, match=r"prompt of 512 tokens does not fit the model's own limit"):
             eng.generate([5] * 512, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_ray_timeout_must_be_a_positive_number(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["run", "demo", "--ray", "auto", "--ray-timeout", value])
+    assert e.value.code == 2 and "argument --ray-timeout" in capsys.readouterr().err
+
+
+def test_ray_timeout_api_option_is_checked():
+    import sluice
+    from sluice.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="ray_timeout"):
+        sluice.load("demo", "2GiB", progress=False, ray="auto", ray_timeout=0)
