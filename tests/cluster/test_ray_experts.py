@@ -321,3 +321,20 @@ def test_cli_nothing_listening_is_one_line_in_bounded_time(text_model, cluster):
                          f"there with: ray start --head --port {port})"), out.stderr
     assert any(line.startswith(f"sluice: waiting for a Ray cluster at 127.0.0.1:{port}") for line in lines[:-1])
     assert time.monotonic() - t0 < 60
+
+
+def test_workers_that_cannot_all_be_placed_fail_within_ray_timeout(family_models, cluster):
+    """One worker more than the nodes can hold (each node's memory fits one): an error after
+    ``ray_timeout`` seconds saying how many did not start and what each asked for."""
+    import ray
+
+    from sluice.cluster.errors import ClusterError
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    each = int(min(n["Resources"]["memory"] for n in nodes) * 0.6)
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match=r"[1-4] of 4 expert workers did not start within 4 s \(--ray-timeout\): "
+                                           r"each needs .* of Ray memory"):
+        load(family_models.hf("mixtral"), "2GiB", ray="auto", expert_workers=len(nodes) + 1, worker_memory=each,
+             ray_timeout=4, **COMMON)
+    assert time.monotonic() - t0 < 30
