@@ -53,6 +53,7 @@ from .storage.disk_tier import open_tier
 from .storage.urls import mask
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
+from . import prompt_fit
 from .trace import TraceWriter
 from .units import parse_size
 
@@ -167,6 +168,14 @@ class ModelInfo:
         """How the spine's matrices are stored: "stored" (as the checkpoint has them) or a
         format of ``quantized_spine.SPINE_FORMATS`` (lossy: ``convert --spine``)."""
         return next(iter(self.spine_quant.values()), "stored")
+
+    @property
+    def expert_loss(self) -> str | None:
+        """How the experts differ from the source checkpoint's (a container that ``sluice convert``
+        quantized or narrowed), or None when they are its own weights (``lossy.py``)."""
+        from .lossy import container_expert_loss
+
+        return container_expert_loss(self.checkpoint) if self.is_container else None
 
     def spine_tensor_bytes(self, name: str) -> int:
         """Bytes spine tensor ``name`` takes as stored (every part of a quantized one)."""
@@ -349,11 +358,12 @@ class Engine:
             raise InvalidArgumentError(f"expert_workers (--expert-workers) must be at least 1, got {o.expert_workers!r}")
         validate.number(o.replicate_hot, "replicate_hot (--replicate-hot)", lo=0)
         worker_memory = parse_size(o.worker_memory, "worker_memory") if o.worker_memory is not None else None
-        note = connect_cluster(o.ray)
+        note = connect_cluster(o.ray, timeout=float(o.ray_timeout))
         location = self.path if isinstance(self.path, str) else os.fspath(self.path.resolve())
         experts = RayExperts(
             location, cluster_signature(self.checkpoint), self.desc.moe_layers, self.desc.n_experts,
             workers=o.expert_workers, worker_memory=worker_memory, replicate_hot=int(o.replicate_hot),
+            timeout=float(o.ray_timeout),
             worker_opts=dict(reader_threads=o.reader_threads, cache_policy=o.cache_policy,
                              verify_reads=o.verify_reads, huge_pages=o.huge_pages, direct_io=o.direct_io,
                              ca_bundle=o.ca_bundle, allow_unversioned_remote=o.allow_unversioned_remote,
@@ -402,7 +412,9 @@ class Engine:
                 layer.mlp.prefer_cached = prefer_cached
         routing = {k: v for k, v in (("moe_top_k", moe_top_k), ("prefer_cached", prefer_cached)) if v}
         spine = self.info.spine_format
-        self.lossy = {**routing, **({"spine": spine} if spine != "stored" else {})}  # every result's stats say so
+        experts = self.info.expert_loss
+        self.lossy = {**routing, **({"spine": spine} if spine != "stored" else {}),
+                      **({"experts": self.experts_source.format} if experts else {})}  # every result's stats say so
         if routing and warn:
             warnings.warn(f"lossy routing enabled ({routing}): outputs differ from the model's", stacklevel=2)
 
@@ -529,11 +541,7 @@ class Engine:
         if not ids:
             raise InvalidArgumentError("the prompt is empty: give at least one token")
         self._check_ids(ids)
-        if len(ids) >= self.max_context:
-            raise InvalidArgumentError(
-                f"prompt of {len(ids)} tokens does not fit the context of {self.max_context} tokens "
-                "(raise --max-context or shorten the prompt)"
-            )
+        prompt_fit.check(len(ids), self.max_context, self.desc.max_position_embeddings)
         stop = kw["stop"]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return Request(ids, params, kw["max_new_tokens"], stops, set(kw["stop_token_ids"] or []), kw["ignore_eos"],

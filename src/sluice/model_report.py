@@ -73,6 +73,7 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
         "params_total": total,
         "params_active_per_token": active,
         "expert_format": info.experts.format,
+        "expert_lossy": info.expert_loss,  # None: the source checkpoint's own weights
         "container": info.is_container,
         "spine_bytes": info.spine_bytes(),
         "spine_format": info.spine_format,
@@ -117,7 +118,8 @@ def render_inspect(r: dict) -> str:
         f"{r['experts_per_layer']} experts/layer, top-{r['experts_per_token']}",
         f"  parameters        {format_params(r['params_total'])} total, "
         f"{format_params(r['params_active_per_token'])} active per token",
-        f"  expert format     {r['expert_format']}",
+        f"  expert format     {r['expert_format']}"
+        + (f" (LOSSY: {r['expert_lossy']}; outputs differ from the source model's)" if r.get("expert_lossy") else ""),
         f"  spine             {format_size(r['spine_bytes'])} ({format_size(r['spine_always_resident_bytes'])} always "
         f"resident, largest layer {format_size(r['spine_layer_bytes_max'])})"
         + (f", matrices {r['spine_format']} (lossy)" if r["spine_format"] != "stored" else ""),

@@ -448,8 +448,10 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
 
 
 def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str, api_key: str | None = None,
-          max_queue: int = 8, max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "info") -> None:
-    """Serve ``engine`` until interrupted (blocking)."""
+          max_queue: int = 8, max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "info",
+          sock=None) -> None:
+    """Serve ``engine`` until interrupted (blocking); ``sock``: an already listening socket
+    (``bind.bind``) to serve on instead of binding ``host:port``."""
     import sys
 
     import uvicorn
@@ -483,7 +485,7 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str,
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if main else None
     try:
-        Server(config).run()
+        Server(config).run(sockets=[sock] if sock is not None else None)
     except _Terminated:
         pass
     finally:
