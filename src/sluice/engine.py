@@ -94,23 +94,25 @@ def check_spine_dtype(name: str, info, spine: dict) -> None:
 class ModelInfo:
     """An opened, validated model directory: config, family, tensor tables. Nothing loaded yet."""
 
-    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None,
-                 ca_bundle: str | None = None, disk_cache: int | str | None = None,
-                 disk_cache_dir: str | os.PathLike | None = None, progress: bool = False,
-                 allow_unversioned_remote: bool = False):
+    def __init__(self, path: str | os.PathLike, options: Options | None = None, *, revision: str | None = None):
+        """``options``: the load options that opening reads (``direct_io``, ``ca_bundle``,
+        ``allow_unversioned_remote``, ``disk_cache``, ``disk_cache_dir``, ``progress``); None: the
+        defaults, without progress lines."""
+        o = options if options is not None else Options(progress=False)
+        direct_io, ca_bundle, disk_cache, disk_cache_dir = o.direct_io, o.ca_bundle, o.disk_cache, o.disk_cache_dir
         if disk_cache_dir is not None and disk_cache is None:
             raise InvalidArgumentError("disk_cache_dir (--disk-cache-dir) needs disk_cache (--disk-cache SIZE): "
                                        "there is no disk tier without a size")
         self.path, self.model_id = resolve_model(path, revision)  # a local Path or a URL (str)
         remote = {"ca_bundle": os.fspath(ca_bundle)} if ca_bundle else {}
-        if allow_unversioned_remote:
+        if o.allow_unversioned_remote:
             remote["allow_unversioned"] = True
         # memory -> disk tier -> remote store: only a model at a URL has one (a local file needs none)
         self.disk_tier = open_tier(disk_cache, disk_cache_dir) if disk_cache is not None and is_url(self.path) else None
         if self.disk_tier is not None:
             remote["disk_tier"] = self.disk_tier
         # a remote model's metadata requests (config, index, headers, tokenizer), shown on a terminal
-        self.meta_progress = Activity(f"{mask(str(self.path))}: metadata", enabled=progress and is_url(self.path))
+        self.meta_progress = Activity(f"{mask(str(self.path))}: metadata", enabled=o.progress and is_url(self.path))
         try:
             self.store = store = open_store(self.path, progress=self.meta_progress, **remote)
             self.is_container = is_container(store)
@@ -269,10 +271,7 @@ class Engine:
         baseline = current_rss()
         self.threads = options.threads or os.cpu_count() or 1
         kernels.set_threads(self.threads)
-        self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle,
-                                     disk_cache=options.disk_cache, disk_cache_dir=options.disk_cache_dir,
-                                     progress=options.progress,
-                                     allow_unversioned_remote=options.allow_unversioned_remote)
+        self.info = info = ModelInfo(path, options, revision=revision)
         try:
             self._build(info, memory, options, baseline, t_load)
         except BaseException:  # a budget too small, an interrupt: what was opened is closed (the tier too)

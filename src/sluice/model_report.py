@@ -26,8 +26,9 @@ def inspect_model(path: str | Path, memory: int | None = None, max_context: int 
                   progress: bool = False, allow_unversioned_remote: bool = False) -> dict:
     """The model report; ``parallel``: sequences at once (None: the default rule per budget); ``progress``:
     show a remote model's metadata requests on a terminal."""
-    info = ModelInfo(path, revision=revision, ca_bundle=ca_bundle, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir,
-                     progress=progress, allow_unversioned_remote=allow_unversioned_remote)
+    opened = Options(ca_bundle=ca_bundle, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir, progress=progress,
+                     allow_unversioned_remote=allow_unversioned_remote)
+    info = ModelInfo(path, opened, revision=revision)
     try:
         return _report(info, memory, max_context, parallel)
     finally:
