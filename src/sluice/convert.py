@@ -52,6 +52,7 @@ from .quant.fp8 import FORMAT as FP8_FORMAT
 from .quant import FORMATS, QuantMatrix, assemble
 from .quant.fp8 import SCALE_SUFFIX, BlockFP8
 from .storage.crc import crc32
+from .storage.jsonfile import read_json_path
 from .storage import AlignedBuffer, align_up
 
 MATRIX_ROLES = ("gate", "up", "down")
@@ -152,7 +153,7 @@ PARTIAL_MARK = ".sluice-partial"  # inside DST.partial / DST.old: a directory co
 def _looks_like_container(path: Path) -> bool:
     """A directory whose manifest.json says it is a Sluice container (the only thing convert replaces)."""
     try:
-        m = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+        m = read_json_path(path / "manifest.json")  # size-capped, depth-checked
     except (OSError, ValueError):
         return False
     return isinstance(m, dict) and m.get("format") == FORMAT_NAME

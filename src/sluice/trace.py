@@ -47,6 +47,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import SluiceError
+from .storage.jsonfile import JSONFileError, read_json_path
 
 PINS_FORMAT = "sluice-pins-v1"
 
@@ -268,6 +269,8 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise TraceFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise TraceFormatError(f"{where}: nests JSON too deep (a record is 3 levels deep)") from None
         if not isinstance(obj, dict):
             raise TraceFormatError(f"{where}: expected a JSON object {{\"tok\": n, \"layers\": [...]}}, "
                                    f"got {type(obj).__name__}")
@@ -402,11 +405,10 @@ def write_pins(path: str | os.PathLike, pins: Iterable[tuple[int, int]], **info)
 
 def read_pins(path: str | os.PathLike) -> list[tuple[int, int]]:
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as f:
-        try:
-            obj = json.load(f)
-        except json.JSONDecodeError as e:
-            raise TraceFormatError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    try:
+        obj = read_json_path(path, "pin list")  # size-capped, depth-checked (storage/jsonfile.py)
+    except JSONFileError as e:
+        raise TraceFormatError(str(e)) from None
     if not isinstance(obj, dict) or obj.get("format") != PINS_FORMAT:
         got = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
         raise TraceFormatError(f"{path}: not a pin list (expected \"format\": \"{PINS_FORMAT}\", got {got!r})")

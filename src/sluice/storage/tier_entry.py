@@ -148,13 +148,13 @@ class EntryFile(LocalFile):
         self.fd, self.dfd = -1, None
         if known:
             try:
-                self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+                self.dfd = open_regular(path, os.O_RDONLY | os.O_DIRECT)
             except FileNotFoundError:
                 raise
             except OSError as e:  # not expected on the filesystem that passed the probe: read buffered
                 self.direct_error = f"open with O_DIRECT failed: {e.strerror}"
         if self.dfd is None:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self.fd = open_regular(path)  # a FIFO or directory entry: NotRegularFileError (a tier miss)
         self.size = os.fstat(self.dfd if self.dfd is not None else self.fd).st_size
 
 
