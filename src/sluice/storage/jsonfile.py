@@ -66,7 +66,7 @@ def parse_json(raw: bytes, where: str, what: str = "", *, max_depth: int = MAX_J
     try:
         return json.loads(raw.decode("utf-8"), object_pairs_hook=hook)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise JSONFileError(f"{where}: {label}is not valid JSON ({e})") from None
+        raise JSONFileError(f"{where}: {what + ' is ' if what else ''}not valid JSON ({e})") from None
     except RecursionError:  # cannot happen after the depth check; kept so it never escapes
         raise JSONTooDeepError(f"{where}: {label}nests JSON too deep to parse") from None
 

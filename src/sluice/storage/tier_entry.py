@@ -20,6 +20,7 @@ import numpy as np
 from .buffers import ALIGN, AlignedBuffer, align_down, align_up
 from .crc import crc32, pread_crc32
 from .file import PIECE_BYTES, LocalFile
+from .regular import open_regular
 from .source import ReadStats
 
 MAGIC = b"SLUICE-DISK-TIER-ENTRY 1\n"
