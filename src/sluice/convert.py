@@ -52,6 +52,7 @@ from .quant.fp8 import FORMAT as FP8_FORMAT
 from .quant import FORMATS, QuantMatrix, assemble
 from .quant.fp8 import SCALE_SUFFIX, BlockFP8
 from .storage.crc import crc32
+from .outputs import dir_relation
 from .storage.jsonfile import read_json_path
 from .storage import AlignedBuffer, align_up
 
@@ -179,7 +180,7 @@ def check_destination(src: Path | str, dst: Path, force: bool) -> None:
                (d.with_name(d.name + ".old"), f"{dst}.old"))
     s = src.resolve() if isinstance(src, Path) else None
     for path, what in outputs if s is not None else ():
-        rel = _related(path, s)
+        rel = _related(path, s) or dir_relation(path, s)  # by name, then by identity (a bind mount)
         if rel == "is":
             raise ConvertError(f"{what}: the output is the source model directory {src}; choose another output")
         if rel == "inside":
