@@ -29,7 +29,7 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "quant": ("weight formats and their matrix products", ("quant",)),
     "storage": ("files and bytes: reads, buffers, the disk tier of remote models, safetensors tables, the container "
                 "format, where a named model is",
-                ("storage", "checkpoint", "container", "resolve", "outputs")),
+                ("storage", "checkpoint", "container", "container_files", "resolve", "outputs")),
     "layers": ("attention, MLA, linear attention, norms, rotary, routing, sampling", ("layers",)),
     "experts": ("the expert interface: sources, layouts, cache and policies, readers, compute", ("experts",)),
     "models": ("one module per model family, and what families share (config checks, the int8 spine)",
