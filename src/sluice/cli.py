@@ -172,23 +172,32 @@ def generate_and_print(engine, prompt, args, echo: str | None = None) -> int:
 def cmd_run(args) -> int:
     from . import load
 
+    from .cli_prompt import read_prompt
+
+    source = what = None  # a prompt file or stdin: read after load, in pieces bounded by the context
     if args.prompt is None and args.prompt_file is None:
         if sys.stdin.isatty():
             raise SluiceError("give a prompt with --prompt TEXT, --prompt-file FILE, or on stdin")
-        prompt = sys.stdin.read()
+        source, what = sys.stdin, "stdin"
     elif args.prompt_file is not None:
+        what = f"--prompt-file {args.prompt_file}"
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                prompt = f.read()
-        except UnicodeDecodeError as e:
-            raise InvalidArgumentError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason} at byte "
-                                       f"{e.start})") from None
+            source = open(args.prompt_file, encoding="utf-8")
         except OSError as e:
-            raise InvalidArgumentError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
-    else:
-        prompt = args.prompt
+            raise InvalidArgumentError(f"{what}: {e.strerror or e}") from None
+    prompt = args.prompt
     # closed however the run ends (an error, ^C): its disk tier is released, not held to process exit
     with load(args.model, memory=args.memory, revision=args.revision, **_engine_options(args)) as engine:
+        if source is not None:
+            try:
+                prompt = read_prompt(source, what, engine.tokenizer, engine.max_context)
+            except UnicodeDecodeError as e:
+                raise InvalidArgumentError(f"{what}: not UTF-8 text ({e.reason})") from None
+            except OSError as e:
+                raise InvalidArgumentError(f"{what}: {e.strerror or e}") from None
+            finally:
+                if source is not sys.stdin:
+                    source.close()
         echo = prompt if args.echo else None
         if args.chat:
             if engine.tokenizer is None:
