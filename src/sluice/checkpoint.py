@@ -198,7 +198,7 @@ def read_json(store: Store, name: str, what: str | None = None) -> dict:
     """Member ``name`` of ``store`` as a JSON object; errors name it and say what it is."""
     path, what = store.locate(name), what or name
     try:
-        data = jsonfile.read_json(store, name, what)  # size-capped, depth-checked (storage/jsonfile.py)
+        data = jsonfile.read_json(store, name, "" if what == name else what)  # size-capped, depth-checked (storage/jsonfile.py)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} not found") from None
     except OSError as e:
