@@ -266,3 +266,23 @@ def test_manifest_names_outside_the_container_are_refused(box, capsys, bad):
     rc, _, err = cli(capsys, "check", box, "--no-progress")
     assert rc == 1
     one_error(err, "manifest.json", "invalid tokenizer file name", "plain files inside its directory")
+
+
+def test_metadata_copy_that_is_a_fifo_or_too_deep_is_no_copy(tmp_path):
+    """The metadata cache beside the disk tier: a FIFO under a copy's name is no copy (at once), and
+    a header nested thousands deep is a corrupt copy, not a RecursionError."""
+    from sluice.storage.meta_cache import MAGIC, MetaCache
+    from sluice.storage.tier_entry import MAGIC as ENTRY_MAGIC, parse_header
+
+    cache = MetaCache(tmp_path / "meta")
+    url = "http://example.invalid/m/config.json"
+    p = cache.path(url, 0, None)
+    p.parent.mkdir(parents=True)
+    os.mkfifo(p)
+    assert cache.get(url) is None
+    p.unlink()
+    p.write_bytes(MAGIC + b"[" * 5000 + b"]" * 5000 + b"\n{}")
+    with pytest.warns(UserWarning):
+        assert cache.get(url) is None
+    with pytest.raises(ValueError, match="nests too deep"):
+        parse_header(ENTRY_MAGIC + b"[" * 3000 + b"]" * 3000 + b"\n")

@@ -76,7 +76,7 @@ class LocalFile(ByteSource):
 
     def _probe_direct(self) -> int | None:
         try:
-            dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            dfd = open_regular(self.path, os.O_RDONLY | os.O_DIRECT)
         except OSError as e:
             self.direct_error = f"open with O_DIRECT failed: {e.strerror}"
             return None

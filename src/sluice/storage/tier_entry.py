@@ -179,7 +179,10 @@ def parse_header(raw: bytes) -> dict:
     end = raw.find(b"\n", len(MAGIC))
     if end < 0:
         raise ValueError("entry header is not terminated")
-    h = json.loads(raw[len(MAGIC):end].decode("utf-8"))
+    try:
+        h = json.loads(raw[len(MAGIC):end].decode("utf-8"))
+    except RecursionError:  # a header block nested thousands deep: damaged, as any bad header
+        raise ValueError("entry header nests too deep") from None
     if not isinstance(h, dict):
         raise ValueError("entry header is not an object")
     return h
