@@ -172,6 +172,8 @@ def generate_and_print(engine, prompt, args, echo: str | None = None) -> int:
 def cmd_run(args) -> int:
     from . import load
 
+    from contextlib import closing, nullcontext
+
     from .cli_prompt import read_prompt
 
     source = what = None  # a prompt file or stdin: read after load, in pieces bounded by the context
@@ -187,7 +189,8 @@ def cmd_run(args) -> int:
             raise InvalidArgumentError(f"{what}: {e.strerror or e}") from None
     prompt = args.prompt
     # closed however the run ends (an error, ^C): its disk tier is released, not held to process exit
-    with load(args.model, memory=args.memory, revision=args.revision, **_engine_options(args)) as engine:
+    owned = closing(source) if source is not None and source is not sys.stdin else nullcontext()
+    with owned, load(args.model, memory=args.memory, revision=args.revision, **_engine_options(args)) as engine:
         if source is not None:
             try:
                 prompt = read_prompt(source, what, engine.tokenizer, engine.max_context)
@@ -195,9 +198,6 @@ def cmd_run(args) -> int:
                 raise InvalidArgumentError(f"{what}: not UTF-8 text ({e.reason})") from None
             except OSError as e:
                 raise InvalidArgumentError(f"{what}: {e.strerror or e}") from None
-            finally:
-                if source is not sys.stdin:
-                    source.close()
         echo = prompt if args.echo else None
         if args.chat:
             if engine.tokenizer is None:
