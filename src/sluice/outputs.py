@@ -45,15 +45,6 @@ def _identity(path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def check_output(path, inputs: Iterable, what: str) -> None:
-    """Refuse ``path`` if it exists and is one of ``inputs`` (the same file by device and inode:
-    itself, a symbolic link or a hard link to it). ``what``: the flag or argument, for the message."""
-    ident = _identity(path)
-    if ident is None:
-        return
-    _refuse_if_input(path, ident, inputs, what)
-
-
 def _refuse_if_input(path, ident, inputs: Iterable, what: str) -> None:
     for p in inputs:
         if p is not None and _identity(p) == ident:
