@@ -29,7 +29,7 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "quant": ("weight formats and their matrix products", ("quant",)),
     "storage": ("files and bytes: reads, buffers, the disk tier of remote models, safetensors tables, the container "
                 "format, where a named model is",
-                ("storage", "checkpoint", "container", "resolve")),
+                ("storage", "checkpoint", "container", "container_files", "resolve", "outputs")),
     "layers": ("attention, MLA, linear attention, norms, rotary, routing, sampling", ("layers",)),
     "experts": ("the expert interface: sources, layouts, cache and policies, readers, compute", ("experts",)),
     "models": ("one module per model family, and what families share (config checks, the int8 spine)",
@@ -44,7 +44,8 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "api": ("sluice.load, Engine, ModelInfo, their options and the checks of their arguments",
             ("", "engine", "options", "validate", "lossy", "prompt_fit")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "model_report", "bench")),
-    "faces": ("what users run: the command line, terminal chat, demo, HTTP server", ("cli", "cli_args", "cli_prompt", "chat", "demo", "server")),
+    "faces": ("what users run: the command line, terminal chat, demo, HTTP server",
+              ("cli", "cli_args", "cli_prompt", "chat", "demo", "server")),
 }
 
 # layer -> the other layers its modules may import (modules of the same layer may import each other)

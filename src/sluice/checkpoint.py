@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,8 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
+from .storage import jsonfile
+from .storage.jsonfile import nesting
 from .storage import ByteSource, LocalDir, ReadStats, Sources, Store, open_source, open_store
 
 # safetensors dtype name -> (torch dtype, bytes per element)
@@ -49,7 +50,6 @@ DTYPE_NAMES = {v[0]: k for k, v in DTYPES.items()}
 # refused before parsing, so a hostile header can neither recurse nor balloon in memory.
 MAX_HEADER_BYTES = 100_000_000
 MAX_HEADER_DEPTH = 3
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def read_safetensors_header(path: str | Path, reader: ByteSource | None = None) 
         if not raw.startswith(b"{"):
             raise CheckpointError(f"{path}: safetensors header is not valid JSON (it does not start with "
                                   "'{'); the file is corrupt")
-        depth = _nesting(raw)
+        depth = nesting(raw)
         if depth > MAX_HEADER_DEPTH:
             raise CheckpointError(
                 f"{path}: safetensors header nests JSON {depth} levels deep; the format needs {MAX_HEADER_DEPTH} "
@@ -143,22 +143,6 @@ def _unique_keys(pairs):
             raise _DuplicateKey(k)
         out[k] = v
     return out
-
-
-def _nesting(raw: bytes) -> int:
-    """Deepest bracket nesting of a JSON text, strings skipped (without parsing it; in chunks, so
-    memory stays small whatever the header's size)."""
-    import numpy as np
-
-    bare = np.frombuffer(_STRINGS.sub(b"", raw), dtype=np.uint8)
-    depth = deepest = 0
-    for i in range(0, len(bare), 1 << 20):
-        c = bare[i : i + (1 << 20)]
-        step = ((c == 123) | (c == 91)).astype(np.int8) - ((c == 125) | (c == 93)).astype(np.int8)
-        running = np.cumsum(step, dtype=np.int64) + depth
-        deepest = max(deepest, int(running.max(initial=depth)))
-        depth = int(running[-1]) if len(running) else depth
-    return deepest
 
 
 def _check_tiling(path: str, tensors: dict[str, TensorInfo], data_start: int, data_size: int) -> None:
@@ -214,11 +198,9 @@ def read_json(store: Store, name: str, what: str | None = None) -> dict:
     """Member ``name`` of ``store`` as a JSON object; errors name it and say what it is."""
     path, what = store.locate(name), what or name
     try:
-        data = json.loads(store.read_bytes(name).decode("utf-8"))
+        data = jsonfile.read_json(store, name, "" if what == name else what)  # size-capped, depth-checked (storage/jsonfile.py)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e})") from None
     if not isinstance(data, dict):

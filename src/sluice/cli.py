@@ -189,27 +189,39 @@ def generate_and_print(engine, prompt, args, echo: str | None = None) -> int:
 def cmd_run(args) -> int:
     from . import load
 
+    from contextlib import closing, nullcontext
+
+    from .cli_prompt import precheck
+
+    source = what = None  # a prompt file or stdin: read in pieces bounded by the context
     if args.prompt is None and args.prompt_file is None:
         if sys.stdin.isatty():
             raise SluiceError("give a prompt with --prompt TEXT, --prompt-file FILE, or on stdin")
-        prompt = sys.stdin.read()
+        source, what = sys.stdin, "stdin"
     elif args.prompt_file is not None:
+        what = f"--prompt-file {args.prompt_file}"
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                prompt = f.read()
-        except UnicodeDecodeError as e:
-            raise InvalidArgumentError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason} at byte "
-                                       f"{e.start})") from None
+            source = open(args.prompt_file, encoding="utf-8")
         except OSError as e:
-            raise InvalidArgumentError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
-    else:
-        prompt = args.prompt
-    if not args.chat:  # a prompt that cannot fit is refused before the weights load
-        from .cli_prompt import precheck
+            raise InvalidArgumentError(f"{what}: {e.strerror or e}") from None
+    prompt = args.prompt
+    owned = closing(source) if source is not None and source is not sys.stdin else nullcontext()
+    with owned:
+        if not args.chat:  # a local model's prompt that cannot fit is refused before the weights load
+            got = precheck(args.model, prompt, source=source, what=what, revision=args.revision,
+                           max_context=args.max_context)
+            if source is not None and got is not None:
+                prompt, source = got, None
+        # closed however the run ends (an error, ^C): its disk tier is released, not held to process exit
+        return _run_loaded(args, load, prompt, source, what)
 
-        precheck(args.model, prompt, revision=args.revision, max_context=args.max_context)
-    # closed however the run ends (an error, ^C): its disk tier is released, not held to process exit
+
+def _run_loaded(args, load, prompt, source, what) -> int:
+    from .cli_prompt import read_source
+
     with load(args.model, memory=args.memory, revision=args.revision, **_engine_options(args)) as engine:
+        if source is not None:
+            prompt = read_source(source, what, engine.tokenizer, engine.max_context)
         echo = prompt if args.echo else None
         if args.chat:
             if engine.tokenizer is None:

@@ -39,9 +39,10 @@ from pathlib import Path
 import torch
 
 from .checkpoint import DTYPES, TensorInfo
-from .errors import CheckpointError, ExpertReadError
+from .errors import CheckpointError, ExpertReadError, shown
 from .storage import AlignedBuffer, ByteSource, LocalDir, ReadStats, Sources, Store, align_up, open_store
 from .storage.crc import crc32
+from .storage.jsonfile import JSONFileError, read_json
 
 MAGIC = b"SLXR"
 FORMAT_NAME = "sluice-container"
@@ -145,11 +146,11 @@ class Container:
         self.stats, self.direct = self.sources.stats, direct
         self.manifest_path = mpath = store.locate("manifest.json")
         try:
-            m = json.loads(store.read_bytes("manifest.json").decode("utf-8"))
+            m = read_json(store, "manifest.json")  # size-capped, depth-checked (storage/jsonfile.py)
         except FileNotFoundError:
             raise CheckpointError(f"{mpath}: not found (not a Sluice container)") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{mpath}: not valid JSON ({e}); the container is damaged") from None
+        except JSONFileError as e:
+            raise type(e)(f"{e}; the container is damaged") from None
         except OSError as e:
             raise CheckpointError(f"{mpath}: cannot read ({e.strerror or e})") from None
         self.manifest = m
@@ -213,6 +214,10 @@ class Container:
                                       f"outside its group {g!r} ({n} bytes at {off})")
             self.group_of[name] = g
         self.banks = _obj(m, "experts", mpath)
+        tok_files = m.get("tokenizer_files", [])
+        if not isinstance(tok_files, list):
+            raise CheckpointError(f"{mpath}: tokenizer_files must be a list of file names")
+        self.tokenizer_files = [member_file(n, mpath, "tokenizer file name") for n in tok_files]
 
     def locate(self, name: str) -> str:
         """The location of member ``name`` (a bank file named by the manifest)."""
@@ -291,10 +296,19 @@ def _obj(m: dict, key: str, where) -> dict:
     return v
 
 
-def member_file(v, where) -> str:
-    """A file name from the manifest: a plain name inside the container directory."""
-    if not isinstance(v, str) or not v or "/" in v or v.startswith("."):
-        raise CheckpointError(f"{where}: invalid file name {v!r}")
+class ManifestNameError(CheckpointError):
+    """A file name in a container manifest is not a plain name inside the container
+    (a path separator, ``..``, an absolute path, a control character)."""
+
+
+def member_file(v, where, what: str = "file name") -> str:
+    """A file name from the manifest: a plain name inside the container directory (no separator,
+    not ``.``/``..`` nor hidden, not absolute, no NUL or control character); ``ManifestNameError``."""
+    if (not isinstance(v, str) or not v or "/" in v or "\\" in v or v.startswith(".")
+            or any(ord(c) < 32 or ord(c) == 127 for c in v)):
+        raise ManifestNameError(f"{where}: invalid {what} {shown(v)}: a container names only plain files "
+                                "inside its directory (no path separators, no '..', not absolute); the manifest "
+                                "is damaged or hostile")
     return v
 
 

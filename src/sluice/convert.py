@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
@@ -52,6 +53,9 @@ from .quant.fp8 import FORMAT as FP8_FORMAT
 from .quant import FORMATS, QuantMatrix, assemble
 from .quant.fp8 import SCALE_SUFFIX, BlockFP8
 from .storage.crc import crc32
+from .container_files import foreign_names, remove_container
+from .outputs import dir_relation
+from .storage.jsonfile import read_json_path
 from .storage import AlignedBuffer, align_up
 
 MATRIX_ROLES = ("gate", "up", "down")
@@ -152,7 +156,7 @@ PARTIAL_MARK = ".sluice-partial"  # inside DST.partial / DST.old: a directory co
 def _looks_like_container(path: Path) -> bool:
     """A directory whose manifest.json says it is a Sluice container (the only thing convert replaces)."""
     try:
-        m = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+        m = read_json_path(path / "manifest.json")  # size-capped, depth-checked
     except (OSError, ValueError):
         return False
     return isinstance(m, dict) and m.get("format") == FORMAT_NAME
@@ -178,7 +182,7 @@ def check_destination(src: Path | str, dst: Path, force: bool) -> None:
                (d.with_name(d.name + ".old"), f"{dst}.old"))
     s = src.resolve() if isinstance(src, Path) else None
     for path, what in outputs if s is not None else ():
-        rel = _related(path, s)
+        rel = _related(path, s) or dir_relation(path, s)  # by name, then by identity (a bind mount)
         if rel == "is":
             raise ConvertError(f"{what}: the output is the source model directory {src}; choose another output")
         if rel == "inside":
@@ -199,6 +203,12 @@ def check_destination(src: Path | str, dst: Path, force: bool) -> None:
         if not force:
             raise ConvertError(f"{dst}: a Sluice container already exists there; pass --force (force=True) to "
                                "replace it")
+        foreign = foreign_names(dst, PARTIAL_MARK)
+        if foreign:  # --force replaces a container's own files only: never a user's file kept inside it
+            shown_names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise ConvertError(f"{dst}: the container directory also holds files that are not the container's "
+                               f"({shown_names}); convert --force replaces only a container's own files: move "
+                               "them out of it (or choose another output)")
     for leftover in (dst.with_name(dst.name + ".partial"), dst.with_name(dst.name + ".old")):
         if (leftover.exists() or leftover.is_symlink()) and not (leftover.is_dir() and not leftover.is_symlink()
                                                                   and (leftover / PARTIAL_MARK).exists()):
@@ -267,6 +277,15 @@ def _remove_ours(path: Path) -> None:
         shutil.rmtree(path)
 
 
+def _remove_old(path: Path) -> None:
+    """Delete a replaced container: its own files only (``container_files``); a file that appeared in
+    it since the check stays, and so does the directory, with a warning naming it."""
+    left = remove_container(path, PARTIAL_MARK)
+    if left:
+        print(f"sluice: warning: {path}: kept the replaced container's directory, which holds files that are "
+              f"not the container's ({', '.join(left[:5])}); move them and remove the directory", file=sys.stderr)
+
+
 def _install(tmp: Path, dst: Path) -> None:
     """Move the finished ``tmp`` to ``dst``, replacing a container there (checked before)."""
     parent = dst.parent
@@ -274,7 +293,7 @@ def _install(tmp: Path, dst: Path) -> None:
         os.rename(tmp, dst)
     elif exchange(tmp, dst):  # dst is the new container now; the old one is at tmp
         (tmp / PARTIAL_MARK).touch()
-        shutil.rmtree(tmp)
+        _remove_old(tmp)
     else:  # no atomic exchange: a short window between the two renames without dst
         old = dst.with_name(dst.name + ".old")
         _remove_ours(old)
@@ -286,7 +305,7 @@ def _install(tmp: Path, dst: Path) -> None:
             os.rename(old, dst)  # put the old container back
             (dst / PARTIAL_MARK).unlink(missing_ok=True)
             raise
-        shutil.rmtree(old)
+        _remove_old(old)
     (dst / PARTIAL_MARK).unlink(missing_ok=True)
     _fsync_path(dst)
     _fsync_path(parent)

@@ -54,6 +54,7 @@ from .storage.urls import mask
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
 from . import prompt_fit
+from .outputs import model_inputs
 from .trace import TraceWriter
 from .units import parse_size
 
@@ -307,7 +308,8 @@ class Engine:
         self.lookahead = (Lookahead(self.experts, self.model, options.prefetch)
                           if options.prefetch.enabled or options.trace_routing else None)
         self.set_lossy(moe_top_k=options.moe_top_k, prefer_cached=options.prefer_cached)
-        self.trace = TraceWriter(options.trace_routing) if options.trace_routing else None
+        self.trace = (TraceWriter(options.trace_routing, model_inputs(getattr(self.checkpoint, "store", None)))  # never a model file
+                      if options.trace_routing else None)
         # the generator and the server reach the model only through the runner
         self.runner = ModelRunner(self.model, self.experts, self.checkpoint, self.spine,
                                   max_context=self.plan.max_context, prefill_chunk=self.plan.prefill_chunk,

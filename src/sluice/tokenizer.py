@@ -6,7 +6,6 @@ store provides (the file itself for a local directory)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -14,6 +13,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from .chat_template import special_tokens
 from .errors import ChatTemplateError, CheckpointError
 from .storage import Store, open_store
+from .storage.jsonfile import read_json
 
 
 def _json_kind(v) -> str:
@@ -35,9 +35,9 @@ class Tokenizer:
         self.config: dict = {}
         if store.exists("tokenizer_config.json"):
             try:
-                self.config = json.loads(store.read_text("tokenizer_config.json"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+                self.config = read_json(store, "tokenizer_config.json")  # size-capped, depth-checked
+            except OSError as e:
+                raise CheckpointError(f"{cfg_path}: cannot read ({e.strerror or e})") from None
             if not isinstance(self.config, dict):
                 raise CheckpointError(f"{cfg_path}: must be a JSON object, got a JSON {_json_kind(self.config)}")
         # As transformers does: a chat_template.jinja file wins over "chat_template" in

@@ -47,6 +47,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import SluiceError
+from .outputs import open_output
+from .storage.jsonfile import JSONFileError, read_json_path
 
 PINS_FORMAT = "sluice-pins-v1"
 
@@ -268,6 +270,8 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise TraceFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise TraceFormatError(f"{where}: nests JSON too deep (a record is 3 levels deep)") from None
         if not isinstance(obj, dict):
             raise TraceFormatError(f"{where}: expected a JSON object {{\"tok\": n, \"layers\": [...]}}, "
                                    f"got {type(obj).__name__}")
@@ -321,9 +325,10 @@ class TraceWriter:
     they are written sorted. Use as a context manager, or call ``close()``.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, inputs: Iterable = (), what: str = "--trace-routing"):
+        """``inputs``: files the trace must not overwrite (the model's; ``outputs.OutputClashError``)."""
         self.path = os.fspath(path)
-        self._f = open(self.path, "w", encoding="utf-8")
+        self._f = open_output(self.path, inputs, what)
         self._layers: int | None = None
         self._extras: tuple[bool, ...] | None = None
         self.records = 0
@@ -391,22 +396,22 @@ def hottest(trace: Trace, n: int) -> list[tuple[int, int]]:
     return sorted(counts, key=lambda k: (-counts[k], k))[:n]
 
 
-def write_pins(path: str | os.PathLike, pins: Iterable[tuple[int, int]], **info) -> None:
-    """Write a pin list; ``info`` (e.g. source, counts) is stored beside it for people, never read back."""
+def write_pins(path: str | os.PathLike, pins: Iterable[tuple[int, int]], inputs: Iterable = (), **info) -> None:
+    """Write a pin list; ``info`` (e.g. source, counts) is stored beside it for people, never read back.
+    ``inputs``: files it must not overwrite (the trace read, a pin list read)."""
     obj = {"format": PINS_FORMAT, "pins": [[int(layer), int(e)] for layer, e in pins]}
     obj.update((k, v) for k, v in info.items() if k not in obj)
-    with open(path, "w", encoding="utf-8") as f:
+    with open_output(path, inputs, "--write-pins") as f:
         json.dump(obj, f)
         f.write("\n")
 
 
 def read_pins(path: str | os.PathLike) -> list[tuple[int, int]]:
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as f:
-        try:
-            obj = json.load(f)
-        except json.JSONDecodeError as e:
-            raise TraceFormatError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    try:
+        obj = read_json_path(path, "pin list")  # size-capped, depth-checked (storage/jsonfile.py)
+    except JSONFileError as e:
+        raise TraceFormatError(str(e)) from None
     if not isinstance(obj, dict) or obj.get("format") != PINS_FORMAT:
         got = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
         raise TraceFormatError(f"{path}: not a pin list (expected \"format\": \"{PINS_FORMAT}\", got {got!r})")

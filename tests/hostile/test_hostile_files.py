@@ -173,10 +173,14 @@ def test_convert_onto_container_needs_force(capsys, hf, box):
 
 
 def test_convert_onto_container_with_force(capsys, packed, hf, box):
-    (box / "stale.bin").write_bytes(b"x")  # something only the old container had
+    (box / "stale.bin").write_bytes(b"x")  # a file that is not the container's: --force refuses, deletes nothing
+    before = tree(box)
+    rc, _, err = cli(capsys, "convert", hf, box, "--force", "--no-progress")
+    assert rc == 1 and "not the container's (stale.bin)" in err and tree(box) == before
+    (box / "stale.bin").unlink()
     rc, _, err = cli(capsys, "convert", hf, box, "--force", "--no-progress")
     assert rc == 0 and f"wrote {box}" in err
-    assert not (box / "stale.bin").exists() and not (box / ".sluice-partial").exists()
+    assert not (box / ".sluice-partial").exists()
     assert sorted(p.name for p in box.parent.iterdir()) == ["box.sluice", "models"]  # no .old, no .partial
     assert check_container(box, progress=False)["ok"]
     assert tokens(box) == packed[2]

@@ -235,8 +235,8 @@ class CopyingStore(Store):
     def names(self):
         return self.inner.names()
 
-    def read_bytes(self, name):
-        return self.inner.read_bytes(name)
+    def read_bytes(self, name, limit=None):
+        return self.inner.read_bytes(name, limit)
 
     def open(self, name, *, direct=None, stats=None):
         return self.inner.open(name, direct=direct, stats=stats)

@@ -146,7 +146,8 @@ def run_cli(args) -> int:
             raise InvalidArgumentError("--write-pins needs --pin-count N (N >= 1)")
         pins = hottest(trace, args.pin_count)
         counts = trace.counts()
-        write_pins(args.write_pins, pins, source=trace.source, tokens=trace.tokens,
+        write_pins(args.write_pins, pins, [p for p in (args.trace, args.pins) if p],  # never over an input
+                   source=trace.source, tokens=trace.tokens,
                    uses=[counts[p] for p in pins])
         if not args.json:
             print(f"wrote {len(pins)} pins ({sum(counts[p] for p in pins)} of {trace.lookups} uses) "

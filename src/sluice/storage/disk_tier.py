@@ -74,6 +74,7 @@ from ..units import parse_size
 from .buffers import AlignedBuffer
 from . import tier_openers
 from .crc import crc32
+from .regular import open_regular
 from .store import user_cache_dir
 from .tier_entry import (ENTRY_RE, HEADER_BYTES, STAGING_BYTES, EntryFile, Key, entry_size, fsync_dir, make_header,
                          parse_header, read_entry, write_all)
@@ -302,7 +303,8 @@ class DiskTier:
         """An entry file the index does not know (its writer died between publishing and indexing, or
         the index was rebuilt): index it from its header, or remove it if the header is bad."""
         try:
-            with open(path, "rb") as f:
+            fd = open_regular(path)  # a FIFO or directory under an entry's name: not an entry, removed below
+            with open(fd, "rb") as f:
                 head = f.read(HEADER_BYTES)
                 size = os.fstat(f.fileno()).st_size
             h = parse_header(head)
@@ -313,7 +315,7 @@ class DiskTier:
                              (name, str(h["model"]), key.url, key.version, key.offset, key.length, size,
                               int(h["crc"]), os.stat(path).st_mtime / HALF_LIFE_S, 0, time.time()))
         except (OSError, ValueError, KeyError, TypeError):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # a directory stays (unlink refuses it); it is never read
                 path.unlink()
 
     # -- lookups and inserts ---------------------------------------------------------------
@@ -426,7 +428,7 @@ class DiskTier:
         size = entry_size(key.length)
         name = key.name
         final = self.path(name)
-        if size > self.capacity or final.exists():
+        if size > self.capacity or final.is_file():  # a FIFO or directory there is no entry: replaced (or the write fails)
             return False
         crc = crc32(data)
         header = make_header(key, crc, model)
@@ -447,7 +449,7 @@ class DiskTier:
                 os.close(fd)
             with self._locked():
                 self._flush_locked()
-                if final.exists() or not self._make_room(size):
+                if final.is_file() or not self._make_room(size):
                     tmp.unlink()
                     return False
                 final.parent.mkdir(exist_ok=True)

@@ -13,6 +13,7 @@ from concurrent.futures import CancelledError
 
 from .buffers import ALIGN, AlignedBuffer
 from .priority import PriorityPool, ReadCancelled, current
+from .regular import open_regular
 from .source import ByteSource, ReadStats
 
 # O_DIRECT offsets, lengths and buffer addresses are multiples of this. The same on the
@@ -56,7 +57,7 @@ class LocalFile(ByteSource):
     def __init__(self, path: str, *, direct: bool | None = None, stats: ReadStats | None = None):
         self.path = str(path)
         self.stats = stats if stats is not None else ReadStats()
-        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.fd = open_regular(self.path)  # a FIFO, directory or device: NotRegularFileError, never a hang
         st = os.fstat(self.fd)
         self.size = st.st_size
         self.version = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
@@ -75,7 +76,7 @@ class LocalFile(ByteSource):
 
     def _probe_direct(self) -> int | None:
         try:
-            dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            dfd = open_regular(self.path, os.O_RDONLY | os.O_DIRECT)
         except OSError as e:
             self.direct_error = f"open with O_DIRECT failed: {e.strerror}"
             return None

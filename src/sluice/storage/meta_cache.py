@@ -41,6 +41,7 @@ import warnings
 from pathlib import Path
 
 from .crc import crc32
+from .regular import read_regular
 from .store import user_cache_dir
 
 MAGIC = b"SLUICE-META 1\n"
@@ -72,14 +73,17 @@ class MetaCache:
         None: the whole object), or None when there is none or it failed a check (then removed)."""
         p = self.path(url, offset, length)
         try:
-            raw = p.read_bytes()
+            raw = read_regular(p)  # a FIFO or directory under a copy's name: no copy, never a hang
         except OSError:
             return None
         try:
             if not raw.startswith(MAGIC):
                 raise ValueError("bad magic")
             end = raw.index(b"\n", len(MAGIC))
-            h = json.loads(raw[len(MAGIC):end].decode("utf-8"))
+            try:
+                h = json.loads(raw[len(MAGIC):end].decode("utf-8"))
+            except RecursionError:
+                raise ValueError("header nests too deep") from None
             body = raw[end + 1:]
             if not isinstance(h, dict) or (h.get("url"), h.get("offset"), h.get("length")) != (url, offset, length):
                 raise ValueError("header names another object or range")
@@ -178,7 +182,7 @@ def _read_copy(path: Path, writer: int | None) -> Copy | None:
     url = None
     end = head.find(b"\n", len(MAGIC))
     if end > 0:
-        with contextlib.suppress(ValueError, UnicodeDecodeError):
+        with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
             h = json.loads(head[len(MAGIC):end].decode("utf-8"))
             if isinstance(h, dict) and isinstance(h.get("url"), str):
                 url = h["url"]

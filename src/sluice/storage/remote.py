@@ -20,6 +20,8 @@ install.
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from datetime import datetime, timedelta, timezone
 from urllib.parse import urlsplit
@@ -28,6 +30,7 @@ from ..progress import Activity
 from . import interrupt
 from .aws_config import AwsConfigError, missing_credentials, profile_settings
 from .meta_cache import MetaCache
+from .regular import FileTooLargeError
 from .source import ByteSource, ReadStats
 from .store import Store
 from .urls import SECRETS, basic_auth_header, check_endpoint, environment_endpoints, mask, mask_url, split_userinfo
@@ -360,7 +363,21 @@ class RemoteStore(Store):
             raise OSError(f"cannot list {self.location}: {_reason(e)}") from None
         return sorted(n for n in out if n and "/" not in n)
 
-    def read_bytes(self, name: str) -> bytes:
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        """As ``Store.read_bytes``; ``limit`` is checked against the HEAD's size before the GET, and
+        against what came (a server that gave no size, or a wrong one)."""
+        if limit is None:
+            return self._read_bytes(name)
+        url = self.locate(name)
+        head = self._head(name)
+        if head is not None and int(head.get("size") or 0) > limit:
+            raise FileTooLargeError(errno.EFBIG, f"is {head['size']} bytes, more than the {limit} bytes allowed", url)
+        data = self._read_bytes(name)
+        if len(data) > limit:
+            raise FileTooLargeError(errno.EFBIG, f"is {len(data)} bytes, more than the {limit} bytes allowed", url)
+        return data
+
+    def _read_bytes(self, name: str) -> bytes:
         url = self.locate(name)
         if name in self._heads and self._heads[name] is None:
             raise FileNotFoundError(f"{url}: no such file")

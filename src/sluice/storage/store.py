@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from .file import LocalFile
+from .regular import read_regular
 from .source import ByteSource, ReadStats
 
 
@@ -52,8 +53,9 @@ class Store:
         """The member files, sorted."""
         raise NotImplementedError
 
-    def read_bytes(self, name: str) -> bytes:
-        """A small member (config, index, manifest, tokenizer file) whole."""
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        """A small member (config, index, manifest, tokenizer file) whole; one of more than ``limit``
+        bytes raises ``regular.FileTooLargeError`` before it is read."""
         raise NotImplementedError
 
     def read_text(self, name: str) -> str:
@@ -103,8 +105,8 @@ class LocalDir(Store):
     def names(self) -> list[str]:
         return sorted(p.name for p in self.path.iterdir() if p.is_file())
 
-    def read_bytes(self, name: str) -> bytes:
-        return (self.path / name).read_bytes()
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        return read_regular(self.path / name, limit)  # a FIFO member: NotRegularFileError, not a hang
 
     def open(self, name: str, *, direct: bool | None = None, stats: ReadStats | None = None) -> ByteSource:
         return LocalFile(self.locate(name), direct=direct, stats=stats)

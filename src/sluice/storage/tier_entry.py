@@ -20,6 +20,7 @@ import numpy as np
 from .buffers import ALIGN, AlignedBuffer, align_down, align_up
 from .crc import crc32, pread_crc32
 from .file import PIECE_BYTES, LocalFile
+from .regular import open_regular
 from .source import ReadStats
 
 MAGIC = b"SLUICE-DISK-TIER-ENTRY 1\n"
@@ -148,13 +149,13 @@ class EntryFile(LocalFile):
         self.fd, self.dfd = -1, None
         if known:
             try:
-                self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+                self.dfd = open_regular(path, os.O_RDONLY | os.O_DIRECT)
             except FileNotFoundError:
                 raise
             except OSError as e:  # not expected on the filesystem that passed the probe: read buffered
                 self.direct_error = f"open with O_DIRECT failed: {e.strerror}"
         if self.dfd is None:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self.fd = open_regular(path)  # a FIFO or directory entry: NotRegularFileError (a tier miss)
         self.size = os.fstat(self.dfd if self.dfd is not None else self.fd).st_size
 
 
@@ -178,7 +179,10 @@ def parse_header(raw: bytes) -> dict:
     end = raw.find(b"\n", len(MAGIC))
     if end < 0:
         raise ValueError("entry header is not terminated")
-    h = json.loads(raw[len(MAGIC):end].decode("utf-8"))
+    try:
+        h = json.loads(raw[len(MAGIC):end].decode("utf-8"))
+    except RecursionError:  # a header block nested thousands deep: damaged, as any bad header
+        raise ValueError("entry header nests too deep") from None
     if not isinstance(h, dict):
         raise ValueError("entry header is not an object")
     return h

@@ -101,8 +101,8 @@ class TieredStore(Store):
     def names(self) -> list[str]:
         return self.inner.names()
 
-    def read_bytes(self, name: str) -> bytes:
-        return self.inner.read_bytes(name)
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        return self.inner.read_bytes(name, limit)
 
     def open(self, name: str, *, direct: bool | None = None, stats=None) -> ByteSource:
         return TieredSource(self.inner.open(name, direct=direct, stats=stats), self.tier, self.location)
