@@ -18,7 +18,7 @@ from sluice.stats import NOT_PER_GENERATION, STATS_KEYS, EngineCounters, EngineI
 from sluice.storage.source import ReadStats
 
 SOURCES = {"experts": ExpertCounters, "spine": SpineStats, "io": ReadStats}
-# the expert provider's counters the engine does not report (the benchmarks and the replay read them)
+# the expert provider's own counters the engine does not report (tests/experts checks them)
 EXPERT_ONLY = {"prefetch_aborted", "predicted_far", "predicted_far_hits"}
 
 
