@@ -325,24 +325,12 @@ class ModelRunner:
 
     def counters(self) -> EngineCounters:
         """A snapshot of the engine's counters since load (subtract two for a delta)."""
-        c = self._experts.counters
         spine = self._spine.stats if self._spine is not None else None
         io = self._checkpoint.stats
-        return EngineCounters(
-            expert_lookups=c.lookups, expert_hits=c.hits, expert_misses=c.misses,
-            prefill_lookups=c.prefill_lookups, demand_reads=c.demand_reads, prefetch_reads=c.prefetch_reads,
-            prefetch_used=c.prefetch_used, prefetch_cancelled=c.prefetch_cancelled,
-            lookahead_predictions=c.predicted, lookahead_hits=c.predicted_hits,
-            read_wait_s=c.read_wait_s, expert_compute_s=c.compute_s,
-            evictions=self._experts.evictions,
-            bytes_read=self._checkpoint.stats.bytes_read + self._experts.bytes_read_elsewhere,
-            spine_bytes_read=spine.bytes_read if spine is not None else 0,
-            spine_read_wait_s=spine.wait_s if spine is not None else 0.0,
-            forwards=self._forwards, tokens_forwarded=self._tokens,
-            expert_compute_calls=c.compute_calls, expert_union=c.union, expert_seq_union=c.seq_union,
-            remote_bytes_read=io.remote_bytes, disk_tier_hits=io.tier_hits, disk_tier_misses=io.tier_misses,
-            disk_tier_bytes_read=io.tier_bytes,
-        )
+        return EngineCounters.collect(
+            {"experts": self._experts.counters, "spine": spine, "io": io},
+            evictions=self._experts.evictions, bytes_read=io.bytes_read + self._experts.bytes_read_elsewhere,
+            forwards=self._forwards, tokens_forwarded=self._tokens)
 
     def info(self) -> EngineInfo:
         """What the engine reports in every generation's stats (budget, cache, load time, ...)."""

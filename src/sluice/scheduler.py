@@ -30,6 +30,7 @@ Callers on any thread: ``submit`` a ``generation.Request``, then iterate ``steps
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import queue
@@ -38,7 +39,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -107,9 +108,21 @@ class SchedulerStats:
     queue_wait_s: float = 0.0  # their summed wait for a slot
     running: int = 0  # sequences holding a slot now
     waiting: int = 0  # sequences waiting for one
-    union_last: int = 0  # distinct experts of the last step's rows, summed over MoE layers
-    union_total: int = 0  # ... summed over steps
-    seq_union_total: int = 0  # each sequence's own union summed over sequences and steps (no sharing)
+    # from the step's ``EngineCounters`` delta (``charge``): {"last": field} the step's value,
+    # {"sums": field} summed over steps
+    union_last: int = field(default=0, metadata={"last": "expert_union"})  # distinct experts of the last
+    # step's rows, summed over MoE layers
+    union_total: int = field(default=0, metadata={"sums": "expert_union"})  # ... summed over steps
+    # each sequence's own union summed over sequences and steps (no sharing)
+    seq_union_total: int = field(default=0, metadata={"sums": "expert_seq_union"})
+
+    def charge(self, delta: EngineCounters) -> None:
+        """Take in one step's engine counters (the fields declared from them)."""
+        for f in fields(self):
+            if "last" in f.metadata:
+                setattr(self, f.name, getattr(delta, f.metadata["last"]))
+            elif "sums" in f.metadata:
+                setattr(self, f.name, getattr(self, f.name) + getattr(delta, f.metadata["sums"]))
 
 
 class Scheduler:
@@ -189,9 +202,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         with self._cond:
-            s = SchedulerStats(**self._stats.__dict__)
-            s.running, s.waiting = len(self._active), len(self._waiting)
-        return s
+            return dataclasses.replace(self._stats, running=len(self._active), waiting=len(self._waiting))
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop: waiting and running generations end with ``EngineClosed``."""
@@ -403,9 +414,7 @@ class Scheduler:
             st.last_batch_size = len(plan)
             st.max_batch_size = max(st.max_batch_size, len(plan))
             st.tokens += sum(len(w.tokens) for _, w, _ in plan)
-            st.union_last = delta.expert_union
-            st.union_total += delta.expert_union
-            st.seq_union_total += delta.expert_seq_union
+            st.charge(delta)
         for (seq, w, whole), result in zip(plan, results):
             seq.charged = seq.charged + delta
             error = getattr(result, "error", None)

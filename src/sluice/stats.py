@@ -13,6 +13,11 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 
+def _from(source: str, name: str, default=0):
+    """An ``EngineCounters`` field collected from the field ``name`` of the source ``source``."""
+    return field(default=default, metadata={"from": (source, name)})
+
+
 @dataclass(frozen=True)
 class EngineCounters:
     """Monotonic counters since the engine was loaded (a snapshot; ``a - b`` is the delta).
@@ -21,34 +26,51 @@ class EngineCounters:
     ``GenerationStats`` of each generation that needed it.
     """
 
-    expert_lookups: int = 0  # decode-time expert lookups
-    expert_hits: int = 0  # ... that did not wait on a read
-    expert_misses: int = 0
-    prefill_lookups: int = 0
-    demand_reads: int = 0
-    prefetch_reads: int = 0
-    prefetch_used: int = 0
-    prefetch_cancelled: int = 0
-    lookahead_predictions: int = 0
-    lookahead_hits: int = 0
-    read_wait_s: float = 0.0  # decode-time seconds waiting on expert reads
-    expert_compute_s: float = 0.0  # decode-time seconds computing experts
+    # ``_from(source, name)``: collected from that field of one of the runner's sources
+    # (``collect``): "experts" (``ExpertCounters``), "spine" (``SpineStats``), "io" (``ReadStats``)
+    expert_lookups: int = _from("experts", "lookups")  # decode-time expert lookups
+    expert_hits: int = _from("experts", "hits")  # ... that did not wait on a read
+    expert_misses: int = _from("experts", "misses")
+    prefill_lookups: int = _from("experts", "prefill_lookups")
+    demand_reads: int = _from("experts", "demand_reads")
+    prefetch_reads: int = _from("experts", "prefetch_reads")
+    prefetch_used: int = _from("experts", "prefetch_used")
+    prefetch_cancelled: int = _from("experts", "prefetch_cancelled")
+    lookahead_predictions: int = _from("experts", "predicted")
+    lookahead_hits: int = _from("experts", "predicted_hits")
+    read_wait_s: float = _from("experts", "read_wait_s", 0.0)  # decode-time seconds waiting on expert reads
+    expert_compute_s: float = _from("experts", "compute_s", 0.0)  # decode-time seconds computing experts
     evictions: int = 0
     bytes_read: int = 0  # every byte read from storage: experts (demand and prefetch) and spine
-    spine_bytes_read: int = 0
-    spine_read_wait_s: float = 0.0
+    spine_bytes_read: int = _from("spine", "bytes_read")
+    spine_read_wait_s: float = _from("spine", "wait_s", 0.0)
     forwards: int = 0  # model forwards run (one per prefill chunk or decode step)
     tokens_forwarded: int = 0  # positions those forwards computed
-    remote_bytes_read: int = 0  # of bytes_read: fetched from a remote store (S3, HTTP)
-    disk_tier_hits: int = 0  # reads the local disk tier served
-    disk_tier_misses: int = 0  # reads the disk tier did not have (fetched from the remote store)
-    disk_tier_bytes_read: int = 0  # of bytes_read: from the disk tier
+    remote_bytes_read: int = _from("io", "remote_bytes")  # of bytes_read: fetched from a remote store (S3, HTTP)
+    disk_tier_hits: int = _from("io", "tier_hits")  # reads the local disk tier served
+    disk_tier_misses: int = _from("io", "tier_misses")  # reads the disk tier did not have (fetched remotely)
+    disk_tier_bytes_read: int = _from("io", "tier_bytes")  # of bytes_read: from the disk tier
     # per forward and MoE layer (summed): expert computations (one per expert of the union, however
     # many sequences' rows routed to it), the union's size, and the sum of each sequence's own union
     # (what the sequences would have looked up run alone; equal to expert_union for one sequence)
-    expert_compute_calls: int = 0
-    expert_union: int = 0
-    expert_seq_union: int = 0
+    expert_compute_calls: int = _from("experts", "compute_calls")
+    expert_union: int = _from("experts", "union")
+    expert_seq_union: int = _from("experts", "seq_union")
+
+    @classmethod
+    def collect(cls, sources: dict[str, object | None], **own) -> EngineCounters:
+        """The counters of every ``_from`` field read from ``sources`` (name -> object; None: that
+        source is absent, its counters are 0); ``own``: every other field, all of them."""
+        missing = [f.name for f in fields(cls) if "from" not in f.metadata and f.name not in own]
+        if missing:
+            raise TypeError(f"EngineCounters.collect needs {missing}")
+        values = dict(own)
+        for f in fields(cls):
+            if "from" in f.metadata:
+                source, name = f.metadata["from"]
+                obj = sources[source]
+                values[f.name] = getattr(obj, name) if obj is not None else f.default
+        return cls(**values)
 
     def __sub__(self, other: EngineCounters) -> EngineCounters:
         return EngineCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
@@ -160,7 +182,10 @@ class GenerationStats(dict):
         steady = forwards[1:]  # the first decode step is excluded (it pays for warm-up)
         steady_t = sum(t for _, t in steady)
         lookups = delta.expert_lookups
+        counted = {f.name: getattr(delta, f.name) for f in fields(delta) if f.name not in NOT_PER_GENERATION}
         return cls(
+            **counted,
+            **dataclasses.asdict(info),  # a copy (``lossy`` included)
             prompt_tokens=prompt_tokens,
             generated_tokens=generated,
             reused_prefix_tokens=reused,
@@ -169,43 +194,26 @@ class GenerationStats(dict):
             ttft_s=t_prefill,
             total_s=total_s,
             hit_rate=delta.expert_hits / lookups if lookups else 0.0,
-            expert_lookups=lookups,
-            expert_hits=delta.expert_hits,
-            expert_misses=delta.expert_misses,
-            demand_reads=delta.demand_reads,
-            prefetch_reads=delta.prefetch_reads,
-            prefetch_used=delta.prefetch_used,
-            prefetch_cancelled=delta.prefetch_cancelled,
             lookahead_recall=(delta.lookahead_hits / delta.lookahead_predictions
                               if delta.lookahead_predictions else 0.0),
-            lookahead_predictions=delta.lookahead_predictions,
-            evictions=delta.evictions,
-            bytes_read=delta.bytes_read,
-            read_wait_s=delta.read_wait_s,
-            expert_compute_s=delta.expert_compute_s,
             decode_forwards=len(forwards),
             drafted=drafted,
             accepted=accepted,
             tokens_per_forward=sum(n for n, _ in forwards) / len(forwards) if forwards else 0.0,
             peak_rss_bytes=peak_rss_bytes,
-            budget_bytes=info.budget_bytes,
-            cache_slots=info.cache_slots,
-            total_experts=info.total_experts,
-            direct_io=info.direct_io,
-            load_s=info.load_s,
-            lossy=dict(info.lossy),
-            spine_resident_bytes=info.spine_resident_bytes,
-            spine_streamed_layers=info.spine_streamed_layers,
-            spine_bytes_read=delta.spine_bytes_read,
-            spine_read_wait_s=delta.spine_read_wait_s,
-            remote_bytes_read=delta.remote_bytes_read,
-            disk_tier_hits=delta.disk_tier_hits,
-            disk_tier_misses=delta.disk_tier_misses,
-            disk_tier_bytes_read=delta.disk_tier_bytes_read,
         )
 
+
+# the engine counters a generation's stats do not carry under their own name; every other
+# ``EngineCounters`` field is a ``GenerationStats`` key of the same name (``from_run`` copies them)
+NOT_PER_GENERATION = (
+    "prefill_lookups",  # prefill is not a cache test; decode lookups are
+    "lookahead_hits",  # in ``lookahead_recall``
+    "forwards", "tokens_forwarded",  # engine totals (``decode_forwards``, ``tokens_per_forward``: this generation's)
+    "expert_compute_calls", "expert_union", "expert_seq_union",  # the batch's sharing: ``SchedulerStats``, /metrics
+)
 
 _KEYS: tuple[str, ...] = tuple(f.name for f in fields(GenerationStats))
 STATS_KEYS = _KEYS  # every key, in the order ``--json`` prints them
 
-__all__ = ["STATS_KEYS", "EngineCounters", "EngineInfo", "GenerationStats"]
+__all__ = ["NOT_PER_GENERATION", "STATS_KEYS", "EngineCounters", "EngineInfo", "GenerationStats"]

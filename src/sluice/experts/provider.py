@@ -41,6 +41,8 @@ SCORE_MAX_ROWS = 64
 
 @dataclass
 class ExpertCounters:
+    # the engine reports these as ``EngineCounters`` fields, each declaring the name it reads here
+    # (``sluice/stats.py``, ``_from("experts", ...)``)
     lookups: int = 0  # decode-time expert lookups (experts some decoding row of the forward routed to)
     hits: int = 0  # decode-time lookups that did not wait on a read
     misses: int = 0

@@ -1,5 +1,5 @@
-"""Serving logic: up to N generations in the engine's batch, a bounded FIFO queue, cancellation,
-metrics.
+"""Serving logic: up to N generations in the engine's batch, a bounded FIFO queue, cancellation
+(the metrics it counts: ``metrics.py``).
 
 The engine runs up to ``--parallel`` N generations at once, every one in each step of its
 scheduler (``sluice/scheduler.py``); here N worker threads (``sluice-engine-<i>``) each take
@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointError, GenerationCancelled, SluiceError
+from .metrics import Metrics
 
 log = logging.getLogger("sluice.server")
 
@@ -117,179 +118,6 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self.cancel.set()
-
-
-# -- metrics -----------------------------------------------------------------------------------
-
-
-class Metrics:
-    """Counters and gauges, rendered in the Prometheus text format."""
-
-    def __init__(self, model: str):
-        self.model = model
-        self._lock = threading.Lock()
-        self.requests: dict[tuple[str, str], int] = {}
-        self.generations = {"completed": 0, "cancelled": 0, "failed": 0}
-        self.totals = dict(prompt_tokens=0, prefilled_tokens=0, reused_prefix_tokens=0, generated_tokens=0,
-                           expert_lookups=0, expert_hits=0, bytes_read=0, remote_bytes_read=0, disk_tier_hits=0,
-                           disk_tier_misses=0, disk_tier_bytes_read=0, prefill_seconds=0.0,
-                           decode_seconds=0.0, decode_tokens=0, request_seconds=0.0, queue_seconds=0.0)
-        self.last = dict(prefill_tok_s=0.0, decode_tok_s=0.0, hit_rate=0.0)
-        self.queue_wait_count = 0
-
-    def request(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            key = (endpoint, str(status))
-            self.requests[key] = self.requests.get(key, 0) + 1
-
-    def started(self, queue_s: float) -> None:
-        with self._lock:
-            self.totals["queue_seconds"] += queue_s
-            self.queue_wait_count += 1
-
-    def finished(self, outcome: str, prompt_tokens: int, generated: int, stats: dict | None) -> None:
-        with self._lock:
-            self.generations[outcome] += 1
-            t = self.totals
-            t["prompt_tokens"] += prompt_tokens
-            t["generated_tokens"] += generated
-            if stats:
-                reused = int(stats.get("reused_prefix_tokens", 0))
-                t["reused_prefix_tokens"] += reused
-                t["prefilled_tokens"] += prompt_tokens - reused
-                t["expert_lookups"] += int(stats.get("expert_lookups", 0))
-                t["expert_hits"] += int(stats.get("expert_hits", 0))
-                t["bytes_read"] += int(stats.get("bytes_read", 0))
-                for k in ("remote_bytes_read", "disk_tier_hits", "disk_tier_misses", "disk_tier_bytes_read"):
-                    t[k] += int(stats.get(k, 0))
-                ttft, total = float(stats.get("ttft_s", 0.0)), float(stats.get("total_s", 0.0))
-                t["prefill_seconds"] += ttft
-                t["decode_seconds"] += max(0.0, total - ttft)
-                t["decode_tokens"] += max(0, generated - 1)
-                t["request_seconds"] += total
-                self.last = dict(prefill_tok_s=float(stats.get("prefill_tok_s", 0.0)),
-                                 decode_tok_s=float(stats.get("decode_tok_s", 0.0)),
-                                 hit_rate=float(stats.get("hit_rate", 0.0)))
-
-    def mean_generation_s(self) -> float:
-        with self._lock:
-            n = self.generations["completed"]
-            return self.totals["request_seconds"] / n if n else 1.0
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return dict(requests=dict(self.requests), generations=dict(self.generations), totals=dict(self.totals),
-                        last=dict(self.last), queue_waits=self.queue_wait_count)
-
-    def render(self, queue_depth: int, running: int, capacity: int, batch=None, parallel: int = 1,
-               totals=None, workers: list[dict] | None = None) -> str:
-        """The Prometheus text; ``batch``: the engine scheduler's ``SchedulerStats``, ``totals``: the
-        engine's ``EngineCounters`` since load (None: not known); ``workers``: per expert worker
-        counters (``--ray``), else none."""
-        s = self.snapshot()
-        t = s["totals"]
-        out: list[str] = []
-
-        def metric(name, kind, help_, samples):
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lab = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-                out.append(f"{name}{lab} {_num(value)}")
-
-        metric("sluice_info", "gauge", "Model served by this process.", [({"model": _esc(self.model)}, 1)])
-        metric("sluice_requests_total", "counter", "HTTP API requests by endpoint and status code "
-               "(499: the client went away before the answer).",
-               [({"endpoint": e, "status": c}, n) for (e, c), n in sorted(s["requests"].items())])
-        metric("sluice_generations_total", "counter", "Generations run on the engine, by outcome.",
-               [({"outcome": k}, v) for k, v in s["generations"].items()])
-        metric("sluice_queue_depth", "gauge", "Requests waiting for the engine.", [({}, queue_depth)])
-        metric("sluice_queue_capacity", "gauge", "Most requests that may wait (--max-queue).", [({}, capacity)])
-        metric("sluice_requests_running", "gauge", "Generations running on the engine (at most --parallel).",
-               [({}, running)])
-        metric("sluice_parallel", "gauge", "Generations the engine runs at once (--parallel).", [({}, parallel)])
-        b = batch
-        metric("sluice_batch_size", "gauge", "Sequences in the engine's most recent step.",
-               [({}, b.last_batch_size if b else 0)])
-        metric("sluice_engine_steps_total", "counter", "Engine steps run (one forward for every sequence in it).",
-               [({}, b.steps if b else 0)])
-        metric("sluice_batched_sequences_total", "counter", "Sequences summed over engine steps (divided by "
-               "sluice_engine_steps_total: the mean batch size).", [({}, b.stepped_sequences if b else 0)])
-        metric("sluice_expert_union_size", "gauge", "Distinct experts the rows of the engine's most recent step "
-               "routed to, over all its sequences, summed over MoE layers.",
-               [({}, b.union_last if b else 0)])
-        metric("sluice_expert_union_total", "counter", "Those per-step unions summed over steps.",
-               [({}, b.union_total if b else 0)])
-        metric("sluice_expert_sequence_union_total", "counter", "Each sequence's own union of experts summed over "
-               "the sequences of each step and over steps: what they would have looked up one by one.",
-               [({}, b.seq_union_total if b else 0)])
-        metric("sluice_prompt_tokens_total", "counter", "Prompt tokens of generations run.", [({}, t["prompt_tokens"])])
-        metric("sluice_prefilled_tokens_total", "counter", "Prompt tokens actually prefilled (not reused).",
-               [({}, t["prefilled_tokens"])])
-        metric("sluice_reused_prefix_tokens_total", "counter", "Prompt tokens served from the previous "
-               "sequence's KV cache (prefix reuse).", [({}, t["reused_prefix_tokens"])])
-        metric("sluice_generated_tokens_total", "counter", "Tokens generated.", [({}, t["generated_tokens"])])
-        metric("sluice_prefill_seconds_total", "counter", "Time spent prefilling.", [({}, t["prefill_seconds"])])
-        metric("sluice_decode_seconds_total", "counter", "Time spent decoding.", [({}, t["decode_seconds"])])
-        metric("sluice_queue_wait_seconds_total", "counter", "Time generations waited in the queue.",
-               [({}, t["queue_seconds"])])
-        metric("sluice_queue_waits_total", "counter", "Generations that left the queue for the engine (divides "
-               "sluice_queue_wait_seconds_total into the mean queue wait).", [({}, s["queue_waits"])])
-        metric("sluice_prefill_tokens_per_second", "gauge", "Prefill speed of the last completed generation.",
-               [({}, s["last"]["prefill_tok_s"])])
-        metric("sluice_decode_tokens_per_second", "gauge", "Steady-state decode speed of the last completed "
-               "generation.", [({}, s["last"]["decode_tok_s"])])
-        metric("sluice_expert_cache_lookups_total", "counter", "Expert cache lookups during decode.",
-               [({}, t["expert_lookups"])])
-        metric("sluice_expert_cache_hits_total", "counter", "Expert cache lookups that did not wait on a read.",
-               [({}, t["expert_hits"])])
-        lookups = t["expert_lookups"]
-        metric("sluice_expert_cache_hit_rate", "gauge", "Expert cache hit rate over all completed generations.",
-               [({}, t["expert_hits"] / lookups if lookups else 0.0)])
-        metric("sluice_bytes_read_total", "counter", "Bytes read from storage: experts (on demand and "
-               "prefetched) and streamed spine layers.", [({}, t["bytes_read"])])
-        e = totals
-        metric("sluice_engine_bytes_read_total", "counter", "Bytes the engine read from storage since load, each "
-               "read once however many generations needed it.", [({}, e.bytes_read if e else 0)])
-        metric("sluice_engine_expert_reads_total", "counter", "Expert reads the engine made since load, by kind.",
-               [({"kind": "demand"}, e.demand_reads if e else 0), ({"kind": "prefetch"}, e.prefetch_reads if e else 0)])
-        metric("sluice_engine_forwards_total", "counter", "Model forwards the engine ran since load.",
-               [({}, e.forwards if e else 0)])
-        metric("sluice_engine_tokens_forwarded_total", "counter", "Positions those forwards computed.",
-               [({}, e.tokens_forwarded if e else 0)])
-        metric("sluice_remote_bytes_read_total", "counter", "Of those, bytes fetched from a remote store (S3, HTTP).",
-               [({}, t["remote_bytes_read"])])
-        metric("sluice_disk_tier_hits_total", "counter", "Reads served by the local disk tier (--disk-cache).",
-               [({}, t["disk_tier_hits"])])
-        metric("sluice_disk_tier_misses_total", "counter", "Reads the disk tier did not have (fetched remotely).",
-               [({}, t["disk_tier_misses"])])
-        metric("sluice_disk_tier_bytes_read_total", "counter", "Of the bytes read, bytes served by the disk tier.",
-               [({}, t["disk_tier_bytes_read"])])
-        if workers:  # experts on Ray workers (docs/scale-out.md): one sample per worker
-            for key, kind, help_ in _WORKER_METRICS:
-                metric(f"sluice_expert_worker_{key}", kind, help_, [({"worker": w["index"]}, w[key]) for w in workers])
-        return "\n".join(out) + "\n"
-
-
-_WORKER_METRICS = (
-    ("calls_total", "counter", "Calls (one per MoE layer it had experts in) answered by each Ray expert worker."),
-    ("experts_computed_total", "counter", "Expert outputs computed by each Ray expert worker."),
-    ("rows_computed_total", "counter", "Token rows computed by each Ray expert worker."),
-    ("lookups_total", "counter", "Decode-time expert lookups in each Ray expert worker's cache."),
-    ("hits_total", "counter", "Those lookups that did not wait on a read."),
-    ("bytes_read_total", "counter", "Expert bytes each Ray expert worker read from storage."),
-    ("lost_total", "counter", "Calls to each Ray expert worker that failed because the worker was lost."),
-)
-
-
-def _num(v) -> str:
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else ("NaN" if math.isnan(v) else ("+Inf" if v > 0 else "-Inf"))
-    return str(v)
-
-
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 # -- the scheduler -----------------------------------------------------------------------------
