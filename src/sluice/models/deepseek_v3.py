@@ -28,6 +28,7 @@ from .declare import Layer, Model
 from .parts import gated_mlp, grouped_router, mla, moe, rms_norm
 
 MODEL_TYPE = "deepseek_v3"
+ALIASES = ("kimi_k2",)  # Kimi K2 ships the DeepSeek-V3 architecture under its own model_type
 
 # transformers' DeepseekV3Config defaults, used only when config.json lacks the key
 _DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
