@@ -234,9 +234,9 @@ def declare(cfg: Config) -> Model:
 
 def describe(cfg: Config) -> ModelDescription:
     h, dr, rank = cfg.hidden_size, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    fp8_experts = bool(cfg.moe_layers) and cfg.quantized(f"model.layers.{cfg.moe_layers[0]}.mlp.experts.0.gate_proj")
     spec = ExpertSpec(hidden=h, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act,
-                      block=cfg.block if cfg.moe_layers and cfg.quantized(f"model.layers.{cfg.moe_layers[0]}.mlp.experts.0.gate_proj")
-                      else None)
+                      block=cfg.block if fp8_experts else None)
     shapes = spec.matrix_shapes()
 
     def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
