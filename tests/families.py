@@ -103,6 +103,19 @@ REGISTRY: dict[str, Family] = {
 FAMILY_NAMES = list(REGISTRY)
 
 
+def describe(family: str, **extra):
+    """The engine's ``ModelDescription`` of ``family``'s tiny config (what its declaration derives)."""
+    from sluice.models import get_family
+
+    mod = get_family(family)
+    return mod.describe(mod.parse_config(REGISTRY[family].config(**extra).to_dict()))
+
+
+def recurrent(family: str) -> bool:
+    """``family`` has linear-attention layers (a fixed-size recurrent state), from its declaration."""
+    return describe(family).state_bytes_fixed > 0
+
+
 def save_family(path: Path, family: str, dtype=torch.float32, seed: int | None = None, **extra) -> Path:
     """Save ``family``'s tiny checkpoint (its registry seed unless given) as ``dtype``."""
     from transformers import AutoModelForCausalLM

@@ -37,7 +37,7 @@ import torch
 
 import sluice
 from conftest import UNLISTED_SKIPS, prompt_ids
-from families import FAMILY_NAMES, assert_decisive_model, kinds, reference, selection_scores
+from families import FAMILY_NAMES, assert_decisive_model, kinds, recurrent, reference, selection_scores
 
 N_NEW = 32
 MEMORY = "4GiB"
@@ -158,7 +158,8 @@ def test_rows_cover_every_pair():
 # whose cumulative decays lose precision. On qwen3_next's tiny f32 config the delta rule in
 # fp64 lands 1.06e-4 from transformers' logits and Sluice's fp32 recurrence 1.15e-4 (the fp32
 # chunked form, which shares transformers' rounding, 1.1e-5): the reference's own error.
-LINEAR_ATTENTION = ("qwen3_next", "kimi_linear")
+# (The families whose declaration keeps a recurrent state: qwen3_next, kimi_linear.)
+LINEAR_ATTENTION = tuple(f for f in FAMILY_NAMES if recurrent(f))
 
 
 def _tolerance(family: str, kind: str, ref_logits: torch.Tensor) -> float:

@@ -1,9 +1,12 @@
 """The decoder skeleton shared by every family, and what a family must describe.
 
-A family module (``models/<model_type>.py``) provides:
+A family module (``models/<model_type>.py``, found by its ``MODEL_TYPE``) provides:
 
 - ``parse_config(raw: dict) -> cfg``: typed config, unknown keys ignored, unsupported
   options refused with ``UnsupportedModelError``;
+- ``declare(cfg) -> models.declare.Model``: the layer kinds of ``models/parts.py`` composed
+  once (each says its tensors, how it is built, its state); ``describe`` and ``build`` derive
+  from it;
 - ``describe(cfg) -> ModelDescription``: every spine tensor with its shape, the MoE layers,
   routing width and the checkpoint names of each expert's matrices;
 - ``build(cfg, weights, experts) -> CausalLM``: wires shared layers from ``layers/`` and

@@ -20,16 +20,15 @@ import torch
 
 from ..errors import CheckpointError, UnsupportedModelError
 from ..experts.spec import ExpertSpec, TensorRef
-from ..layers.mla import MLA, LatentCache
-from ..layers.mlp import GatedMLP
-from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, rope_parameters
-from ..layers.routing import GroupedRouter
 from ..quant.fp8 import SCALE_SUFFIX, BlockFP8, not_converted, parse_quantization_config, scale_shape
-from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock
+from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
+from .declare import Layer, Model
+from .parts import gated_mlp, grouped_router, mla, moe, rms_norm
 
 MODEL_TYPE = "deepseek_v3"
+ALIASES = ("kimi_k2",)  # Kimi K2 ships the DeepSeek-V3 architecture under its own model_type
 
 # transformers' DeepseekV3Config defaults, used only when config.json lacks the key
 _DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
@@ -189,65 +188,59 @@ def parse_config(raw: dict) -> Config:
     )
 
 
-def _prefix(i: int) -> str:
-    return f"model.layers.{i}."
-
-
 def _linear_tensors(cfg: Config, module: str, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+    """The stored tensors of one linear module: its weight, and its block scales if it is FP8."""
     out: dict[str, tuple[int, ...]] = {module + ".weight": shape}
     if cfg.quantized(module):
         out[module + ".weight" + SCALE_SUFFIX] = scale_shape(shape, cfg.block)
     return out
 
 
-def describe(cfg: Config) -> ModelDescription:
-    h, nh = cfg.hidden_size, cfg.num_attention_heads
-    dn, dr, dv, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    spine: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        spine["lm_head.weight"] = (cfg.vocab_size, h)
+def _linear(cfg: Config, w, module: str):
+    weight = w(module + ".weight")
+    if cfg.quantized(module):
+        return BlockFP8(weight, w(module + ".weight" + SCALE_SUFFIX), cfg.block, module + ".weight")
+    if isinstance(weight, torch.Tensor) and weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise CheckpointError(
+            f"tensor {module + '.weight'!r} is {weight.dtype}, but config.json declares no block-scaled "
+            "quantization for it (quantization_config / modules_to_not_convert)")
+    return weight
 
-    def lin(module: str, shape: tuple[int, int], bias: bool = False) -> None:
-        spine.update(_linear_tensors(cfg, module, shape))
-        if bias:
-            spine[module + ".bias"] = (shape[0],)
 
-    for i in range(cfg.num_hidden_layers):
-        p = _prefix(i)
-        a = p + "self_attn."
-        spine[p + "input_layernorm.weight"] = (h,)
-        spine[p + "post_attention_layernorm.weight"] = (h,)
-        if cfg.q_lora_rank is None:
-            lin(a + "q_proj", (nh * (dn + dr), h))
-        else:
-            lin(a + "q_a_proj", (cfg.q_lora_rank, h), cfg.attention_bias)
-            spine[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
-            lin(a + "q_b_proj", (nh * (dn + dr), cfg.q_lora_rank))
-        lin(a + "kv_a_proj_with_mqa", (rank + dr, h), cfg.attention_bias)
-        spine[a + "kv_a_layernorm.weight"] = (rank,)
-        lin(a + "kv_b_proj", (nh * (dn + dv), rank))
-        lin(a + "o_proj", (h, nh * dv), cfg.attention_bias)
+def declare(cfg: Config) -> Model:
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+    # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps, not rms_norm_eps
+    attn = mla(h, cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+               qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+               v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias, scale=cfg.softmax_scale,
+               interleave=cfg.rope_interleave, norm_eps=1e-6)
+
+    def mlp(i: int):
         if i in cfg.moe_layers:
-            spine[p + "mlp.gate.weight"] = (cfg.n_routed_experts, h)
-            spine[p + "mlp.gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
-            if cfg.n_shared_experts:
-                si = cfg.moe_intermediate_size * cfg.n_shared_experts
-                lin(p + "mlp.shared_experts.gate_proj", (si, h))
-                lin(p + "mlp.shared_experts.up_proj", (si, h))
-                lin(p + "mlp.shared_experts.down_proj", (h, si))
-        else:
-            im = cfg.intermediate_size
-            lin(p + "mlp.gate_proj", (im, h))
-            lin(p + "mlp.up_proj", (im, h))
-            lin(p + "mlp.down_proj", (h, im))
+            router = grouped_router(cfg.n_routed_experts, h, cfg.num_experts_per_tok, scoring="sigmoid",
+                                    n_group=cfg.n_group, topk_group=cfg.topk_group, normalize=cfg.norm_topk_prob,
+                                    scale=cfg.routed_scaling_factor)
+            shared = gated_mlp(h, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act, prefix="") \
+                if cfg.n_shared_experts else None
+            return moe(router, shared=shared)
+        return gated_mlp(h, cfg.intermediate_size, cfg.hidden_act)
 
+    layers = [Layer(i, rms_norm(h, eps), rms_norm(h, eps), attn, mlp(i)) for i in range(cfg.num_hidden_layers)]
+    return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
+                 lambda: Rotary(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings),
+                 linear_tensors=lambda module, shape: _linear_tensors(cfg, module, shape),
+                 linear=lambda w, module: _linear(cfg, w, module))
+
+
+def describe(cfg: Config) -> ModelDescription:
+    h, dr, rank = cfg.hidden_size, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    fp8_experts = bool(cfg.moe_layers) and cfg.quantized(f"model.layers.{cfg.moe_layers[0]}.mlp.experts.0.gate_proj")
     spec = ExpertSpec(hidden=h, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act,
-                      block=cfg.block if cfg.moe_layers and cfg.quantized(f"{_prefix(cfg.moe_layers[0])}mlp.experts.0.gate_proj")
-                      else None)
+                      block=cfg.block if fp8_experts else None)
     shapes = spec.matrix_shapes()
 
     def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        p = f"{_prefix(layer)}mlp.experts.{e}."
+        p = f"model.layers.{layer}.mlp.experts.{e}."
         refs = {}
         for role in ("gate", "up", "down"):
             module = f"{p}{role}_proj"
@@ -267,61 +260,12 @@ def describe(cfg: Config) -> ModelDescription:
                      "(activations stay fp32)")
     if cfg.model_type != MODEL_TYPE:
         notes.append(f"model_type {cfg.model_type!r} read as {MODEL_TYPE}")
-    return ModelDescription(
-        model_type=cfg.model_type, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
-        moe_layers=cfg.moe_layers, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_tensors,
-        state_bytes_per_token=LatentCache.nbytes(1, rank, dr) * cfg.num_hidden_layers,
-        max_position_embeddings=cfg.max_position_embeddings, attn_heads=nh, notes=notes,
+    return declare(cfg).describe(
+        model_type=cfg.model_type, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, expert=spec,
+        expert_tensors=expert_tensors, max_position_embeddings=cfg.max_position_embeddings,
+        attn_heads=cfg.num_attention_heads, notes=notes,
     )
 
 
 def build(cfg: Config, w, experts) -> CausalLM:
-    def lin(module: str):
-        weight = w(module + ".weight")
-        if cfg.quantized(module):
-            return BlockFP8(weight, w(module + ".weight" + SCALE_SUFFIX), cfg.block, module + ".weight")
-        if isinstance(weight, torch.Tensor) and weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise CheckpointError(
-                f"tensor {module + '.weight'!r} is {weight.dtype}, but config.json declares no block-scaled "
-                "quantization for it (quantization_config / modules_to_not_convert)")
-        return weight
-
-    def bias(module: str):
-        return w(module + ".bias") if cfg.attention_bias else None
-
-    eps = cfg.rms_norm_eps
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        p = _prefix(i)
-        a = p + "self_attn."
-        q = dict(wq=lin(a + "q_proj")) if cfg.q_lora_rank is None else dict(
-            wq_a=lin(a + "q_a_proj"), bq_a=bias(a + "q_a_proj"), q_a_norm=w(a + "q_a_layernorm.weight"),
-            wq_b=lin(a + "q_b_proj"))
-        attn = MLA(
-            **q, wkv_a=lin(a + "kv_a_proj_with_mqa"), bkv_a=bias(a + "kv_a_proj_with_mqa"),
-            kv_a_norm=w(a + "kv_a_layernorm.weight"), wkv_b=lin(a + "kv_b_proj"), wo=lin(a + "o_proj"),
-            bo=bias(a + "o_proj"), n_heads=cfg.num_attention_heads, kv_lora_rank=cfg.kv_lora_rank,
-            qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim, scale=cfg.softmax_scale, interleave=cfg.rope_interleave,
-            norm_eps=1e-6,  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
-        )
-        if i in cfg.moe_layers:
-            router = GroupedRouter(w(p + "mlp.gate.weight"), cfg.num_experts_per_tok,
-                                   correction=w(p + "mlp.gate.e_score_correction_bias"), scoring="sigmoid",
-                                   n_group=cfg.n_group, topk_group=cfg.topk_group, normalize=cfg.norm_topk_prob,
-                                   scale=cfg.routed_scaling_factor)
-            shared = None
-            if cfg.n_shared_experts:
-                s = p + "mlp.shared_experts."
-                shared = GatedMLP(lin(s + "gate_proj"), lin(s + "up_proj"), lin(s + "down_proj"), cfg.hidden_act)
-
-            mlp = MoEBlock(i, router, experts, shared=shared)
-        else:
-            mlp = GatedMLP(lin(p + "mlp.gate_proj"), lin(p + "mlp.up_proj"), lin(p + "mlp.down_proj"), cfg.hidden_act)
-        layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), eps), attn,
-                                   RMSNorm(w(p + "post_attention_layernorm.weight"), eps), mlp))
-    embed = w("model.embed_tokens.weight")
-    head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
-    rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
-    return CausalLM(embed, layers, RMSNorm(w("model.norm.weight"), eps), head, rotary)
+    return declare(cfg).build(w, experts)

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
 from ..experts.spec import ExpertSpec, TensorRef
-from ..layers.attention import MAX_DRAFT, Attention, KVCache, WindowKVCache
-from ..layers.norm import RMSNorm
+from ..layers.attention import MAX_DRAFT
 from ..layers.rotary import SUPPORTED_ROPE_TYPES, Rotary, rope_parameters
-from ..layers.routing import TopKSoftmaxRouter
-from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock
+from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
+from .declare import Layer, Model
+from .parts import attention, moe, rms_norm, topk_softmax_router
 
 MODEL_TYPE = "gpt_oss"
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -155,38 +155,28 @@ def parse_config(raw: dict) -> Config:
     )
 
 
-def _prefix(i: int) -> str:
-    return f"model.layers.{i}."
+def declare(cfg: Config) -> Model:
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+
+    def attn(i: int):
+        window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
+        return attention(h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, eps,
+                         bias=cfg.attention_bias, window=window, sinks=True, bias_in_tail=True)
+
+    layers = [Layer(i, rms_norm(h, eps), rms_norm(h, eps), attn(i),
+                    moe(topk_softmax_router(cfg.num_experts, h, cfg.num_experts_per_tok), router_name="router."))
+              for i in range(cfg.num_hidden_layers)]
+    return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
+                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings))
 
 
 def describe(cfg: Config) -> ModelDescription:
-    h, d = cfg.hidden_size, cfg.head_dim
-    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    spine: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        spine["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_hidden_layers):
-        p = _prefix(i)
-        spine.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (nq, h),
-            p + "self_attn.k_proj.weight": (nkv, h),
-            p + "self_attn.v_proj.weight": (nkv, h),
-            p + "self_attn.o_proj.weight": (h, nq),
-            p + "self_attn.sinks": (cfg.num_attention_heads,),
-            p + "mlp.router.weight": (cfg.num_experts, h),
-            p + "mlp.router.bias": (cfg.num_experts,),
-        })
-        if cfg.attention_bias:
-            spine.update({p + "self_attn.q_proj.bias": (nq,), p + "self_attn.k_proj.bias": (nkv,),
-                          p + "self_attn.v_proj.bias": (nkv,), p + "self_attn.o_proj.bias": (h,)})
-    inter = cfg.intermediate_size
+    h, inter = cfg.hidden_size, cfg.intermediate_size
     spec = ExpertSpec(hidden=h, intermediate=inter, variant="clamped_swiglu", bias=True,
                       limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
 
     def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        p = f"{_prefix(layer)}mlp.experts."
+        p = f"model.layers.{layer}.mlp.experts."
         refs = {"gate_up_bias": TensorRef(p + "gate_up_proj_bias", (2 * inter,), index=e),
                 "down_bias": TensorRef(p + "down_proj_bias", (h,), index=e)}
         if cfg.mxfp4:
@@ -196,9 +186,9 @@ def describe(cfg: Config) -> ModelDescription:
             refs["down_t"] = TensorRef(p + "down_proj", (inter, h), index=e)
         return refs
 
+    model = declare(cfg)
     n_sliding = cfg.layer_types.count("sliding_attention")
-    kv_per_token = KVCache.nbytes(cfg.num_key_value_heads, 1, d)
-    window_positions = WindowKVCache.positions(cfg.sliding_window) if n_sliding else 0
+    window_positions = model.state()["window_positions"]
     stored = ("MXFP4 blocks/scales (gate_up rows interleaved), computed in 4-bit form"
               if cfg.mxfp4 else "fused, input-major, gate/up interleaved")
     notes = [
@@ -210,12 +200,9 @@ def describe(cfg: Config) -> ModelDescription:
         f"experts: a Hugging Face directory stores them {stored} and is streamed one expert slice at a time as "
         "stored; a container holds canonical de-interleaved records",
     ]
-    return ModelDescription(
-        model_type=MODEL_TYPE, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
-        moe_layers=list(range(cfg.num_hidden_layers)), n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+    return model.describe(
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
         expert=spec, expert_tensors=expert_tensors,
-        state_bytes_per_token=kv_per_token * (cfg.num_hidden_layers - n_sliding),
-        window_bytes_per_token=kv_per_token * n_sliding, window_positions=window_positions,
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads, notes=notes,
         expert_format="mxfp4" if cfg.mxfp4 else None,
     )
@@ -234,23 +221,4 @@ def _mxfp4_tensors(p: str, e: int, h: int, inter: int) -> dict[str, TensorRef]:
 
 
 def build(cfg: Config, w, experts) -> CausalLM:
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        p = _prefix(i)
-        bias = (lambda n: w(p + f"self_attn.{n}_proj.bias")) if cfg.attention_bias else (lambda n: None)
-        attn = Attention(
-            wq=w(p + "self_attn.q_proj.weight"), wk=w(p + "self_attn.k_proj.weight"),
-            wv=w(p + "self_attn.v_proj.weight"), wo=w(p + "self_attn.o_proj.weight"),
-            bq=bias("q"), bk=bias("k"), bv=bias("v"), bo=bias("o"),
-            n_heads=cfg.num_attention_heads, n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-            window=cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None,
-            sinks=w(p + "self_attn.sinks"),
-        )
-        router = TopKSoftmaxRouter(w(p + "mlp.router.weight"), cfg.num_experts_per_tok, w(p + "mlp.router.bias"))
-        mlp = MoEBlock(i, router, experts)
-        layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), cfg.rms_norm_eps), attn,
-                                   RMSNorm(w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps), mlp))
-    embed = w("model.embed_tokens.weight")
-    head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
-    rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
-    return CausalLM(embed, layers, RMSNorm(w("model.norm.weight"), cfg.rms_norm_eps), head, rotary)
+    return declare(cfg).build(w, experts)

@@ -15,15 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from ..experts.spec import ExpertSpec, TensorRef
-from ..layers.gated_delta import DECAY_BLOCK_BYTES, SNAPSHOTS, KimiDeltaAttention, LinearState
-from ..layers.mla import MLA, LatentCache
-from ..layers.mlp import GatedMLP
-from ..layers.norm import RMSNorm
-from ..layers.routing import GroupedRouter
+from ..experts.spec import ExpertSpec
+from ..layers.gated_delta import SNAPSHOTS
+from ..layers.mla import MLA
 from ..units import format_size
-from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock
+from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_POSITIONS, RawConfig
+from .declare import Layer, Model
+from .parts import gated_mlp, grouped_router, kimi_delta, mla, moe, rms_norm
+from .standard import expert_refs
 
 MODEL_TYPE = "kimi_linear"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -208,95 +208,6 @@ def tensor_aliases(cfg: Config) -> dict[str, str]:
     return out
 
 
-def linear_state_bytes(cfg: Config) -> int:
-    """Recurrent state of every KDA layer for one sequence, its snapshots, and a forward's
-    transients: a few copies of one layer's state and the bounded per-channel decay blocks."""
-    h, d = cfg.linear_num_heads, cfg.linear_head_dim
-    one = LinearState.nbytes(3 * h * d, cfg.linear_conv_kernel_dim, h, d, d)
-    n = len(cfg.linear_layers)
-    if not n:
-        return 0
-    decay_blocks = 3 * min(DECAY_BLOCK_BYTES, 4 * h * 64 * 64 * d)
-    return one * n * (1 + SNAPSHOTS) + 4 * one + decay_blocks
-
-
-def describe(cfg: Config) -> ModelDescription:
-    h = cfg.hidden_size
-    heads, r, dn, dr, dv = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, \
-        cfg.v_head_dim
-    lh, ld = cfg.linear_num_heads, cfg.linear_head_dim
-    qkv, k = lh * ld, cfg.linear_conv_kernel_dim
-    spine: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        spine["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_hidden_layers):
-        p = _prefix(i)
-        a = p + "self_attn."
-        spine.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-        if cfg.layer_types[i] == "linear_attention":
-            spine.update({
-                a + "q_proj.weight": (qkv, h), a + "k_proj.weight": (qkv, h), a + "v_proj.weight": (qkv, h),
-                a + "q_conv1d.weight": (qkv, 1, k), a + "k_conv1d.weight": (qkv, 1, k),
-                a + "v_conv1d.weight": (qkv, 1, k),
-                a + "f_a_proj.weight": (ld, h), a + "f_b_proj.weight": (qkv, ld),
-                a + "dt_bias": (qkv,), a + "A_log": (1, 1, lh, 1),
-                a + "b_proj.weight": (lh, h),
-                a + "g_a_proj.weight": (ld, h), a + "g_b_proj.weight": (qkv, ld),
-                a + "o_norm.weight": (ld,), a + "o_proj.weight": (h, qkv),
-            })
-        else:
-            if cfg.q_lora_rank is None:
-                spine[a + "q_proj.weight"] = (heads * (dn + dr), h)
-            else:
-                spine.update({a + "q_a_proj.weight": (cfg.q_lora_rank, h),
-                              a + "q_a_layernorm.weight": (cfg.q_lora_rank,),
-                              a + "q_b_proj.weight": (heads * (dn + dr), cfg.q_lora_rank)})
-                if cfg.attention_bias:
-                    spine[a + "q_a_proj.bias"] = (cfg.q_lora_rank,)
-            spine.update({
-                a + "kv_a_proj_with_mqa.weight": (r + dr, h),
-                a + "kv_a_layernorm.weight": (r,),
-                a + "kv_b_proj.weight": (heads * (dn + dv), r),
-                a + "o_proj.weight": (h, heads * dv),
-            })
-            if cfg.attention_bias:
-                spine.update({a + "kv_a_proj_with_mqa.bias": (r + dr,), a + "o_proj.bias": (h,)})
-        if cfg.mlp_layer_types[i] == "sparse":
-            m = p + "block_sparse_moe."
-            si = cfg.moe_intermediate_size * cfg.n_shared_experts
-            spine.update({
-                m + "gate.weight": (cfg.num_experts, h),
-                m + "gate.e_score_correction_bias": (cfg.num_experts,),
-                m + "shared_experts.gate_proj.weight": (si, h),
-                m + "shared_experts.up_proj.weight": (si, h),
-                m + "shared_experts.down_proj.weight": (h, si),
-            })
-        else:
-            im = cfg.intermediate_size
-            spine.update({p + "mlp.gate_proj.weight": (im, h), p + "mlp.up_proj.weight": (im, h),
-                          p + "mlp.down_proj.weight": (h, im)})
-    spec = ExpertSpec(hidden=h, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
-    shapes = spec.matrix_shapes()
-    names = {"gate": "w1", "up": "w3", "down": "w2"}
-
-    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        p = f"{_prefix(layer)}block_sparse_moe.experts.{e}."
-        return {role: TensorRef(f"{p}{n}.weight", shapes[role]) for role, n in names.items()}
-
-    n_lin, n_full = len(cfg.linear_layers), len(cfg.full_layers)
-    return ModelDescription(
-        model_type=MODEL_TYPE, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
-        moe_layers=cfg.moe_layers, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_tensors,
-        state_bytes_per_token=LatentCache.nbytes(1, r, dr) * n_full,
-        state_bytes_fixed=linear_state_bytes(cfg),
-        max_position_embeddings=cfg.max_position_embeddings, attn_heads=heads,
-        notes=[f"hybrid attention: {n_lin} Kimi Delta Attention layer(s) with a fixed-size recurrent state "
-               f"({format_size(linear_state_bytes(cfg))} with {SNAPSHOTS} snapshots kept for prefix reuse) and "
-               f"{n_full} MLA layer(s) without positional encoding, with a latent cache"],
-    )
-
-
 class NoPEMLA(MLA):
     """MLA whose rope sub-head is used as is: Kimi Linear's full-attention layers."""
 
@@ -304,50 +215,47 @@ class NoPEMLA(MLA):
         return x
 
 
-def build(cfg: Config, w, experts) -> CausalLM:
-    layers = []
-    eps = cfg.rms_norm_eps
-    for i in range(cfg.num_hidden_layers):
-        p = _prefix(i)
-        a = p + "self_attn."
-        if cfg.layer_types[i] == "linear_attention":
-            attn = KimiDeltaAttention(
-                wq=w(a + "q_proj.weight"), wk=w(a + "k_proj.weight"), wv=w(a + "v_proj.weight"),
-                q_conv=w(a + "q_conv1d.weight"), k_conv=w(a + "k_conv1d.weight"), v_conv=w(a + "v_conv1d.weight"),
-                f_a=w(a + "f_a_proj.weight"), f_b=w(a + "f_b_proj.weight"), a_log=w(a + "A_log"),
-                dt_bias=w(a + "dt_bias"), w_b=w(a + "b_proj.weight"), g_a=w(a + "g_a_proj.weight"),
-                g_b=w(a + "g_b_proj.weight"), norm_weight=w(a + "o_norm.weight"), w_out=w(a + "o_proj.weight"),
-                n_heads=cfg.linear_num_heads, head_dim=cfg.linear_head_dim, act=cfg.hidden_act, eps=eps,
-            )
-        else:
-            bias = (lambda n: w(a + n)) if cfg.attention_bias else (lambda n: None)
-            q = dict(wq=w(a + "q_proj.weight")) if cfg.q_lora_rank is None else dict(
-                wq_a=w(a + "q_a_proj.weight"), q_a_norm=w(a + "q_a_layernorm.weight"), wq_b=w(a + "q_b_proj.weight"),
-                bq_a=bias("q_a_proj.bias"))
-            attn = NoPEMLA(
-                wkv_a=w(a + "kv_a_proj_with_mqa.weight"), bkv_a=bias("kv_a_proj_with_mqa.bias"),
-                kv_a_norm=w(a + "kv_a_layernorm.weight"), wkv_b=w(a + "kv_b_proj.weight"),
-                wo=w(a + "o_proj.weight"), bo=bias("o_proj.bias"), n_heads=cfg.num_attention_heads,
-                kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-                scale=(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5, interleave=False,
-                norm_eps=LATENT_NORM_EPS, **q,
-            )
-        if cfg.mlp_layer_types[i] == "sparse":
-            m = p + "block_sparse_moe."
-            router = GroupedRouter(w(m + "gate.weight"), cfg.num_experts_per_tok,
-                                   correction=w(m + "gate.e_score_correction_bias"), scoring="sigmoid",
-                                   n_group=cfg.n_group, topk_group=cfg.topk_group, group_score="top2_sum",
-                                   normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
-            shared = GatedMLP(w(m + "shared_experts.gate_proj.weight"), w(m + "shared_experts.up_proj.weight"),
-                              w(m + "shared_experts.down_proj.weight"), cfg.hidden_act)
+def declare(cfg: Config) -> Model:
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
 
-            mlp = MoEBlock(i, router, experts, shared=shared)
-        else:
-            mlp = GatedMLP(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"), w(p + "mlp.down_proj.weight"),
-                           cfg.hidden_act)
-        layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), eps), attn,
-                                   RMSNorm(w(p + "post_attention_layernorm.weight"), eps), mlp))
-    embed = w("model.embed_tokens.weight")
-    head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
-    return CausalLM(embed, layers, RMSNorm(w("model.norm.weight"), eps), head, None)
+    def attn(i: int):
+        if cfg.layer_types[i] == "linear_attention":
+            return kimi_delta(h, heads=cfg.linear_num_heads, head_dim=cfg.linear_head_dim,
+                              kernel=cfg.linear_conv_kernel_dim, act=cfg.hidden_act, eps=eps)
+        return mla(h, cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                   qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                   v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias,
+                   scale=(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5, interleave=False,
+                   norm_eps=LATENT_NORM_EPS, cls=NoPEMLA, bias_inline=False)
+
+    def mlp(i: int):
+        if cfg.mlp_layer_types[i] == "sparse":
+            router = grouped_router(cfg.num_experts, h, cfg.num_experts_per_tok, scoring="sigmoid",
+                                    n_group=cfg.n_group, topk_group=cfg.topk_group, group_score="top2_sum",
+                                    normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+            shared = gated_mlp(h, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act, prefix="")
+            return moe(router, prefix="block_sparse_moe.", shared=shared)
+        return gated_mlp(h, cfg.intermediate_size, cfg.hidden_act)
+
+    layers = [Layer(i, rms_norm(h, eps), rms_norm(h, eps), attn(i), mlp(i)) for i in range(cfg.num_hidden_layers)]
+    return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings)
+
+
+def describe(cfg: Config) -> ModelDescription:
+    spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
+    model = declare(cfg)
+    fixed = model.state()["state_bytes_fixed"]
+    n_lin, n_full = len(cfg.linear_layers), len(cfg.full_layers)
+    return model.describe(
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
+        expert_tensors=expert_refs(spec, "model.layers.{layer}.block_sparse_moe.experts.{e}.{name}.weight",
+                                   {"gate": "w1", "up": "w3", "down": "w2"}),
+        max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
+        notes=[f"hybrid attention: {n_lin} Kimi Delta Attention layer(s) with a fixed-size recurrent state "
+               f"({format_size(fixed)} with {SNAPSHOTS} snapshots kept for prefix reuse) and "
+               f"{n_full} MLA layer(s) without positional encoding, with a latent cache"],
+    )
+
+
+def build(cfg: Config, w, experts) -> CausalLM:
+    return declare(cfg).build(w, experts)

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from ..experts.spec import ExpertSpec
 from ..layers.rotary import Rotary, rope_parameters
-from ..layers.routing import SoftmaxRouter
-from .base import CausalLM, ModelDescription, MoEBlock
+from .base import CausalLM, ModelDescription
 from .config import REQUIRED, MAX_EXPERTS, MAX_POSITIONS, RawConfig, check_rope
-from .standard import (AttnShape, attention_spine, build_attention, causal_lm, decoder_layer, expert_refs,
-                       global_spine, kv_bytes_per_token, prefix)
+from .declare import Layer, Model
+from .parts import attention, moe, rms_norm, softmax_router
+from .standard import PROJ_NAMES, expert_refs
 
 MODEL_TYPE = "olmoe"
 
@@ -66,36 +66,25 @@ def parse_config(raw: dict) -> Config:
     )
 
 
-def _attn(cfg: Config) -> AttnShape:
-    return AttnShape(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                     cfg.attention_bias, "full")
+def declare(cfg: Config) -> Model:
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+    layers = [Layer(i, rms_norm(h, eps), rms_norm(h, eps),
+                    attention(h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, eps,
+                              bias=cfg.attention_bias, qk_norm="full", clip_qkv=cfg.clip_qkv),
+                    moe(softmax_router(cfg.num_experts, h, cfg.num_experts_per_tok, cfg.norm_topk_prob)))
+              for i in range(cfg.num_hidden_layers)]
+    return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
+                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings))
 
 
 def describe(cfg: Config) -> ModelDescription:
-    h, a = cfg.hidden_size, _attn(cfg)
-    spine = global_spine(cfg.vocab_size, h, cfg.tie_word_embeddings)
-    for i in range(cfg.num_hidden_layers):
-        spine.update(attention_spine(prefix(i), a))
-        spine[prefix(i) + "mlp.gate.weight"] = (cfg.num_experts, h)
-    spec = ExpertSpec(hidden=h, intermediate=cfg.intermediate_size, act=cfg.hidden_act)
-    return ModelDescription(
-        model_type=MODEL_TYPE, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
-        moe_layers=list(range(cfg.num_hidden_layers)), n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
-        expert=spec,
-        expert_tensors=expert_refs(spec, "model.layers.{layer}.mlp.experts.{e}.{name}.weight",
-                                   {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-        state_bytes_per_token=kv_bytes_per_token(a, cfg.num_hidden_layers),
+    spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, act=cfg.hidden_act)
+    return declare(cfg).describe(
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
+        expert_tensors=expert_refs(spec, "model.layers.{layer}.mlp.experts.{e}.{name}.weight", PROJ_NAMES),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
     )
 
 
 def build(cfg: Config, w, experts) -> CausalLM:
-    a, eps = _attn(cfg), cfg.rms_norm_eps
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        p = prefix(i)
-        attn = build_attention(w, p, a, eps, clip_qkv=cfg.clip_qkv)
-        router = SoftmaxRouter(w(p + "mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        layers.append(decoder_layer(w, p, eps, attn, MoEBlock(i, router, experts)))
-    return causal_lm(w, layers, cfg.tie_word_embeddings, eps,
-                     Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings))
+    return declare(cfg).build(w, experts)

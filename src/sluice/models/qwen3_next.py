@@ -11,17 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from ..experts.spec import ExpertSpec, TensorRef
-from ..layers.attention import KVCache
-from ..layers.gated_attention import GatedAttention
-from ..layers.gated_delta import SNAPSHOTS, GatedDeltaNet, LinearState
-from ..layers.mlp import GatedMLP
-from ..layers.norm import RMSNorm
+from ..experts.spec import ExpertSpec
+from ..layers.gated_delta import SNAPSHOTS
 from ..layers.rotary import Rotary, rope_parameters
-from ..layers.routing import SoftmaxRouter
 from ..units import format_size
-from .base import CausalLM, DecoderLayer, ModelDescription, MoEBlock
+from .base import CausalLM, ModelDescription
 from .config import MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
+from .declare import Layer, Model
+from .parts import gated_attention, gated_delta, gated_mlp, moe, rms_norm, softmax_router
+from .standard import PROJ_NAMES, expert_refs
 
 MODEL_TYPE = "qwen3_next"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -142,124 +140,45 @@ def parse_config(raw: dict) -> Config:
     return cfg
 
 
-def _prefix(i: int) -> str:
-    return f"model.layers.{i}."
+def declare(cfg: Config) -> Model:
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
 
+    def attn(i: int):
+        if cfg.layer_types[i] == "linear_attention":
+            return gated_delta(h, n_k=cfg.linear_num_key_heads, n_v=cfg.linear_num_value_heads,
+                               dk=cfg.linear_key_head_dim, dv=cfg.linear_value_head_dim,
+                               kernel=cfg.linear_conv_kernel_dim, act=cfg.hidden_act, eps=eps)
+        return gated_attention(h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, eps,
+                               bias=cfg.attention_bias)
 
-def linear_state_bytes(cfg: Config) -> int:
-    """One sequence's recurrent state of every linear-attention layer, plus its snapshots and
-    the transient copies one forward builds (one layer's worth, a few times)."""
-    one = LinearState.nbytes(cfg.conv_channels, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
-                             cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    n = len(cfg.linear_layers)
-    return one * n * (1 + SNAPSHOTS) + (4 * one if n else 0)
+    def mlp(i: int):
+        if i in cfg.moe_layers:
+            return moe(softmax_router(cfg.num_experts, h, cfg.num_experts_per_tok, cfg.norm_topk_prob),
+                       shared=gated_mlp(h, cfg.shared_expert_intermediate_size, cfg.hidden_act, prefix=""),
+                       shared_name="shared_expert.", shared_gate=h)
+        return gated_mlp(h, cfg.intermediate_size, cfg.hidden_act)
+
+    layers = [Layer(i, rms_norm(h, eps, 1.0), rms_norm(h, eps, 1.0), attn(i), mlp(i))
+              for i in range(cfg.num_hidden_layers)]
+    rotary = (lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)) if cfg.full_layers else \
+        (lambda: None)
+    return Model(cfg.vocab_size, h, layers, rms_norm(h, eps, 1.0), cfg.tie_word_embeddings, rotary)
 
 
 def describe(cfg: Config) -> ModelDescription:
-    h, d = cfg.hidden_size, cfg.head_dim
-    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-    vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    nv = cfg.linear_num_value_heads
-    spine: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        spine["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_hidden_layers):
-        p = _prefix(i)
-        spine.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-        if cfg.layer_types[i] == "linear_attention":
-            a = p + "linear_attn."
-            spine.update({
-                a + "in_proj_qkvz.weight": (2 * kd + 2 * vd, h),
-                a + "in_proj_ba.weight": (2 * nv, h),
-                a + "conv1d.weight": (cfg.conv_channels, 1, cfg.linear_conv_kernel_dim),
-                a + "A_log": (nv,),
-                a + "dt_bias": (nv,),
-                a + "norm.weight": (cfg.linear_value_head_dim,),
-                a + "out_proj.weight": (h, vd),
-            })
-        else:
-            a = p + "self_attn."
-            spine.update({
-                a + "q_proj.weight": (2 * nq, h),
-                a + "k_proj.weight": (nkv, h),
-                a + "v_proj.weight": (nkv, h),
-                a + "o_proj.weight": (h, nq),
-                a + "q_norm.weight": (d,),
-                a + "k_norm.weight": (d,),
-            })
-            if cfg.attention_bias:
-                spine.update({a + "q_proj.bias": (2 * nq,), a + "k_proj.bias": (nkv,), a + "v_proj.bias": (nkv,),
-                              a + "o_proj.bias": (h,)})
-        if i in cfg.moe_layers:
-            si = cfg.shared_expert_intermediate_size
-            spine.update({
-                p + "mlp.gate.weight": (cfg.num_experts, h),
-                p + "mlp.shared_expert.gate_proj.weight": (si, h),
-                p + "mlp.shared_expert.up_proj.weight": (si, h),
-                p + "mlp.shared_expert.down_proj.weight": (h, si),
-                p + "mlp.shared_expert_gate.weight": (1, h),
-            })
-        else:
-            im = cfg.intermediate_size
-            spine.update({p + "mlp.gate_proj.weight": (im, h), p + "mlp.up_proj.weight": (im, h),
-                          p + "mlp.down_proj.weight": (h, im)})
-    spec = ExpertSpec(hidden=h, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
-    shapes = spec.matrix_shapes()
-
-    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        p = f"{_prefix(layer)}mlp.experts.{e}."
-        return {r: TensorRef(f"{p}{r}_proj.weight", shapes[r]) for r in ("gate", "up", "down")}
-
+    spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
+    model = declare(cfg)
+    fixed = model.state()["state_bytes_fixed"]
     n_lin, n_full = len(cfg.linear_layers), len(cfg.full_layers)
-    return ModelDescription(
-        model_type=MODEL_TYPE, n_layers=cfg.num_hidden_layers, hidden=h, vocab=cfg.vocab_size, spine=spine,
-        moe_layers=cfg.moe_layers, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_tensors,
-        state_bytes_per_token=KVCache.nbytes(cfg.num_key_value_heads, 1, d) * n_full,
-        state_bytes_fixed=linear_state_bytes(cfg),
+    return model.describe(
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
+        expert_tensors=expert_refs(spec, "model.layers.{layer}.mlp.experts.{e}.{name}.weight", PROJ_NAMES),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
         notes=[f"hybrid attention: {n_lin} Gated DeltaNet layer(s) with a fixed-size recurrent state "
-               f"({format_size(linear_state_bytes(cfg))} with {SNAPSHOTS} snapshots kept for prefix reuse) and "
+               f"({format_size(fixed)} with {SNAPSHOTS} snapshots kept for prefix reuse) and "
                f"{n_full} full-attention layer(s) with a KV cache"],
     )
 
 
 def build(cfg: Config, w, experts) -> CausalLM:
-    layers = []
-    eps = cfg.rms_norm_eps
-    for i in range(cfg.num_hidden_layers):
-        p = _prefix(i)
-        if cfg.layer_types[i] == "linear_attention":
-            a = p + "linear_attn."
-            attn = GatedDeltaNet(
-                w_qkvz=w(a + "in_proj_qkvz.weight"), w_ba=w(a + "in_proj_ba.weight"),
-                conv_weight=w(a + "conv1d.weight"), a_log=w(a + "A_log"), dt_bias=w(a + "dt_bias"),
-                norm_weight=w(a + "norm.weight"), w_out=w(a + "out_proj.weight"),
-                n_k=cfg.linear_num_key_heads, n_v=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
-                dv=cfg.linear_value_head_dim, act=cfg.hidden_act, eps=eps,
-            )
-        else:
-            a = p + "self_attn."
-            bias = (lambda n: w(a + f"{n}_proj.bias")) if cfg.attention_bias else (lambda n: None)
-            attn = GatedAttention(
-                wq=w(a + "q_proj.weight"), wk=w(a + "k_proj.weight"), wv=w(a + "v_proj.weight"),
-                wo=w(a + "o_proj.weight"), bq=bias("q"), bk=bias("k"), bv=bias("v"), bo=bias("o"),
-                n_heads=cfg.num_attention_heads, n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight"), norm_eps=eps, norm_offset=1.0,
-            )
-        if i in cfg.moe_layers:
-            router = SoftmaxRouter(w(p + "mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-            shared = GatedMLP(w(p + "mlp.shared_expert.gate_proj.weight"), w(p + "mlp.shared_expert.up_proj.weight"),
-                              w(p + "mlp.shared_expert.down_proj.weight"), cfg.hidden_act)
-            mlp = MoEBlock(i, router, experts, shared=shared,
-                           shared_gate=w(p + "mlp.shared_expert_gate.weight"))
-        else:
-            mlp = GatedMLP(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"), w(p + "mlp.down_proj.weight"),
-                           cfg.hidden_act)
-        layers.append(DecoderLayer(RMSNorm(w(p + "input_layernorm.weight"), eps, offset=1.0), attn,
-                                   RMSNorm(w(p + "post_attention_layernorm.weight"), eps, offset=1.0), mlp))
-    embed = w("model.embed_tokens.weight")
-    head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
-    rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings) if cfg.full_layers else None
-    return CausalLM(embed, layers, RMSNorm(w("model.norm.weight"), eps, offset=1.0), head, rotary)
+    return declare(cfg).build(w, experts)

@@ -1,0 +1,233 @@
+"""What each layer kind of ``layers/`` needs and keeps, as a ``declare.Part``: its tensors
+(relative to its prefix, shapes from the config), how it is built from them, and its state.
+
+One function per kind: ``rms_norm``, ``attention`` (GQA, optional window, sinks, clipping, q/k
+norms), ``gated_attention`` (Qwen3-Next), ``mla`` (DeepSeek-V3, Kimi Linear), ``gated_delta``
+(Gated DeltaNet), ``kimi_delta`` (KDA), ``gated_mlp``, the routers (``softmax_router``,
+``grouped_router``, ``topk_softmax_router``) and ``moe`` (a router, optional shared experts
+and their gate, the routed experts through the expert interface).
+"""
+
+from __future__ import annotations
+
+from ..layers.attention import Attention, KVCache, WindowKVCache
+from ..layers.gated_attention import GatedAttention
+from ..layers.gated_delta import DECAY_BLOCK_BYTES, SNAPSHOTS, GatedDeltaNet, KimiDeltaAttention, LinearState
+from ..layers.mla import MLA, LatentCache
+from ..layers.mlp import GatedMLP
+from ..layers.norm import RMSNorm
+from ..layers.routing import GroupedRouter, SoftmaxRouter, TopKSoftmaxRouter
+from .base import MoEBlock
+from .declare import Lin, Part
+
+
+def rms_norm(dim: int, eps: float, offset: float = 0.0, name: str = "weight") -> Part:
+    return Part({name: (dim,)}, lambda t: RMSNorm(t(name), eps, offset=offset))
+
+
+def _kv_state(n_kv: int, head_dim: int, window: int | None) -> dict[str, int]:
+    per = KVCache.nbytes(n_kv, 1, head_dim)
+    if window is None:
+        return dict(kv_per_token=per)
+    return dict(window_per_token=per, window_positions=WindowKVCache.positions(window))
+
+
+def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *, bias: bool = False,
+              qk_norm: str | None = None, window: int | None = None, clip_qkv: float | None = None,
+              sinks: bool = False, bias_in_tail: bool = False, prefix: str = "self_attn.") -> Part:
+    """GQA (``layers.attention.Attention``); ``qk_norm``: None, "head" (per head) or "full" (whole
+    projection); ``bias_in_tail``: the biases are listed after the layer's other tensors (GPT-OSS)."""
+    nq, nkv = n_heads * head_dim, n_kv * head_dim
+    p = prefix
+    tensors = {p + "q_proj.weight": (nq, hidden), p + "k_proj.weight": (nkv, hidden),
+               p + "v_proj.weight": (nkv, hidden), p + "o_proj.weight": (hidden, nq)}
+    if sinks:
+        tensors[p + "sinks"] = (n_heads,)
+    if qk_norm == "head":
+        tensors.update({p + "q_norm.weight": (head_dim,), p + "k_norm.weight": (head_dim,)})
+    elif qk_norm == "full":
+        tensors.update({p + "q_norm.weight": (nq,), p + "k_norm.weight": (nkv,)})
+    biases = {p + "q_proj.bias": (nq,), p + "k_proj.bias": (nkv,), p + "v_proj.bias": (nkv,),
+              p + "o_proj.bias": (hidden,)} if bias else {}
+    extra = {}
+    if window is not None:
+        extra["window"] = window
+    if clip_qkv is not None:
+        extra["clip_qkv"] = clip_qkv
+    if qk_norm is not None:
+        extra.update(qk_norm=qk_norm, norm_eps=eps)
+
+    def make(t):
+        kw = dict(extra)
+        if qk_norm is not None:
+            kw.update(q_norm=t(p + "q_norm.weight"), k_norm=t(p + "k_norm.weight"))
+        if sinks:
+            kw["sinks"] = t(p + "sinks")
+        return Attention(wq=t(p + "q_proj.weight"), wk=t(p + "k_proj.weight"), wv=t(p + "v_proj.weight"),
+                         wo=t(p + "o_proj.weight"), bq=t.opt(p + "q_proj.bias"), bk=t.opt(p + "k_proj.bias"),
+                         bv=t.opt(p + "v_proj.bias"), bo=t.opt(p + "o_proj.bias"), n_heads=n_heads, n_kv=n_kv,
+                         head_dim=head_dim, **kw)
+
+    if bias_in_tail:
+        return Part(tensors, make, tail=biases, **_kv_state(n_kv, head_dim, window))
+    return Part({**tensors, **biases}, make, **_kv_state(n_kv, head_dim, window))
+
+
+def gated_attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *, bias: bool = False,
+                    norm_offset: float = 1.0) -> Part:
+    """Qwen3-Next's full attention: q_proj also yields the sigmoid output gate (2 x the query width)."""
+    nq, nkv, p = n_heads * head_dim, n_kv * head_dim, "self_attn."
+    tensors = {p + "q_proj.weight": (2 * nq, hidden), p + "k_proj.weight": (nkv, hidden),
+               p + "v_proj.weight": (nkv, hidden), p + "o_proj.weight": (hidden, nq),
+               p + "q_norm.weight": (head_dim,), p + "k_norm.weight": (head_dim,)}
+    if bias:
+        tensors.update({p + "q_proj.bias": (2 * nq,), p + "k_proj.bias": (nkv,), p + "v_proj.bias": (nkv,),
+                        p + "o_proj.bias": (hidden,)})
+
+    def make(t):
+        return GatedAttention(
+            wq=t(p + "q_proj.weight"), wk=t(p + "k_proj.weight"), wv=t(p + "v_proj.weight"),
+            wo=t(p + "o_proj.weight"), bq=t.opt(p + "q_proj.bias"), bk=t.opt(p + "k_proj.bias"),
+            bv=t.opt(p + "v_proj.bias"), bo=t.opt(p + "o_proj.bias"), n_heads=n_heads, n_kv=n_kv,
+            head_dim=head_dim, q_norm=t(p + "q_norm.weight"), k_norm=t(p + "k_norm.weight"), norm_eps=eps,
+            norm_offset=norm_offset)
+
+    return Part(tensors, make, **_kv_state(n_kv, head_dim, None))
+
+
+def mla(hidden: int, n_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
+        qk_rope_head_dim: int, v_head_dim: int, bias: bool, scale: float, interleave: bool, norm_eps: float,
+        cls=MLA, bias_inline: bool = True) -> Part:
+    """Multi-head latent attention (``layers.mla.MLA`` or a subclass ``cls``), a latent cache of
+    ``kv_lora_rank + qk_rope_head_dim`` floats per position. ``bias_inline``: each bias listed
+    right after its weight (DeepSeek-V3), else after the query tensors / at the end (Kimi Linear)."""
+    p, dn, dr, dv, r = "self_attn.", qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank
+    tensors: dict = {}
+
+    def lin(module, shape, has_bias=False, late=None):
+        tensors[p + module] = Lin(shape)
+        if has_bias:
+            (tensors if bias_inline else late)[p + module + ".bias"] = (shape[0],)
+
+    q_late: dict = {}
+    late: dict = {}
+    if q_lora_rank is None:
+        lin("q_proj", (n_heads * (dn + dr), hidden))
+    else:
+        lin("q_a_proj", (q_lora_rank, hidden), bias, q_late)
+        tensors[p + "q_a_layernorm.weight"] = (q_lora_rank,)
+        lin("q_b_proj", (n_heads * (dn + dr), q_lora_rank))
+    tensors.update(q_late)
+    lin("kv_a_proj_with_mqa", (r + dr, hidden), bias, late)
+    tensors[p + "kv_a_layernorm.weight"] = (r,)
+    lin("kv_b_proj", (n_heads * (dn + dv), r))
+    lin("o_proj", (hidden, n_heads * dv), bias, late)
+    tensors.update(late)
+
+    def make(t):
+        q = dict(wq=t.lin(p + "q_proj")) if q_lora_rank is None else dict(
+            wq_a=t.lin(p + "q_a_proj"), bq_a=t.opt(p + "q_a_proj.bias"), q_a_norm=t(p + "q_a_layernorm.weight"),
+            wq_b=t.lin(p + "q_b_proj"))
+        return cls(**q, wkv_a=t.lin(p + "kv_a_proj_with_mqa"), bkv_a=t.opt(p + "kv_a_proj_with_mqa.bias"),
+                   kv_a_norm=t(p + "kv_a_layernorm.weight"), wkv_b=t.lin(p + "kv_b_proj"), wo=t.lin(p + "o_proj"),
+                   bo=t.opt(p + "o_proj.bias"), n_heads=n_heads, kv_lora_rank=r, qk_nope_head_dim=dn,
+                   qk_rope_head_dim=dr, v_head_dim=dv, scale=scale, interleave=interleave, norm_eps=norm_eps)
+
+    return Part(tensors, make, kv_per_token=LatentCache.nbytes(1, r, dr))
+
+
+def _recurrent(one: int) -> dict[str, int]:
+    """A linear-attention layer's state: one state and its ``SNAPSHOTS`` snapshots per sequence;
+    a forward's transients, a few copies of one layer's state."""
+    return dict(fixed=one * (1 + SNAPSHOTS), transient=4 * one)
+
+
+def gated_delta(hidden: int, *, n_k: int, n_v: int, dk: int, dv: int, kernel: int, act: str, eps: float) -> Part:
+    """Gated DeltaNet (``layers.gated_delta.GatedDeltaNet``) at ``linear_attn.``."""
+    p, kd, vd = "linear_attn.", n_k * dk, n_v * dv
+    channels = 2 * kd + vd
+    tensors = {p + "in_proj_qkvz.weight": (2 * kd + 2 * vd, hidden), p + "in_proj_ba.weight": (2 * n_v, hidden),
+               p + "conv1d.weight": (channels, 1, kernel), p + "A_log": (n_v,), p + "dt_bias": (n_v,),
+               p + "norm.weight": (dv,), p + "out_proj.weight": (hidden, vd)}
+
+    def make(t):
+        return GatedDeltaNet(w_qkvz=t(p + "in_proj_qkvz.weight"), w_ba=t(p + "in_proj_ba.weight"),
+                             conv_weight=t(p + "conv1d.weight"), a_log=t(p + "A_log"), dt_bias=t(p + "dt_bias"),
+                             norm_weight=t(p + "norm.weight"), w_out=t(p + "out_proj.weight"),
+                             n_k=n_k, n_v=n_v, dk=dk, dv=dv, act=act, eps=eps)
+
+    return Part(tensors, make, **_recurrent(LinearState.nbytes(channels, kernel, n_v, dk, dv)))
+
+
+def kimi_delta(hidden: int, *, heads: int, head_dim: int, kernel: int, act: str, eps: float) -> Part:
+    """Kimi Delta Attention (``layers.gated_delta.KimiDeltaAttention``) at ``self_attn.``; its
+    forward also builds bounded per-channel decay blocks."""
+    p, d = "self_attn.", head_dim
+    qkv = heads * d
+    tensors = {p + "q_proj.weight": (qkv, hidden), p + "k_proj.weight": (qkv, hidden),
+               p + "v_proj.weight": (qkv, hidden), p + "q_conv1d.weight": (qkv, 1, kernel),
+               p + "k_conv1d.weight": (qkv, 1, kernel), p + "v_conv1d.weight": (qkv, 1, kernel),
+               p + "f_a_proj.weight": (d, hidden), p + "f_b_proj.weight": (qkv, d), p + "dt_bias": (qkv,),
+               p + "A_log": (1, 1, heads, 1), p + "b_proj.weight": (heads, hidden), p + "g_a_proj.weight": (d, hidden),
+               p + "g_b_proj.weight": (qkv, d), p + "o_norm.weight": (d,), p + "o_proj.weight": (hidden, qkv)}
+
+    def make(t):
+        return KimiDeltaAttention(
+            wq=t(p + "q_proj.weight"), wk=t(p + "k_proj.weight"), wv=t(p + "v_proj.weight"),
+            q_conv=t(p + "q_conv1d.weight"), k_conv=t(p + "k_conv1d.weight"), v_conv=t(p + "v_conv1d.weight"),
+            f_a=t(p + "f_a_proj.weight"), f_b=t(p + "f_b_proj.weight"), a_log=t(p + "A_log"),
+            dt_bias=t(p + "dt_bias"), w_b=t(p + "b_proj.weight"), g_a=t(p + "g_a_proj.weight"),
+            g_b=t(p + "g_b_proj.weight"), norm_weight=t(p + "o_norm.weight"), w_out=t(p + "o_proj.weight"),
+            n_heads=heads, head_dim=head_dim, act=act, eps=eps)
+
+    one = LinearState.nbytes(3 * qkv, kernel, heads, d, d)
+    state = _recurrent(one)
+    state["transient"] += 3 * min(DECAY_BLOCK_BYTES, 4 * heads * 64 * 64 * d)
+    return Part(tensors, make, **state)
+
+
+def gated_mlp(hidden: int, intermediate: int, act: str, prefix: str = "mlp.") -> Part:
+    """``layers.mlp.GatedMLP``: gate_proj, up_proj [I, H], down_proj [H, I] under ``prefix``."""
+    p = prefix
+    tensors = {p + "gate_proj": Lin((intermediate, hidden)), p + "up_proj": Lin((intermediate, hidden)),
+               p + "down_proj": Lin((hidden, intermediate))}
+    return Part(tensors, lambda t: GatedMLP(t.lin(p + "gate_proj"), t.lin(p + "up_proj"), t.lin(p + "down_proj"),
+                                            act))
+
+
+def softmax_router(n_experts: int, hidden: int, top_k: int, normalize: bool) -> Part:
+    return Part({"weight": (n_experts, hidden)}, lambda t: SoftmaxRouter(t("weight"), top_k, normalize=normalize))
+
+
+def grouped_router(n_experts: int, hidden: int, top_k: int, **kw) -> Part:
+    """``GroupedRouter`` with its selection-only correction bias (``e_score_correction_bias``)."""
+    return Part({"weight": (n_experts, hidden), "e_score_correction_bias": (n_experts,)},
+                lambda t: GroupedRouter(t("weight"), top_k, correction=t("e_score_correction_bias"), **kw))
+
+
+def topk_softmax_router(n_experts: int, hidden: int, top_k: int) -> Part:
+    """GPT-OSS: a linear router with a bias, softmax over the top-k logits."""
+    return Part({"weight": (n_experts, hidden), "bias": (n_experts,)},
+                lambda t: TopKSoftmaxRouter(t("weight"), top_k, t("bias")))
+
+
+def moe(router: Part, *, prefix: str = "mlp.", router_name: str = "gate.", shared: Part | None = None,
+        shared_name: str = "shared_experts.", shared_gate: int | None = None) -> Part:
+    """An MoE block (``models.base.MoEBlock``) under ``prefix``: the router at ``router_name``,
+    optional shared experts (a ``gated_mlp(..., prefix="")``) at ``shared_name`` and, with
+    ``shared_gate`` (the hidden size), their sigmoid gate ``shared_expert_gate.weight`` [1, H].
+    The routed experts are not spine tensors (``ModelDescription.expert_tensors``)."""
+    r = router.nested(prefix + router_name)
+    tensors = dict(r.tensors)
+    s = shared.nested(prefix + shared_name) if shared is not None else None
+    if s is not None:
+        tensors.update(s.tensors)
+    gate = prefix + "shared_expert_gate.weight"
+    if shared_gate is not None:
+        tensors[gate] = (1, shared_gate)
+
+    def make(t):
+        return MoEBlock(t.layer, r.make(t), t.experts, shared=s.make(t) if s is not None else None,
+                        shared_gate=t(gate) if shared_gate is not None else None)
+
+    return Part(tensors, make, routed=True)
