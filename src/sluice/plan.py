@@ -49,10 +49,19 @@ class Plan:
     stream_buffer_bytes: int = 0
     parallel: int = 1  # sequences that run at once, each with its own state for max_context positions
     seq_state_bytes: int = 0  # one sequence's state
+    # the second pool (docs/architecture.md, "Backends"): bytes a device offers for expert weights,
+    # and the expert slots placed there (beside the host cache, which reads still land in). 0 on CPU.
+    device_bytes: int = 0
+    device_slots: int = 0
 
     @property
     def cache_bytes(self) -> int:
         return self.cache_slots * self.slot_bytes
+
+    @property
+    def device_cache_bytes(self) -> int:
+        """The device pool's bytes that hold expert slots (0 on CPU)."""
+        return self.device_slots * self.slot_bytes
 
     @property
     def fixed_bytes(self) -> int:
@@ -62,6 +71,7 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["cache_bytes"] = self.cache_bytes
+        d["device_cache_bytes"] = self.device_cache_bytes
         return d
 
     def slots_for(self, budget: int) -> int:
@@ -105,18 +115,22 @@ def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: di
               stream_buffer: int, state_bytes: int, activations: int, slot_bytes: int, working_set: int,
               total_experts: int, top_k: int, max_context: int, prefill_chunk: int,
               cache_experts: int | None = None, stream_buffers: int = 2,
-              max_resident_layers: int | None = None, parallel: int | None = 1) -> Plan:
+              max_resident_layers: int | None = None, parallel: int | None = 1, device_bytes: int = 0) -> Plan:
     """Split ``budget`` between spine, per-sequence state, buffers and the expert cache.
 
     ``state_bytes`` is one sequence's state; ``parallel`` sequences get one each. ``parallel=None``
     takes the default: ``DEFAULT_PARALLEL``, or fewer when the budget cannot hold that many states
     without streaming more of the spine than one sequence would (or at all: then 1).
+    ``device_bytes``: the device pool (0 on CPU), filled with up to that many bytes of expert
+    slots (``Plan.device_slots``); it changes nothing of the host plan.
     """
+    if device_bytes < 0:
+        raise InvalidArgumentError(f"device memory for experts must be at least 0 bytes, got {device_bytes}")
     args = dict(budget=budget, baseline=baseline, spine_global=spine_global, spine_layers=spine_layers,
                 stream_buffer=stream_buffer, state_bytes=state_bytes, activations=activations,
                 slot_bytes=slot_bytes, working_set=working_set, total_experts=total_experts, top_k=top_k,
                 max_context=max_context, prefill_chunk=prefill_chunk, cache_experts=cache_experts,
-                stream_buffers=stream_buffers, max_resident_layers=max_resident_layers)
+                stream_buffers=stream_buffers, max_resident_layers=max_resident_layers, device_bytes=device_bytes)
     if parallel is not None:
         if parallel < 1:
             raise InvalidArgumentError(f"parallel (--parallel) must be at least 1, got {parallel}")
@@ -157,7 +171,7 @@ def _make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: d
                stream_buffer: int, state_bytes: int, activations: int, slot_bytes: int, working_set: int,
                total_experts: int, top_k: int, max_context: int, prefill_chunk: int,
                cache_experts: int | None, stream_buffers: int, max_resident_layers: int | None,
-               parallel: int) -> Plan:
+               parallel: int, device_bytes: int = 0) -> Plan:
     """``make_plan`` for a given number of sequences.
 
     Rule when the spine does not fit: keep the expert cache at one token's working set and
@@ -231,4 +245,5 @@ def _make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: d
                 prefill_chunk=prefill_chunk, floor=floor, floor_resident=floor_resident,
                 streamed_layers=streamed,
                 spine_streamed_bytes=sum(spine_layers[i] for i in streamed),
-                stream_buffer_bytes=buffers if streamed else 0, parallel=parallel, seq_state_bytes=seq_state)
+                stream_buffer_bytes=buffers if streamed else 0, parallel=parallel, seq_state_bytes=seq_state,
+                device_bytes=device_bytes, device_slots=min(total_experts, device_bytes // slot_bytes))

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .. import kernels
+from ..kernels.backend import cpu
 from ..errors import BudgetError
 from ..experts.cache import ExpertCache
 from ..experts.policy import make_policy
@@ -78,7 +78,7 @@ class ExpertWorker:
         verify_reads, huge_pages, direct_io, ca_bundle, max_rows (rows of the largest request)."""
         self.index = index
         self.threads = opts.get("threads") or os.cpu_count() or 1
-        kernels.set_threads(self.threads)
+        cpu.set_threads(self.threads)
         self.opened = m = open_experts(location, opts.get("direct_io"), opts.get("ca_bundle"))
         self.spec, self.source = m.spec, m.source
         memory = opts.get("memory") or default_budget()
