@@ -25,7 +25,7 @@ PACKAGE = "sluice"
 # storage/ and everything under it). Every module of the package is in exactly one layer.
 LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "base": ("errors, sizes, progress bars, system memory", ("errors", "units", "progress", "sysmem")),
-    "kernels": ("C kernels and their ctypes bindings", ("kernels",)),
+    "kernels": ("C kernels, their ctypes bindings, the backend every call goes through", ("kernels",)),
     "quant": ("weight formats and their matrix products", ("quant",)),
     "storage": ("files and bytes: reads, buffers, the disk tier of remote models, safetensors tables, the container "
                 "format, where a named model is",
