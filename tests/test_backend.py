@@ -171,3 +171,26 @@ def test_assemble_places_experts_through_the_backend(dtype):
                                                  expert_outputs(spec, [host, host], x, [0.25, 2.0])))
     with pytest.raises(MemoryError):
         assemble_views(views, backend=CopyingBackend(pool_bytes=1))
+
+
+def test_the_expert_cache_assembles_through_its_backend(model_dir):
+    """The read path end to end: an engine whose expert cache has a second backend places every
+    expert it reads there (one ``place_experts`` per read) and computes the same bits."""
+    import sluice
+    from conftest import prompt_ids
+
+    path = model_dir("qwen3_moe")
+    ids = prompt_ids(n=10, seed=2)
+    with sluice.load(path, memory="2GiB", progress=False) as plain, \
+            sluice.load(path, memory="2GiB", progress=False) as placed:
+        assert plain.cache.backend is backend.cpu and placed.cache.ready_count == 0
+        dev = CopyingBackend(pool_bytes=1 << 30)
+        placed.cache.backend = dev
+        want, got = plain.forward(ids), placed.forward(ids)
+        assert torch.equal(want, got)
+        assert plain.generate(ids.tolist(), max_new_tokens=4).token_ids == \
+            placed.generate(ids.tolist(), max_new_tokens=4).token_ids
+        ready = [s for s in placed.cache.slots if s.weights is not None]
+        assert ready and all(s.weights.backend is dev for s in ready)
+        reads = placed.experts.counters.demand_reads + placed.experts.counters.prefetch_reads
+        assert 0 < len(ready) <= dev.calls <= reads  # once per completed read (a cancelled prefetch: none)
