@@ -42,9 +42,9 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
                 ("generation", "scheduler", "runner", "speculative", "spine", "stats", "text", "tokenizer", "chat_template",
                  "trace")),
     "api": ("sluice.load, Engine, ModelInfo, their options and the checks of their arguments",
-            ("", "engine", "options", "validate")),
+            ("", "engine", "options", "validate", "lossy", "prompt_fit")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "model_report", "bench")),
-    "faces": ("what users run: the command line, terminal chat, demo, HTTP server", ("cli", "cli_args", "chat", "demo", "server")),
+    "faces": ("what users run: the command line, terminal chat, demo, HTTP server", ("cli", "cli_args", "cli_prompt", "chat", "demo", "server")),
 }
 
 # layer -> the other layers its modules may import (modules of the same layer may import each other)

@@ -55,6 +55,7 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     g.add_argument("--ca-bundle", default=None, metavar="PEM",
                    help="a model at an https:// URL: a PEM file of extra CA certificates to trust "
                         "(TLS verification is always on)")
+    _add_unversioned_arg(g)
     _add_disk_cache_args(g)
     g.add_argument("--trace-routing", default=None, metavar="FILE",
                    help="write every decode token's expert routing (its sequence and engine step), router weights, "
@@ -62,14 +63,17 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                         "trace-replay reads)")
     ray = p.add_argument_group("experts on a Ray cluster (docs/scale-out.md; the ray extra)")
     ray.add_argument("--ray", default=None, metavar="auto|ADDRESS",
-                     help="compute the experts on Ray actors: auto (RAY_ADDRESS, else a cluster running here, else "
-                          "a new local one, said so) or a cluster's HOST:PORT. --memory is then this process's "
+                     help="compute the experts on Ray actors: auto (RAY_ADDRESS, else a cluster this user started here, "
+                          "else a new local one, said so) or a cluster's HOST:PORT. --memory is then this process's "
                           "budget (spine, KV, buffers; no expert cache). Run Ray on a private network only")
     ray.add_argument("--expert-workers", type=int_arg(1, 4096), default=None, metavar="N",
                      help="expert workers (Ray actors) to start (default: one per node)")
     ray.add_argument("--worker-memory", type=_size, default=None, metavar="SIZE",
                      help="each expert worker's memory budget, its expert cache included (default: a safe share "
                           "of its machine's available memory)")
+    ray.add_argument("--ray-timeout", type=float_arg(0.0, lo_open=True), default=60.0, metavar="S",
+                     help="seconds to wait for the cluster to answer and for the expert workers to be placed and "
+                          "started, with a line on stderr every 5 s, before failing with the cause (default 60)")
     ray.add_argument("--replicate-hot", type=int_arg(0), default=0, metavar="N",
                      help="per MoE layer, the N most-routed experts may also run on a second worker (load "
                           "balance and failover; exact either way)")
@@ -79,6 +83,13 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     lossy.add_argument("--prefer-cached", type=float_arg(0.0), default=0.0, metavar="BIAS",
                        help="LOSSY: add BIAS to the router scores of experts already in memory when choosing "
                             "experts (mixing weights stay the model's own), trading fidelity for fewer reads")
+
+
+def _add_unversioned_arg(g) -> None:
+    g.add_argument("--allow-unversioned-remote", action="store_true",
+                   help="a model at a URL whose server sends neither ETag nor Last-Modified: read it anyway. "
+                        "Such a store cannot guarantee consistency: a file replaced while or between runs goes "
+                        "unnoticed (refused by default)")
 
 
 def _add_disk_cache_args(g) -> None:
@@ -98,8 +109,10 @@ def _engine_options(args) -> dict:
                 trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress,
                 ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
+                allow_unversioned_remote=args.allow_unversioned_remote,
                 disk_cache_dir=args.disk_cache_dir, ray=args.ray, expert_workers=args.expert_workers,
-                worker_memory=args.worker_memory, replicate_hot=args.replicate_hot)
+                worker_memory=args.worker_memory, replicate_hot=args.replicate_hot,
+                ray_timeout=args.ray_timeout)
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -137,7 +150,11 @@ def stats_line(stats: dict, finish_reason: str | None = None, max_new_tokens: in
     if stats.get("disk_tier_hits") or stats.get("disk_tier_misses"):  # memory -> disk tier -> remote
         line += (f" | disk tier {stats['disk_tier_hits']} hits ({stats['disk_tier_bytes_read'] / 1e9:.2f} GB), "
                  f"{stats['disk_tier_misses']} misses, fetched {stats['remote_bytes_read'] / 1e9:.2f} GB")
+    from .lossy import summary
     from .text import limit_note
+
+    if summary(stats.get("lossy") or {}):
+        line += f" | {summary(stats['lossy'])}"
 
     cut = limit_note(finish_reason, stats.get("generated_tokens"), max_new_tokens)
     return f"{line} | {cut}" if cut else line
@@ -187,6 +204,10 @@ def cmd_run(args) -> int:
             raise InvalidArgumentError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
     else:
         prompt = args.prompt
+    if not args.chat:  # a prompt that cannot fit is refused before the weights load
+        from .cli_prompt import precheck
+
+        precheck(args.model, prompt, revision=args.revision, max_context=args.max_context)
     # closed however the run ends (an error, ^C): its disk tier is released, not held to process exit
     with load(args.model, memory=args.memory, revision=args.revision, **_engine_options(args)) as engine:
         echo = prompt if args.echo else None
@@ -205,7 +226,8 @@ def cmd_inspect(args) -> int:
 
     report = inspect_model(args.model, memory=args.memory, max_context=args.max_context, revision=args.revision,
                            ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
-                           disk_cache_dir=args.disk_cache_dir, progress=True)  # stderr, on a terminal only
+                           disk_cache_dir=args.disk_cache_dir, progress=True,
+                           allow_unversioned_remote=args.allow_unversioned_remote)  # stderr, on a terminal only
     print(json.dumps(report, indent=2) if args.json else render_inspect(report))
     return 0
 
@@ -452,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.add_argument("--ca-bundle", default=None, metavar="PEM",
                    help="a model at an https:// URL: a PEM file of extra CA certificates to trust")
+    _add_unversioned_arg(i)
     _add_disk_cache_args(i)
     i.set_defaults(func=cmd_inspect)
 
@@ -576,14 +599,25 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - every error ends as one line (the traceback with --debug)
         if args.debug:
             raise
+        from .storage.urls import mask  # a URL's password and known secrets never reach the terminal
+
         if isinstance(e, InvalidArgumentError):
-            print(f"sluice: error: {e}", file=sys.stderr)
+            print(f"sluice: error: {mask(str(e))}", file=sys.stderr)
             return EXIT_USAGE
         if isinstance(e, (SluiceError, ValueError, OSError)):
-            print(f"sluice: error: {e}", file=sys.stderr)
+            print(f"sluice: error: {mask(str(e))}", file=sys.stderr)
             return EXIT_ERROR
         print(f"sluice: internal error: {type(e).__name__}: {e} (a bug in sluice, not in your input: "
               "rerun with --debug for the traceback and report it)", file=sys.stderr)
+        return EXIT_ERROR
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # a native library's panic (pyo3's PanicException is a BaseException)
+        if args.debug:
+            raise
+        from .errors import describe_panic
+
+        print(f"sluice: error: {describe_panic(e)}", file=sys.stderr)
         return EXIT_ERROR
 
 

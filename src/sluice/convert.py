@@ -310,7 +310,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     if is_container(src):
         raise CheckpointError(f"{src}: is already a Sluice container")
     check_destination(src, dst, force)
-    info = ModelInfo(src, direct_io=None)
+    info = ModelInfo(src)
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
     fmt = experts or source.format
     spine = spine or "stored"

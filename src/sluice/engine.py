@@ -41,7 +41,7 @@ from .models import quantized_spine
 from .models.base import MoEBlock, check_tensor
 from .models.config import check_layer_count, eos_ids
 from .options import DEFAULT_MAX_CONTEXT, DebugOptions, Options
-from .plan import Plan, activation_bytes, make_plan
+from .plan import Plan, activation_bytes, below_working_set_warning, make_plan
 from .progress import Activity, Progress
 from .resolve import resolve_model
 from .runner import ModelRunner, SeqState
@@ -51,8 +51,10 @@ from .spine import buffer_bytes as spine_buffer_bytes
 from .stats import EngineCounters, EngineInfo, GenerationStats
 from .storage import is_url, open_store
 from .storage.disk_tier import open_tier
+from .storage.urls import mask
 from .sysmem import current_rss, default_budget
 from .tokenizer import Tokenizer
+from . import prompt_fit
 from .trace import TraceWriter
 from .units import parse_size
 
@@ -93,20 +95,25 @@ def check_spine_dtype(name: str, info, spine: dict) -> None:
 class ModelInfo:
     """An opened, validated model directory: config, family, tensor tables. Nothing loaded yet."""
 
-    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, revision: str | None = None,
-                 ca_bundle: str | None = None, disk_cache: int | str | None = None,
-                 disk_cache_dir: str | os.PathLike | None = None, progress: bool = False):
+    def __init__(self, path: str | os.PathLike, options: Options | None = None, *, revision: str | None = None):
+        """``options``: the load options that opening reads (``direct_io``, ``ca_bundle``,
+        ``allow_unversioned_remote``, ``disk_cache``, ``disk_cache_dir``, ``progress``); None: the
+        defaults, without progress lines."""
+        o = options if options is not None else Options(progress=False)
+        direct_io, ca_bundle, disk_cache, disk_cache_dir = o.direct_io, o.ca_bundle, o.disk_cache, o.disk_cache_dir
         if disk_cache_dir is not None and disk_cache is None:
             raise InvalidArgumentError("disk_cache_dir (--disk-cache-dir) needs disk_cache (--disk-cache SIZE): "
                                        "there is no disk tier without a size")
         self.path, self.model_id = resolve_model(path, revision)  # a local Path or a URL (str)
         remote = {"ca_bundle": os.fspath(ca_bundle)} if ca_bundle else {}
+        if o.allow_unversioned_remote:
+            remote["allow_unversioned"] = True
         # memory -> disk tier -> remote store: only a model at a URL has one (a local file needs none)
         self.disk_tier = open_tier(disk_cache, disk_cache_dir) if disk_cache is not None and is_url(self.path) else None
         if self.disk_tier is not None:
             remote["disk_tier"] = self.disk_tier
         # a remote model's metadata requests (config, index, headers, tokenizer), shown on a terminal
-        self.meta_progress = Activity(f"{self.path}: metadata", enabled=progress and is_url(self.path))
+        self.meta_progress = Activity(f"{mask(str(self.path))}: metadata", enabled=o.progress and is_url(self.path))
         try:
             self.store = store = open_store(self.path, progress=self.meta_progress, **remote)
             self.is_container = is_container(store)
@@ -118,7 +125,7 @@ class ModelInfo:
             self.close()
             if isinstance(e, OSError) and not isinstance(e, SluiceError):
                 # a remote store that cannot be reached, listed or authenticated to
-                raise CheckpointError(f"{self.path}: cannot open the model: {e}") from None
+                raise CheckpointError(mask(f"{self.path}: cannot open the model: {e}")) from None
             raise
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
@@ -164,6 +171,14 @@ class ModelInfo:
         """How the spine's matrices are stored: "stored" (as the checkpoint has them) or a
         format of ``quantized_spine.SPINE_FORMATS`` (lossy: ``convert --spine``)."""
         return next(iter(self.spine_quant.values()), "stored")
+
+    @property
+    def expert_loss(self) -> str | None:
+        """How the experts differ from the source checkpoint's (a container that ``sluice convert``
+        quantized or narrowed), or None when they are its own weights (``lossy.py``)."""
+        from .lossy import container_expert_loss
+
+        return container_expert_loss(self.checkpoint) if self.is_container else None
 
     def spine_tensor_bytes(self, name: str) -> int:
         """Bytes spine tensor ``name`` takes as stored (every part of a quantized one)."""
@@ -228,13 +243,20 @@ class ModelInfo:
         # a remote read holds its response body until it is copied into the slot: one per reader
         # thread and one for the spine stream (0 for local files, read straight into the buffers)
         transfer = (options.reader_threads + 1) * self.checkpoint.sources.transfer_bytes
+
+        def acts(c: int) -> int:  # a prefill chunk's buffers (the planner shrinks the chunk to fit a small cache)
+            return activation_bytes(self.desc.hidden, ffn, self.desc.vocab, c, self.desc.attn_heads, max_ctx,
+                                    score_block=SCORE_BLOCK_BYTES) + transfer
+
         return dict(
             budget=budget, baseline=current_rss() if baseline is None else baseline,
             spine_global=glob, spine_layers=layers,
             stream_buffer=max((spine_buffer_bytes(r) for r in reads.values()), default=0),
             state_bytes=self.desc.state_bytes(max_ctx),
-            activations=activation_bytes(self.desc.hidden, ffn, self.desc.vocab, chunk, self.desc.attn_heads, max_ctx,
-                                         score_block=SCORE_BLOCK_BYTES) + transfer,
+            activations=acts(chunk), activations_for=acts, layer_experts=self.desc.n_experts,
+            # the floor holds the lookahead's reads in flight: top-k per layer it predicts ahead
+            lookahead_slots=(self.desc.top_k * max(options.prefetch.depth, options.prefetch.max_depth)
+                             if here and options.prefetch.enabled else 0),
             slot_bytes=self.experts.slot_bytes, working_set=self.desc.working_set if here else 0,
             total_experts=self.desc.total_experts, top_k=self.desc.top_k if here else 0, max_context=max_ctx,
             prefill_chunk=chunk, cache_experts=options.cache_experts if here else 0,
@@ -250,9 +272,7 @@ class Engine:
         baseline = current_rss()
         self.threads = options.threads or os.cpu_count() or 1
         cpu.set_threads(self.threads)
-        self.info = info = ModelInfo(path, options.direct_io, revision, ca_bundle=options.ca_bundle,
-                                     disk_cache=options.disk_cache, disk_cache_dir=options.disk_cache_dir,
-                                     progress=options.progress)
+        self.info = info = ModelInfo(path, options, revision=revision)
         try:
             self._build(info, memory, options, baseline, t_load)
         except BaseException:  # a budget too small, an interrupt: what was opened is closed (the tier too)
@@ -265,6 +285,8 @@ class Engine:
         self.config, self.desc, self.experts_source = info.config, info.desc, info.experts
         self.tokenizer, self.eos_token_ids = info.tokenizer, info.eos_token_ids
         self.plan: Plan = info.plan(memory, options, baseline)
+        if (note := below_working_set_warning(self.plan)) is not None:
+            warnings.warn(note, stacklevel=3)  # once per load: the cache cannot keep experts across tokens
         self.spine: SpineStreamer | None = None
         spine = self._load_spine()
         if options.ray:
@@ -336,14 +358,16 @@ class Engine:
             raise InvalidArgumentError(f"expert_workers (--expert-workers) must be at least 1, got {o.expert_workers!r}")
         validate.number(o.replicate_hot, "replicate_hot (--replicate-hot)", lo=0)
         worker_memory = parse_size(o.worker_memory, "worker_memory") if o.worker_memory is not None else None
-        note = connect_cluster(o.ray)
+        note = connect_cluster(o.ray, timeout=float(o.ray_timeout))
         location = self.path if isinstance(self.path, str) else os.fspath(self.path.resolve())
         experts = RayExperts(
             location, cluster_signature(self.checkpoint), self.desc.moe_layers, self.desc.n_experts,
             workers=o.expert_workers, worker_memory=worker_memory, replicate_hot=int(o.replicate_hot),
+            timeout=float(o.ray_timeout),
             worker_opts=dict(reader_threads=o.reader_threads, cache_policy=o.cache_policy,
                              verify_reads=o.verify_reads, huge_pages=o.huge_pages, direct_io=o.direct_io,
-                             ca_bundle=o.ca_bundle, cache_experts=o.cache_experts,
+                             ca_bundle=o.ca_bundle, allow_unversioned_remote=o.allow_unversioned_remote,
+                             cache_experts=o.cache_experts,
                              max_rows=self.plan.prefill_chunk * self.desc.top_k))
         self.cluster_note = f"{note}: {experts.describe()}"
         if o.progress:
@@ -388,7 +412,9 @@ class Engine:
                 layer.mlp.prefer_cached = prefer_cached
         routing = {k: v for k, v in (("moe_top_k", moe_top_k), ("prefer_cached", prefer_cached)) if v}
         spine = self.info.spine_format
-        self.lossy = {**routing, **({"spine": spine} if spine != "stored" else {})}  # every result's stats say so
+        experts = self.info.expert_loss
+        self.lossy = {**routing, **({"spine": spine} if spine != "stored" else {}),
+                      **({"experts": self.experts_source.format} if experts else {})}  # every result's stats say so
         if routing and warn:
             warnings.warn(f"lossy routing enabled ({routing}): outputs differ from the model's", stacklevel=2)
 
@@ -456,7 +482,7 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise CheckpointError(f"{self.path}: no tokenizer.json; pass token ids instead of text")
+            raise CheckpointError(f"{mask(str(self.path))}: no tokenizer.json; pass token ids instead of text")
         return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:
@@ -515,11 +541,7 @@ class Engine:
         if not ids:
             raise InvalidArgumentError("the prompt is empty: give at least one token")
         self._check_ids(ids)
-        if len(ids) >= self.max_context:
-            raise InvalidArgumentError(
-                f"prompt of {len(ids)} tokens does not fit the context of {self.max_context} tokens "
-                "(raise --max-context or shorten the prompt)"
-            )
+        prompt_fit.check(len(ids), self.max_context, self.desc.max_position_embeddings)
         stop = kw["stop"]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return Request(ids, params, kw["max_new_tokens"], stops, set(kw["stop_token_ids"] or []), kw["ignore_eos"],

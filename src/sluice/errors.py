@@ -55,3 +55,16 @@ def shown(value) -> str:
     """``repr(value)`` cut to 80 characters, for error messages that quote a bad value."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def describe_panic(exc: BaseException) -> str:
+    """One line for a ``BaseException`` that is not an ``Exception`` and not an interrupt or exit:
+    in practice a native library's panic (pyo3's ``PanicException``, raised by Rust extensions such
+    as ``tokenizers`` or ``safetensors`` when they hit a bug or a hostile input)."""
+    kind = type(exc)
+    name = kind.__name__ if kind.__module__ in ("builtins", None) else f"{kind.__module__}.{kind.__name__}"
+    text = " ".join(str(exc).split())  # a panic message can span lines
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return (f"a native library failed ({name}: {text or 'no message'}); the input may be malformed, or the "
+            "library has a bug: rerun with --debug for the traceback")

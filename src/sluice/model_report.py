@@ -7,6 +7,7 @@ from pathlib import Path
 from .engine import ModelInfo, Options
 from .errors import BudgetError
 from .plan import max_parallel
+from .storage.urls import mask
 from .sysmem import current_rss
 from .units import format_size
 
@@ -22,11 +23,12 @@ def format_params(n: int) -> str:
 def inspect_model(path: str | Path, memory: int | None = None, max_context: int | None = None,
                   revision: str | None = None, ca_bundle: str | None = None, parallel: int | None = None,
                   disk_cache: int | str | None = None, disk_cache_dir: str | None = None,
-                  progress: bool = False) -> dict:
+                  progress: bool = False, allow_unversioned_remote: bool = False) -> dict:
     """The model report; ``parallel``: sequences at once (None: the default rule per budget); ``progress``:
     show a remote model's metadata requests on a terminal."""
-    info = ModelInfo(path, revision=revision, ca_bundle=ca_bundle, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir,
-                     progress=progress)
+    opened = Options(ca_bundle=ca_bundle, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir, progress=progress,
+                     allow_unversioned_remote=allow_unversioned_remote)
+    info = ModelInfo(path, opened, revision=revision)
     try:
         return _report(info, memory, max_context, parallel)
     finally:
@@ -42,7 +44,7 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
     base = info.plan(1 << 50, Options(max_context=max_context, parallel=parallel or 1), baseline=baseline)
     expert_bytes = info.experts.record_bytes
     glob, layers = info.spine_split()
-    budgets = sorted({base.floor, base.floor_resident, base.budget_for_slots(d.total_experts // 4),
+    budgets = sorted({base.floor, base.floor_resident, base.working_set_budget, base.budget_for_slots(d.total_experts // 4),
                       base.budget_for_slots(d.total_experts // 2), base.budget_for_slots(d.total_experts)}
                      | ({memory} if memory else set()))
     table = []
@@ -50,15 +52,17 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
         try:
             p = info.plan(b, opts, baseline=baseline)
             table.append({"budget_bytes": b, "cache_experts": p.cache_slots, "ok": True,
+                          "below_working_set": p.below_working_set, "prefill_chunk": p.prefill_chunk,
                           "cache_share": p.cache_slots / max(d.total_experts, 1),
                           "streamed_layers": len(p.streamed_layers), "spine_read_per_token": p.spine_streamed_bytes,
                           "parallel": p.parallel,
                           "parallel_max": max_parallel(**info.plan_args(b, opts, baseline=baseline))})
         except BudgetError:
             table.append({"budget_bytes": b, "cache_experts": 0, "ok": False, "cache_share": 0.0,
+                          "below_working_set": False, "prefill_chunk": 0,
                           "streamed_layers": 0, "spine_read_per_token": 0, "parallel": 0, "parallel_max": 0})
     report = {
-        "path": str(info.path),
+        "path": mask(str(info.path)),  # a URL's password is never shown
         "model_id": info.model_id,
         "model_type": d.model_type,
         "layers": d.n_layers,
@@ -70,6 +74,7 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
         "params_total": total,
         "params_active_per_token": active,
         "expert_format": info.experts.format,
+        "expert_lossy": info.expert_loss,  # None: the source checkpoint's own weights
         "container": info.is_container,
         "spine_bytes": info.spine_bytes(),
         "spine_format": info.spine_format,
@@ -86,6 +91,8 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
         "baseline_bytes": baseline,
         "floor_bytes": base.floor,
         "floor_resident_bytes": base.floor_resident,
+        "floor_slots": base.floor_slots,  # one step of one layer: top-k + the lookahead's reads in flight
+        "working_set_budget_bytes": base.working_set_budget,  # the smallest budget keeping one token's experts
         "budgets": table,
         "notes": list(d.notes),
     }
@@ -112,7 +119,8 @@ def render_inspect(r: dict) -> str:
         f"{r['experts_per_layer']} experts/layer, top-{r['experts_per_token']}",
         f"  parameters        {format_params(r['params_total'])} total, "
         f"{format_params(r['params_active_per_token'])} active per token",
-        f"  expert format     {r['expert_format']}",
+        f"  expert format     {r['expert_format']}"
+        + (f" (LOSSY: {r['expert_lossy']}; outputs differ from the source model's)" if r.get("expert_lossy") else ""),
         f"  spine             {format_size(r['spine_bytes'])} ({format_size(r['spine_always_resident_bytes'])} always "
         f"resident, largest layer {format_size(r['spine_layer_bytes_max'])})"
         + (f", matrices {r['spine_format']} (lossy)" if r["spine_format"] != "stored" else ""),
@@ -122,9 +130,12 @@ def render_inspect(r: dict) -> str:
         f"  KV/state          {format_size(r['kv_state_bytes'])} for {r['max_context']} tokens, per sequence that "
         "runs at once (--parallel)",
         f"  memory floor      {format_size(r['floor_resident_bytes'])} with the whole spine resident "
-        f"(baseline {format_size(r['baseline_bytes'])} + spine + one token's experts + KV + buffers)",
+        f"(baseline {format_size(r['baseline_bytes'])} + spine + one step of one layer's experts: "
+        f"{r['floor_slots']} slots + KV + buffers)",
         f"                    {format_size(r['floor_bytes'])} streaming the spine layer by layer "
         "(slower: layers are read every token)",
+        f"  working set       {format_size(r['working_set_budget_bytes'])} keeps one token's experts "
+        f"({r['working_set_experts']}); below it every token reads its experts again",
         "  budget -> expert cache, sequences at once (default, most), spine streaming:",
     ]
     for b in r["budgets"]:
@@ -135,7 +146,8 @@ def render_inspect(r: dict) -> str:
                   if b["streamed_layers"] else "")
         lines.append(f"    {format_size(b['budget_bytes']):>12}  {b['cache_experts']:6d} experts "
                      f"({100 * b['cache_share']:5.1f}% of all), parallel {b['parallel']} (at most "
-                     f"{b['parallel_max']}){stream}")
+                     f"{b['parallel_max']}){stream}"
+                     + (f", below the working set (prefill chunk {b['prefill_chunk']})" if b["below_working_set"] else ""))
     if "plan" in r:
         p = r["plan"]
         lines.append(f"  --memory plan: cache {p['cache_slots']} experts, {p['parallel']} sequences at once (--parallel), "

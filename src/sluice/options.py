@@ -36,6 +36,7 @@ class Options:
     huge_pages: bool = True  # transparent huge pages for read buffers: ~1.7-2x O_DIRECT throughput here
     direct_io: bool | None = None  # None: probe O_DIRECT, fall back to buffered
     ca_bundle: str | None = None  # a model at an https:// URL: PEM file of extra CA certificates to trust
+    allow_unversioned_remote: bool = False  # read a URL whose server sends neither ETag nor Last-Modified
     disk_cache: int | str | None = None  # a model at a URL: keep what is fetched in a local disk tier of this size
     disk_cache_dir: str | None = None  # the disk tier's directory (None: storage.disk_tier.default_dir())
     verify_reads: bool = True  # CRC32 of every expert record and streamed spine layer read from a container
@@ -52,6 +53,7 @@ class Options:
     expert_workers: int | None = None  # Ray expert workers (None: one per node of the cluster)
     worker_memory: int | str | None = None  # each worker's budget (None: a safe share of its machine's memory)
     replicate_hot: int = 0  # per MoE layer, the N most-routed experts may also run on a second worker
+    ray_timeout: float = 60.0  # seconds to reach the cluster, and to place and start the workers
 
     def __post_init__(self):
         # a bool stands for the default settings, on or off (``load`` checks the value first)

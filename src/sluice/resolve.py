@@ -14,8 +14,9 @@
    found with ``huggingface_hub``'s cache functions and never over the network; its model
    id is the repo id.
 
-Anything else is a ``ModelNotFoundError`` that says what was looked for, and for a repo id
-the ``hf download`` command that fetches it.
+Anything else is a ``ModelNotFoundError`` that says what was looked for, close names (difflib,
+among ``demo`` and the directories beside the name: ``dmeo`` -> ``demo``), and only for a name
+shaped like a repo id (``owner/name``) the ``hf download`` command that fetches it.
 """
 
 from __future__ import annotations
@@ -85,8 +86,27 @@ def resolve_model(spec: str | os.PathLike, revision: str | None = None,
             raise ModelNotFoundError(f"the demo model is missing from {DEMO_DIR}; reinstall sluice")
         return DEMO_DIR, DEMO_MODEL_ID
     if not _looks_like_repo_id(text):
-        raise ModelNotFoundError(f"{text}: no such file or directory")
+        raise ModelNotFoundError(f"{text}: no such file or directory{_did_you_mean(text)}")
     return _from_hf_cache(text, revision, cache_dir)
+
+
+def _did_you_mean(text: str) -> str:
+    """``"; did you mean 'demo'?"`` when ``text`` is close (difflib) to a built-in name or to a
+    directory beside it (in its parent, or the current directory); else ``""``."""
+    import difflib
+
+    parent, name = os.path.split(text)
+    names = [DEMO_NAME] if not parent else []
+    try:
+        with os.scandir(parent or ".") as it:
+            names += [e.name for e in it if not e.name.startswith(".") and e.is_dir()]
+    except OSError:
+        pass
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    if not close:
+        return ""
+    shown = [os.path.join(parent, c) if parent else c for c in close]
+    return "; did you mean " + " or ".join(repr(c) for c in shown) + "?"
 
 
 def _looks_like_repo_id(text: str) -> bool:
@@ -109,9 +129,10 @@ def _from_hf_cache(repo_id: str, revision: str | None, cache_dir) -> tuple[Path,
     download = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
     where = f"the Hugging Face cache ({cache})"
     if "/" not in repo_id and not (cache / f"models--{repo_id}").is_dir():
-        # a single word: as likely a mistyped path as a repo id
-        raise ModelNotFoundError(f"{repo_id}: no such file or directory, and no model '{repo_id}' in {where} "
-                                 f"(to download it: {download})")
+        # a single word: a mistyped name or path far more often than a repo id (Hub repo ids are
+        # owner/name), so no download is suggested, only close names
+        raise ModelNotFoundError(f"{repo_id}: no such file or directory, and no model '{repo_id}' in "
+                                 f"{where}{_did_you_mean(repo_id)} (a Hugging Face repo id is owner/name)")
     found = try_to_load_from_cache(repo_id, "config.json", cache_dir=str(cache), revision=rev)
     if not isinstance(found, str):
         repo_dir = cache / f"models--{repo_id.replace('/', '--')}"

@@ -168,6 +168,7 @@ _OPTION_CHECKS = {
     "progress": _opt_bool(),
     "trace_routing": _path,
     "ca_bundle": _path,
+    "allow_unversioned_remote": _opt_bool(),
     "disk_cache": _size,
     "disk_cache_dir": _path,
     "max_resident_layers": _opt_int(0),
@@ -178,6 +179,7 @@ _OPTION_CHECKS = {
     "expert_workers": _opt_int(1),
     "worker_memory": lambda v, n: v is None or parse_size(v, n),
     "replicate_hot": _opt_int(0, none=False),
+    "ray_timeout": lambda v, n: number(v, n, lo=0.0, lo_open=True),
 }
 
 
@@ -188,7 +190,8 @@ def prefetch_options(value, name: str = "prefetch") -> None:
     if isinstance(value, bool):
         return
     if not isinstance(value, PrefetchOptions):
-        raise InvalidArgumentError(f"{name} must be True, False or a sluice.PrefetchOptions, got {shown(value)}")
+        raise InvalidArgumentError(f"{name} must be True or False, got {shown(value)} (or a sluice.PrefetchOptions for "
+                                   "its settings)")
     for flag in ("enabled", "gate", "latency"):
         boolean(getattr(value, flag), f"{name}.{flag}")
     integer(value.depth, f"{name}.depth", 1, 64)

@@ -282,3 +282,59 @@ def test_mixed_step_and_batched_generate_as_one_process(family_models, cluster):
     assert got_gen == want_gen
     assert gen_d.expert_seq_union > gen_d.expert_union  # the two sequences shared steps
     assert {k: getattr(gen_d, k) for k in SAME_COUNTERS} == {k: getattr(want_gen_d, k) for k in SAME_COUNTERS}
+
+
+def test_worker_memory_no_node_has_fails_at_once(family_models, cluster):
+    """``--worker-memory`` larger than any node: an error naming the size at once, not minutes of silence."""
+    from sluice.cluster.errors import ClusterError
+
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match=r"no node of the Ray cluster has 100\.00 TiB for an expert worker"):
+        load(family_models.hf("mixtral"), "2GiB", ray="auto", worker_memory="100TiB", ray_timeout=5, **COMMON)
+    assert time.monotonic() - t0 < 30
+
+
+def test_own_clusters_finds_this_users_cluster(cluster):
+    """``--ray auto`` without RAY_ADDRESS would join the fixture's cluster: this user started it."""
+    from sluice.cluster.connect import own_clusters
+
+    port = cluster.address.rpartition(":")[2]
+    assert any(a.endswith(f":{port}") for a in own_clusters())
+
+
+def test_cli_nothing_listening_is_one_line_in_bounded_time(text_model, cluster):
+    """``--ray HOST:PORT`` with nothing there: progress lines, then one error naming it, in --ray-timeout."""
+    import subprocess
+    import sys
+
+    from serve_process import free_port
+
+    port = free_port()
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "sluice.cli", "run", str(text_model), "-p", "x", "--ray",
+                          f"127.0.0.1:{port}", "--ray-timeout", "6", "--no-progress"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1] == (f"sluice: error: --ray 127.0.0.1:{port}: nothing is listening there (connection refused) "
+                         f"for 6 s (--ray-timeout): no Ray cluster is running at 127.0.0.1:{port} (start one "
+                         f"there with: ray start --head --port {port})"), out.stderr
+    assert any(line.startswith(f"sluice: waiting for a Ray cluster at 127.0.0.1:{port}") for line in lines[:-1])
+    assert time.monotonic() - t0 < 60
+
+
+def test_workers_that_cannot_all_be_placed_fail_within_ray_timeout(family_models, cluster):
+    """One worker more than the nodes can hold (each node's memory fits one): an error after
+    ``ray_timeout`` seconds saying how many did not start and what each asked for."""
+    import ray
+
+    from sluice.cluster.errors import ClusterError
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    each = int(min(n["Resources"]["memory"] for n in nodes) * 0.6)
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match=r"[1-4] of 4 expert workers did not start within 4 s \(--ray-timeout\): "
+                                           r"each needs .* of Ray memory"):
+        load(family_models.hf("mixtral"), "2GiB", ray="auto", expert_workers=len(nodes) + 1, worker_memory=each,
+             ray_timeout=4, **COMMON)
+    assert time.monotonic() - t0 < 30

@@ -94,7 +94,8 @@ def test_budget_below_floor_is_refused(big_model):
         sluice.load(path, memory="300MiB", max_context=1024, progress=False)
     msg = str(e.value)
     assert "memory budget 300.00 MiB is below the floor" in msg
-    assert "one token's experts (16 x" in msg and "Raise --memory to at least" in msg
+    assert "one step of one layer's experts (top-2 + 2 lookahead reads = 4 x" in msg
+    assert "Raise --memory to at least" in msg and "keeps one token's working set of 16 experts" in msg
 
 
 def test_cache_experts_must_fit_budget(big_model):

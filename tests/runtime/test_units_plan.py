@@ -40,11 +40,13 @@ def test_plan_floor_and_slots():
     full = _plan(1 << 40)
     floor = full.floor
     assert floor < full.floor_resident  # streaming the spine lowers the floor
-    p = _plan(floor)
-    assert p.cache_slots >= 16  # the floor holds one token's working set
+    ws = full.working_set_budget  # the smallest budget keeping one token's working set
+    assert floor < ws
+    p = _plan(ws)
+    assert p.cache_slots >= 16 and not p.below_working_set  # one token's working set
     assert p.streamed_layers  # ... streaming the spine layers that do not fit
     resident = _plan(full.floor_resident)
-    assert not resident.streamed_layers and resident.cache_slots >= 16
+    assert not resident.streamed_layers and resident.cache_slots >= 2  # the floor's slots, spine resident
     with pytest.raises(BudgetError, match=r"below the floor .*: baseline 200\.00 MiB \+ spine 20\.00 MiB resident"):
         _plan(floor - (1 << 20))
     big = _plan(10 << 30)

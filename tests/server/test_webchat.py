@@ -125,6 +125,12 @@ def test_page_needs_no_key_and_is_locked_down(server):
     assert "default-src 'none'" in csp and "connect-src 'self'" in csp and "'unsafe-inline'" not in csp
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", r.text), "the page must load nothing from elsewhere"
     assert httpx.get(server + "/v1/models").status_code == 401  # the API itself still needs the key
+    assert "<script>" not in r.text and "script-src 'self'" in csp  # no inline script: only the files below
+    for name in ("markdown.js", "chat.js"):
+        assert f'<script src="{name}"></script>' in r.text
+        js = httpx.get(f"{server}/{name}")
+        assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript"), name
+        assert js.headers["x-content-type-options"] == "nosniff" and js.text.startswith('"use strict";')
 
 
 def test_chat_in_the_browser(server, browser):
@@ -205,3 +211,161 @@ def test_chat_in_the_browser(server, browser):
     errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE"
               and not (e["source"] == "network" and "status of 401" in e["message"])]
     assert not errors, errors
+
+
+def open_page(d, server):
+    """Load the page with the key already stored, and wait for the model."""
+    from selenium.webdriver.common.by import By
+
+    d.get(server + "/")
+    d.execute_script("localStorage.setItem('sluice.apiKey', arguments[0])", KEY)
+    d.refresh()
+    wait_for(lambda: d.find_element(By.ID, "model").text.startswith("endless"), what="the model id")
+    d.find_element(By.ID, "clear").click()
+
+
+# Replies built to stall a backtracking renderer (the old one took minutes of main thread on
+# 8,002 backticks), each over 10,000 characters, with what the renderer must make of them.
+HOSTILE_REPLIES = {
+    "a line of backticks": ("`" * 10_002, dict(pre=1, code_text="")),  # an unclosed fence: empty code block
+    "backticks after text": ("x " + "`" * 10_002, dict(pre=0, code=0, literal=True)),
+    "backtick runs of every length": ("".join("`" * k + "x" for k in range(1, 141)), dict(code=0, literal=True)),
+    "backtick pairs": ("`` ` " * 2_500, dict(pre=0, literal=False)),
+    "code spans": ("`a` " * 2_600, dict(code=2_600)),
+    "unclosed fence": ("```python\n" + "<script>window.__pwned=1</script> **x** `y`\n" * 250, dict(pre=1, p=0)),
+    "a flood of fences": ("```\n" * 2_600, dict(pre=1_300, p=0)),
+    "emphasis never closed": ("*a **b _c __d " * 800, dict(strong=0, em=0, literal=True)),
+    "deep emphasis": ("**" * 2_500 + "x" + "**" * 2_500, dict(literal=False)),
+    "underscores": ("_" * 5_001 + " a_b" * 1_300, dict(strong=0, em=0, literal=True)),
+    "interleaved emphasis": ("*_" * 2_500 + "x" + "_*" * 2_500, dict(literal=False)),
+    "script in code": ("`<script>window.__pwned=2</script>`\n```html\n<img src=x onerror=window.__pwned=3>\n```\n"
+                       * 130, dict(code=130, pre=130, script=0, img=0)),
+}
+RENDER_BUDGET_MS = 250  # each reply, rendered and laid out; about 1-20 ms here
+
+
+def test_renderer_is_linear_on_hostile_replies(server, browser):
+    d = browser
+    open_page(d, server)
+    d.set_script_timeout(30)
+    got = d.execute_script("""
+        const out = {};
+        const nesting = (box) => {  // the deepest nesting of strong and em
+          let most = 0;
+          for (const e of box.querySelectorAll('strong, em')) {
+            let k = 0;
+            for (let a = e; a !== box; a = a.parentElement) k += a.matches('strong, em');
+            most = Math.max(most, k);
+          }
+          return most;
+        };
+        for (const [name, text] of Object.entries(arguments[0])) {
+          const box = document.createElement('div');
+          box.className = 'msg assistant';
+          document.getElementById('messages').appendChild(box);
+          const t0 = performance.now();
+          window.sluiceChat.renderMarkdown(text, box);
+          void box.offsetHeight;  // and the layout it causes, all on the main thread
+          const ms = performance.now() - t0;
+          const n = (s) => box.querySelectorAll(s).length;
+          out[name] = {ms, pre: n('pre > code'), code: n('p > code'), strong: n('strong'), em: n('em'), p: n('p'),
+                       script: n('script'), img: n('img'), depth: nesting(box),
+                       text: box.textContent, code_text: (box.querySelector('pre code') || {}).textContent};
+          box.remove();
+        }
+        out.pwned = window.__pwned === undefined ? null : window.__pwned;
+        return out;
+    """, {name: text for name, (text, _) in HOSTILE_REPLIES.items()})
+    assert got.pop("pwned") is None
+    slow = {name: round(r["ms"], 1) for name, r in got.items() if r["ms"] > RENDER_BUDGET_MS}
+    assert not slow, f"rendering took over {RENDER_BUDGET_MS} ms: {slow}"
+    for name, (text, want) in HOSTILE_REPLIES.items():
+        r = got[name]
+        assert len(text) >= 10_000 and r["script"] == r["img"] == 0, name
+        want = dict(want)
+        literal = want.pop("literal", None)
+        if literal is not None:  # every character shown, none taken as markup
+            assert (r["text"] == text) is literal, (name, r["text"][:80])
+        for key, value in want.items():
+            assert r[key] == value, (name, key, r[key], value)
+        assert r["depth"] <= 32, name  # nesting is bounded
+    assert got["deep emphasis"]["strong"] == got["deep emphasis"]["depth"] == 32
+    assert got["unclosed fence"]["code_text"] == HOSTILE_REPLIES["unclosed fence"][0].split("\n", 1)[1]
+
+
+def test_code_blocks(server, browser):
+    d = browser
+    open_page(d, server)
+    text = ("Run `pip install x` then:\n\n```python\nif a < b and c > d:\n    print(\"<b>hi</b>\")\n```\n\n"
+            "and ``a`b`` plus **bold `code` inside** and *it*.\n~~~\n```\nnot a fence\n```\n~~~\n"
+            "```\n<script>window.__pwned=1</script>")
+    html = d.execute_script("""
+        const box = document.createElement('div');
+        document.getElementById('messages').appendChild(box);
+        window.sluiceChat.renderMarkdown(arguments[0], box);
+        return [box.innerHTML, window.__pwned === undefined ? null : window.__pwned];
+    """, text)
+    assert html == [
+        '<p>Run <code>pip install x</code> then:</p>'
+        '<pre><code data-lang="python">if a &lt; b and c &gt; d:\n    print("&lt;b&gt;hi&lt;/b&gt;")</code></pre>'
+        '<p>and <code>a`b</code> plus <strong>bold <code>code</code> inside</strong> and <em>it</em>.</p>'
+        '<pre><code>```\nnot a fence\n```</code></pre>'
+        '<pre><code>&lt;script&gt;window.__pwned=1&lt;/script&gt;</code></pre>', None]
+
+
+OK_CHATS = 'sluice_requests_total{endpoint="chat_completions",status="200"}'
+
+
+def test_temperature_is_sent(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    d = browser
+    find = d.find_element
+    open_page(d, server)
+    field = find(By.ID, "temperature")
+    assert field.get_attribute("value") == "0"  # greedy by default, as `sluice chat`
+    d.execute_script("""
+        window.__sent = [];
+        const fetch0 = window.fetch;
+        window.fetch = (url, init) => {
+          if (init && init.body) window.__sent.push(JSON.parse(init.body));
+          return fetch0(url, init);
+        };
+    """)
+    question = "Tell me a story"
+    greedy = httpx.post(server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                        json={"model": "endless", "messages": [{"role": "user", "content": question}],
+                              "temperature": 0, "max_tokens": 40}).json()["choices"][0]["message"]["content"]
+    assert len(greedy) > 20
+
+    def reply(temperature: str) -> str:
+        find(By.ID, "clear").click()
+        field.clear()
+        field.send_keys(temperature)
+        find(By.ID, "input").send_keys(question, Keys.ENTER)
+        wait_for(lambda: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"), timeout=60, what="a full reply")
+        return d.execute_script("return window.sluiceChat.transcript()")[-1]["content"]
+
+    # 0: the server decoded greedily (its default, with no temperature sent, is 1)
+    assert reply("0").startswith(greedy)
+    # 1.5: sampled, so not the greedy reply
+    assert not reply("1.5").startswith(greedy[:20])
+    assert [b["temperature"] for b in d.execute_script("return window.__sent")] == [0, 1.5]
+
+    # values the server would refuse are not sent: the message stays, the field says why
+    before = counter(metrics(server), OK_CHATS)
+    find(By.ID, "clear").click()
+    for bad in ("abc", "3", "2.5", "0.0001", "-1", "1e-3", ""):
+        field.clear()
+        field.send_keys(bad)
+        find(By.ID, "input").send_keys("again", Keys.ENTER)
+        error = find(By.ID, "temp-error")
+        assert error.is_displayed() and f'"{bad}" is not a valid temperature' in error.text, (bad, error.text)
+        assert field.get_attribute("aria-invalid") == "true" and find(By.ID, "input").get_attribute("value") == "again"
+        find(By.ID, "input").clear()
+    assert not d.find_elements(By.CSS_SELECTOR, ".msg") and len(d.execute_script("return window.__sent")) == 2
+    assert counter(metrics(server), OK_CHATS) == before
+    field.clear()
+    field.send_keys("0.7")  # fixing the value clears the error
+    assert not find(By.ID, "temp-error").is_displayed() and field.get_attribute("aria-invalid") == "false"

@@ -394,7 +394,7 @@ def test_the_planner_counts_the_tiers_staging_buffers(published, tmp_path):
 
     _, urls = published["container"]
     plain = ModelInfo(urls["http"])
-    tiered = ModelInfo(urls["http"], disk_cache="64MiB", disk_cache_dir=str(tmp_path / "tier"))
+    tiered = ModelInfo(urls["http"], Options(disk_cache="64MiB", disk_cache_dir=str(tmp_path / "tier"), progress=False))
     try:
         opts = Options()
         extra = tiered.plan("4GiB", opts).activation_bytes - plain.plan("4GiB", opts).activation_bytes

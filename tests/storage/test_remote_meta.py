@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.engine import ModelInfo
+from sluice.engine import ModelInfo, Options
 from sluice.progress import Activity
 from sluice.storage.meta_cache import MAGIC, MetaCache
 
@@ -52,7 +52,7 @@ def _publish(remote_servers, name: str, path: Path, server: str, proxy) -> str:
 
 
 def _open(url: str, **kw) -> ModelInfo:
-    info = ModelInfo(url, **kw)
+    info = ModelInfo(url, Options(**{"progress": False, **kw}))
     info.close()
     return info
 

@@ -152,7 +152,7 @@ def test_object_changed_mid_run_is_an_expert_read_error(remote_models, remote_se
         with pytest.raises(ExpertReadError) as err:
             eng.generate(_ids(path).tolist(), max_new_tokens=N_NEW, ignore_eos=True)
         msg = str(err.value)
-        assert urls["http"] in msg and "expert" in msg and "changed on the server" in msg, msg
+        assert urls["http"] in msg and "expert" in msg and "the object changed while reading" in msg, msg
     finally:
         eng.close()
 

@@ -92,7 +92,7 @@ def test_a_changed_object_is_an_error_naming_the_url(remote_servers, tmp_path, s
     remote_servers.publish(f"changing-{server}/v.bin", path)
     # a data read of the version the source was opened at (pread, metadata, may come from the local
     # metadata cache under that ETag: the bytes of the version opened, never a mix)
-    with pytest.raises(RemoteObjectChangedError, match=rf"{urls[server]} changed on the server"):
+    with pytest.raises(RemoteObjectChangedError, match=rf"the object changed while reading: {urls[server]} "):
         src.read_into(memoryview(bytearray(10)), 0)
 
 

@@ -26,6 +26,7 @@ from ..experts.source import CheckpointExperts, ContainerExperts, ExpertSource
 from ..experts.spec import ExpertSpec
 from ..models import get_family
 from ..storage import open_store
+from ..storage.urls import mask
 
 
 @dataclass
@@ -38,16 +39,19 @@ class OpenedExperts:
     raw_config: dict
 
 
-def open_experts(location: str, direct_io: bool | None = None, ca_bundle: str | None = None) -> OpenedExperts:
+def open_experts(location: str, direct_io: bool | None = None, ca_bundle: str | None = None,
+                 allow_unversioned_remote: bool = False) -> OpenedExperts:
     """Open the model at ``location`` for its experts only (no spine, no tokenizer)."""
     remote = {"ca_bundle": os.fspath(ca_bundle)} if ca_bundle else {}
+    if allow_unversioned_remote:
+        remote["allow_unversioned"] = True
     try:
         store = open_store(location, **remote)
         ckpt = Container(store, direct=direct_io) if is_container(store) else Checkpoint(store, direct=direct_io)
     except SluiceError:
         raise
     except OSError as e:
-        raise CheckpointError(f"{location}: cannot open the model: {e}") from None
+        raise CheckpointError(mask(f"{location}: cannot open the model: {e}")) from None
     family = get_family(ckpt.config.get("model_type"))
     cfg = family.parse_config(ckpt.config)
     desc = family.describe(cfg)

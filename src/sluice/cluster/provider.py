@@ -32,6 +32,7 @@ from .connect import require_ray
 from .errors import ClusterError, InvalidArgumentError, WorkerLostError, WorkerMismatchError
 from .model import differences
 from .placement import Placement
+from .start import await_workers, check_fits
 from .worker import ExpertWorker
 
 MAX_RESTARTS = 1000  # Ray restarts a dead worker this many times
@@ -41,7 +42,8 @@ CALL_TIMEOUT_S = 600.0  # one layer's call (a cold prefill chunk reads all its e
 
 class RayExperts(ExpertInterface):
     def __init__(self, location: str, signature: dict, moe_layers: list[int], n_experts: int, *, workers: int | None,
-                 worker_memory: int | None, replicate_hot: int = 0, worker_opts: dict | None = None):
+                 worker_memory: int | None, replicate_hot: int = 0, worker_opts: dict | None = None,
+                 timeout: float = START_TIMEOUT_S):
         ray = self._ray = require_ray()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         self.n_workers = workers or max(1, len(nodes))
@@ -69,12 +71,17 @@ class RayExperts(ExpertInterface):
         if not opts.get("threads"):
             cpus = min((int(n.get("Resources", {}).get("CPU", 1)) for n in nodes), default=1)
             opts["threads"] = max(1, cpus // per_node)
+        if worker_memory:
+            check_fits(nodes, worker_memory)
         res = {"memory": worker_memory} if worker_memory else {}
         actor = ray.remote(ExpertWorker).options(num_cpus=0, max_restarts=MAX_RESTARTS, max_task_retries=0,
                                                  scheduling_strategy="SPREAD", **res)
         self.workers = [actor.remote(i, str(location), opts) for i in range(self.n_workers)]
         try:
-            hellos = ray.get([w.hello.remote() for w in self.workers], timeout=START_TIMEOUT_S)
+            hellos = await_workers(ray, self.workers, timeout, worker_memory)
+        except ClusterError:
+            self.close()
+            raise
         except Exception as e:  # noqa: BLE001 - a worker's __init__ error arrives wrapped by Ray
             self.close()
             raise ClusterError(f"expert workers could not start: {_cause(e)}") from None

@@ -75,11 +75,13 @@ class _Items:
 class ExpertWorker:
     def __init__(self, index: int, location: str, opts: dict):
         """``opts``: memory (bytes or None), cache_experts, reader_threads, threads, cache_policy,
-        verify_reads, huge_pages, direct_io, ca_bundle, max_rows (rows of the largest request)."""
+        verify_reads, huge_pages, direct_io, ca_bundle, allow_unversioned_remote, max_rows (rows of the largest
+        request)."""
         self.index = index
         self.threads = opts.get("threads") or os.cpu_count() or 1
         cpu.set_threads(self.threads)
-        self.opened = m = open_experts(location, opts.get("direct_io"), opts.get("ca_bundle"))
+        self.opened = m = open_experts(location, opts.get("direct_io"), opts.get("ca_bundle"),
+                                       bool(opts.get("allow_unversioned_remote")))
         self.spec, self.source = m.spec, m.source
         memory = opts.get("memory") or default_budget()
         # a request's rows in and outputs back (and their copies in the object store), plus the

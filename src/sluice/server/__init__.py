@@ -29,24 +29,38 @@ def serve_command(args, engine_options: dict) -> int:
     """``sluice serve``: load the model, then serve it until interrupted."""
     import sys
 
-    require_dependencies()
-    from .. import load
-    from .app import serve
+    from .bind import bind, check_api_key
 
+    args.api_key = check_api_key(args.api_key)
+    require_dependencies()
+    sock = bind(args.host, args.port)  # before loading: a port in use fails at once, nothing announced
+    try:
+        from .. import load
+        from .app import serve
+    except BaseException:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"sluice: warning: serving on {args.host} without --api-key: anyone who can reach this port "
               "can use the model", file=sys.stderr)
-    engine = load(args.model, memory=args.memory, revision=args.revision, **engine_options)
-    name = args.model_name or engine.model_id
-    print(f"sluice: serving '{name}' on http://{args.host}:{args.port}/v1 (context {engine.max_context} tokens, "
-          f"queue {args.max_queue})", file=sys.stderr)
-    print(f"sluice: chat in a browser at http://{args.host}:{args.port}/", file=sys.stderr)
     try:
-        serve(engine, host=args.host, port=args.port, model_name=name, api_key=args.api_key,
-              max_queue=args.max_queue, max_body_bytes=args.max_body, log_level=args.log_level)
+        engine = load(args.model, memory=args.memory, revision=args.revision, **engine_options)
+    except BaseException:
+        sock.close()
+        raise
+    name = args.model_name or engine.model_id
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"sluice: serving '{name}' on http://{host}:{port}/v1 (context {engine.max_context} tokens, "
+          f"queue {args.max_queue})", file=sys.stderr)
+    print(f"sluice: chat in a browser at http://{host}:{port}/", file=sys.stderr)
+    try:
+        serve(engine, host=args.host, port=port, model_name=name, api_key=args.api_key,
+              max_queue=args.max_queue, max_body_bytes=args.max_body, log_level=args.log_level, sock=sock)
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C
         pass
     finally:
+        sock.close()
         engine.close()
     print("sluice: server stopped", file=sys.stderr)
     return 0

@@ -343,6 +343,14 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
         body, headers = webchat.page()
         return Response(body, media_type="text/html; charset=utf-8", headers=headers)
 
+    async def chat_script(request: Request):
+        """The chat page's scripts (no API key either)."""
+        body, headers = webchat.script(request.url.path.rsplit("/", 1)[-1])
+        return Response(body, media_type="text/javascript; charset=utf-8", headers=headers)
+
+    for name in webchat.SCRIPTS:
+        app.add_api_route("/" + name, chat_script, methods=["GET"], include_in_schema=False)
+
     @app.get("/health")
     async def health():
         waiting, running = service.scheduler.depth()
@@ -440,11 +448,15 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_queue
 
 
 def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str, api_key: str | None = None,
-          max_queue: int = 8, max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "info") -> None:
-    """Serve ``engine`` until interrupted (blocking)."""
+          max_queue: int = 8, max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "info",
+          sock=None) -> None:
+    """Serve ``engine`` until interrupted (blocking); ``sock``: an already listening socket
+    (``bind.bind``) to serve on instead of binding ``host:port``."""
     import sys
 
     import uvicorn
+
+    from ..storage.interrupt import interrupt_reads, resume_reads
 
     app = create_app(engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      max_body_bytes=max_body_bytes)
@@ -455,6 +467,7 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str,
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: end open streams (error event, [DONE]) at once
+            interrupt_reads("the server is shutting down")  # remote reads in flight stop too (storage/interrupt.py)
             service.begin_shutdown()
             super().handle_exit(sig, frame)
 
@@ -472,9 +485,10 @@ def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str,
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if main else None
     try:
-        Server(config).run()
+        Server(config).run(sockets=[sock] if sock is not None else None)
     except _Terminated:
         pass
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+        resume_reads()

@@ -39,7 +39,9 @@ class Service:
                  template_timeout: float = TEMPLATE_TIMEOUT, request_memory: int | None = None):
         self.engine = engine
         self.model_name = model_name
-        self.api_key = api_key or None
+        from .bind import check_api_key
+
+        self.api_key = check_api_key(api_key)  # "" is refused, not read as "no key"
         self.max_body_bytes = max_body_bytes
         self.metrics = Metrics(model_name)
         self.scheduler = Scheduler(engine, max_queue, self.metrics, reuse_prefix=reuse_prefix)

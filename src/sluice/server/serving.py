@@ -47,6 +47,12 @@ def error_for_exception(e: BaseException) -> APIError:
     """The HTTP error of an exception raised inside a generation."""
     if isinstance(e, ValueError) and not isinstance(e, (CheckpointError, OSError)):
         return APIError(400, str(e))
+    from ..storage.interrupt import interrupted
+
+    why = interrupted()
+    if why is not None and isinstance(e, OSError):  # a read in flight stopped by the shutdown
+        return APIError(503, f"the server is shutting down: {why} (a model read in flight was stopped)",
+                        "server_error", code="shutting_down")
     kind = type(e).__name__
     return APIError(500, f"generation failed: {kind}: {e}", "server_error", code="generation_failed")
 

@@ -20,25 +20,65 @@ install.
 
 from __future__ import annotations
 
-import os
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from urllib.parse import urlsplit
 
 from ..progress import Activity
+from . import interrupt
 from .aws_config import AwsConfigError, missing_credentials, profile_settings
 from .meta_cache import MetaCache
 from .source import ByteSource, ReadStats
 from .store import Store
+from .urls import SECRETS, basic_auth_header, check_endpoint, environment_endpoints, mask, mask_url, split_userinfo
 
 READ_BYTES = 16 << 20  # a ranged GET per piece of long sequential reads
 RETRIES = 5
-_SECRETS: set[str] = set()  # secrets read from profile files: masked in every message (``_reason``)
 INSTALL_HINT = 'reading models from S3 or HTTP(S) needs the remote extra: pip install "sluice[remote]" (obstore)'
 
 
 class RemoteObjectChangedError(OSError):
-    """The object behind a URL changed (another ETag) after Sluice opened it."""
+    """The object behind a URL changed (another ETag, Last-Modified or size) after Sluice opened it."""
+
+
+class UnversionedObjectError(OSError):
+    """A server that gives neither ETag nor Last-Modified: a change of the object could go unnoticed."""
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)  # the client's Last-Modified when the server sent none
+UNVERSIONED_HINT = ("pass --allow-unversioned-remote (Python: allow_unversioned_remote=True) to read it anyway, "
+                    "accepting that a file replaced while or between runs goes unnoticed")
+
+
+def validators(meta: dict) -> tuple[str | None, datetime | None]:
+    """``(ETag, Last-Modified)`` of a HEAD or GET answer, None for what the server did not send."""
+    modified = meta.get("last_modified")
+    return meta.get("e_tag") or None, (modified if modified is not None and modified != _EPOCH else None)
+
+
+def check_versioned(url: str, meta: dict, allow_unversioned: bool) -> None:
+    """``UnversionedObjectError`` for an answer with neither ETag nor Last-Modified, unless allowed."""
+    if not allow_unversioned and validators(meta) == (None, None):
+        raise UnversionedObjectError(
+            f"{url}: the server sends neither ETag nor Last-Modified, so Sluice cannot tell if the file changes "
+            f"while or between runs (it could mix two versions, silently); {UNVERSIONED_HINT}")
+
+
+def check_same(url: str, meta: dict, etag: str | None, modified: datetime | None, size: int | None) -> None:
+    """``RemoteObjectChangedError`` when an answer's ETag, Last-Modified or object size is not the pinned one."""
+    got_etag, got_modified = validators(meta)
+    diffs = []
+    if etag is not None and got_etag != etag:
+        diffs.append(f"ETag {got_etag or 'none'}, opened as {etag}")
+    if modified is not None and got_modified != modified:
+        diffs.append(f"Last-Modified {got_modified.isoformat() if got_modified else 'none'}, "
+                     f"opened as {modified.isoformat()}")
+    got_size = meta.get("size")
+    if size is not None and got_size is not None and int(got_size) != size:
+        diffs.append(f"{got_size} bytes, opened as {size}")
+    if diffs:
+        raise RemoteObjectChangedError(f"the object changed while reading: {url} ({'; '.join(diffs)}); "
+                                       "restart to read the new version")
 
 
 def _obstore():
@@ -89,12 +129,18 @@ def open_object_store(url: str, *, ca_bundle: str | None = None, endpoint: str |
             config = profile_settings()
         except AwsConfigError as e:
             raise OSError(f"s3://{bucket}: {e}") from None
-        _SECRETS.update(v for k, v in config.items() if k in ("secret_access_key", "session_token"))
+        SECRETS.update(v for k, v in config.items() if k in ("secret_access_key", "session_token"))
         missing = missing_credentials(config)
         if missing:
             raise OSError(f"s3://{bucket}: {missing}")
-        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") \
-            or config.pop("endpoint", None)
+        # the client reads these variables itself and panics on a malformed one: each is checked first
+        env = environment_endpoints()
+        if endpoint is not None:
+            endpoint = check_endpoint(endpoint, "the endpoint option")
+        elif config.get("endpoint") is not None and not env:
+            endpoint = check_endpoint(config["endpoint"], "endpoint_url in the AWS profile")
+        config.pop("endpoint", None)
+        endpoint = endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or env.get("AWS_ENDPOINT")
         if endpoint:
             config["endpoint"] = endpoint
             if endpoint.startswith("http://"):
@@ -102,19 +148,22 @@ def open_object_store(url: str, *, ca_bundle: str | None = None, endpoint: str |
         try:
             return obstore.store.S3Store(bucket, config=config or None, client_options=opts, retry_config=retry), key
         except ValueError as e:  # a malformed endpoint or configuration
-            raise OSError(f"{url}: {_reason(e)}") from None
+            raise OSError(f"{mask_url(url)}: {_reason(e)}") from None
     if scheme in ("http", "https"):
         base, _, name = parts.path.rpartition("/")
         if not name:
-            raise OSError(f"{url}: the URL names a directory, not a file")
+            raise OSError(f"{mask_url(url)}: the URL names a directory, not a file")
         if scheme == "http":
             opts["allow_http"] = True
-        root = f"{scheme}://{parts.netloc}{base}"
+        netloc, auth = split_userinfo(f"{scheme}://{parts.netloc}")
+        if auth is not None:  # user:password@ in the URL: HTTP Basic auth (the password is masked in messages)
+            opts["default_headers"] = {"Authorization": basic_auth_header(*auth)}
+        root = f"{netloc}{base}"
         try:
             return obstore.store.HTTPStore(root, client_options=opts, retry_config=retry), name
         except ValueError as e:  # a malformed URL or certificate
-            raise OSError(f"{url}: {_reason(e)}") from None
-    raise OSError(f"{url}: unknown URL scheme {scheme!r} (Sluice reads s3://, http:// and https://)")
+            raise OSError(f"{mask_url(url)}: {_reason(e)}") from None
+    raise OSError(f"{mask_url(url)}: unknown URL scheme {scheme!r} (Sluice reads s3://, http:// and https://)")
 
 
 class RemoteSource(ByteSource):
@@ -135,14 +184,15 @@ class RemoteSource(ByteSource):
 
     def __init__(self, url: str, *, store=None, path: str | None = None, stats: ReadStats | None = None,
                  head: dict | None = None, meta: MetaCache | None | bool = None, progress: Activity | None = None,
-                 **options):
-        self.name = url
+                 allow_unversioned: bool = False, **options):
+        self.name = url = mask_url(url) if store is not None else url
         self.stats = stats if stats is not None else ReadStats()
         self._obstore = _obstore()
         self.meta = MetaCache() if meta is None else (meta or None)
         self.progress = progress
         if store is None:
             store, path = open_object_store(url, **options)
+            self.name = url = mask_url(url)
         self._store, self._path = store, path
         if head is None:
             if progress is not None:
@@ -155,11 +205,13 @@ class RemoteSource(ByteSource):
                 raise OSError(f"cannot open {url}: {_reason(e)}") from None
             if progress is not None:
                 progress.done()
-        meta = head
-        self.size = int(meta["size"])
-        self.etag = meta.get("e_tag")
-        self._modified = meta.get("last_modified")
-        self.version = self.etag or f"{self.size}:{self._modified.isoformat() if self._modified else ''}"
+        check_versioned(url, head, allow_unversioned)
+        # the object's size and validators from the first answer: every later answer must match them
+        self.size = int(head["size"])
+        self.etag, self._modified = validators(head)
+        # the cache key of these bytes (disk tier, local file copies); "" for an unversioned object, which
+        # nothing keeps across runs (its size alone tells nothing)
+        self.version = self.etag or (f"{self.size}:{self._modified.isoformat()}" if self._modified else "")
 
     def read_aligned(self, buf: memoryview, offset: int) -> int:
         n = max(0, min(len(buf), self.size - offset))
@@ -210,19 +262,22 @@ class RemoteSource(ByteSource):
             options["if_match"] = self.etag
         elif self._modified is not None:
             options["if_unmodified_since"] = self._modified
-        try:
+        def fetch():
             result = self._obstore.get(self._store, self._path, options=options)
-            etag = result.meta.get("e_tag")
-            data = result.bytes()
+            return result.meta, result.bytes()
+
+        try:  # waited for in slices: a shutdown (``interrupt.interrupt_reads``) stops it at once
+            answer, data = interrupt.call(fetch, f"read of {n} bytes at offset {offset} of {self.name}")
+        except interrupt.ReadInterruptedError:
+            raise
         except self._obstore.exceptions.PreconditionError:
+            pinned = f"ETag {self.etag}" if self.etag else f"Last-Modified {self._modified.isoformat()}"
             raise RemoteObjectChangedError(
-                f"{self.name} changed on the server while in use (its ETag is no longer {self.etag}); "
+                f"the object changed while reading: {self.name} (the server no longer has it at {pinned}); "
                 "restart to read the new version") from None
         except Exception as e:
             raise OSError(f"read of {n} bytes at offset {offset} failed: {self.name}: {_reason(e)}") from None
-        if self.etag and etag and etag != self.etag:
-            raise RemoteObjectChangedError(f"{self.name} changed on the server while in use "
-                                           f"(ETag {etag}, opened as {self.etag})")
+        check_same(self.name, answer, self.etag, self._modified, self.size)
         if len(data) != n:
             raise OSError(f"short read: {len(data)} of {n} bytes at offset {offset}: {self.name}")
         dest[:] = memoryview(data)
@@ -247,14 +302,16 @@ class RemoteStore(Store):
     used only for the ETag it was fetched at. ``progress``: an ``Activity`` shown while a model opens."""
 
     def __init__(self, url: str, *, meta: MetaCache | None | bool = None, progress: Activity | None = None,
-                 **options):
-        self.location = url.rstrip("/")
+                 allow_unversioned: bool = False, **options):
+        url = url.rstrip("/")
+        self.location = mask_url(url)  # what messages name: a password in the URL is never shown
+        self.allow_unversioned = allow_unversioned
         self._obstore = _obstore()
         self.meta = MetaCache() if meta is None else (meta or None)
         self.progress = progress
         self._heads: dict[str, dict | None] = {}  # member -> its HEAD answer (None: not there), once per store
         # the store is rooted at the prefix: members are plain names inside it
-        self._store, self._prefix = open_object_store(self.location + "/_", **options)
+        self._store, self._prefix = open_object_store(url + "/_", **options)
         self._prefix = self._prefix[:-1]  # "" for HTTP (rooted at the directory), "models/olmoe/" for S3
 
     def locate(self, name: str) -> str:
@@ -273,6 +330,8 @@ class RemoteStore(Store):
             raise OSError(f"cannot read {self.locate(name)}: {_reason(e)}") from None
         if self.progress is not None:
             self.progress.done()
+        if head is not None:
+            check_versioned(self.locate(name), head, self.allow_unversioned)
         self._heads[name] = head
         return head
 
@@ -306,6 +365,8 @@ class RemoteStore(Store):
         if name in self._heads and self._heads[name] is None:
             raise FileNotFoundError(f"{url}: no such file")
         copy = self.meta.get(url) if self.meta is not None else None
+        if copy is not None and not copy[0]:
+            copy = None  # kept without an ETag (by an older version): it cannot be revalidated
         head = self._heads.get(name)
         progress = self.progress
         if copy is not None and head is not None and head.get("e_tag") == copy[0]:
@@ -317,7 +378,7 @@ class RemoteStore(Store):
         options = {"if_none_match": copy[0]} if copy is not None else {}
         try:
             result = self._obstore.get(self._store, self._prefix + name, options=options)
-            etag = result.meta.get("e_tag")
+            answer = result.meta
             data = bytes(result.bytes())
         except self._obstore.exceptions.NotModifiedError:  # 304: the copy is the current version
             if progress is not None:
@@ -327,16 +388,21 @@ class RemoteStore(Store):
             raise FileNotFoundError(f"{url}: no such file") from None
         except Exception as e:
             raise OSError(f"cannot read {url}: {_reason(e)}") from None
+        check_versioned(url, answer, self.allow_unversioned)
+        if head is not None:  # read after its HEAD: the same version
+            check_same(url, answer, *validators(head), int(head["size"]))
         if progress is not None:
             progress.done(len(data))
-        if self.meta is not None:
+        etag = answer.get("e_tag")
+        if self.meta is not None and etag:  # only a copy with an ETag can be revalidated next time
             self.meta.put(url, etag, data)
         return data
 
     def open(self, name: str, *, direct: bool | None = None, stats: ReadStats | None = None) -> ByteSource:
         head = self._heads.get(name)
         return RemoteSource(self.locate(name), store=self._store, path=self._prefix + name, stats=stats,
-                            head=head, meta=self.meta or False, progress=self.progress)
+                            head=head, meta=self.meta or False, progress=self.progress,
+                            allow_unversioned=self.allow_unversioned)
 
     def __repr__(self) -> str:
         return f"<RemoteStore {self.location}>"
@@ -359,7 +425,4 @@ def _reason(e: Exception) -> str:
                   "give the CA certificate that signed it as a CA bundle)")
     elif "Connection refused" in text:
         first += " (connection refused)"
-    for secret in _SECRETS | {os.environ.get("AWS_SECRET_ACCESS_KEY"), os.environ.get("AWS_SESSION_TOKEN")}:
-        if secret and len(secret) >= 8:
-            first = first.replace(secret, "***")
-    return f"{type(e).__name__}: {first}"
+    return mask(f"{type(e).__name__}: {first}")

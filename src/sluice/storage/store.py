@@ -72,7 +72,7 @@ class Store:
         try:
             key = hashlib.sha256(f"{self.locate(name)}\0{src.version}".encode()).hexdigest()[:32]
             dest = (self.cache_dir or user_cache_dir() / "files") / key / name
-            if not dest.is_file():
+            if not dest.is_file() or not src.version:  # an unversioned object: fetched again every time
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 tmp = dest.with_name(f".{name}.{os.getpid()}.partial")
                 data = bytearray(src.size)

@@ -1,7 +1,9 @@
 """Byte sources and stores read through the local disk tier (``disk_tier.DiskTier``).
 
 ``TieredSource`` wraps a remote byte source: every range read is looked up in the tier by
-(URL, version, offset, length), and a range fetched from the inner source is kept there.
+(URL, version, offset, length), and a range fetched from the inner source is kept there. The
+version is the object's ETag, else its size and Last-Modified, never its size alone: an object
+whose server sends neither (read only with ``--allow-unversioned-remote``) is never kept.
 ``TieredStore`` wraps a remote store so that the sources it opens are ``TieredSource``s;
 ``location.open_store``/``open_source`` put them in place when a tier is given, so nothing above
 storage knows the tier is there.
@@ -65,6 +67,10 @@ class TieredSource(WrappedSource):
         return bytes(out)
 
     def _read(self, dest: memoryview, offset: int, room: memoryview | None = None) -> None:
+        if not self.version:  # an unversioned object (--allow-unversioned-remote): never kept, always fetched
+            self.inner.read_into(dest, offset)
+            self.stats.tier_miss()
+            return
         key = Key(self.name, self.version, offset, len(dest))
         if self.tier.get(key, dest, room):
             self.stats.tier_hit(len(dest))
