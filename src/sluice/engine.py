@@ -20,7 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
-from . import kernels, validate
+from . import validate
+from .kernels.backend import cpu
 from .checkpoint import Checkpoint
 from .container import Container, is_container
 from .errors import CheckpointError, InvalidArgumentError, SluiceError
@@ -271,7 +272,7 @@ class Engine:
         self.options = options
         baseline = current_rss()
         self.threads = options.threads or os.cpu_count() or 1
-        kernels.set_threads(self.threads)
+        cpu.set_threads(self.threads)
         self.info = info = ModelInfo(path, options, revision=revision)
         try:
             self._build(info, memory, options, baseline, t_load)

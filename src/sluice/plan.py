@@ -60,6 +60,10 @@ class Plan:
     working_set_budget: int = 0  # the smallest budget whose cache keeps one token's working set
     requested_chunk: int = 0  # the prefill chunk asked for (``prefill_chunk``: what the cache allows of it)
     reduced: bool = False  # the budget gave a cache below the working set (not --cache-experts): warn at load
+    # the second pool (docs/architecture.md, "Backends"): bytes a device offers for expert weights,
+    # and the expert slots placed there (beside the host cache, which reads still land in). 0 on CPU.
+    device_bytes: int = 0
+    device_slots: int = 0
 
     @property
     def below_working_set(self) -> bool:
@@ -71,6 +75,11 @@ class Plan:
         return self.cache_slots * self.slot_bytes
 
     @property
+    def device_cache_bytes(self) -> int:
+        """The device pool's bytes that hold expert slots (0 on CPU)."""
+        return self.device_slots * self.slot_bytes
+
+    @property
     def fixed_bytes(self) -> int:
         """Everything but the expert cache and the safety margin."""
         return self.baseline + self.spine_bytes + self.state_bytes + self.activation_bytes
@@ -78,6 +87,7 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["cache_bytes"] = self.cache_bytes
+        d["device_cache_bytes"] = self.device_cache_bytes
         return d
 
     def slots_for(self, budget: int) -> int:
@@ -153,7 +163,7 @@ def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: di
               cache_experts: int | None = None, stream_buffers: int = 2,
               max_resident_layers: int | None = None, parallel: int | None = 1,
               lookahead_slots: int = 0, layer_experts: int | None = None,
-              activations_for: Callable[[int], int] | None = None) -> Plan:
+              activations_for: Callable[[int], int] | None = None, device_bytes: int = 0) -> Plan:
     """Split ``budget`` between spine, per-sequence state, buffers and the expert cache.
 
     ``state_bytes`` is one sequence's state; ``parallel`` sequences get one each. ``parallel=None``
@@ -164,13 +174,18 @@ def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: di
     ``layer_experts``: experts per MoE layer (bounds a prefill chunk's union; None: ``total_experts``);
     ``activations_for(chunk)``: the buffers of a prefill chunk (None: ``activations`` for any chunk),
     so that a chunk shrunk to fit a small cache also frees its buffers.
+    ``device_bytes``: the device pool (0 on CPU), filled with up to that many bytes of expert
+    slots (``Plan.device_slots``); it changes nothing of the host plan.
     """
+    if device_bytes < 0:
+        raise InvalidArgumentError(f"device memory for experts must be at least 0 bytes, got {device_bytes}")
     args = dict(budget=budget, baseline=baseline, spine_global=spine_global, spine_layers=spine_layers,
                 stream_buffer=stream_buffer, state_bytes=state_bytes, activations=activations,
                 slot_bytes=slot_bytes, working_set=working_set, total_experts=total_experts, top_k=top_k,
                 max_context=max_context, prefill_chunk=prefill_chunk, cache_experts=cache_experts,
                 stream_buffers=stream_buffers, max_resident_layers=max_resident_layers,
-                lookahead_slots=lookahead_slots, layer_experts=layer_experts, activations_for=activations_for)
+                lookahead_slots=lookahead_slots, layer_experts=layer_experts, activations_for=activations_for,
+                device_bytes=device_bytes)
     if parallel is not None:
         if parallel < 1:
             raise InvalidArgumentError(f"parallel (--parallel) must be at least 1, got {parallel}")
@@ -212,7 +227,7 @@ def _make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: d
                total_experts: int, top_k: int, max_context: int, prefill_chunk: int,
                cache_experts: int | None, stream_buffers: int, max_resident_layers: int | None,
                parallel: int, lookahead_slots: int, layer_experts: int | None,
-               activations_for: Callable[[int], int] | None) -> Plan:
+               activations_for: Callable[[int], int] | None, device_bytes: int = 0) -> Plan:
     """``make_plan`` for a given number of sequences.
 
     Rule when the spine does not fit: keep the expert cache at one token's working set and
@@ -323,4 +338,5 @@ def _make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: d
                 streamed_layers=streamed,
                 spine_streamed_bytes=sum(spine_layers[i] for i in streamed),
                 stream_buffer_bytes=buffers if streamed else 0, parallel=parallel, seq_state_bytes=seq_state,
-                floor_slots=floor_slots, working_set_budget=ws_budget, requested_chunk=prefill_chunk, reduced=reduced)
+                floor_slots=floor_slots, working_set_budget=ws_budget, requested_chunk=prefill_chunk, reduced=reduced,
+                device_bytes=device_bytes, device_slots=min(total_experts, device_bytes // slot_bytes))

@@ -122,9 +122,9 @@ def test_the_name_rule_catches_branching():
 def _counting(monkeypatch) -> list:
     calls = []
 
-    def counted(buf, base, record):
+    def counted(buf, base, record, backend):
         calls.append(base)
-        return assemble(buf, base, record)
+        return assemble(buf, base, record, backend)
 
     monkeypatch.setattr(cache_module, "assemble", counted)
     return calls

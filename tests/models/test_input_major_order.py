@@ -10,6 +10,7 @@ import torch
 import sluice
 from conftest import prompt_ids
 from sluice import kernels
+from sluice.kernels import backend
 from sluice.quant import dense
 
 
@@ -52,7 +53,7 @@ def test_gpt_oss_container_bit_identical_to_directory(family_models, monkeypatch
     """A 150-token prompt in one chunk: experts see more tokens than the chain kernels take
     (sgemm on the same fp32 copy for both layouts) as well as fewer."""
     if not with_kernels:
-        monkeypatch.setattr(kernels, "chain_available", lambda: False)
+        monkeypatch.setattr(backend.cpu, "chain_available", lambda: False)
     ids = prompt_ids(150, seed=5)
     outs = []
     for path in (family_models.hf("gpt_oss", kind), family_models.container("gpt_oss", kind)):

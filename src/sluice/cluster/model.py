@@ -18,7 +18,7 @@ from importlib import metadata
 
 import torch
 
-from .. import kernels
+from ..kernels.backend import cpu
 from ..checkpoint import Checkpoint
 from ..container import Container, is_container
 from ..errors import CheckpointError, SluiceError
@@ -88,9 +88,9 @@ def _version(pkg: str) -> str:
 
 def signature(checkpoint) -> dict:
     """What decides the bits of an expert's output on this process."""
-    k = kernels.info()
+    k = cpu.info()
     return {"kernels": {key: k[key] for key in sorted(k) if key in ("available", "avx2", "avx512")},
-            "batch_invariant": kernels.batch_invariant(), "torch": torch.__version__, "sluice": _version("sluice"),
+            "batch_invariant": cpu.batch_invariant(), "torch": torch.__version__, "sluice": _version("sluice"),
             "model": model_hash(checkpoint)}
 
 

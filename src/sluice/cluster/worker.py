@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .. import kernels
+from ..kernels.backend import cpu
 from ..errors import BudgetError
 from ..experts.cache import ExpertCache
 from ..experts.policy import make_policy
@@ -79,7 +79,7 @@ class ExpertWorker:
         request)."""
         self.index = index
         self.threads = opts.get("threads") or os.cpu_count() or 1
-        kernels.set_threads(self.threads)
+        cpu.set_threads(self.threads)
         self.opened = m = open_experts(location, opts.get("direct_io"), opts.get("ca_bundle"),
                                        bool(opts.get("allow_unversioned_remote")))
         self.spec, self.source = m.spec, m.source

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from concurrent.futures import Future
 
+from ..kernels.backend import Backend, cpu
 from ..quant import ExpertWeights, assemble
 from ..storage import AlignedBuffer
 from .layout import ExpertLayout
@@ -33,12 +34,14 @@ class Slot:
 
 
 class ExpertCache:
-    def __init__(self, capacity: int, slot_bytes: int, policy: Policy, huge_pages: bool = False):
+    def __init__(self, capacity: int, slot_bytes: int, policy: Policy, huge_pages: bool = False,
+                 backend: Backend = cpu):
         if capacity < 1:
             raise ValueError("the expert cache needs at least one slot")
         self.capacity = capacity
         self.slot_bytes = slot_bytes
         self.policy = policy
+        self.backend = backend  # where ready() places the assembled weights (kernels.backend)
         self.arena = AlignedBuffer(capacity * slot_bytes, huge=huge_pages)
         self.slots = [Slot(i) for i in range(capacity)]
         self._free = list(range(capacity - 1, -1, -1))
@@ -110,7 +113,7 @@ class ExpertCache:
     def ready(self, slot: Slot) -> None:
         """Mark a loaded slot READY and assemble its weights (``quant.assemble``: views over the
         slot memory), once per read; a cached expert keeps them until its slot is reused."""
-        slot.weights = assemble(self.arena, self.base(slot), slot.layout)
+        slot.weights = assemble(self.arena, self.base(slot), slot.layout, self.backend)
         if slot.state != READY and slot.key is not None and self._map.get(slot.key) is slot:
             self.ready_count += 1
         slot.state = READY

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
+from ..kernels.backend import cpu
 from ..layers.mlp import activation
 from ..layers.pointwise import pointwise
 from ..quant import ExpertWeights
@@ -21,10 +21,10 @@ from .spec import ExpertSpec
 def _fused_ok(spec: ExpertSpec, w: ExpertWeights, x: torch.Tensor) -> bool:
     """Plain SwiGLU (silu) with the one-call kernel's weights (dense, one dtype, no biases); one
     token, or any number with batch-invariant kernels (then every row equals its one-token result)."""
-    if x.shape[0] != 1 and not kernels.batch_invariant():
+    if x.shape[0] != 1 and not cpu.batch_invariant():
         return False
     return (w.swiglu is not None and spec.variant == "swiglu" and spec.act in ("silu", "swish")
-            and kernels.available())
+            and cpu.available())
 
 
 def expert_output(spec: ExpertSpec, w: ExpertWeights, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -32,29 +32,29 @@ def expert_output(spec: ExpertSpec, w: ExpertWeights, x: torch.Tensor, scale: fl
     if _fused_ok(spec, w, x):
         g, u, d = w.swiglu
         if x.shape[0] == 1:
-            return kernels.swiglu(x.contiguous(), g, u, d, scale)
-        return kernels.swiglu_rows(x.contiguous(), g, u, d, scale)
+            return cpu.swiglu(x.contiguous(), g, u, d, scale)
+        return cpu.swiglu_rows(x.contiguous(), g, u, d, scale)
     return expert_forward(spec, w, x) * scale
 
 
 def expert_outputs(spec: ExpertSpec, weights: list[ExpertWeights], x: torch.Tensor,
                    scales: list[float]) -> list[torch.Tensor]:
     """``[expert_output(spec, w, x, s) for w, s in zip(weights, scales)]`` for one token (x [1, H]),
-    bit-identical: the experts that take the one-call kernel go through ``kernels.swiglu_many``
+    bit-identical: the experts that take the one-call kernel go through ``cpu.swiglu_many``
     (the checks, the activations' address and the scratch once per layer, not per expert)."""
-    if not (x.shape[0] == 1 and spec.variant == "swiglu" and spec.act in ("silu", "swish") and kernels.available()):
+    if not (x.shape[0] == 1 and spec.variant == "swiglu" and spec.act in ("silu", "swish") and cpu.available()):
         return [expert_output(spec, w, x, s) for w, s in zip(weights, scales)]
     args = [w.swiglu_args for w in weights]
     if None not in args:
-        return kernels.swiglu_many(x, args, scales)
+        return cpu.swiglu_many(x, args, scales)
     return [expert_output(spec, w, x, s) for w, s in zip(weights, scales)]
 
 
 def expert_forward(spec: ExpertSpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     """x: [n, H] fp32 -> [n, H] fp32."""
-    if kernels.batch_invariant() and _fused_ok(spec, w, x):  # rows equal to expert_output's (times 1.0)
+    if cpu.batch_invariant() and _fused_ok(spec, w, x):  # rows equal to expert_output's (times 1.0)
         g, u, d = w.swiglu
-        return kernels.swiglu_rows(x.contiguous(), g, u, d, 1.0)
+        return cpu.swiglu_rows(x.contiguous(), g, u, d, 1.0)
     if spec.variant == "swiglu":
         act = activation(spec.act)
         g, u = w.gate_up(x)

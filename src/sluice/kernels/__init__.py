@@ -6,7 +6,9 @@ without materialising an fp32 copy of the weight, using a persistent C thread po
 ``dense_t(x, w, bias)`` does the same for an input-major weight [K, N] (``x @ w``).
 ``qmatmul`` / ``qdequant`` do the same for the quantized formats of ``sluice.quant``
 (fused dequantize-and-multiply, and bounded row dequantization for batched prefill).
-Callers check ``available()`` first; ``sluice.quant`` holds the torch fallbacks.
+Callers check ``available()`` first; ``sluice.quant`` holds the torch fallbacks. Code outside
+this package reaches these functions only through ``kernels.backend`` (``cpu``, the same
+function objects; tests/test_backend.py checks it).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
+from ..kernels.backend import cpu
 from ..quant import linear
 from .norm import RMSNorm
 from .rotary import apply_rotary
@@ -142,8 +142,8 @@ def attend(
     Returns [T, Hq, Dv]. With batch-invariant kernels (the default) one C call computes each
     (query, head) in a fixed order; otherwise torch, in query blocks so scores stay bounded.
     """
-    if kernels.batch_invariant():
-        return kernels.attend(q, k, v, q_start, scale, window, sinks)
+    if cpu.batch_invariant():
+        return cpu.attend(q, k, v, q_start, scale, window, sinks)
     t, hq, d = q.shape
     hkv, n_keys, _ = k.shape
     r = hq // hkv

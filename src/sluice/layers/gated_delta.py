@@ -8,7 +8,7 @@ Both layers keep, per sequence, a short causal-convolution window and a recurren
 
 with ``a_t = exp(g_t)``: one decay per head (Gated DeltaNet, g [H, T]) or one per key
 channel (KDA, g [H, T, Dk]). With batch-invariant kernels (the default) every forward runs
-that recurrence token by token in C (``kernels.delta_rule``), so a prefill chunk of any size
+that recurrence token by token in C (``cpu.delta_rule``), so a prefill chunk of any size
 gives the bits of decoding; otherwise a forward of one token uses the recurrence and a longer
 one the equivalent chunked form (a unit-triangular solve per chunk, then one state update per
 chunk). The two agree to fp32 rounding.
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from ..kernels.backend import cpu
 from ..quant import linear
 from .mlp import activation
 from .pointwise import pointwise
@@ -205,13 +205,13 @@ def delta_rule(q, k, v, g, beta, S):
     With batch-invariant kernels (the default) every token takes the recurrent step, on inputs
     laid out as a lone token's, so a prefill chunk of any size gives the bits of token-by-token
     decoding (the chunked form is another summation order: it agrees to fp32 rounding only)."""
-    if kernels.batch_invariant() and q.dtype == torch.float32:
+    if cpu.batch_invariant() and q.dtype == torch.float32:
         # the C recurrence: the same arithmetic per token whatever T is
         a = pointwise(torch.exp, g)
-        o, S = kernels.delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), a.transpose(0, 1),
+        o, S = cpu.delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), a.transpose(0, 1),
                                   beta.t(), S)
         return o.transpose(0, 1), S
-    if kernels.batch_invariant():
+    if cpu.batch_invariant():
         outs = []
         for i in range(k.shape[1]):
             o, S = delta_rule_step(q[:, i].contiguous(), k[:, i].contiguous(), v[:, i].contiguous(),

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
+from ..kernels.backend import cpu
 from ..quant import linear, linear_t
 from ..quant.fp8 import BlockFP8, matrix_rows
 from .attention import attend
@@ -137,7 +137,7 @@ class MLA:
         """Whether a call with ``t`` queries over ``end`` positions runs absorbed (cost model)."""
         if self.absorb is not None:
             return self.absorb
-        if kernels.batch_invariant():  # one way for every chunk size (the decode one)
+        if cpu.batch_invariant():  # one way for every chunk size (the decode one)
             return True
         h, r, dn, dr, dv = self.h, self.rank, self.dn, self.dr, self.dv
         if 4 * end * h * (dn + dr + dv) > EXPAND_BYTES:
@@ -206,7 +206,7 @@ class MLA:
         kv_b_proj rows when it is not stored in fp32) absorbs, attends and projects out in turn.
         A few tokens over an FP8 kv_b_proj use fused per-head kernels instead (no fp32 copy)."""
         t = q_nope.shape[0]
-        invariant = kernels.batch_invariant()
+        invariant = cpu.batch_invariant()
         if isinstance(self.wkv_b, BlockFP8) and (t <= FUSED_TOKENS or invariant):
             return self._absorbed_fused(q_nope, q_pe, ckv, start)
         if invariant:

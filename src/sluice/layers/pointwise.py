@@ -9,14 +9,14 @@ tensor's size, so a token's result would depend on how many tokens share the cal
 ``pointwise(fn, x)`` runs ``fn`` on x flattened and zero-padded to a multiple of 64 elements,
 in blocks of at most ``BLOCK`` elements (below torch's parallel grain of 32768: one thread,
 one loop per call), so every element goes through the vectorized formula. Only with
-batch-invariant kernels (``kernels.batch_invariant()``); otherwise ``fn(x)``.
+batch-invariant kernels (``cpu.batch_invariant()``); otherwise ``fn(x)``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import kernels
+from ..kernels.backend import cpu
 
 ALIGN = 64  # a multiple of every vector step torch's element-wise loops take (16 or 32 floats)
 BLOCK = 16384  # elements per call: a multiple of ALIGN, below torch's parallel grain size
@@ -24,7 +24,7 @@ BLOCK = 16384  # elements per call: a multiple of ALIGN, below torch's parallel 
 
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     """``fn(x)`` for an element-wise ``fn``, each element computed the same way whatever x's shape."""
-    if not kernels.batch_invariant():
+    if not cpu.batch_invariant():
         return fn(x)
     n = x.numel()
     pad = (-n) % ALIGN

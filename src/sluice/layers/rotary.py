@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .. import kernels
+from ..kernels.backend import cpu
 from ..errors import ConfigError, UnsupportedModelError
 from .pointwise import pointwise
 
@@ -67,11 +67,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D]; cos/sin [T, d] with d <= D: rotates the first d dims (partial rotary).
-    One C call (``kernels.rope``, the same bits) when the kernels are built."""
+    One C call (``cpu.rope``, the same bits) when the kernels are built."""
     d = cos.shape[-1]
     if (x.dim() == 3 and d % 2 == 0 and d <= x.shape[-1] and x.dtype == cos.dtype == sin.dtype == torch.float32
-            and cos.shape[0] == x.shape[0] and kernels.norm_available()):
-        return kernels.rope(x, cos, sin)
+            and cos.shape[0] == x.shape[0] and cpu.norm_available()):
+        return cpu.rope(x, cos, sin)
     c, s = cos[:, None, :], sin[:, None, :]
     if d == x.shape[-1]:
         return x * c + rotate_half(x) * s

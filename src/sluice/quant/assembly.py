@@ -24,6 +24,10 @@ the products compute needs, chosen here once from the names and formats: ``gate_
 (gate, up) pre-activations, ``down(h)``, and ``swiglu`` (gate, up, down for the one-call C
 expert kernel, or None where the format has no such kernel). ``experts/compute.py`` calls
 through them without asking which layout or format it has.
+
+``assemble``'s ``backend`` (default the CPU one) is where a device tier places an expert's
+weights: ``backend.place_experts(views)`` runs first, once per read, and the ``ExpertWeights``
+records the backend it was assembled for (docs/architecture.md, "Backends").
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import kernels
+from ..kernels.backend import Backend, cpu
 from ..errors import CheckpointError
 from .dense import chain_rows, linear, linear_chain
 from .formats import FORMATS, QuantMatrix, _check_part
@@ -49,17 +53,24 @@ def record_views(buf, base: int, record) -> dict[str, torch.Tensor]:
     return {v.name: buf.tensor(base + v.slot_offset, v.dtype, v.shape) for v in record.views}
 
 
-def assemble(buf, base: int, record) -> ExpertWeights:
-    """The weights of the expert record read into ``buf`` at ``base`` (see the module docstring)."""
+def assemble(buf, base: int, record, backend: Backend = cpu) -> ExpertWeights:
+    """The weights of the expert record read into ``buf`` at ``base`` (see the module docstring).
+
+    ``backend`` (``kernels.backend``) is where the weights live and are multiplied: the point
+    where a device tier places an expert. Its ``place_experts`` gets the record's views over
+    the host slot, once per read, and returns the tensors to bind (the CPU backend: the same
+    views, no copy; a device backend: copies in its memory pool)."""
     return assemble_views(record_views(buf, base, record), record.format,
                           {role: (n, k) for role, n, k in record.shapes}, exact=record.exact,
-                          block=record.block, input_major=record.input_major)
+                          block=record.block, input_major=record.input_major, backend=backend)
 
 
 def assemble_views(views: dict[str, torch.Tensor], format: str | None = None,
                    shapes: dict[str, tuple[int, int]] | None = None, *, exact: bool = False,
-                   block: tuple[int, int] | None = None, input_major: bool = False) -> ExpertWeights:
+                   block: tuple[int, int] | None = None, input_major: bool = False,
+                   backend: Backend = cpu) -> ExpertWeights:
     """``assemble`` on tensors already in hand (``views`` named as in a record)."""
+    views = backend.place_experts(views)
     named: dict[str, object] = {}
     used: set[str] = set()
     if format is not None:  # "<role>.<part>" views of a registered format, each role's [n, k] given
@@ -91,7 +102,7 @@ def assemble_views(views: dict[str, torch.Tensor], format: str | None = None,
     for name, t in views.items():
         if name not in used:
             named[name] = t
-    return ExpertWeights(named, input_major)
+    return ExpertWeights(named, input_major, backend)
 
 
 def _missing(what: str) -> Callable:
@@ -174,20 +185,21 @@ class ExpertWeights:
     """One expert's assembled weights (see the module docstring).
 
     ``gate_up(x)``, ``down(h)``: the products; ``swiglu``: (gate, up, down) for the fused C
-    kernel or None, and ``swiglu_args`` their ``kernels.swiglu_args`` (addresses taken once).
+    kernel or None, and ``swiglu_args`` their ``cpu.swiglu_args`` (addresses taken once).
     Read-only mapping of the record's names to matrices (tensor,
     ``QuantMatrix``, ``BlockFP8``) and biases, for inspection and conversion."""
 
-    __slots__ = ("named", "input_major", "gate_up", "down", "swiglu", "swiglu_args")
+    __slots__ = ("named", "input_major", "gate_up", "down", "swiglu", "swiglu_args", "backend")
 
-    def __init__(self, named: dict, input_major: bool = False):
+    def __init__(self, named: dict, input_major: bool = False, backend: Backend = cpu):
         self.named = named
         self.input_major = input_major
+        self.backend = backend  # where the weights live (kernels.backend): assemble's placement
         self.gate_up = _gate_up(named, input_major)
         self.down = _down(named, input_major)
         self.swiglu = _swiglu(named)
-        # the one-call kernel's arguments (addresses, sizes), taken once: kernels.swiglu_many
-        self.swiglu_args = kernels.swiglu_args(*self.swiglu) if self.swiglu is not None else None
+        # the one-call kernel's arguments (addresses, sizes), taken once: cpu.swiglu_many
+        self.swiglu_args = backend.swiglu_args(*self.swiglu) if self.swiglu is not None else None
 
     def __getitem__(self, name: str):
         return self.named[name]

@@ -20,9 +20,9 @@ _pool: ThreadPoolExecutor | None = None
 def _load():
     global _lib
     if _lib is None:
-        from ..kernels import _find_library
+        from ..kernels.backend import cpu
 
-        path = _find_library()
+        path = cpu.library_path()
         lib = None
         if path is not None:
             try:

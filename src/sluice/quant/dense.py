@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from ..kernels.backend import cpu
 
 _CHUNK_ELEMS = 4 << 20  # bound on the fp32 temporary when upcasting a weight (16 MiB)
 SMALL_BATCH = 8  # f32 weights: up to this many rows the C kernel; beyond, sgemm is as fast or faster
@@ -24,7 +24,7 @@ CHAIN_BATCH = 16
 
 def chain_rows(t: int) -> bool:
     """Whether ``t`` rows go through the fma-chain kernels (``linear_chain``'s C path)."""
-    return kernels.batch_invariant() or (t <= CHAIN_BATCH and kernels.chain_available())
+    return cpu.batch_invariant() or (t <= CHAIN_BATCH and cpu.chain_available())
 
 
 def _rows(kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -46,7 +46,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     """``x @ weight.T (+ bias)`` in fp32. x: [T, K] fp32, weight: [N, K] f32/bf16/f16 tensor, or a
     ``QuantMatrix`` / ``BlockFP8`` (anything with ``.linear(x, bias)``).
 
-    With batch-invariant kernels (the default, ``kernels.batch_invariant()``) every batch goes
+    With batch-invariant kernels (the default, ``cpu.batch_invariant()``) every batch goes
     through the C kernel: each output's summation order is fixed, whatever the number of rows,
     the weight's alignment or the thread count (sgemm and BLAS GEMV depend on all three).
     Otherwise small batches go through the C kernel and larger ones use sgemm, upcasting
@@ -57,12 +57,12 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
         return weight.linear(x, bias)
     if bias is not None and bias.dtype != torch.float32:  # e.g. bf16 biases next to f32 weights
         bias = bias.float()
-    if kernels.batch_invariant():
-        return _rows(kernels.dense, x, weight.contiguous(), bias)
+    if cpu.batch_invariant():
+        return _rows(cpu.dense, x, weight.contiguous(), bias)
     limit = SMALL_BATCH if weight.dtype == torch.float32 else HALF_SMALL_BATCH
-    if x.dim() == 2 and x.shape[0] <= limit and kernels.available() and weight.is_contiguous():
+    if x.dim() == 2 and x.shape[0] <= limit and cpu.available() and weight.is_contiguous():
         b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
-        return kernels.dense(x.contiguous(), weight, b)
+        return cpu.dense(x.contiguous(), weight, b)
     if weight.dtype == torch.float32:
         return F.linear(x, weight, bias)
     n, k = weight.shape
@@ -87,10 +87,10 @@ def linear_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    if kernels.batch_invariant():
-        return _rows(kernels.dense_t, x, weight.contiguous(), bias)
-    if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and kernels.available() and weight.is_contiguous():
-        return kernels.dense_t(x.contiguous(), weight, bias)
+    if cpu.batch_invariant():
+        return _rows(cpu.dense_t, x, weight.contiguous(), bias)
+    if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and cpu.available() and weight.is_contiguous():
+        return cpu.dense_t(x.contiguous(), weight, bias)
     if weight.dtype == torch.float32:
         out = x @ weight
     else:
@@ -115,7 +115,7 @@ def linear_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
     Every batch with batch-invariant kernels (the default), else batches up to ``CHAIN_BATCH`` rows
     go through the C kernels: each output is one fused multiply-add chain over k in ascending
-    order (``kernels.dense_t`` on input-major, ``kernels.dense_chain`` on output-major weights:
+    order (``cpu.dense_t`` on input-major, ``cpu.dense_chain`` on output-major weights:
     the same bits, whatever the batch, tiling or thread count). Larger batches, or no C kernels:
     sgemm on a fresh fp32 input-major copy of W in bounded column blocks (from output-major
     weights: made by a tiled C transpose), the same call for both layouts (sgemm on W and on
@@ -124,10 +124,10 @@ def linear_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    if kernels.batch_invariant():
-        return _rows(kernels.dense_t if input_major else kernels.dense_chain, x, weight.contiguous(), bias)
-    if x.dim() == 2 and x.shape[0] <= CHAIN_BATCH and weight.is_contiguous() and kernels.chain_available():
-        kernel = kernels.dense_t if input_major else kernels.dense_chain
+    if cpu.batch_invariant():
+        return _rows(cpu.dense_t if input_major else cpu.dense_chain, x, weight.contiguous(), bias)
+    if x.dim() == 2 and x.shape[0] <= CHAIN_BATCH and weight.is_contiguous() and cpu.chain_available():
+        kernel = cpu.dense_t if input_major else cpu.dense_chain
         return kernel(x.contiguous(), weight, bias)
     n = weight.shape[1] if input_major else weight.shape[0]
     k = weight.shape[0] if input_major else weight.shape[1]
@@ -138,8 +138,8 @@ def linear_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if input_major:  # W's columns as they are (a strided gather for a fused slice), upcast
             block = torch.empty((k, c1 - c0), dtype=torch.float32)
             block.copy_(weight[:, c0:c1])
-        elif kernels.chain_available():  # W.T's rows, transposed by the C kernel (torch's is slow)
-            block = kernels.transpose_f32(weight[c0:c1])
+        elif cpu.chain_available():  # W.T's rows, transposed by the C kernel (torch's is slow)
+            block = cpu.transpose_f32(weight[c0:c1])
         else:
             block = torch.empty((k, c1 - c0), dtype=torch.float32)
             block.copy_(weight[c0:c1].t())

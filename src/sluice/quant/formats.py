@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from ..kernels.backend import cpu
 from .dense import linear
 
 PartSpec = dict[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -142,10 +142,10 @@ class Format:
         x = x.contiguous()
         t = x.shape[0]
         b = None if bias is None else bias.float().contiguous()
-        if t <= self.batch_limit() or (kernels.batch_invariant() and self.code is not None):
-            if kernels.available() and self.code is not None:
+        if t <= self.batch_limit() or (cpu.batch_invariant() and self.code is not None):
+            if cpu.available() and self.code is not None:
                 w, s = self._kernel_parts(parts)
-                return kernels.qmatmul(self.code, _activation_code(self.name, exact), x, w, s, n, b)
+                return cpu.qmatmul(self.code, _activation_code(self.name, exact), x, w, s, n, b)
             y = self._fused_fallback(x, parts, n, k)
             if y is not None:
                 return y if b is None else y + b
@@ -156,14 +156,14 @@ class Format:
         kp = x.shape[1]
         rows = max(1, _CHUNK_ELEMS // kp)
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        fast = kernels.available() and self.code is not None
+        fast = cpu.available() and self.code is not None
         if fast:
             w, s = self._kernel_parts(parts)
             buf = torch.empty(min(rows, n), kp, dtype=torch.float32)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             if fast:
-                blk = kernels.qdequant(self.code, w, s, r0, r1, kp, out=buf[: r1 - r0])
+                blk = cpu.qdequant(self.code, w, s, r0, r1, kp, out=buf[: r1 - r0])
             else:
                 blk = self.dequantize_rows(parts, n, k, r0, r1)
             torch.matmul(x, blk.t(), out=out[:, r0:r1])
@@ -215,7 +215,7 @@ class QuantMatrix:
         fmt = self.format
         # decode fast path: C kernel arguments resolved once (None: go through Format.matmul)
         self._fast = None
-        if fmt.code is not None and fmt.padded_k(k) == k and kernels.available():
+        if fmt.code is not None and fmt.padded_k(k) == k and cpu.available():
             self._fast = (fmt.code, fmt.name, *fmt._kernel_parts(parts), fmt.small_batch)
 
     @classmethod
@@ -239,8 +239,8 @@ class QuantMatrix:
                 bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())):
             code, name, w, s, limits = fast
             act = _activation_code(name, self.exact)
-            if x.shape[0] <= limits[act] or kernels.batch_invariant():
-                return kernels.qmatmul(code, act, x, w, s, self.n, bias)
+            if x.shape[0] <= limits[act] or cpu.batch_invariant():
+                return cpu.qmatmul(code, act, x, w, s, self.n, bias)
         lead = x.shape[:-1]
         y = self.format.matmul(x.reshape(-1, self.k), self.parts, self.n, self.k, bias, self.exact)
         return y.reshape(*lead, self.n)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
+from ..kernels.backend import cpu
 from ..errors import CheckpointError, UnsupportedModelError
 from .formats import Format, register
 
@@ -124,8 +124,8 @@ class BlockFP8:
     def dequantize(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
         """Rows r0..r1 of W in fp32 (exactly ``float(w) * scale``, elementwise)."""
         r1 = self.weight.shape[0] if r1 is None else r1
-        if kernels.fp8_available():
-            return kernels.fp8_dequant(self.weight, self.scale_inv, self.block, r0, r1)
+        if cpu.fp8_available():
+            return cpu.fp8_dequant(self.weight, self.scale_inv, self.block, r0, r1)
         bn, bk = self.block
         k = self.weight.shape[1]
         n = r1 - r0
@@ -146,10 +146,10 @@ class BlockFP8:
         r1 = self.weight.shape[0] if r1 is None else r1
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()
-        if kernels.fp8_available() and (kernels.batch_invariant() or (x.dim() == 2 and x.shape[0] <= SMALL_BATCH)):
+        if cpu.fp8_available() and (cpu.batch_invariant() or (x.dim() == 2 and x.shape[0] <= SMALL_BATCH)):
             # batch-invariant: every output's sum in one order, whatever the number of rows
             lead = x.shape[:-1]
-            y = kernels.fp8_dense(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.scale_inv, bias,
+            y = cpu.fp8_dense(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.scale_inv, bias,
                                   self.block, r0, r1)
             return y.reshape(*lead, y.shape[-1])
         n, k = r1 - r0, self.weight.shape[1]
@@ -171,8 +171,8 @@ class BlockFP8:
         """Per-head products over row ranges: ``y[t, h] = x[t, h] @ W[row0 + h*stride : + n]^T``.
 
         x [T, H, K] fp32 -> [T, H, n] (MLA's absorbed output projection)."""
-        if kernels.fp8_available():
-            return kernels.fp8_heads(x.contiguous(), self.weight, self.scale_inv, self.block, row0, stride, n)
+        if cpu.fp8_available():
+            return cpu.fp8_heads(x.contiguous(), self.weight, self.scale_inv, self.block, row0, stride, n)
         return torch.stack([x[:, h] @ self.dequantize(row0 + h * stride, row0 + h * stride + n).t()
                             for h in range(x.shape[1])], dim=1)
 
@@ -180,8 +180,8 @@ class BlockFP8:
         """Per-head products with row ranges as the inner dimension: ``y[t, h] = x[t, h] @ W[row0 + h*stride : + D]``.
 
         x [T, H, D] fp32 -> [T, H, K] (MLA's absorbed query)."""
-        if kernels.fp8_available():
-            return kernels.fp8_heads_t(x.contiguous(), self.weight, self.scale_inv, self.block, row0, stride)
+        if cpu.fp8_available():
+            return cpu.fp8_heads_t(x.contiguous(), self.weight, self.scale_inv, self.block, row0, stride)
         d = x.shape[2]
         return torch.stack([x[:, h] @ self.dequantize(row0 + h * stride, row0 + h * stride + d)
                             for h in range(x.shape[1])], dim=1)

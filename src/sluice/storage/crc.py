@@ -30,9 +30,9 @@ def _load():
     if os.environ.get("SLUICE_ZLIB_CRC") == "1":  # force zlib (benchmarks compare the two)
         return None, None
     try:
-        from ..kernels import _find_library
+        from ..kernels.backend import cpu
 
-        path = _find_library()
+        path = cpu.library_path()
         if path is None:
             return None, None
         fns = []
@@ -56,9 +56,9 @@ FAST = _fold is not None
 def _load_pread():
     if _fold is None:
         return None
-    from ..kernels import _find_library
+    from ..kernels.backend import cpu
 
-    fn = getattr(ctypes.CDLL(_find_library()), "sk_pread_crc32", None)  # CDLL: called without the GIL
+    fn = getattr(ctypes.CDLL(cpu.library_path()), "sk_pread_crc32", None)  # CDLL: called without the GIL
     if fn is None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint32)]
