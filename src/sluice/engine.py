@@ -516,14 +516,15 @@ class Engine:
         ``speculate`` (greedy only) verifies n-gram drafts several tokens per forward; the
         tokens are the same as without it. Sampling never speculates.
         """
-        req = self._request(prompt, dict(
+        req = self.request(prompt, **dict(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, reuse_prefix=reuse_prefix,
             cancel=cancel, speculate=speculate))
         return self._steps(req)
 
-    def _request(self, prompt, kw: dict) -> Request:
-        """A checked generation request (``stream``'s arguments)."""
+    def request(self, prompt, **kw) -> Request:
+        """A checked generation request (``stream``'s arguments), for ``scheduler.submit``: the server
+        submits at once, so its admission counts the request from then on."""
         unknown = set(kw) - _STREAM_ARGS
         if unknown:
             raise InvalidArgumentError(f"unknown argument(s) {sorted(unknown)}; known: {sorted(_STREAM_ARGS)}")
@@ -551,7 +552,11 @@ class Engine:
 
     def _steps(self, req: Request) -> Iterator[Step]:
         # joins the batch on the first next(), not when stream() is called
-        seq = self.scheduler.submit(req)
+        yield from self.follow(self.scheduler.submit(req))
+
+    def follow(self, seq) -> Iterator[Step]:
+        """The steps of a sequence submitted to ``scheduler`` (``scheduler.submit(engine.request(...))``,
+        as the server does); the last one's stats become ``last_stats``."""
         for step in self.scheduler.steps(seq):
             if step.finish_reason:
                 self.last_stats = step.stats
@@ -566,8 +571,8 @@ class Engine:
         many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(
             isinstance(p, str) or torch.is_tensor(p) or isinstance(p, (list, tuple)) for p in prompt)
         if not many:
-            return _collect(self._steps(self._request(prompt, kwargs)), kwargs.get("logprobs") is not None)
-        reqs = [self._request(p, kwargs) for p in prompt]
+            return _collect(self._steps(self.request(prompt, **kwargs)), kwargs.get("logprobs") is not None)
+        reqs = [self.request(p, **kwargs) for p in prompt]
         seqs = [self.scheduler.submit(r) for r in reqs]
         try:
             return [_collect(self.scheduler.steps(s), kwargs.get("logprobs") is not None) for s in seqs]

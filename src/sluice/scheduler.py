@@ -184,6 +184,13 @@ class Scheduler:
         with self._cond:
             self._cond.notify_all()
 
+    def wake(self) -> None:
+        """A ``cancel`` event was set: drop a waiting sequence now (from the caller's thread, even while
+        a step runs), a running one before the next step."""
+        with self._cond:
+            self._drop_cancelled_waiting()
+            self._cond.notify_all()
+
     def exclusive(self, fn: Callable[[SeqState], object]):
         """Run ``fn(slot)`` on an idle slot between two steps (waits for one); returns its result."""
         box: dict = {}

@@ -2,15 +2,15 @@
 (the metrics it counts: ``metrics.py``).
 
 The engine runs up to ``--parallel`` N generations at once, every one in each step of its
-scheduler (``sluice/scheduler.py``); here N worker threads (``sluice-engine-<i>``) each take
-the next job from a FIFO queue and read its generation's steps. Beyond N running, requests
-wait in the queue, at most ``max_queue`` of them; beyond that they are refused (429) at once.
-Tokens travel from a worker to the request's event loop through ``loop.call_soon_threadsafe``
-into an ``asyncio.Queue``, so the event loop never blocks on the engine.
+scheduler (``sluice/scheduler.py``), and keeps the one waiting queue: a request is submitted to
+it at once. Beyond N running, requests wait there, at most ``max_queue`` of them (the engine
+scheduler's own counts); beyond that they are refused (429) at once. One reader thread per
+request (``sluice-request-<id>``) reads its generation's steps; tokens travel to the request's
+event loop through ``loop.call_soon_threadsafe`` into an ``asyncio.Queue``, so the event loop
+never blocks on the engine.
 
-Cancellation: ``Scheduler.cancel(job)`` removes a queued job from the queue at once, or
-sets the running job's ``cancel`` event, which takes its sequence out of the batch before the
-next step. The generation is always closed, so its slot is free for the next job.
+Cancellation: ``Scheduler.cancel(job)`` sets the job's ``cancel`` event: the engine drops a
+waiting sequence from its queue, or takes a running one out of the batch before the next step.
 
 Every generation runs with ``reuse_prefix=True``: each of the engine's N state slots keeps the
 KV cache of its last sequence, a request takes the slot sharing the longest prefix with it and
@@ -25,7 +25,6 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointError, GenerationCancelled, SluiceError
@@ -132,8 +131,14 @@ class ShuttingDown(Exception):
 
 
 class Scheduler:
-    """A FIFO of jobs served by ``parallel`` worker threads, each reading one generation of the
-    engine's batch at a time."""
+    """The server's admission to the engine's own scheduler (``sluice/scheduler.py``): one queue.
+
+    A request is submitted to the engine's waiting queue at once (``Engine.request`` ->
+    ``engine.scheduler.submit``); the engine admits waiting sequences into its ``parallel`` state
+    slots first come first served, cancels them (a waiting one is dropped, a running one leaves
+    the batch before the next step) and counts them (``scheduler.stats()``: running, waiting).
+    Here: the limit (beyond ``parallel`` running and ``max_queue`` waiting, 429 at once), and one
+    reader thread per request carrying its steps to the request's event loop."""
 
     def __init__(self, engine, max_queue: int, metrics: Metrics, reuse_prefix: bool = True):
         if max_queue < 0:
@@ -143,43 +148,48 @@ class Scheduler:
         self.metrics = metrics
         self.reuse_prefix = reuse_prefix
         self.parallel = max(1, int(getattr(engine, "parallel", 1)))
-        self._cond = threading.Condition()
-        self._waiting: deque[Job] = deque()
-        self._running: set[Job] = set()
+        self._lock = threading.Lock()
+        self._jobs: dict[Job, threading.Thread] = {}  # submitted and not yet finished
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"sluice-engine-{i}", daemon=True)
-                         for i in range(self.parallel)]
 
     # -- the request side (event loop thread) --
 
     def start(self) -> None:
-        for t in self._threads:
-            t.start()
+        """Nothing to start: the engine's scheduler thread runs while it has work."""
 
     @property
     def alive(self) -> bool:
-        return all(t.is_alive() for t in self._threads) and not self._closed
+        return not self._closed
 
     def depth(self) -> tuple[int, int]:
-        """(waiting, running)."""
-        with self._cond:
-            return len(self._waiting), len(self._running)
+        """(waiting, running) from the engine scheduler's own counts: a sequence that has a slot free
+        for it runs (the scheduler admits it before its next step), the rest wait."""
+        st = self.batch()
+        total = st.waiting + st.running
+        running = min(self.parallel, total)
+        return total - running, running
 
     def batch(self):
-        """The engine scheduler's running totals (batch sizes, steps, expert unions), or None."""
-        sched = getattr(self.engine, "scheduler", None)
-        return sched.stats() if sched is not None else None
+        """The engine scheduler's running totals (batch sizes, steps, expert unions, waiting, running)."""
+        return self.engine.scheduler.stats()
 
     def submit(self, job: Job) -> None:
-        """Queue a job, or raise ``QueueFull`` (``parallel`` jobs running and ``max_queue`` waiting)."""
-        with self._cond:
+        """Submit a job to the engine's queue, or raise ``QueueFull`` (``parallel`` generations running
+        and ``max_queue`` waiting) or ``ShuttingDown``."""
+        with self._lock:
             if self._closed:
                 raise ShuttingDown()
-            if len(self._waiting) + len(self._running) >= self.parallel + self.max_queue:
+            waiting, running = self.depth()
+            if waiting + running >= self.parallel + self.max_queue:
                 raise QueueFull()
+            p = job.params
+            req = self.engine.request(p.prompt_ids, reuse_prefix=self.reuse_prefix, cancel=job.cancel,
+                                      **p.stream_kwargs())
+            seq = self.engine.scheduler.submit(req)  # counted in depth() from here on
             job.state = "queued"
-            self._waiting.append(job)
-            self._cond.notify()
+            reader = threading.Thread(target=self._read, args=(job, seq), name=f"sluice-request-{job.id}", daemon=True)
+            self._jobs[job] = reader
+        reader.start()
 
     def retry_after(self) -> int:
         """Seconds after which a refused request may find room: the expected time to drain one slot."""
@@ -187,72 +197,49 @@ class Scheduler:
         return max(1, math.ceil(self.metrics.mean_generation_s() * max(1, waiting) / self.parallel))
 
     def cancel(self, job: Job) -> None:
-        """Drop a queued job, or take the running one out of the batch before its next step."""
-        with self._cond:
-            job.cancel.set()
-            if job.state == "queued":
-                try:
-                    self._waiting.remove(job)
-                except ValueError:
-                    pass
-                else:
-                    job.state = "cancelled"
-                    self.metrics.finished("cancelled", 0, 0, None)
-                    job.post(Cancelled())
+        """Drop the job from the engine's queue, or take it out of the batch before its next step."""
+        job.cancel.set()
+        self.engine.scheduler.wake()
 
     def stop(self) -> None:
-        """Refuse new jobs, drop waiting ones and cancel the running ones; does not wait (signal-safe)."""
-        with self._cond:
+        """Refuse new jobs and cancel every submitted one; does not wait (signal-safe)."""
+        with self._lock:
             self._closed = True
-            dropped = list(self._waiting)
-            self._waiting.clear()
-            for job in self._running:
-                job.cancel.set()
-            self._cond.notify_all()
-        for job in dropped:
-            job.state = "cancelled"
+            jobs = list(self._jobs)
+        for job in jobs:
             job.cancel.set()
-            job.post(Cancelled())
 
     def close(self, timeout: float = 30.0) -> None:
-        """``stop``, then wait for the workers."""
+        """``stop``, then wait for the readers."""
         self.stop()
+        self.engine.scheduler.wake()
         end = time.monotonic() + timeout
-        for t in self._threads:
-            if t.is_alive():
+        with self._lock:
+            readers = list(self._jobs.values())
+        for t in readers:
+            if t.is_alive() and t is not threading.current_thread():
                 t.join(max(0.0, end - time.monotonic()))
 
-    # -- the worker threads --
+    # -- the reader threads --
 
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._waiting and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                job = self._waiting.popleft()
-                job.state = "running"
-                self._running.add(job)
-            try:
-                self._run(job)
-            except BaseException:  # never let a worker die: log and go on
-                log.exception("internal error in the engine worker")
-            finally:
-                with self._cond:
-                    self._running.discard(job)
-
-    def _run(self, job: Job) -> None:
-        p = job.params
-        self.metrics.started(time.monotonic() - job.submitted)
-        outcome, stats, event = "completed", None, None
-        gen = None
+    def _read(self, job: Job, seq) -> None:
         try:
-            if job.cancel.is_set():
-                raise GenerationCancelled("cancelled before it started")
-            gen = self.engine.stream(p.prompt_ids, reuse_prefix=self.reuse_prefix, cancel=job.cancel,
-                                     **p.stream_kwargs())
-            for step in gen:
+            self._run(job, seq)
+        except BaseException:  # never let a reader die silently
+            log.exception("internal error reading generation %d", job.id)
+        finally:
+            with self._lock:
+                self._jobs.pop(job, None)
+
+    def _run(self, job: Job, seq) -> None:
+        p = job.params
+        outcome, stats, event = "completed", None, None
+        started = False
+        try:
+            for step in self.engine.follow(seq):
+                if not started:
+                    started, job.state = True, "running"
+                    self.metrics.started(seq.queue_wait_s or 0.0)
                 job.tokens += 1
                 if step.finish_reason:
                     stats = step.stats
@@ -266,8 +253,8 @@ class Scheduler:
                 log.exception("generation %d failed", job.id)
             outcome, event = "failed", Failed(e)
         finally:
-            if gen is not None:
-                gen.close()
+            if not started and seq.queue_wait_s is not None:
+                self.metrics.started(seq.queue_wait_s)  # admitted, then failed or cancelled before a token
             job.state = {"completed": "done"}.get(outcome, outcome)
             self.metrics.finished(outcome, len(p.prompt_ids), job.tokens, stats)
         if event is not None:
