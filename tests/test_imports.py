@@ -24,7 +24,8 @@ PACKAGE = "sluice"
 # the package itself, sluice/__init__.py); a name covers its submodules ("storage" is
 # storage/ and everything under it). Every module of the package is in exactly one layer.
 LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "base": ("errors, sizes, progress bars, system memory", ("errors", "units", "progress", "sysmem")),
+    "base": ("errors, sizes, progress bars, system memory, the decayed-frequency rule",
+             ("errors", "units", "progress", "sysmem", "decay")),
     "kernels": ("C kernels, their ctypes bindings, the backend every call goes through", ("kernels",)),
     "quant": ("weight formats and their matrix products", ("quant",)),
     "storage": ("files and bytes: reads, buffers, the disk tier of remote models, safetensors tables, the container "

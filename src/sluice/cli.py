@@ -245,61 +245,23 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from .storage import meta_cache
-    from .storage.disk_tier import DiskTier, default_dir
+    from .storage import local_cache
 
-    directory = args.disk_cache_dir or default_dir()
-    if not os.path.exists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
-        tier, report = None, {"dir": str(directory), "exists": False, "models": [], "entries": 0, "bytes": 0}
-        lines = [f"no disk tier at {directory}"]
-    else:
-        tier = DiskTier(directory, create=False)  # a directory that is not a tier is refused here, untouched
     try:
-        if args.action == "clear":
-            meta, meta_removed = meta_cache.clear(model=args.model)
-            if tier is not None:
-                held = args.model is None or any(m["model"] == args.model for m in tier.models())
-                report = {"dir": str(tier.dir), "removed": tier.clear(args.model) if held else
-                          {"entries": 0, "bytes": 0}, **tier.usage()}
-                lines = [f"removed {report['removed']['entries']} entries ({format_size(report['removed']['bytes'])}) "
-                         f"of {args.model or 'every model'} from {tier.dir}; {report['entries']} entries "
-                         f"({format_size(report['bytes'])}) left"]
-            if (args.model is not None and not report.get("removed", {}).get("entries") and not meta_removed["files"]
-                    and not meta.problems):  # (with problems: the report, then the error naming them)
-                raise SluiceError(f"neither the disk tier {directory} nor the metadata cache {meta.dir} holds anything "
-                                  f"of {args.model} (sluice cache list shows what they hold)")
-            report["meta"] = {"dir": str(meta.dir), "removed": meta_removed, **meta.totals(), "notes": meta.problems}
-            lines.append(f"removed {meta_removed['files']} files ({format_size(meta_removed['bytes'])}) of "
-                         f"{args.model or 'every model'} from the metadata cache {meta.dir}; "
-                         f"{report['meta']['files']} files left")
-        else:
-            meta = meta_cache.survey()
-            if tier is not None:
-                bound, users = tier.openers()
-                report = {"dir": str(tier.dir), "exists": True, "models": tier.models(), **tier.usage(),
-                          "open_by": users, "bound": bound}
-                held = f"; open by {users} process(es), bound {format_size(bound)} (the smallest --disk-cache)" \
-                    if users else ""
-                lines = [f"disk tier {tier.dir}: {report['entries']} entries, {format_size(report['bytes'])}{held}"]
-                lines += [f"  {format_size(m['bytes']):>12}  {m['entries']:6d} entries  {m['objects']:4d} files  "
-                          f"{m['hits']:8d} hits  {m['model']}" for m in report["models"]]
-            report["meta"] = {"dir": str(meta.dir), "exists": meta.exists, **meta.totals(), "notes": meta.problems}
-            t = report["meta"]
-            extra = "".join(f", {t[k]} {k}" for k in ("corrupt", "partial") if t[k])
-            lines.append(f"metadata cache {meta.dir}: {t['files']} files, {format_size(t['bytes'])}{extra}"
-                         if meta.exists else f"no metadata cache at {meta.dir}")
-        if meta.foreign:
-            print(f"sluice: note: {len(meta.foreign)} file(s) in {meta.dir} that the metadata cache did not make "
-                  f"were left alone (e.g. {meta.foreign[0]})", file=sys.stderr)
-        print(json.dumps(report, indent=2) if args.json else "\n".join(lines))
-        if meta.problems:
-            problems = "; ".join(meta.problems)
-            if args.action == "clear":
-                raise SluiceError(f"the metadata cache was not cleared completely: {problems}")
-            print(f"sluice: warning: metadata cache: {problems}", file=sys.stderr)
-    finally:
-        if tier is not None:
-            tier.close()
+        got = (local_cache.clear(args.disk_cache_dir, args.model) if args.action == "clear"
+               else local_cache.survey(args.disk_cache_dir))
+        error = None
+    except SluiceError as e:
+        got, error = getattr(e, "cache_report", None), e
+        if got is None:
+            raise
+    for note in got.notes:
+        print(f"sluice: note: {note}", file=sys.stderr)
+    print(json.dumps(got.report, indent=2) if args.json else "\n".join(got.lines))
+    for warning in got.warnings:
+        print(f"sluice: warning: {warning}", file=sys.stderr)
+    if error is not None:
+        raise error
     return 0
 
 

@@ -538,7 +538,11 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
     copied = []
     for name in TOKENIZER_FILES:
         if info.store.exists(name):
-            shutil.copy2(info.store.local_file(name), tmp / name)
+            local = info.store.local_path(name)
+            if local is not None:
+                shutil.copy2(local, tmp / name)
+            else:
+                (tmp / name).write_bytes(info.store.read_bytes(name))
             _fsync_path(tmp / name)
             copied.append(name)
     manifest = {

@@ -21,6 +21,10 @@ def _json_kind(v) -> str:
         type(v), "number")
 
 
+# a remote tokenizer.json larger than this is refused (the largest published ones are ~30 MB)
+TOKENIZER_MAX_BYTES = 256 << 20
+
+
 class Tokenizer:
     def __init__(self, directory: str | Path | Store):
         store = directory if isinstance(directory, Store) else open_store(directory)
@@ -28,7 +32,11 @@ class Tokenizer:
         if not store.exists("tokenizer.json"):
             raise CheckpointError(f"{path}: tokenizer.json not found (pass token ids instead of text)")
         try:
-            self._tok = _HFTokenizer.from_file(str(store.local_file("tokenizer.json")))
+            local = store.local_path("tokenizer.json")
+            if local is not None:
+                self._tok = _HFTokenizer.from_file(str(local))
+            else:  # a remote store: its bytes (kept in the metadata cache, no copy of its own)
+                self._tok = _HFTokenizer.from_str(store.read_bytes("tokenizer.json", TOKENIZER_MAX_BYTES).decode("utf-8"))
         except Exception as e:  # tokenizers raises its own exception types
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         cfg_path = store.locate("tokenizer_config.json")

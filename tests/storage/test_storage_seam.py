@@ -207,7 +207,7 @@ def test_local_dir_store(text_model):
     assert "config.json" in store.names() and "model.safetensors" in store.names()
     assert store.exists("tokenizer.json") and not store.exists("nope.json")
     assert store.read_bytes("config.json") == (text_model / "config.json").read_bytes()
-    assert store.local_file("tokenizer.json") == text_model / "tokenizer.json"  # the file itself, no copy
+    assert store.local_path("tokenizer.json") == text_model / "tokenizer.json"  # the file itself, no copy
     with pytest.raises(FileNotFoundError):
         store.read_bytes("nope.json")
     src = store.open("model.safetensors", direct=False)
@@ -217,11 +217,10 @@ def test_local_dir_store(text_model):
 
 class CopyingStore(Store):
     """A store that is not a local directory to its users: it serves ``inner``'s members but has no
-    local files of its own, so ``local_file`` is the base class's cached copy (the hook remote
-    stores use)."""
+    local files of its own (``local_path`` is None), as a remote store."""
 
-    def __init__(self, inner: LocalDir, cache_dir: Path):
-        self.inner, self.location, self.cache_dir = inner, inner.location, cache_dir
+    def __init__(self, inner: LocalDir):
+        self.inner, self.location = inner, inner.location
 
     def locate(self, name):
         return self.inner.locate(name)
@@ -242,18 +241,15 @@ class CopyingStore(Store):
         return self.inner.open(name, direct=direct, stats=stats)
 
 
-def test_local_file_cache_copy_for_the_tokenizer(text_model, tmp_path):
+def test_tokenizer_of_a_store_without_local_files_is_read_from_its_bytes(text_model, tmp_path, monkeypatch):
     from sluice.tokenizer import Tokenizer
 
-    store = CopyingStore(open_store(text_model), tmp_path / "cache")
-    copy = store.local_file("tokenizer.json")
-    assert copy.is_relative_to(tmp_path / "cache") and copy.name == "tokenizer.json"
-    assert copy.read_bytes() == (text_model / "tokenizer.json").read_bytes()
-    assert not [p for p in copy.parent.iterdir() if p.name.endswith(".partial")]
-    mtime = copy.stat().st_mtime_ns
-    assert store.local_file("tokenizer.json") == copy and copy.stat().st_mtime_ns == mtime  # made once
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    store = CopyingStore(open_store(text_model))
+    assert store.local_path("tokenizer.json") is None
     text = "héllo wörld, tokens"
     assert Tokenizer(store).encode(text) == Tokenizer(text_model).encode(text)
+    assert not (tmp_path / "cache").exists()  # no copy of the file anywhere: one local cache, the metadata's
     # and a Checkpoint sits on any store: same tensor table and bytes as from the directory
     a, b = Checkpoint(store, direct=False), Checkpoint(text_model, direct=False)
     assert a.tensors == b.tensors and a.config == b.config

@@ -22,6 +22,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
+from ..decay import add_use
+
 
 class Policy:
     name = "base"
@@ -200,8 +202,7 @@ class LFRU(Policy):
 
     def _add(self, old: float | None) -> float:
         """A log score plus one use now."""
-        t = self.rate * self.now
-        return t if old is None else max(old, t) + math.log1p(math.exp(-abs(old - t)))
+        return add_use(old, self.rate * self.now)  # the one decayed-frequency rule (``sluice.decay``)
 
     def _count_pass(self, layer) -> None:
         got = self._passes.get(layer)

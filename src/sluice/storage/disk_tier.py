@@ -38,7 +38,7 @@ an exclusive ``flock`` on while it is open; an insert, under the tier lock, take
 size of the records whose lock is held, and removes the records of openers that are gone: a
 killed process never holds the bound). A process that opens the tier with a smaller size than
 the others evicts down to it at open, and the others keep to it until it closes. The policy is
-the memory cache's kind, decayed frequency (lfru): each use of an entry adds 1 to its
+the memory cache's kind, decayed frequency (lfru, the one rule of ``sluice.decay``): each use of an entry adds 1 to its
 score, and scores halve every ``HALF_LIFE_S`` (six hours) of wall-clock time; the entry with
 the lowest score goes first. Scores are kept as ``log2(sum of 2^(t_use / half-life))``, so
 ordering them needs no decay pass; uses are batched in memory and written to the index every
@@ -69,6 +69,7 @@ import warnings
 from collections import OrderedDict
 from pathlib import Path
 
+from ..decay import log2_add
 from ..errors import InvalidArgumentError, SluiceError
 from ..units import parse_size
 from .buffers import AlignedBuffer
@@ -107,12 +108,6 @@ def default_dir() -> Path:
     """The tier's directory when ``--disk-cache-dir`` is not given: ``$XDG_CACHE_HOME/sluice/disk-tier``
     (``~/.cache/sluice/disk-tier``)."""
     return user_cache_dir() / "disk-tier"
-
-
-def _lse2(a: float, b: float) -> float:
-    """log2(2^a + 2^b) without overflow."""
-    hi, lo = (a, b) if a >= b else (b, a)
-    return hi + math.log2(1.0 + 2.0 ** (lo - hi))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -224,7 +219,7 @@ class DiskTier:
                 db.execute("CREATE INDEX IF NOT EXISTS entries_score ON entries (score)")
                 db.execute("CREATE INDEX IF NOT EXISTS entries_url ON entries (url)")
                 db.execute("SELECT COUNT(*) FROM entries").fetchone()
-                db.create_function("lse2", 2, _lse2, deterministic=True)
+                db.create_function("lse2", 2, log2_add, deterministic=True)  # the one rule: sluice.decay
                 self._db = db
                 return
             except sqlite3.DatabaseError as e:

@@ -295,8 +295,8 @@ class RemoteSource(ByteSource):
 class RemoteStore(Store):
     """A model's files under a URL prefix (``s3://bucket/models/olmoe``, ``https://host/models/olmoe``):
     member ``name`` is ``<url>/<name>``. One client (connection pool) for all members; metadata
-    members are read whole, data members opened as ``RemoteSource``s; ``local_file`` (the
-    tokenizer's file) is a copy in the local file cache keyed by URL and ETag (``Store``).
+    members are read whole, data members opened as ``RemoteSource``s; ``read_bytes`` keeps its
+    copies in the metadata cache (``meta_cache``), revalidated by ETag.
 
     Metadata requests: a member's HEAD is made once per store (``exists`` and ``open`` share it);
     a member read whole is kept in the local metadata cache (``meta_cache.MetaCache``: ``meta``,

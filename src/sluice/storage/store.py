@@ -1,11 +1,10 @@
 """Stores: a model's files by member name (``config.json``, shards, the manifest, tokenizer files).
 
 Metadata is read through a ``Store`` as data tables are through byte sources: small files
-whole (``read_bytes``), data files as ``ByteSource``s (``open``). A library that insists on
-a file of its own (the tokenizer library) gets one from ``local_file``: for a local
-directory the member itself; for any other store a copy kept in the local file cache,
-keyed by the store's location and the member's version and published atomically (the
-hook remote stores use). ``LocalDir`` is the local implementation; ``location.open_store``
+whole (``read_bytes``), data files as ``ByteSource``s (``open``). A library that can open
+a file of its own (the tokenizer library) gets the member itself from ``local_path`` for a
+local directory; any other store gives None and its member is read with ``read_bytes`` (a
+remote store's through ``meta_cache``: no second copy on disk). ``LocalDir`` is the local implementation; ``location.open_store``
 opens a store from a path or a URL.
 """
 
@@ -35,7 +34,6 @@ class Store:
     """
 
     location: str
-    cache_dir: Path | None = None  # where local_file keeps copies (None: user_cache_dir()/files)
 
     def locate(self, name: str) -> str:
         """The member's own location (a path or URL): what errors name and sources are keyed by."""
@@ -66,28 +64,15 @@ class Store:
         """A data member as a byte source."""
         raise NotImplementedError
 
-    def local_file(self, name: str) -> Path:
-        """A local file holding member ``name``: a copy in the local file cache, made once per
-        version of the member and published by rename, so a killed process leaves no partial
-        copy under the final name."""
-        src = self.open(name, direct=False)
-        try:
-            key = hashlib.sha256(f"{self.locate(name)}\0{src.version}".encode()).hexdigest()[:32]
-            dest = (self.cache_dir or user_cache_dir() / "files") / key / name
-            if not dest.is_file() or not src.version:  # an unversioned object: fetched again every time
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                tmp = dest.with_name(f".{name}.{os.getpid()}.partial")
-                data = bytearray(src.size)
-                src.read_into(memoryview(data), 0)
-                tmp.write_bytes(data)
-                os.replace(tmp, dest)
-            return dest
-        finally:
-            src.close()
+    def local_path(self, name: str) -> Path | None:
+        """Member ``name`` as a local file a library may open itself (the tokenizer library), or None
+        for a store with no local files (its members are read with ``read_bytes``: a remote one's
+        through its metadata cache, the one local copy Sluice keeps of them)."""
+        return None
 
 
 class LocalDir(Store):
-    """A local directory: members are its files; ``local_file`` is the file itself."""
+    """A local directory: members are its files; ``local_path`` is the file itself."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -111,7 +96,7 @@ class LocalDir(Store):
     def open(self, name: str, *, direct: bool | None = None, stats: ReadStats | None = None) -> ByteSource:
         return LocalFile(self.locate(name), direct=direct, stats=stats)
 
-    def local_file(self, name: str) -> Path:
+    def local_path(self, name: str) -> Path:
         return self.path / name
 
     def __repr__(self) -> str:

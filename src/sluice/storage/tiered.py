@@ -87,7 +87,6 @@ class TieredStore(Store):
     def __init__(self, inner: Store, tier: DiskTier):
         self.inner, self.tier = inner, tier
         self.location = inner.location
-        self.cache_dir = inner.cache_dir
 
     def locate(self, name: str) -> str:
         return self.inner.locate(name)
