@@ -22,7 +22,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from ..decay import add_use
+from ..decay import log_add
 
 
 class Policy:
@@ -202,7 +202,8 @@ class LFRU(Policy):
 
     def _add(self, old: float | None) -> float:
         """A log score plus one use now."""
-        return add_use(old, self.rate * self.now)  # the one decayed-frequency rule (``sluice.decay``)
+        t = self.rate * self.now
+        return t if old is None else log_add(old, t)  # the one decayed-frequency rule (``sluice.decay``)
 
     def _count_pass(self, layer) -> None:
         got = self._passes.get(layer)
