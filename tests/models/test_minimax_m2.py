@@ -146,3 +146,26 @@ def test_config_fields():
     assert mm.parse_config(dict(base, use_mtp=False)).mtp_layers == 0
     with pytest.raises(UnsupportedModelError, match="disagree"):
         mm.parse_config(dict(same, rotary_dim=32))
+
+
+def test_transformers_fp8_loading_reads_the_same_layout(family_models, tmp_path):
+    """transformers' own FP8 loader (on a CPU-only machine it dequantizes at load) reads the FP8
+    layout Sluice reads, per-expert ``w1/w2/w3.weight_scale_inv`` included, and agrees. (It
+    derives the block from the weight and scale shapes, hence 8 x 8 blocks on the tiny sides.)"""
+    pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from families import to_fp8
+
+    fp8, _ = to_fp8(family_models.hf("minimax_m2", "f32"), tmp_path / "fp8", tmp_path / "deq", block=[8, 8])
+    with safe_open(str(fp8 / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.0.block_sparse_moe.experts.3.w2.weight_scale_inv",
+            "model.layers.2.self_attn.o_proj.weight_scale_inv"} <= names
+    ref = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.float32).eval()
+    ids = prompt_ids()
+    with torch.no_grad():
+        ref_logits = ref(ids[None]).logits[0].float()
+    with sluice.load(fp8, memory="4GiB", progress=False) as eng:
+        assert (eng.forward(ids) - ref_logits).abs().max().item() <= 1e-4
