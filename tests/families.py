@@ -8,14 +8,15 @@ optional ``post`` that sets weights transformers initializes trivially (norm wei
 correction bias of grouped routers) so that the engine is proven to apply them. Grouped
 routers use top-k >= 4, so the order in which selected experts come back matters.
 
-Native-format sources are built from an entry's f32 checkpoint: DeepSeek-V3 with block-FP8
-linear weights (``to_fp8``) and GPT-OSS with MXFP4 experts (``to_mxfp4``).
+Native-format sources are built from an entry's f32 checkpoint: DeepSeek-V3 and MiniMax-M2 with
+block-FP8 linear weights (``to_fp8``) and GPT-OSS with MXFP4 experts (``to_mxfp4``).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,12 +43,22 @@ def _norms_and_correction_bias(model) -> None:
         _correction_bias(model)
 
 
+def correction_bias(mlp):
+    """The ``e_score_correction_bias`` of an MoE block: on its gate (DeepSeek-V3, Kimi) or on the
+    block itself (MiniMax-M2); None for other routers."""
+    for owner in (getattr(mlp, "gate", None), mlp):
+        bias = getattr(owner, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            return bias
+    return None
+
+
 def _correction_bias(model) -> None:
     with torch.no_grad():
         for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "e_score_correction_bias"):
-                gate.e_score_correction_bias.copy_(0.3 * torch.randn_like(gate.e_score_correction_bias))
+            bias = correction_bias(layer.mlp)
+            if bias is not None:
+                bias.copy_(0.3 * torch.randn_like(bias))
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,11 @@ REGISTRY: dict[str, Family] = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
         seed=1, native="mxfp4"),
+    # every layer MoE; q/k norm over the whole projection; partial RoPE (rotary_dim 8 of 16);
+    # sigmoid + correction bias on the MoE block, top-4 of 8 without groups; random norm weights
+    # and correction bias; block-FP8 attention and experts as the checkpoints ship them
+    "minimax_m2": Family("minimax_m2", dict(intermediate_size=32, rotary_dim=8, num_experts_per_tok=4),
+                         seed=0, post=_norms_and_correction_bias, native="fp8"),
 }
 FAMILY_NAMES = list(REGISTRY)
 
@@ -142,13 +158,14 @@ def selection_scores(ref, router_logits: torch.Tensor, moe_layer: int) -> torch.
     scores with the experts of groups not kept at -inf."""
     cfg = ref.config
     rl = router_logits.float().reshape(-1, router_logits.shape[-1])
-    gates = [g for g in (getattr(layer.mlp, "gate", None) for layer in ref.model.layers)
-             if g is not None and hasattr(g, "e_score_correction_bias")]
-    if not gates:
+    biases = [b for b in (correction_bias(layer.mlp) for layer in ref.model.layers) if b is not None]
+    if not biases:
         return torch.softmax(rl, -1)
-    s = torch.sigmoid(rl) + gates[moe_layer].e_score_correction_bias.float()
+    s = torch.sigmoid(rl) + biases[moe_layer].float()
     t, e = s.shape
-    g, tg = cfg.n_group, cfg.topk_group
+    g, tg = getattr(cfg, "n_group", None) or 1, getattr(cfg, "topk_group", None) or 1
+    if g == 1:
+        return s
     gs = s.view(t, g, e // g).topk(2, dim=-1).values.sum(-1)
     keep = torch.zeros(t, g, dtype=torch.bool).scatter_(1, gs.topk(tg, dim=-1).indices, True)
     return s.masked_fill(~keep[:, :, None].expand(t, g, e // g).reshape(t, e), float("-inf"))
@@ -165,16 +182,15 @@ def assert_decisive_model(ref, ids: torch.Tensor, first: int) -> None:
     top = out.logits[0, first:].topk(2, dim=-1).values
     margin = (top[:, 0] - top[:, 1]).min().item()
     assert margin > LOGIT_MARGIN, f"top-1/top-2 logit margin {margin:.2e} is a near-tie: pick another seed"
-    grouped = getattr(cfg, "n_group", None) is not None and hasattr(getattr(ref.model.layers[-1].mlp, "gate", None),
-                                                                     "e_score_correction_bias")
+    grouped = correction_bias(ref.model.layers[-1].mlp) is not None  # sigmoid + bias (groups or not)
+    n_group, topk_group = getattr(cfg, "n_group", None) or 1, getattr(cfg, "topk_group", None) or 1
     for layer, rl in enumerate(out.router_logits or ()):
-        if grouped and cfg.topk_group < cfg.n_group:
+        if grouped and topk_group < n_group:
             s = torch.sigmoid(rl.float().reshape(-1, rl.shape[-1]))
-            gates = [g for g in (getattr(x.mlp, "gate", None) for x in ref.model.layers)
-                     if g is not None and hasattr(g, "e_score_correction_bias")]
-            s = s + gates[layer].e_score_correction_bias.float()
+            biases = [b for b in (correction_bias(x.mlp) for x in ref.model.layers) if b is not None]
+            s = s + biases[layer].float()
             t, e = s.shape
-            gs = s.view(t, cfg.n_group, -1).topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group + 1, dim=-1).values
+            gs = s.view(t, n_group, -1).topk(2, dim=-1).values.sum(-1).topk(topk_group + 1, dim=-1).values
             gm = (gs[:, -2] - gs[:, -1]).min().item()
             assert gm > ROUTER_MARGIN, f"group margin {gm:.2e} in MoE layer {layer}: pick another seed"
         v = selection_scores(ref, rl, layer).topk(k + 1, dim=-1).values
@@ -189,7 +205,8 @@ FP8_BLOCK = (16, 16)  # small blocks so tiny matrices span several of them
 
 
 def _is_fp8_linear(name: str) -> bool:
-    return ".layers." in name and (name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight"))
+    return ".layers." in name and (name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+                                   or re.search(r"\.experts\.\d+\.w[123]\.weight$", name) is not None)
 
 
 def to_fp8(src: Path, dst: Path, ref: Path, block=FP8_BLOCK) -> tuple[Path, Path]:

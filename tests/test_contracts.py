@@ -1,4 +1,4 @@
-"""Contracts every family keeps, as types and as tests on all seven families.
+"""Contracts every family keeps, as types and as tests on every family.
 
 - Routing goes through a ``layers.routing.Router``: one call signature with the optional
   cache bias, ids sorted by descending selection score. The lossy switches
@@ -41,6 +41,7 @@ CONFIGS = {
     "gpt_oss": dict(num_experts_per_tok=4, intermediate_size=32, sliding_window=4, max_position_embeddings=2048,
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
+    "minimax_m2": dict(num_experts_per_tok=4, intermediate_size=32, rotary_dim=8),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8

@@ -36,11 +36,12 @@ def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *
               qk_norm: str | None = None, window: int | None = None, clip_qkv: float | None = None,
               sinks: bool = False, bias_in_tail: bool = False, prefix: str = "self_attn.") -> Part:
     """GQA (``layers.attention.Attention``); ``qk_norm``: None, "head" (per head) or "full" (whole
-    projection); ``bias_in_tail``: the biases are listed after the layer's other tensors (GPT-OSS)."""
+    projection); ``bias_in_tail``: the biases are listed after the layer's other tensors (GPT-OSS).
+    The projections are linears (``Lin``): a family's weight format (block FP8) applies to them."""
     nq, nkv = n_heads * head_dim, n_kv * head_dim
     p = prefix
-    tensors = {p + "q_proj.weight": (nq, hidden), p + "k_proj.weight": (nkv, hidden),
-               p + "v_proj.weight": (nkv, hidden), p + "o_proj.weight": (hidden, nq)}
+    tensors = {p + "q_proj": Lin((nq, hidden)), p + "k_proj": Lin((nkv, hidden)),
+               p + "v_proj": Lin((nkv, hidden)), p + "o_proj": Lin((hidden, nq))}
     if sinks:
         tensors[p + "sinks"] = (n_heads,)
     if qk_norm == "head":
@@ -63,8 +64,8 @@ def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *
             kw.update(q_norm=t(p + "q_norm.weight"), k_norm=t(p + "k_norm.weight"))
         if sinks:
             kw["sinks"] = t(p + "sinks")
-        return Attention(wq=t(p + "q_proj.weight"), wk=t(p + "k_proj.weight"), wv=t(p + "v_proj.weight"),
-                         wo=t(p + "o_proj.weight"), bq=t.opt(p + "q_proj.bias"), bk=t.opt(p + "k_proj.bias"),
+        return Attention(wq=t.lin(p + "q_proj"), wk=t.lin(p + "k_proj"), wv=t.lin(p + "v_proj"),
+                         wo=t.lin(p + "o_proj"), bq=t.opt(p + "q_proj.bias"), bk=t.opt(p + "k_proj.bias"),
                          bv=t.opt(p + "v_proj.bias"), bo=t.opt(p + "o_proj.bias"), n_heads=n_heads, n_kv=n_kv,
                          head_dim=head_dim, **kw)
 
@@ -199,10 +200,13 @@ def softmax_router(n_experts: int, hidden: int, top_k: int, normalize: bool) -> 
     return Part({"weight": (n_experts, hidden)}, lambda t: SoftmaxRouter(t("weight"), top_k, normalize=normalize))
 
 
-def grouped_router(n_experts: int, hidden: int, top_k: int, **kw) -> Part:
-    """``GroupedRouter`` with its selection-only correction bias (``e_score_correction_bias``)."""
-    return Part({"weight": (n_experts, hidden), "e_score_correction_bias": (n_experts,)},
-                lambda t: GroupedRouter(t("weight"), top_k, correction=t("e_score_correction_bias"), **kw))
+def grouped_router(n_experts: int, hidden: int, top_k: int, *, weight: str = "weight",
+                   bias: str = "e_score_correction_bias", **kw) -> Part:
+    """``GroupedRouter`` with its selection-only correction bias (``e_score_correction_bias``).
+    ``weight`` / ``bias``: their names under the router's prefix (MiniMax-M2 keeps the bias on
+    the MoE block: ``moe(grouped_router(..., weight="gate.weight"), router_name="")``)."""
+    return Part({weight: (n_experts, hidden), bias: (n_experts,)},
+                lambda t: GroupedRouter(t(weight), top_k, correction=t(bias), **kw))
 
 
 def topk_softmax_router(n_experts: int, hidden: int, top_k: int) -> Part:

@@ -51,7 +51,7 @@ def parse_quantization_config(raw: dict | None, where: str = "config.json") -> t
             f"{where}: quantization_config.quant_method={method!r} is not supported (Sluice reads block-scaled "
             "FP8 checkpoints, quant_method 'fp8'; dequantize other formats first)")
     fmt = raw.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # DeepSeek-V3 / MiniMax-M2 name the same format
         raise UnsupportedModelError(f"{where}: quantization_config.fmt={fmt!r} is not supported (only e4m3)")
     scheme = raw.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
