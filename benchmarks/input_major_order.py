@@ -24,9 +24,8 @@ import sluice  # noqa: F401  (before torch: it sets OpenMP's wait policy)
 import torch
 
 from sluice import kernels
-from sluice.experts.compute import _gate_up
-from sluice.experts.spec import ExpertSpec
 from sluice.quant import linear, linear_chain, linear_t
+from sluice.quant.assembly import _gate_up
 
 
 def best(variants: dict, pool: int, reps: int, clock=time.perf_counter) -> dict:
@@ -50,7 +49,6 @@ def main() -> None:
     kernels.set_threads(args.threads)
     torch.set_num_threads(args.threads)
     h = i = args.dim
-    spec = ExpertSpec(h, i, variant="clamped_swiglu", bias=True)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     print(f"dim {h}, {args.threads} thread(s), best of {args.reps} ({clock.__name__}); "
           "ms per matrix (decode) / per expert gate+up (prefill)")
@@ -63,7 +61,6 @@ def main() -> None:
                   "directory (sk_dense_t)": lambda j: kernels.dense_t(x, im[j])}, args.pool, args.reps, clock)
         base = r["container before (sk_dense)"]
         print(f"decode T=1 {str(dtype)[6:]}: " + ", ".join(f"{k} {v * 1e3:.3f} ({v / base:.2f}x)" for k, v in r.items()))
-        del om, im
         gu = [torch.randn(h, 2 * i).to(dtype) for _ in range(max(2, args.pool // 2))]
         gates = [g[:, 0::2].t().contiguous() for g in gu]
         ups = [g[:, 1::2].t().contiguous() for g in gu]
@@ -71,7 +68,7 @@ def main() -> None:
         r = best({"container before": lambda j: (linear(x, gates[j]), linear(x, ups[j])),
                   "container now": lambda j: (linear_chain(x, gates[j]), linear_chain(x, ups[j])),
                   "directory before": lambda j: linear_t(x, gu[j]),
-                  "directory now": lambda j: _gate_up(spec, {"gate_up_t": gu[j]}, x)}, len(gu), max(3, args.reps // 8),
+                  "directory now": lambda j: _gate_up({"gate_up_t": gu[j]}, True)(x)}, len(gu), max(3, args.reps // 8),
                  clock)
         print(f"prefill T=64 {str(dtype)[6:]}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in r.items()))
 

@@ -100,7 +100,7 @@ def measure(variants: dict, x: torch.Tensor, reps: int) -> tuple[dict[str, float
     each round); median seconds per matrix of each variant, and median bandwidth GB/s."""
     times: dict[str, list[float]] = {label: [] for label in variants}
     bw = []
-    for label, (pool, setup) in variants.items():  # warm-up
+    for pool, setup in variants.values():  # warm-up
         setup()
         time_pool(pool[:2], x)
     for _ in range(reps):

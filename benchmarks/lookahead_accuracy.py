@@ -70,7 +70,7 @@ def measure(model, prompt: str, tokens: int) -> dict:
     provider.moe = moe
     ids = engine.encode(prompt)
     n = 0
-    for out in engine.stream(ids, max_new_tokens=tokens, temperature=0.7, seed=0, ignore_eos=True):
+    for _out in engine.stream(ids, max_new_tokens=tokens, temperature=0.7, seed=0, ignore_eos=True):
         decoding[0] = True  # the first step (prefill) is done once the first token comes out
         step[0] += 1
         n += 1

@@ -92,7 +92,7 @@ def main() -> None:
             "expert_seq_union", "forwards", "hit_rate")
     summary = {mode: {k: statistics.median(r[k] for r in rs) for k in keys} for mode, rs in runs.items()}
     generated = a.seqs * a.rounds
-    for mode, s in summary.items():
+    for s in summary.values():
         s["tok_s"] = generated / s["decode_s"]
         s["expert_bytes_per_token"] = s["expert_bytes_read"] / generated
     out = {"model": a.model, "memory": a.memory, "seqs": a.seqs, "rounds": a.rounds, "warmup": a.warmup,

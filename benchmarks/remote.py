@@ -107,7 +107,7 @@ def decode_run(location: str, prompt: list[int], tokens: int, **options) -> dict
 def measure(eng, prompt: list[int], tokens: int) -> dict:
     stats = eng.checkpoint.stats
     marks = []
-    for step in eng.stream(prompt, max_new_tokens=tokens, ignore_eos=True, speculate=False):
+    for _step in eng.stream(prompt, max_new_tokens=tokens, ignore_eos=True, speculate=False):
         marks.append((time.perf_counter(), stats.bytes_read, stats.reads))
     (t1, b1, r1), (t2, b2, r2) = marks[1], marks[-1]  # from the end of the first decode step
     n = len(marks) - 2

@@ -179,9 +179,9 @@ def warm_section(data: dict, charts: Path, rel: str) -> list[str]:
             f"{gb((r.get('read_bytes_prefill') or 0) + (r.get('read_bytes_decode') or 0)) if r.get('ok') else '-'} | "
             f"{match_cell(r, n)} | {status(r)} |")
     s = next((r for r in runs if r["engine"] == "sluice" and r.get("ok")), None)
-    l = next((r for r in runs if r["engine"] == "llamacpp" and r.get("ok")), None)
-    if s and l and l.get("decode_tok_s"):
-        out += ["", f"Sluice / llama.cpp decode at the same dtype (bf16): **{s['decode_tok_s'] / l['decode_tok_s']:.2f}x**."]
+    lc = next((r for r in runs if r["engine"] == "llamacpp" and r.get("ok")), None)
+    if s and lc and lc.get("decode_tok_s"):
+        out += ["", f"Sluice / llama.cpp decode at the same dtype (bf16): **{s['decode_tok_s'] / lc['decode_tok_s']:.2f}x**."]
     prof = (data.get("profiled") or {}).get("profile")
     if prof:
         out.append(f"A separate Sluice run under cProfile (not in the table): `benchmarks/results/{Path(prof).name}`.")

@@ -388,7 +388,7 @@ class FaultProxy:
                 if fault and fault.kind == "reset" and fault.after is None:
                     _abort(cwriter)
                     return
-                for attempt in (0, 1):  # a reused upstream connection may have been closed by the server
+                for _attempt in (0, 1):  # a reused upstream connection may have been closed by the server
                     fresh = uwriter is None
                     if fresh:
                         ureader, uwriter = await asyncio.open_connection(*self.upstream)

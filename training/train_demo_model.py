@@ -629,7 +629,7 @@ def train(args, model, train_stream, held_stream):
     import torch.nn.functional as F
 
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         (decay if p.dim() >= 2 else no_decay).append(p)
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay},

@@ -25,7 +25,7 @@ def check_container(path: str | Path, progress: bool = True) -> dict:
     records = list(src.records())
     bar = Progress(sum(n for _, n, _ in c.spine_groups.values()) + len(records) * src.slot_bytes,
                    f"checking {info.model_id}", enabled=progress)
-    for g, (off, n, crc) in c.spine_groups.items():
+    for g, (_off, n, _crc) in c.spine_groups.items():
         try:
             c.read_group(g, {})
         except CheckpointError as e:

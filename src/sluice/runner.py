@@ -258,7 +258,7 @@ class ModelRunner:
             torch.set_num_threads(1 if r <= TORCH_SERIAL_TOKENS else self.threads)
             self._experts.begin(ctx)
             h = self._model.forward(ctx)
-            for (i, r0, r1, off), part in zip(rows, parts):
+            for (_i, r0, r1, _off), part in zip(rows, parts):
                 state = part.seq.model_state
                 state.length = part.start + r1 - r0
                 state.tokens[part.start :] = part.tokens

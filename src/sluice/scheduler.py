@@ -364,7 +364,7 @@ class Scheduler:
             seq.out.put(EngineClosed("the engine was closed while this generation ran"))
         self._waiting.clear()
         self._active.clear()
-        for fn, box in self._calls:
+        for _fn, box in self._calls:
             box["error"] = EngineClosed("the engine is closed")
             box["done"].set()
         self._calls.clear()

@@ -101,13 +101,15 @@ class Trace:
         return sum(len(ids) for step in self.steps for ids in step)
 
     def slice(self, start: int | None, stop: int | None) -> Trace:
-        cut = (lambda x: None if x is None else x[start:stop])
+        def cut(x):
+            return None if x is None else x[start:stop]
         return Trace(self.steps[start:stop], self.tok[start:stop], self.source, cut(self.weights), cut(self.pred),
                      cut(self.probs), cut(self.seq), cut(self.step))
 
     def rows(self, keep) -> Trace:
         """The rows ``keep`` (indices, in order) as a trace of their own."""
-        pick = (lambda x: None if x is None else [x[i] for i in keep])
+        def pick(x):
+            return None if x is None else [x[i] for i in keep]
         return Trace(pick(self.steps), pick(self.tok), self.source, pick(self.weights), pick(self.pred),
                      pick(self.probs), pick(self.seq), pick(self.step))
 
@@ -308,7 +310,8 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
         toks.append(tok)
     if not steps:
         raise TraceFormatError(f"{source}: the trace has no tokens")
-    keep = (lambda got, i: got if extras[i] else None)
+    def keep(got, i):
+        return got if extras[i] else None
     return Trace(steps, toks, source, keep(weights, 0), keep(preds, 1), keep(probs, 2), keep(seqs, 3),
                  keep(stepno, 4))
 
@@ -383,7 +386,8 @@ class TraceWriter:
 def write_trace(path: str | os.PathLike, trace: Trace) -> None:
     with TraceWriter(path) as w:
         for t, (tok, step) in enumerate(zip(trace.tok, trace.steps)):
-            at = (lambda x, t=t: None if x is None else x[t])
+            def at(x, t=t):
+                return None if x is None else x[t]
             w.write(tok, step, at(trace.weights), at(trace.pred), at(trace.probs), at(trace.seq), at(trace.step))
 
 

@@ -58,7 +58,7 @@ def _violations(rel: str, tree: ast.AST) -> list[str]:
                 bad.append(f"{rel}:{node.lineno}: makes tensors at views' slot offsets")
         if isinstance(node, ast.ImportFrom):
             for alias in node.names:
-                if alias.name == "assemble" and not (node.module or "").split(".")[-1] in ("quant", "assembly"):
+                if alias.name == "assemble" and (node.module or "").split(".")[-1] not in ("quant", "assembly"):
                     bad.append(f"{rel}:{node.lineno}: imports assemble from {node.module}")
     return bad
 

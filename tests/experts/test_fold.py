@@ -43,7 +43,7 @@ def test_groups_and_fold_in_any_order_give_the_same_bits(t):
                                      len(groups.experts))  # summed up to the first expert not yet in
     assert torch.equal(shuffled.result(), in_order.result())
     want = torch.zeros(t, h, dtype=torch.float64)
-    for e, (idx, y) in outputs.items():
+    for idx, y in outputs.values():
         want[[0] if idx is None else idx] += y.double()
     assert torch.allclose(in_order.result().double(), want, atol=1e-5)
 

@@ -500,7 +500,7 @@ def test_record_layout_offsets():
     assert [e[0] for e in entries] == ["gate.blocks", "gate.scales", "up.blocks", "up.scales",
                                        "down.blocks", "down.scales"]
     end = 0
-    for name, off, dtype, shape in entries:
+    for _name, off, dtype, shape in entries:
         assert off % 64 == 0 and off >= end
         end = off + dtype.itemsize * int(torch.Size(shape).numel())
     assert total == end

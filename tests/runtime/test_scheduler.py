@@ -329,7 +329,7 @@ def test_an_engine_dropped_without_close_is_freed(family_models, monkeypatch):
     monkeypatch.setattr(scheduler, "IDLE_EXIT_S", 0.05)
     eng = sluice.load(family_models.hf("qwen3_moe"), memory="2GiB", parallel=2, progress=False)
     first = eng.generate(_prompts(1)[0], max_new_tokens=3).token_ids
-    wait_for(lambda: eng.scheduler._thread is None, timeout=10, what="the idle scheduler thread to end")
+    wait_for(lambda s=eng.scheduler: s._thread is None, timeout=10, what="the idle scheduler thread to end")
     assert eng.generate(_prompts(1)[0], max_new_tokens=3).token_ids == first  # a new thread runs it
     ref = weakref.ref(eng)
     del eng

@@ -108,7 +108,7 @@ class ExpertInterface(ABC):
         """Expert bytes read outside this process's checkpoint (by remote workers); 0 here."""
         return 0
 
-    def drain(self) -> None:
+    def drain(self) -> None:  # noqa: B027 (optional: a source that reads synchronously has nothing to wait for)
         """Wait for reads in flight (benchmarks, before measuring a cold start)."""
 
     @abstractmethod

@@ -21,7 +21,6 @@ install.
 from __future__ import annotations
 
 import errno
-import os
 import re
 from datetime import datetime, timedelta, timezone
 from urllib.parse import urlsplit

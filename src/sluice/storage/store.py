@@ -10,7 +10,6 @@ opens a store from a path or a URL.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
