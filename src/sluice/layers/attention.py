@@ -1,7 +1,7 @@
 """Grouped-query attention with a preallocated KV cache.
 
 Shape legend: T query tokens, L key positions, Hq query heads, Hkv key/value heads,
-R = Hq / Hkv, D head dim.
+R = Hq / Hkv, D head dim (queries and keys), Dv value head dim (D unless a family sets it).
 """
 
 from __future__ import annotations
@@ -174,7 +174,9 @@ class Attention:
     """Standard GQA self-attention: projections, optional q/k norms, RoPE, KV cache.
 
     ``qk_norm``: None; ``"head"`` (RMSNorm over each head, Qwen3); ``"full"`` (RMSNorm over
-    the whole projection before splitting heads, OLMoE).
+    the whole projection before splitting heads, OLMoE). ``v_head_dim``: the value heads'
+    width when it differs from ``head_dim`` (the output projection reads Hq x Dv);
+    ``v_scale``: a constant the values are multiplied by before they are cached (MiMo-V2-Flash).
     """
 
     def __init__(
@@ -199,6 +201,8 @@ class Attention:
         window: int | None = None,
         sinks: torch.Tensor | None = None,
         scale: float | None = None,
+        v_head_dim: int | None = None,
+        v_scale: float | None = None,
     ):
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.bq, self.bk, self.bv, self.bo = bq, bk, bv, bo
@@ -210,18 +214,21 @@ class Attention:
         self.window = window
         self.sinks = sinks.float() if sinks is not None else None
         self.scale = scale if scale is not None else head_dim**-0.5
+        self.v_head_dim = v_head_dim or head_dim
+        self.v_scale = v_scale
 
     def new_cache(self, max_ctx: int) -> KVCache | WindowKVCache:
         if self.window is not None:
-            return WindowKVCache(self.n_kv, max_ctx, self.head_dim, self.window)
-        return KVCache(self.n_kv, max_ctx, self.head_dim)
+            return WindowKVCache(self.n_kv, max_ctx, self.head_dim, self.window, v_dim=self.v_head_dim)
+        return KVCache(self.n_kv, max_ctx, self.head_dim, self.v_head_dim)
 
     def cache_bytes(self, max_ctx: int) -> int:
         if self.window is not None:
             max_ctx = WindowKVCache.positions(self.window, max_ctx)
-        return KVCache.nbytes(self.n_kv, max_ctx, self.head_dim)
+        return KVCache.nbytes(self.n_kv, max_ctx, self.head_dim, self.v_head_dim)
 
-    def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
         return self.segments(x, [(0, x.shape[0], start, cache)], cos, sin)
 
     def segments(self, x: torch.Tensor, segs: list[tuple[int, int, int, KVCache]], cos: torch.Tensor,
@@ -240,7 +247,9 @@ class Attention:
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(t, self.n_heads, self.head_dim)
         k = k.view(t, self.n_kv, self.head_dim)
-        v = v.view(t, self.n_kv, self.head_dim)
+        v = v.view(t, self.n_kv, self.v_head_dim)
+        if self.v_scale is not None:
+            v = v * self.v_scale
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin)
@@ -249,7 +258,7 @@ class Attention:
         return linear(o.reshape(t, -1), self.wo, self.bo)
 
     def attend_segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs) -> torch.Tensor:
-        """Write each sequence's keys and values to its cache and attend over it: [T, Hq, D]."""
+        """Write each sequence's keys and values to its cache and attend over it: [T, Hq, Dv]."""
         outs = []
         for r0, r1, start, cache in segs:
             keys, values, q0 = cache.update(start, k[r0:r1], v[r0:r1])

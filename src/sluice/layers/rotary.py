@@ -60,6 +60,22 @@ class Rotary:
         return pointwise(torch.cos, emb) * self.attention_scaling, pointwise(torch.sin, emb) * self.attention_scaling
 
 
+class LayerRotary:
+    """A RoPE per layer, from a few tables: layer i rotates with ``tables[of_layer[i]]``
+    (MiMo-V2-Flash: one theta for its sliding-window layers, another for its full ones).
+    ``CausalLM`` computes each table's cos/sin once per forward and hands each layer its own."""
+
+    def __init__(self, tables: list[Rotary], of_layer: list[int]):
+        if any(not 0 <= j < len(tables) for j in of_layer):
+            raise ValueError(f"layer rotary indices {of_layer} out of range for {len(tables)} tables")
+        self.tables, self.of_layer = tables, list(of_layer)
+
+    def cos_sin_layers(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """positions [T] -> each layer's (cos, sin) [T, dim] (layers of one table share them)."""
+        per = [t.cos_sin(positions) for t in self.tables]
+        return [per[j] for j in self.of_layer]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)

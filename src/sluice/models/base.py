@@ -37,7 +37,7 @@ from ..experts.spec import ExpertSpec, ExpertTensors
 from ..layers.context import ForwardContext
 from ..layers.norm import RMSNorm
 from ..layers.pointwise import pointwise
-from ..layers.rotary import Rotary
+from ..layers.rotary import LayerRotary, Rotary
 from ..layers.routing import Router
 from ..quant import embed, linear
 
@@ -211,7 +211,7 @@ class CausalLM:
     """Embedding -> decoder layers -> final norm -> head."""
 
     def __init__(self, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: torch.Tensor,
-                 rotary: Rotary | None):
+                 rotary: Rotary | LayerRotary | None):
         self.embed, self.layers, self.norm, self.lm_head, self.rotary = embed, layers, norm, lm_head, rotary
         self.spine = None  # optional SpineStreamer for layers whose matrices are streamed
 
@@ -260,9 +260,11 @@ class CausalLM:
         lookahead (``ctx.lookahead``, the expert side's) may start reads for later layers.
         """
         h = embed(self.embed, ctx.token_ids)
-        cos = sin = None
-        if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(ctx.positions())
+        if isinstance(self.rotary, LayerRotary):  # a RoPE per layer kind
+            rope = self.rotary.cos_sin_layers(ctx.positions())
+        else:
+            rope = [self.rotary.cos_sin(ctx.positions()) if self.rotary is not None else (None, None)] \
+                * len(self.layers)
         spine, lookahead = self.spine, ctx.lookahead
         if spine is not None:
             spine.start()
@@ -273,6 +275,7 @@ class CausalLM:
             if spine is not None:
                 spine.acquire(i)
             h, x = layer.input_norm.add(h, y) if y is not None else (h, layer.input_norm(h))
+            cos, sin = rope[i]
             h, x = layer.post_norm.add(h, layer.attn.segments(x, ctx.layer_segments(i), cos, sin))
             if lookahead is not None:
                 lookahead.after_attention(i, h, ctx)

@@ -25,8 +25,8 @@ def rms_norm(dim: int, eps: float, offset: float = 0.0, name: str = "weight") ->
     return Part({name: (dim,)}, lambda t: RMSNorm(t(name), eps, offset=offset))
 
 
-def _kv_state(n_kv: int, head_dim: int, window: int | None) -> dict[str, int]:
-    per = KVCache.nbytes(n_kv, 1, head_dim)
+def _kv_state(n_kv: int, head_dim: int, window: int | None, v_head_dim: int | None = None) -> dict[str, int]:
+    per = KVCache.nbytes(n_kv, 1, head_dim, v_head_dim)
     if window is None:
         return dict(kv_per_token=per)
     return dict(window_per_token=per, window_positions=WindowKVCache.positions(window))
@@ -34,23 +34,34 @@ def _kv_state(n_kv: int, head_dim: int, window: int | None) -> dict[str, int]:
 
 def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *, bias: bool = False,
               qk_norm: str | None = None, window: int | None = None, clip_qkv: float | None = None,
-              sinks: bool = False, bias_in_tail: bool = False, prefix: str = "self_attn.") -> Part:
+              sinks: bool = False, bias_in_tail: bool = False, prefix: str = "self_attn.",
+              v_head_dim: int | None = None, v_scale: float | None = None, sinks_name: str = "sinks",
+              o_bias: bool = True) -> Part:
     """GQA (``layers.attention.Attention``); ``qk_norm``: None, "head" (per head) or "full" (whole
-    projection); ``bias_in_tail``: the biases are listed after the layer's other tensors (GPT-OSS).
-    The projections are linears (``Lin``): a family's weight format (block FP8) applies to them."""
-    nq, nkv = n_heads * head_dim, n_kv * head_dim
+    projection); ``bias_in_tail``: the biases are listed after the layer's other tensors (GPT-OSS);
+    ``v_head_dim``: value heads narrower or wider than ``head_dim`` (v_proj [Hkv x Dv, H], o_proj
+    [H, Hq x Dv]); ``v_scale``: the values' constant factor; ``sinks_name``: the learned sinks'
+    tensor name; ``o_bias``: with ``bias``, o_proj has one too (MiMo-V2-Flash's has none). The
+    projections are linears (``Lin``): a family's weight format (block FP8) applies to them."""
+    dv = v_head_dim or head_dim
+    nq, nkv, nv, no = n_heads * head_dim, n_kv * head_dim, n_kv * dv, n_heads * dv
     p = prefix
     tensors = {p + "q_proj": Lin((nq, hidden)), p + "k_proj": Lin((nkv, hidden)),
-               p + "v_proj": Lin((nkv, hidden)), p + "o_proj": Lin((hidden, nq))}
+               p + "v_proj": Lin((nv, hidden)), p + "o_proj": Lin((hidden, no))}
     if sinks:
-        tensors[p + "sinks"] = (n_heads,)
+        tensors[p + sinks_name] = (n_heads,)
     if qk_norm == "head":
         tensors.update({p + "q_norm.weight": (head_dim,), p + "k_norm.weight": (head_dim,)})
     elif qk_norm == "full":
         tensors.update({p + "q_norm.weight": (nq,), p + "k_norm.weight": (nkv,)})
-    biases = {p + "q_proj.bias": (nq,), p + "k_proj.bias": (nkv,), p + "v_proj.bias": (nkv,),
-              p + "o_proj.bias": (hidden,)} if bias else {}
+    biases = {p + "q_proj.bias": (nq,), p + "k_proj.bias": (nkv,), p + "v_proj.bias": (nv,)} if bias else {}
+    if bias and o_bias:
+        biases[p + "o_proj.bias"] = (hidden,)
     extra = {}
+    if v_head_dim is not None:
+        extra["v_head_dim"] = v_head_dim
+    if v_scale is not None:
+        extra["v_scale"] = v_scale
     if window is not None:
         extra["window"] = window
     if clip_qkv is not None:
@@ -63,15 +74,16 @@ def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *
         if qk_norm is not None:
             kw.update(q_norm=t(p + "q_norm.weight"), k_norm=t(p + "k_norm.weight"))
         if sinks:
-            kw["sinks"] = t(p + "sinks")
+            kw["sinks"] = t(p + sinks_name)
         return Attention(wq=t.lin(p + "q_proj"), wk=t.lin(p + "k_proj"), wv=t.lin(p + "v_proj"),
                          wo=t.lin(p + "o_proj"), bq=t.opt(p + "q_proj.bias"), bk=t.opt(p + "k_proj.bias"),
                          bv=t.opt(p + "v_proj.bias"), bo=t.opt(p + "o_proj.bias"), n_heads=n_heads, n_kv=n_kv,
                          head_dim=head_dim, **kw)
 
+    state = _kv_state(n_kv, head_dim, window, dv)
     if bias_in_tail:
-        return Part(tensors, make, tail=biases, **_kv_state(n_kv, head_dim, window))
-    return Part({**tensors, **biases}, make, **_kv_state(n_kv, head_dim, window))
+        return Part(tensors, make, tail=biases, **state)
+    return Part({**tensors, **biases}, make, **state)
 
 
 def gated_attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *, bias: bool = False,
