@@ -115,6 +115,17 @@ REGISTRY: dict[str, Family] = {
     # and correction bias; block-FP8 attention and experts as the checkpoints ship them
     "minimax_m2": Family("minimax_m2", dict(intermediate_size=32, rotary_dim=8, num_experts_per_tok=4),
                          seed=0, post=_norms_and_correction_bias, native="fp8"),
+    # full, sliding (window 5, twice the key/value heads, learned sinks), sliding; layer 0 dense;
+    # q/k heads 16 dims, v heads 8, values scaled by 0.6; partial RoPE with its own theta and
+    # factor per layer kind; 16 experts in 4 groups, 2 kept, top-4, scaled; random norm weights
+    # and correction bias; block-FP8 linears as the checkpoints ship them
+    "mimo_v2_flash": Family("mimo_v2_flash", dict(
+        intermediate_size=48, v_head_dim=8, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=2.0, sliding_window=5, attention_value_scale=0.6,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.25}}),
+        seed=0, post=_norms_and_correction_bias, native="fp8"),
 }
 FAMILY_NAMES = list(REGISTRY)
 
