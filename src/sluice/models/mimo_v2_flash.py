@@ -126,6 +126,10 @@ def _rope(c: RawConfig, head_dim: int, kinds: set[str]) -> dict:
     if not isinstance(given, dict) or any(not isinstance(given.get(k), dict) for k in kinds):
         raise c.bad("rope_parameters", given,
                     f"an object with the parameters of each layer type ({', '.join(sorted(kinds))})")
+    for key in given:
+        if key not in LAYER_TYPES:  # transformers reads only the layer types' entries
+            raise c.bad(f"rope_parameters.{key}", given[key],
+                        f"only the parameters of each layer type ({', '.join(LAYER_TYPES)})")
     out = {}
     for kind in sorted(kinds):
         p = dict(given[kind])
@@ -153,6 +157,10 @@ def parse_config(raw: dict) -> Config:
             continue
         c.refuse(key, allowed, f"transformers' MiMo-V2-Flash computes as if it were {allowed[0]!r}; another "
                  "value would be silently different")
+    layout = raw.get("attention_projection_layout")
+    if layout is not None and layout != "split":
+        raise UnsupportedModelError(f"config.json: attention_projection_layout={layout!r} is not supported "
+                                    "(transformers' MiMo-V2-Flash reads separate q_proj / k_proj / v_proj)")
     n_layers = c.layers()
     hidden = c.pos_int("hidden_size")
     heads = c.pos_int("num_attention_heads", hi=MAX_HEADS)
