@@ -21,7 +21,8 @@ from sluice.layers.attention import MAX_DRAFT, Attention, KVCache, WindowKVCache
 from sluice.models import gpt_oss
 from sluice.speculative import NgramDrafter
 
-FAMILIES = ["gpt_oss", "mixtral"]  # sliding window 4 (layers 0 and 2) and 8 (every layer)
+# sliding window 4 (layers 0 and 2), 8 (every layer) and 5 (layers 1 and 2, value heads narrower than the keys)
+FAMILIES = ["gpt_oss", "mixtral", "mimo_v2_flash"]
 
 
 def _prompt() -> list[int]:
@@ -37,7 +38,8 @@ def full_cache():
 
     def load(path, **opts):
         mp = pytest.MonkeyPatch()
-        mp.setattr(Attention, "new_cache", lambda self, max_ctx: KVCache(self.n_kv, max_ctx, self.head_dim))
+        mp.setattr(Attention, "new_cache",
+                   lambda self, max_ctx: KVCache(self.n_kv, max_ctx, self.head_dim, self.v_head_dim))
         try:
             return sluice.load(path, memory="4GiB", progress=False, **opts)
         finally:
