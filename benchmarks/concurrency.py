@@ -11,7 +11,8 @@ with ``--trace-routing`` and, with ``--llama-cpp`` (or ``$SLUICE_LLAMA_CPP``), `
 --parallel P`` (continuous batching, its default) on the same model converted to GGUF at the
 same precision (f32 stays f32, bf16 stays bf16), with an f32 KV cache as Sluice keeps and the
 same thread count and the same ``OMP_WAIT_POLICY`` (PASSIVE unless set: both use OpenMP threads,
-and spinning ones collapse on a shared machine). Both servers stay up; for each client count N and repeat the engines run in
+and spinning ones collapse on a shared machine). Both servers stay up; for each client count N
+and repeat the engines run in
 turn (the order alternating), N streaming completions at once (asyncio tasks in this process,
 the official ``openai`` client, a different prompt each, greedy, ``ignore_eos``). Every engine
 gets the same prompt token ids (the chat template rendered by the model's tokenizer where it
@@ -380,7 +381,8 @@ def main() -> int:
     print(f"1-minute load average {min(loads):.1f}-{max(loads):.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps({
-            "model": a.model if a.model == "demo" else path.name, "parallel": parallel, "max_tokens": a.max_tokens, "reps": a.reps, "threads": threads,
+            "model": a.model if a.model == "demo" else path.name, "parallel": parallel, "max_tokens": a.max_tokens,
+            "reps": a.reps, "threads": threads,
             "cap_bytes": cap, "prompt_tokens": [len(p) for p in prompts], "top_k": k, "engines": info,
             "load1": loads, "rows": rows,
             "runs": {name: {str(n): runs for n, runs in per_n.items()} for name, per_n in results.items()},

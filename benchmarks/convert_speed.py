@@ -60,8 +60,10 @@ print(json.dumps({"seconds": dt, "cpu_seconds": time.process_time() - c0, "sourc
 def one(src: Path, dst: Path, fmt: str, tree: str | None = None) -> dict:
     env = dict(os.environ)
     if tree:
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(tree).resolve())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    out = subprocess.run([sys.executable, "-c", CHILD, str(src), str(dst), fmt], capture_output=True, text=True, env=env)
+        inherited = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(tree).resolve())] + inherited)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(src), str(dst), fmt],
+                         capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"convert {src} -> {fmt} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -44,7 +44,8 @@ DESIGNS = {
     "G5 comment, def answer(question)": lambda u: f'# {u}\n\n\ndef answer(question):\n    """{doc(u)}"""\n    ',
     "G6 '# Question:' comment, def answer()":
         lambda u: f'# Question: {u}\n\n\ndef answer():\n    """{doc(u)}"""\n    ',
-    "G7 comment, def solution(), long docstring": lambda u: f'# {u}\n\n\ndef solution():\n    """{doc(u)}\n    """\n    ',
+    "G7 comment, def solution(), long docstring":
+        lambda u: f'# {u}\n\n\ndef solution():\n    """{doc(u)}\n    """\n    ',
     "G8 comment, def answer(*args)": lambda u: f'# {u}\n\n\ndef answer(*args):\n    """{doc(u)}"""\n    ',
     # the shipped template itself (G8, the indentation left to the model)
     "shipped chat_template.jinja": None,

@@ -7,7 +7,8 @@ is put into a fresh tier in that directory (the entries a cold run would write).
 order, every record is read (A) from the file with ``LocalFile.read_aligned`` into a page-aligned
 buffer (what the expert readers do for a local model; O_DIRECT where the filesystem allows it)
 and (B) through ``DiskTier.get`` into the same buffer (open the entry and check its header on
-its first read, since kept open; read the payload with O_DIRECT, check its CRC-32). The arms alternate (AB, BA, ...) so that the noise
+its first read, since kept open; read the payload with O_DIRECT, check its CRC-32). The arms
+alternate (AB, BA, ...) so that the noise
 of a shared machine falls on both; per arm the median GB/s over ``--rounds`` passes is printed
 with the ratio B/A, and the insert rate of the cold pass (write, fsync, rename, index).
 """
@@ -33,7 +34,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", required=True, help="a directory on the disk to measure (a tier and a file go there)")
     p.add_argument("--total", default="512MiB", help="bytes read per pass (default 512MiB)")
-    p.add_argument("--record", action="append", default=None, help="record size, repeatable (default 1MiB, 4MiB, 16MiB)")
+    p.add_argument("--record", action="append", default=None,
+                   help="record size, repeatable (default 1MiB, 4MiB, 16MiB)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

@@ -295,7 +295,8 @@ def run_arm(spec: ArmSpec, cgroup_kind: str | None = None) -> dict:
                     result = json.loads(line[len("@@RESULT "):])
             rc = proc.wait()
         finally:
-            timed_out = not timer.is_alive() and proc.returncode not in (0,) and time.perf_counter() - t0 >= spec.timeout_s
+            timed_out = (not timer.is_alive() and proc.returncode not in (0,)
+                         and time.perf_counter() - t0 >= spec.timeout_s)
             timer.cancel()
         rec["rc"] = rc
         rec["timed_out"] = timed_out

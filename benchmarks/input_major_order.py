@@ -60,7 +60,8 @@ def main() -> None:
                   "container now (sk_dense_chain)": lambda j: kernels.dense_chain(x, om[j]),
                   "directory (sk_dense_t)": lambda j: kernels.dense_t(x, im[j])}, args.pool, args.reps, clock)
         base = r["container before (sk_dense)"]
-        print(f"decode T=1 {str(dtype)[6:]}: " + ", ".join(f"{k} {v * 1e3:.3f} ({v / base:.2f}x)" for k, v in r.items()))
+        cells = ", ".join(f"{k} {v * 1e3:.3f} ({v / base:.2f}x)" for k, v in r.items())
+        print(f"decode T=1 {str(dtype)[6:]}: " + cells)
         gu = [torch.randn(h, 2 * i).to(dtype) for _ in range(max(2, args.pool // 2))]
         gates = [g[:, 0::2].t().contiguous() for g in gu]
         ups = [g[:, 1::2].t().contiguous() for g in gu]

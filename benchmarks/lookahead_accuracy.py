@@ -127,7 +127,8 @@ def main(argv=None) -> int:
     for name, res in results.items():
         for dist in ("ahead1", "ahead2"):
             r = res[dist]
-            cells = " | ".join(f"{r['thresholds'][str(t)]['kept']:.2f} / {r['thresholds'][str(t)]['precision'] or 0:.2f}"
+            cells = " | ".join(f"{r['thresholds'][str(t)]['kept']:.2f}"
+                               f" / {r['thresholds'][str(t)]['precision'] or 0:.2f}"
                                f" / {r['thresholds'][str(t)]['recall']:.2f}" for t in THRESHOLDS[1:])
             print(f"| {name} | {dist[-1]} | {r['recall']:.3f} | {r['weight_recall']:.3f} | {cells} |")
     if args.json:

@@ -9,7 +9,8 @@ round as one ``ModelRunner.step`` of all sequences, ``solo`` as one step per seq
 alternate (mixed, solo, mixed, ...), each on a fresh load in a child process of its own (a
 cold expert cache, the same memory baseline; reads are O_DIRECT where the file system allows,
 so the page cache does not carry over). Reported per
-mode (medians over ``--repeat``; ``--warmup`` rounds decoded first are not counted): decode wall seconds, expert bytes read from storage, demand
+mode (medians over ``--repeat``; ``--warmup`` rounds decoded first are not counted): decode wall
+seconds, expert bytes read from storage, demand
 reads, expert compute calls, the union of the experts routed per forward and MoE layer next
 to the sum of each sequence's own union, and whether the generated tokens are the same in
 both modes (they must be: the mixed step is bit-identical to the solo runs).

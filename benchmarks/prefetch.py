@@ -44,7 +44,8 @@ from sluice.storage import file as file_io  # noqa: E402
 READER_CAP = 0
 # "old": one layer ahead, lfru's fixed hotness rule (main before the gate); "new": the gate and cross-layer lookahead
 DEFAULT_ARMS = ["off:prefetch=false", "old:max_depth=1,gate=0", "new:max_depth=2,gate=1"]
-SETTINGS = ("prefetch", "depth", "max_depth", "min_prob", "reader_cap", "piece_cap", "spec_hot", "gate", "latency", "verify")
+SETTINGS = ("prefetch", "depth", "max_depth", "min_prob", "reader_cap", "piece_cap", "spec_hot", "gate", "latency",
+            "verify")
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
@@ -155,8 +156,9 @@ def main(argv=None) -> int:
     print(f"\n{args.reps} reps x {len(arms)} arms in {time.time() - t0:.0f} s; model {args.model}, "
           f"{engine.plan.cache_slots} cache slots of {engine.experts_source.slot_bytes / mb:.1f} MB\n")
     base = results[arms[0][0]]
-    print(f"| arm | x roofline (median; reps) | tok/s vs {arms[0][0]} (median of per-rep ratios) | decode tok/s | read / needed MB per token | wasted MB per token "
-          "| hit rate | recall 1 / 2 ahead | prefetches (used, cancelled, stopped) | read wait / compute / rest s per token |")
+    print(f"| arm | x roofline (median; reps) | tok/s vs {arms[0][0]} (median of per-rep ratios) | decode tok/s "
+          "| read / needed MB per token | wasted MB per token | hit rate | recall 1 / 2 ahead "
+          "| prefetches (used, cancelled, stopped) | read wait / compute / rest s per token |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, _ in arms:
         rs = results[name]
@@ -164,7 +166,8 @@ def main(argv=None) -> int:
         rec = lambda k: "-" if rs[0][k] is None else f"{statistics.median(r[k] for r in rs):.2f}"  # noqa: E731
         paired = statistics.median(r["decode_tok_s"] / b["decode_tok_s"] for r, b in zip(rs, base))
         print(f"| {name} | **{med('ratio'):.2f}** ({', '.join(format(r['ratio'], '.2f') for r in rs)}) "
-              f"| {paired:.2f} | {med('decode_tok_s'):.2f} | {med('bytes_per_token') / mb:.0f} / {med('needed_per_token') / mb:.0f} "
+              f"| {paired:.2f} | {med('decode_tok_s'):.2f} "
+              f"| {med('bytes_per_token') / mb:.0f} / {med('needed_per_token') / mb:.0f} "
               f"| {med('wasted_per_token') / mb:.0f} | {med('hit_rate'):.2f} | {rec('recall_1')} / {rec('recall_2')} "
               f"| {med('prefetch_reads'):.0f} ({med('prefetch_used'):.0f}, {med('prefetch_cancelled'):.0f}, "
               f"{med('prefetch_aborted'):.0f}) | {med('read_wait_per_token'):.3f} / {med('compute_per_token'):.3f} / "

@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("traces", nargs="+")
     args = ap.parse_args(argv)
     plain = replay_sim.CacheSim.predict
-    print("| trace | x working set | no prefetch: hit rate | fixed rule: hit rate, reads (used) | gate: hit rate, reads (used) "
-          "| gate - no prefetch | expert reads per token: none / fixed / gate |")
+    print("| trace | x working set | no prefetch: hit rate | fixed rule: hit rate, reads (used) "
+          "| gate: hit rate, reads (used) | gate - no prefetch | expert reads per token: none / fixed / gate |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for path in args.traces:
         trace = read_trace(path)

@@ -264,7 +264,8 @@ def main(argv=None) -> int:
             server, rate, latency = SCENARIOS[name]
             proxy = (FaultProxy if args.proxy_thread else ProxyProcess)(ports[server], latency=latency, rate=rate)
             try:
-                path_ceiling = server_ceiling(proxy.port, paths[server], file_size, record, 1.5 * rate, s3=server == "s3")
+                path_ceiling = server_ceiling(proxy.port, paths[server], file_size, record, 1.5 * rate,
+                                              s3=server == "s3")
                 if server == "s3":
                     os.environ["AWS_ENDPOINT_URL"] = proxy.url
                     url = urls["s3"]

@@ -236,7 +236,8 @@ def main() -> None:
             s3.close()
 
     rows = []
-    print("\n| server | read | in flight | ceiling MB/s | obstore MB/s | fsspec MB/s | obstore/ceiling | fsspec/ceiling | obstore/fsspec |")
+    print("\n| server | read | in flight | ceiling MB/s | obstore MB/s | fsspec MB/s "
+          "| obstore/ceiling | fsspec/ceiling | obstore/fsspec |")
     print("|---|---|---|---|---|---|---|---|---|")
     for server in servers:
         for size_mb in sizes:

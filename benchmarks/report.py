@@ -45,7 +45,8 @@ def disk_bw(data: dict) -> tuple[float, dict]:
     lim = data["limits"]
     return sum(vals) / len(vals), {
         "direct": [data[k]["direct_read"]["bytes_per_s"] for k in ("limits", "limits_after") if data.get(k)],
-        "buffered": [data[k]["buffered_sequential_read"]["bytes_per_s"] for k in ("limits", "limits_after") if data.get(k)],
+        "buffered": [data[k]["buffered_sequential_read"]["bytes_per_s"]
+                     for k in ("limits", "limits_after") if data.get(k)],
         "record_bytes": lim["direct_read"]["record_bytes"],
     }
 
@@ -97,16 +98,23 @@ def cold_section(data: dict, charts: Path, rel: str) -> list[str]:
     need = facts["expert_bytes_per_token"]
     roof = bw / need
     n = max((r.get("result") or {}).get("generated_tokens") or 0 for r in runs) or None
+    if data.get("cgroup"):
+        cgroup = "yes (" + str(data.get("cgroup")) + ")"
+    else:
+        cgroup = "NO (" + str(data.get("cgroup_note")) + ")"
     out = ["### (a) Cold: model 4x larger than the memory cap", ""] + header(data) + [
         f"Model: {facts['model_type']} {facts['checkpoint_bytes'] / 1e9:.2f} GB ({facts['dtype']}), "
-        f"{facts['moe_layers']} MoE layers x {facts['experts_per_layer']} experts of {facts['expert_bytes'] / 1e6:.1f} MB, "
+        f"{facts['moe_layers']} MoE layers x {facts['experts_per_layer']} experts "
+        f"of {facts['expert_bytes'] / 1e6:.1f} MB, "
         f"top-{facts['top_k']}: a token needs {gb(need)} of experts. Cap {gib(data['cap_bytes'])} "
         f"({100 * data['cap_bytes'] / facts['checkpoint_bytes']:.0f}% of the model), enforced by a cgroup: "
-        f"{'yes (' + str(data.get('cgroup')) + ')' if data.get('cgroup') else 'NO (' + str(data.get('cgroup_note')) + ')'}; "
+        f"{cgroup}; "
         f"page cache dropped before each engine: {all(r.get('page_cache_dropped') for r in runs if r.get('ok'))}. "
-        f"Prompt {len(data['prompt_ids'])} tokens, {n} greedy tokens, 2 threads. 1-minute load average during the runs: {loads(runs)}.",
+        f"Prompt {len(data['prompt_ids'])} tokens, {n} greedy tokens, 2 threads. "
+        f"1-minute load average during the runs: {loads(runs)}.",
         "",
-        f"Disk, measured in the same run (before/after): O_DIRECT random {parts['record_bytes'] / 1e6:.1f} MB reads, 4 threads: "
+        f"Disk, measured in the same run (before/after): O_DIRECT random {parts['record_bytes'] / 1e6:.1f} MB reads, "
+        "4 threads: "
         + " / ".join(f"{x / 1e9:.2f}" for x in parts["direct"]) + " GB/s; buffered sequential: "
         + " / ".join(f"{x / 1e9:.2f}" for x in parts["buffered"]) + f" GB/s. Rooflines use {bw / 1e9:.2f} GB/s. "
         f"**I/O roofline with no cache: {roof:.2f} tok/s** ({gb(need)} per token / disk bandwidth). "
@@ -122,21 +130,25 @@ def cold_section(data: dict, charts: Path, rel: str) -> list[str]:
         dec = r.get("decode_tok_s")
         own = (dec * per / bw) if dec and per else None
         cg = (r.get("cgroup") or {}).get("max_usage_bytes")
+        bf16 = {"match": r.get("match_bf16"), "agree_prefix": r.get("agree_prefix_bf16")}
         out.append(
-            f"| {LABEL.get(r['engine'], r['engine'])} | {f(dec)} | {f(r.get('prefill_tok_s'))} | {f(r.get('ttft_s'), 1)} | "
-            f"{f(r.get('load_s'), 1)} | {gb(per, 3)} | {gb(r.get('read_bytes_total'))} | {gib(r.get('peak_rss_bytes'))} | "
-            f"{gib(cg)} | {f(dec / roof) if dec else '-'} | {f(own)} | {match_cell(r, n)} | "
-            f"{match_cell({'match': r.get('match_bf16'), 'agree_prefix': r.get('agree_prefix_bf16')}, n)} | {status(r)} |")
+            f"| {LABEL.get(r['engine'], r['engine'])} | {f(dec)} | {f(r.get('prefill_tok_s'))} | "
+            f"{f(r.get('ttft_s'), 1)} | {f(r.get('load_s'), 1)} | {gb(per, 3)} | {gb(r.get('read_bytes_total'))} | "
+            f"{gib(r.get('peak_rss_bytes'))} | {gib(cg)} | {f(dec / roof) if dec else '-'} | {f(own)} | "
+            f"{match_cell(r, n)} | {match_cell(bf16, n)} | {status(r)} |")
     s = next((r for r in runs if r["engine"] == "sluice" and r.get("ok")), None)
     if s:
         st = s["result"]["engine_stats"]
-        out += ["", f"Sluice's own counters (decode and prefill of the measured run): {st['expert_lookups']} expert lookups, "
+        under = "under" if st["peak_rss_bytes"] <= st["budget_bytes"] else "OVER"
+        out += ["", f"Sluice's own counters (decode and prefill of the measured run): "
+                f"{st['expert_lookups']} expert lookups, "
                 f"{st['expert_hits']} hits, {st['expert_misses']} misses (hit rate {pct(st['hit_rate'])}), "
-                f"{st['demand_reads']} demand reads + {st['prefetch_reads']} lookahead prefetch reads ({st['prefetch_used']} used), "
+                f"{st['demand_reads']} demand reads + {st['prefetch_reads']} lookahead prefetch reads "
+                f"({st['prefetch_used']} used), "
                 f"{gb(st['bytes_read'])} read by the engine; cache {st['cache_slots']}/{st['total_experts']} experts; "
                 f"prefill and decode together: read wait {f(st['read_wait_s'])} s, expert compute "
-                f"{f(st['expert_compute_s'])} s of {f(st['total_s'])} s; peak RSS {gib(st['peak_rss_bytes'])} vs budget "
-                f"{gib(st['budget_bytes'])} ({'under' if st['peak_rss_bytes'] <= st['budget_bytes'] else 'OVER'})."]
+                f"{f(st['expert_compute_s'])} s of {f(st['total_s'])} s; peak RSS {gib(st['peak_rss_bytes'])} "
+                f"vs budget {gib(st['budget_bytes'])} ({under})."]
         peers = [r for r in runs if r["engine"] != "sluice" and r.get("ok") and r.get("decode_tok_s")]
         if peers:
             best = max(peers, key=lambda r: r["decode_tok_s"])
@@ -181,7 +193,8 @@ def warm_section(data: dict, charts: Path, rel: str) -> list[str]:
     s = next((r for r in runs if r["engine"] == "sluice" and r.get("ok")), None)
     lc = next((r for r in runs if r["engine"] == "llamacpp" and r.get("ok")), None)
     if s and lc and lc.get("decode_tok_s"):
-        out += ["", f"Sluice / llama.cpp decode at the same dtype (bf16): **{s['decode_tok_s'] / lc['decode_tok_s']:.2f}x**."]
+        ratio = s["decode_tok_s"] / lc["decode_tok_s"]
+        out += ["", f"Sluice / llama.cpp decode at the same dtype (bf16): **{ratio:.2f}x**."]
     prof = (data.get("profiled") or {}).get("profile")
     if prof:
         out.append(f"A separate Sluice run under cProfile (not in the table): `benchmarks/results/{Path(prof).name}`.")
@@ -261,8 +274,9 @@ def exact_section(data: dict) -> list[str]:
     n = len(ref.get("token_ids") or []) or None
     out = ["### Exactness: greedy tokens against transformers' fp32 reference", ""] + header(data) + [
         f"Model: {facts['model_type']} {facts['checkpoint_bytes'] / 1e9:.2f} GB ({facts['dtype']} weights), "
-        f"{facts['layers']} layers, {facts['experts_per_layer']} experts, top-{facts['top_k']}. Reference: transformers "
-        f"with the weights upcast to fp32; smallest top-1/top-2 logit margin over its {n} tokens: "
+        f"{facts['layers']} layers, {facts['experts_per_layer']} experts, top-{facts['top_k']}. "
+        f"Reference: transformers with the weights upcast to fp32; "
+        f"smallest top-1/top-2 logit margin over its {n} tokens: "
         f"{f(min(margins), 3) if margins else '-'}.",
         "",
         "| engine | arithmetic | greedy tokens = reference | status |",

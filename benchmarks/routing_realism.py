@@ -78,7 +78,9 @@ def row(name: str, trace: Trace) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| trace | tokens | layers x experts, top-k | next-token reuse (uniform would give) | hottest 1/8 of experts' share of lookups | load entropy (1 = uniform) | cache per layer | LRU | lfru (default) | Belady |",
+        "| trace | tokens | layers x experts, top-k | next-token reuse (uniform would give) "
+        "| hottest 1/8 of experts' share of lookups | load entropy (1 = uniform) | cache per layer "
+        "| LRU | lfru (default) | Belady |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -324,7 +324,8 @@ def scenario_cold(b: Bench) -> dict:
     b.wait_quiet()
     limits_after = H.measure_limits(sys.executable, str(model), a.threads)
     return {"model": str(model), "model_facts": facts, "cap_bytes": cap, "prompt_ids": ids, "limits": limits,
-            "limits_after": limits_after, "reference": ref_rec, "profiled": profiled, "runs": runs, "cgroup": b.cgroup, "cgroup_note": b.cgroup_why}
+            "limits_after": limits_after, "reference": ref_rec, "profiled": profiled, "runs": runs,
+            "cgroup": b.cgroup, "cgroup_note": b.cgroup_why}
 
 
 def scenario_warm(b: Bench) -> dict:
@@ -440,7 +441,8 @@ def scenario_spine(b: Bench) -> dict:
             "runs": runs}
 
 
-SCENARIOS = {"spine": scenario_spine, "cold": scenario_cold, "warm": scenario_warm, "sweep": scenario_sweep, "exact": scenario_exact}
+SCENARIOS = {"spine": scenario_spine, "cold": scenario_cold, "warm": scenario_warm, "sweep": scenario_sweep,
+             "exact": scenario_exact}
 
 
 def main(argv=None) -> int:

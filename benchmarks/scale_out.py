@@ -11,7 +11,8 @@ hit rate, expert bytes read per decoded token, decode tok/s, and the driver's wa
 layer (``dispatch``: round trip + worker reads and compute) beside the workers' own time per
 layer (reads waited for + compute, summed over the layer's workers). Then the bare transport:
 a [1, H] fp32 row sent to all workers at once and echoed back (``ping``), median of 200, and a
-[64, H] block, as plain actor calls and as a Ray Compiled Graph. The cache is capped by slots (``--cache-experts`` per worker), not by cgroups.
+[64, H] block, as plain actor calls and as a Ray Compiled Graph. The cache is capped by slots
+(``--cache-experts`` per worker), not by cgroups.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def decode_run(model: str, tokens: int, cache: int, **ray_opts) -> dict:
         r = eng.generate(PROMPT, max_new_tokens=tokens, ignore_eos=True, speculate=False)
         after = eng.totals()
         st = r.stats
+        expert_bytes = after.bytes_read - before.bytes_read - (after.spine_bytes_read - before.spine_bytes_read)
         out = dict(tokens=r.token_ids, hit_rate=st["hit_rate"], decode_tok_s=st["decode_tok_s"],
-                   bytes_per_token=(after.bytes_read - before.bytes_read - (after.spine_bytes_read - before.spine_bytes_read))
-                   / max(1, tokens))
+                   bytes_per_token=expert_bytes / max(1, tokens))
         if ray_opts:
             layers = ex.dispatch_calls - n0
             w1 = [s.get("read_wait_s", 0) + s.get("compute_s", 0) for s in ex.worker_stats()]

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return {**r, "identical": all(x["identical"] for x in runs), "speedups": [x["speedup"] for x in runs]}
 
     rows = []
-    for name, prompt in (("getters/setters (repetitive)", REPETITIVE_CODE), ("def parse_header(line): (free)", FREE_CODE),
+    for name, prompt in (("getters/setters (repetitive)", REPETITIVE_CODE),
+                         ("def parse_header(line): (free)", FREE_CODE),
                          ("argparse main() (drafts mostly rejected)", LOW_ACCEPTANCE)):
         r = median_run(SHIPPED_MODEL, prompt, new_tokens=args.tokens, memory="4GiB", cache_experts=48)
         rows.append({"model": "trained demo (48/192 experts cached)", "workload": name, **r})
@@ -83,13 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, ids in random_prompts(cfg["vocab_size"]).items():
         r = median_run(synth, ids, new_tokens=args.tokens, max_context=512, cache_experts=working_set)
         rows.append({"model": f"random {args.synthetic} (cache = one token's experts)", "workload": name, **r})
-    print("| model | workload | identical tokens | plain tok/s | speculative tok/s | speedup (median) | all speedups | drafted | accepted | tokens per forward | bytes read plain / speculative |")
+    print("| model | workload | identical tokens | plain tok/s | speculative tok/s | speedup (median) | all speedups "
+          "| drafted | accepted | tokens per forward | bytes read plain / speculative |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['workload']} | {'yes' if r['identical'] else 'NO'} | {r['plain_decode_tok_s']:.1f} | "
-              f"{r['spec_decode_tok_s']:.1f} | {r['speedup']:.2f}x | {', '.join(f'{x:.2f}' for x in r['speedups'])} | "
-              f"{r['drafted']} | {r['accepted']} | "
-              f"{r['tokens_per_forward']:.2f} | {r['plain_bytes_read'] / 1e6:.0f} / {r['spec_bytes_read'] / 1e6:.0f} MB |")
+        print(f"| {r['model']} | {r['workload']} | {'yes' if r['identical'] else 'NO'} | "
+              f"{r['plain_decode_tok_s']:.1f} | {r['spec_decode_tok_s']:.1f} | {r['speedup']:.2f}x | "
+              f"{', '.join(f'{x:.2f}' for x in r['speedups'])} | {r['drafted']} | {r['accepted']} | "
+              f"{r['tokens_per_forward']:.2f} | "
+              f"{r['plain_bytes_read'] / 1e6:.0f} / {r['spec_bytes_read'] / 1e6:.0f} MB |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0 if all(r["identical"] for r in rows) else 1

@@ -110,7 +110,8 @@ def main(argv=None) -> int:
             loads.append(loadavg()[0])
             print(f"round {r}: " + "  ".join(
                 f"{n} decode {out[n][-1]['decode']:.1f} prefill {out[n][-1]['prefill']:.1f} "
-                f"cpu/token {out[n][-1]['cpu_s_per_token'] * 1e3:.1f} ms prefill/cpu-s {out[n][-1]['cpu_prefill_tok_s']:.0f}"
+                f"cpu/token {out[n][-1]['cpu_s_per_token'] * 1e3:.1f} ms "
+                f"prefill/cpu-s {out[n][-1]['cpu_prefill_tok_s']:.0f}"
                 for n in arms), flush=True)
     finally:
         for p in procs.values():
@@ -119,12 +120,14 @@ def main(argv=None) -> int:
     rows = {}
     for n in arms:
         runs = out[n]
-        med = {k: statistics.median(x[k] for x in runs) for k in ("decode", "prefill", "cpu_s_per_token", "cpu_prefill_tok_s", "bw")}
+        keys = ("decode", "prefill", "cpu_s_per_token", "cpu_prefill_tok_s", "bw")
+        med = {k: statistics.median(x[k] for x in runs) for k in keys}
         med["x_roofline"] = med["decode"] * touched / (med["bw"] * 1e9)
         med["cpu_x_roofline"] = touched / med["cpu_s_per_token"] / (med["bw"] * 1e9)
         rows[n] = med
         print(f"{n:4s} decode {med['decode']:6.2f} tok/s  prefill {med['prefill']:7.1f} tok/s  "
-              f"cpu/token {med['cpu_s_per_token'] * 1e3:6.2f} ms  prefill per CPU-s {med['cpu_prefill_tok_s']:6.1f}  bandwidth {med['bw']:5.1f} GB/s  "
+              f"cpu/token {med['cpu_s_per_token'] * 1e3:6.2f} ms  prefill per CPU-s {med['cpu_prefill_tok_s']:6.1f}  "
+              f"bandwidth {med['bw']:5.1f} GB/s  "
               f"x roofline {med['x_roofline']:.2f} (per CPU-second {med['cpu_x_roofline']:.2f})")
     same = [x["tokens"] for x in out["old"]] == [x["tokens"] for x in out["new"]]
     o, nw = rows["old"], rows["new"]

@@ -109,7 +109,8 @@ def main(argv=None) -> int:
             row.update(cpu_s_per_token=cpu, cpu_tok_s=1 / cpu, cpu_x_roofline=touched / cpu / (bw * 1e9))
         rows.append(row)
         if o["cpu"]:
-            print(f"{name:12s} per CPU-second: decode {row['cpu_tok_s']:6.2f} tok/s, x roofline {row['cpu_x_roofline']:.2f}")
+            print(f"{name:12s} per CPU-second: decode {row['cpu_tok_s']:6.2f} tok/s, "
+                  f"x roofline {row['cpu_x_roofline']:.2f}")
         print(f"{name:12s} decode {dec:6.2f} tok/s (each {', '.join(f'{v:.1f}' for v in o['decode'])})  "
               f"prefill {row['prefill_tok_s']:7.1f} tok/s  bandwidth {bw:5.1f} GB/s  roofline "
               f"{row['roofline_tok_s']:6.1f} tok/s  x roofline {row['x_roofline']:.2f}", flush=True)
@@ -117,9 +118,12 @@ def main(argv=None) -> int:
     print(f"tokens equal at every level: {same}; 1-minute load {min(loads):.1f}-{max(loads):.1f}; "
           f"threads {kernels.info()['threads']}, cpus {os.cpu_count()}")
     if len(rows) > 1:
+        per_cpu = ""
+        if "cpu_tok_s" in rows[0]:
+            per_cpu = f", decode per CPU-second {rows[0]['cpu_tok_s'] / rows[1]['cpu_tok_s']:.2f}x"
         print(f"{names[0]} / avx2: decode {rows[0]['decode_tok_s'] / rows[1]['decode_tok_s']:.2f}x, "
               f"prefill {rows[0]['prefill_tok_s'] / rows[1]['prefill_tok_s']:.2f}x"
-              + (f", decode per CPU-second {rows[0]['cpu_tok_s'] / rows[1]['cpu_tok_s']:.2f}x" if "cpu_tok_s" in rows[0] else ""))
+              + per_cpu)
     if a.json:
         a.json.write_text(json.dumps({"facts": facts, "rows": rows, "tokens_equal": same, "load": loads}, indent=1))
     return 0 if same else 1

@@ -76,8 +76,8 @@ def main(argv=None) -> int:
                     raise SystemExit(f"the tier missed {out['disk_tier_misses']} reads: not warm")
                 res[arm].append(out["decode_tok_s"])
             loads.append(os.getloadavg()[0])
-            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in res.items()) + f" tok/s, load {loads[-1]:.1f}",
-                  flush=True)
+            speeds = ", ".join(f"{k} {v[-1]:.2f}" for k, v in res.items())
+            print(f"round {r}: {speeds} tok/s, load {loads[-1]:.1f}", flush=True)
     finally:
         crcmod._pread_crc = one_call
         http.close()

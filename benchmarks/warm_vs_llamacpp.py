@@ -4,7 +4,8 @@
         --json benchmarks/results/warm-vs-llamacpp.json
 
 MODEL is a Hugging Face checkpoint that fits in memory; a directory without one gets a
-synthetic Mixtral shape of ``--size`` (default 2GB, bf16; ``make_model.py write --family mixtral``); llama.cpp gets it converted to GGUF at the same precision
+synthetic Mixtral shape of ``--size`` (default 2GB, bf16; ``make_model.py write --family mixtral``);
+llama.cpp gets it converted to GGUF at the same precision
 (``benchmarks/llamacpp.py``: bf16 stays bf16, f32 stays f32; converted once and cached).
 ``--llama-cpp DIR`` (or ``$SLUICE_LLAMA_CPP``) is a llama.cpp tree built with cmake.
 
@@ -15,7 +16,8 @@ prompt / time to first token, decode tok/s over the tokens after the first), and
 -p PROMPT -n NEW -r 1 -t THREADS`` runs once (its own warm-up first; pp = prompt processing,
 tg = generation from an empty context), with the OpenMP wait policy Sluice uses (PASSIVE: threads
 sleep while they wait) and, by default, also with libgomp's default (threads spin a while
-first; the arm "llamacpp-spin"); the ratios are against the faster of the two. Before each arm the memory read bandwidth is measured
+first; the arm "llamacpp-spin"); the ratios are against the faster of the two. Before each arm
+the memory read bandwidth is measured
 (a 256 MiB fp32 sum on Sluice's kernel pool, best of 3); the memory roofline is the highest of
 these bandwidths (the least disturbed by other processes) / bytes touched
 per decoded token (spine minus the embedding table plus one row of it, plus the top-k experts
@@ -110,7 +112,8 @@ def main(argv=None) -> int:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     print(f"model {model.name}: {facts['checkpoint_bytes'] / 1e9:.2f} GB {facts['dtype']}, {touched / 1e9:.3f} GB "
           f"touched per token; GGUF {gguf.name}; {a.threads} threads; kernels {kernels.info()}", flush=True)
-    llama_arms = {"passive": ["llamacpp"], "spin": ["llamacpp-spin"], "both": ["llamacpp", "llamacpp-spin"]}[a.llama_wait]
+    wait_arms = {"passive": ["llamacpp"], "spin": ["llamacpp-spin"], "both": ["llamacpp", "llamacpp-spin"]}
+    llama_arms = wait_arms[a.llama_wait]
     arms = ["sluice"] + llama_arms
     out = {arm: {"prefill": [], "decode": [], "bw": []} for arm in arms}
     loads = [loadavg()[0]]
@@ -156,7 +159,8 @@ def main(argv=None) -> int:
              "prefill": rows["sluice"]["prefill_tok_s"] / rows[best]["prefill_tok_s"],
              "decode_pairs": pair_dec, "prefill_pairs": pair_pre}
     for arm, row in rows.items():
-        print(f"{arm:9s} decode {row['decode_tok_s']:6.2f} tok/s (each {', '.join(f'{v:.1f}' for v in row['decode_each'])})"
+        print(f"{arm:9s} decode {row['decode_tok_s']:6.2f} tok/s "
+              f"(each {', '.join(f'{v:.1f}' for v in row['decode_each'])})"
               f"  x memory roofline {row['x_roofline']:.2f}  prefill {row['prefill_tok_s']:7.1f} tok/s "
               f"(each {', '.join(f'{v:.0f}' for v in row['prefill_each'])})")
     print(f"Sluice / {best}: decode {ratio['decode']:.2f}x (pairs {', '.join(f'{v:.2f}' for v in pair_dec)}; "

@@ -258,7 +258,8 @@ def check_chunked_vs_stepwise(load, path: Path, ids: torch.Tensor, gen: dict) ->
         logits, tokens = runs[chunk]
         diff = (logits - base_logits).abs().max().item()
         # each fp32 evaluation lies about `noise` from the fp64 one: two of them within 2 x noise
-        assert diff <= 2 * noise, f"prefill_chunk={chunk}: max |logit diff| {diff:.3e} vs one chunk, fp32 noise {noise:.1e}"
+        assert diff <= 2 * noise, (f"prefill_chunk={chunk}: max |logit diff| {diff:.3e} vs one chunk, "
+                                   f"fp32 noise {noise:.1e}")
         assert tokens == base_tokens
 
 

@@ -407,7 +407,8 @@ class FaultProxy:
                 cwriter.write(rhead)
                 keep = await self._relay_body(method, status, rheaders, ureader, cwriter, fault, record)
                 upstream_closes = (rheaders.get("connection", "").lower() == "close"
-                                   or rhead.startswith(b"HTTP/1.0") and "keep-alive" not in rheaders.get("connection", "").lower())
+                                   or (rhead.startswith(b"HTTP/1.0")
+                                       and "keep-alive" not in rheaders.get("connection", "").lower()))
                 if upstream_closes:  # the client saw the same header and closes too
                     uwriter.close()
                     ureader = uwriter = None

@@ -40,8 +40,8 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
                 ("cluster",)),
     "runtime": ("the engine's moving parts: generation, scheduler, model runner, stats, speculation, spine "
                 "streaming, tokenizer, chat templates, traces",
-                ("generation", "scheduler", "runner", "speculative", "spine", "stats", "text", "tokenizer", "chat_template",
-                 "trace")),
+                ("generation", "scheduler", "runner", "speculative", "spine", "stats", "text", "tokenizer",
+                 "chat_template", "trace")),
     "api": ("sluice.load, Engine, ModelInfo, their options and the checks of their arguments",
             ("", "engine", "options", "validate", "lossy", "prompt_fit")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "model_report", "bench")),
@@ -62,9 +62,10 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "cluster": ("planner", "models", "experts", "layers", "quant", "kernels", "storage", "base"),
     "runtime": ("layers", "storage", "base"),
     "api": ("runtime", "planner", "cluster", "models", "experts", "layers", "quant", "kernels", "storage", "base"),
-    "tools": ("api", "runtime", "planner", "cluster", "models", "experts", "layers", "quant", "kernels", "storage", "base"),
-    "faces": ("tools", "api", "runtime", "planner", "cluster", "models", "experts", "layers", "quant", "kernels", "storage",
+    "tools": ("api", "runtime", "planner", "cluster", "models", "experts", "layers", "quant", "kernels", "storage",
               "base"),
+    "faces": ("tools", "api", "runtime", "planner", "cluster", "models", "experts", "layers", "quant", "kernels",
+              "storage", "base"),
 }
 
 ENTRY_POINT = "cli"  # the ``sluice`` command: nothing imports it

@@ -19,7 +19,8 @@ def main() -> None:
                          **opts)
     warm = None
     if args.warmup:
-        warm = engine.generate(warmup_ids or ids, max_new_tokens=args.new_tokens, ignore_eos=True, speculate=speculate).stats
+        warm = engine.generate(warmup_ids or ids, max_new_tokens=args.new_tokens, ignore_eos=True,
+                               speculate=speculate).stats
     common.mark("loaded")
 
     def run():

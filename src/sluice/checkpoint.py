@@ -198,7 +198,8 @@ def read_json(store: Store, name: str, what: str | None = None) -> dict:
     """Member ``name`` of ``store`` as a JSON object; errors name it and say what it is."""
     path, what = store.locate(name), what or name
     try:
-        data = jsonfile.read_json(store, name, "" if what == name else what)  # size-capped, depth-checked (storage/jsonfile.py)
+        # size-capped, depth-checked (storage/jsonfile.py)
+        data = jsonfile.read_json(store, name, "" if what == name else what)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} not found") from None
     except OSError as e:
@@ -246,7 +247,8 @@ class Checkpoint:
                 by_shard[shard] = self._parse(shard)
             for name, shard in weight_map.items():
                 if name not in by_shard[shard]:
-                    raise CheckpointError(f"{store.locate(shard)}: tensor {name!r} listed in {index} is not in this shard")
+                    raise CheckpointError(f"{store.locate(shard)}: tensor {name!r} listed in {index} "
+                                          "is not in this shard")
                 self.tensors[name] = by_shard[shard][name]
         elif store.exists(single):
             self.tensors = self._parse(single)

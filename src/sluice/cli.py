@@ -38,8 +38,10 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                         "without streaming more of the spine))" if serving else
                         "sequences that may run at once, each with KV/state for --max-context reserved in --memory "
                         "(default 1: this command runs one; more would only take expert cache)")
-    g.add_argument("--threads", type=int_arg(1, 1024), default=None, metavar="N", help="compute threads (default: all cores)")
-    g.add_argument("--reader-threads", type=int_arg(1, 1024), default=4, metavar="N", help="parallel expert reads (default 4)")
+    g.add_argument("--threads", type=int_arg(1, 1024), default=None, metavar="N",
+                   help="compute threads (default: all cores)")
+    g.add_argument("--reader-threads", type=int_arg(1, 1024), default=4, metavar="N",
+                   help="parallel expert reads (default 4)")
     g.add_argument("--no-prefetch", action="store_true",
                    help="disable router lookahead (reading the next layer's predicted experts early)")
     g.add_argument("--verify-reads", dest="verify_reads", action="store_true", default=True,
@@ -63,9 +65,10 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                         "trace-replay reads)")
     ray = p.add_argument_group("experts on a Ray cluster (docs/scale-out.md; the ray extra)")
     ray.add_argument("--ray", default=None, metavar="auto|ADDRESS",
-                     help="compute the experts on Ray actors: auto (RAY_ADDRESS, else a cluster this user started here, "
-                          "else a new local one, said so) or a cluster's HOST:PORT. --memory is then this process's "
-                          "budget (spine, KV, buffers; no expert cache). Run Ray on a private network only")
+                     help="compute the experts on Ray actors: auto (RAY_ADDRESS, else a cluster this user started "
+                          "here, else a new local one, said so) or a cluster's HOST:PORT. "
+                          "--memory is then this process's budget (spine, KV, buffers; no expert cache). "
+                          "Run Ray on a private network only")
     ray.add_argument("--expert-workers", type=int_arg(1, 4096), default=None, metavar="N",
                      help="expert workers (Ray actors) to start (default: one per node)")
     ray.add_argument("--worker-memory", type=_size, default=None, metavar="SIZE",
@@ -125,10 +128,13 @@ def _add_model_arg(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int_arg(1), default=128, metavar="N", help="tokens to generate (default 128)")
-    g.add_argument("--temperature", type=temperature_arg, default=0.0, metavar="T", help="0 = greedy, exact (default 0)")
+    g.add_argument("--max-new-tokens", type=int_arg(1), default=128, metavar="N",
+                   help="tokens to generate (default 128)")
+    g.add_argument("--temperature", type=temperature_arg, default=0.0, metavar="T",
+                   help="0 = greedy, exact (default 0)")
     g.add_argument("--top-p", type=top_p_arg, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument("--top-k", type=int_arg(0), default=0, metavar="K", help="sample among the k most likely tokens (default 0: off)")
+    g.add_argument("--top-k", type=int_arg(0), default=0, metavar="K",
+                   help="sample among the k most likely tokens (default 0: off)")
     g.add_argument("--seed", type=seed_arg, default=None, metavar="N", help="random seed for sampling")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text is generated (repeatable); it is not included in the output")
@@ -441,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="describe a model: family, sizes, memory floor, cache per budget")
     _add_model_arg(i)
     i.add_argument("--memory", type=_size, default=None, metavar="SIZE", help="also show the plan for this budget")
-    i.add_argument("--max-context", type=int_arg(1), default=None, metavar="N", help="context the KV cache is sized for")
+    i.add_argument("--max-context", type=int_arg(1), default=None, metavar="N",
+                   help="context the KV cache is sized for")
     i.add_argument("--parallel", type=int_arg(1, 1 << 16), default=None, metavar="N",
                    help="sequences at once, each with KV/state for --max-context (default: min(4, what each budget "
                         "allows))")
@@ -473,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming or not), "
                                    "/health and /metrics. Up to --parallel generations run at once, in one batch; "
                                    "more requests wait in a bounded queue (429 beyond it); a growing conversation "
-                                   "reuses the KV cache of its previous turn. Needs the server extra: pip install 'sluice[server]'.")
+                                   "reuses the KV cache of its previous turn. Needs the server extra: "
+                                   "pip install 'sluice[server]'.")
     _add_model_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int_arg(0, 65535), default=8000, help="port (default 8000)")
@@ -538,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also replay each policy with these experts pinned (a sluice-pins-v1 file)")
     t.add_argument("--write-pins", default=None, metavar="FILE",
                    help="write the trace's --pin-count most used experts as a pin list")
-    t.add_argument("--pin-count", type=int_arg(1), default=None, metavar="N", help="how many experts --write-pins keeps")
+    t.add_argument("--pin-count", type=int_arg(1), default=None, metavar="N",
+                   help="how many experts --write-pins keeps")
     t.add_argument("--json", action="store_true", help="print the results as one JSON object")
     t.set_defaults(func=cmd_trace_replay)
     for sp in sub.choices.values():

@@ -128,7 +128,8 @@ def check_record(where: str, record: memoryview, fmt: str, layer: int, expert: i
     if verify_crc:
         got = crc32(record[HEADER_BYTES : HEADER_BYTES + plen])
         if got != crc:
-            raise ExpertReadError(f"{where}: CRC mismatch (stored {crc:08x}, computed {got:08x}): the record is corrupt")
+            raise ExpertReadError(f"{where}: CRC mismatch (stored {crc:08x}, computed {got:08x}): "
+                                  "the record is corrupt")
 
 
 class Container:

@@ -485,7 +485,8 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
                     tensors.update({n: {**e, "group": g} for n, e in entries.items()})
                     continue
                 crc = _copy_tensor(ckpt, info_t, f, crc, chunk, bar)
-                tensors[name] = {"dtype": DTYPE_NAMES[info_t.torch_dtype], "shape": list(info_t.shape), "offset": off, "group": g}
+                tensors[name] = {"dtype": DTYPE_NAMES[info_t.torch_dtype], "shape": list(info_t.shape),
+                                 "offset": off, "group": g}
                 off += info_t.nbytes
             group_table[g] = [start, off - start, crc]
         f.write(b"\0" * (align_up(off, FORMAT_ALIGN) - off))
@@ -531,7 +532,8 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
                 _sync_close(f)
             bank_table[str(layer)] = {
                 "file": bank_name(layer), "count": desc.n_experts, "record_bytes": rec,
-                "parts": [{"name": p.name, "offset": p.offset, "dtype": p.dtype, "shape": list(p.shape)} for p in parts],
+                "parts": [{"name": p.name, "offset": p.offset, "dtype": p.dtype, "shape": list(p.shape)}
+                          for p in parts],
             }
     bar.close()
 

@@ -309,7 +309,8 @@ class Engine:
         self.lookahead = (Lookahead(self.experts, self.model, options.prefetch)
                           if options.prefetch.enabled or options.trace_routing else None)
         self.set_lossy(moe_top_k=options.moe_top_k, prefer_cached=options.prefer_cached)
-        self.trace = (TraceWriter(options.trace_routing, model_inputs(getattr(self.checkpoint, "store", None)))  # never a model file
+        # the routing trace never overwrites a model file
+        self.trace = (TraceWriter(options.trace_routing, model_inputs(getattr(self.checkpoint, "store", None)))
                       if options.trace_routing else None)
         # the generator and the server reach the model only through the runner
         self.runner = ModelRunner(self.model, self.experts, self.checkpoint, self.spine,
@@ -357,7 +358,8 @@ class Engine:
             raise InvalidArgumentError("prefer_cached (--prefer-cached) needs the expert cache in this process; "
                                        "it cannot be used with --ray")
         if o.expert_workers is not None and (not isinstance(o.expert_workers, int) or o.expert_workers < 1):
-            raise InvalidArgumentError(f"expert_workers (--expert-workers) must be at least 1, got {o.expert_workers!r}")
+            raise InvalidArgumentError("expert_workers (--expert-workers) must be at least 1, "
+                                       f"got {o.expert_workers!r}")
         validate.number(o.replicate_hot, "replicate_hot (--replicate-hot)", lo=0)
         worker_memory = parse_size(o.worker_memory, "worker_memory") if o.worker_memory is not None else None
         note = connect_cluster(o.ray, timeout=float(o.ray_timeout))

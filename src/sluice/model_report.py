@@ -44,8 +44,9 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
     base = info.plan(1 << 50, Options(max_context=max_context, parallel=parallel or 1), baseline=baseline)
     expert_bytes = info.experts.record_bytes
     glob, layers = info.spine_split()
-    budgets = sorted({base.floor, base.floor_resident, base.working_set_budget, base.budget_for_slots(d.total_experts // 4),
-                      base.budget_for_slots(d.total_experts // 2), base.budget_for_slots(d.total_experts)}
+    budgets = sorted({base.floor, base.floor_resident, base.working_set_budget,
+                      base.budget_for_slots(d.total_experts // 4), base.budget_for_slots(d.total_experts // 2),
+                      base.budget_for_slots(d.total_experts)}
                      | ({memory} if memory else set()))
     table = []
     for b in budgets:
@@ -144,13 +145,15 @@ def render_inspect(r: dict) -> str:
             continue
         stream = (f", {b['streamed_layers']} layers streamed ({format_size(b['spine_read_per_token'])}/token)"
                   if b["streamed_layers"] else "")
+        below = (f", below the working set (prefill chunk {b['prefill_chunk']})"
+                 if b["below_working_set"] else "")
         lines.append(f"    {format_size(b['budget_bytes']):>12}  {b['cache_experts']:6d} experts "
                      f"({100 * b['cache_share']:5.1f}% of all), parallel {b['parallel']} (at most "
-                     f"{b['parallel_max']}){stream}"
-                     + (f", below the working set (prefill chunk {b['prefill_chunk']})" if b["below_working_set"] else ""))
+                     f"{b['parallel_max']}){stream}{below}")
     if "plan" in r:
         p = r["plan"]
-        lines.append(f"  --memory plan: cache {p['cache_slots']} experts, {p['parallel']} sequences at once (--parallel), "
+        lines.append(f"  --memory plan: cache {p['cache_slots']} experts, "
+                     f"{p['parallel']} sequences at once (--parallel), "
                      f"{len(p['streamed_layers'])} layers streamed")
     if "plan_error" in r:
         lines.append(f"  --memory: {r['plan_error']}")

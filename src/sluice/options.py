@@ -41,7 +41,8 @@ class Options:
     disk_cache_dir: str | None = None  # the disk tier's directory (None: storage.disk_tier.default_dir())
     verify_reads: bool = True  # CRC32 of every expert record and streamed spine layer read from a container
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-    parallel: int | None = None  # sequences run at once, each with KV/state for max_context (None: min(4, the budget's))
+    # sequences run at once, each with KV/state for max_context (None: min(4, the budget's))
+    parallel: int | None = None
     progress: bool = True
     trace_routing: str | None = None  # write each decode token's routing to this JSONL file
     max_resident_layers: int | None = None  # stream the spine of the other layers (None: the planner decides)

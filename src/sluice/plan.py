@@ -249,7 +249,8 @@ def _make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: d
     all_layers = sorted(spine_layers)
     spine_all = spine_global + sum(spine_layers.values())
     acts_for = activations_for or (lambda chunk: activations)
-    fit = dict(chunk=prefill_chunk, top_k=top_k, layer_experts=total_experts if layer_experts is None else layer_experts,
+    fit = dict(chunk=prefill_chunk, top_k=top_k,
+               layer_experts=total_experts if layer_experts is None else layer_experts,
                lookahead_slots=lookahead_slots, working_set=working_set)
     if cache_experts is not None and cache_experts < top_k:
         raise BudgetError(

@@ -287,7 +287,8 @@ class Scheduler:
                 n, cap = 0, min(len(old), len(ids) - 1)
                 while n < cap and old[n] == ids[n]:
                     n += 1
-                if n > best_common or (n == best_common and best is not None and self._used[id(s)] > self._used[id(best)]):
+                if n > best_common or (n == best_common and best is not None
+                                       and self._used[id(s)] > self._used[id(best)]):
                     best, best_common = s, n
         if best is None or best_common == 0:
             empty = [s for s in idle if s.length == 0]

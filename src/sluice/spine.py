@@ -140,7 +140,8 @@ class SpineStreamer:
     def views(self, layer: int) -> dict[str, torch.Tensor]:
         """Tensors of a streamed layer: views into its buffer (valid while the layer runs)."""
         buf = self.buffers[self.rank[layer] % self.n]
-        return {name: buf.tensor(off, dtype, shape) for name, (off, dtype, shape) in self.plans[self.rank[layer]].views.items()}
+        views = self.plans[self.rank[layer]].views
+        return {name: buf.tensor(off, dtype, shape) for name, (off, dtype, shape) in views.items()}
 
     def _fill(self, rank: int) -> None:
         t0 = time.perf_counter()

@@ -36,7 +36,8 @@ class Tokenizer:
             if local is not None:
                 self._tok = _HFTokenizer.from_file(str(local))
             else:  # a remote store: its bytes (kept in the metadata cache, no copy of its own)
-                self._tok = _HFTokenizer.from_str(store.read_bytes("tokenizer.json", TOKENIZER_MAX_BYTES).decode("utf-8"))
+                text = store.read_bytes("tokenizer.json", TOKENIZER_MAX_BYTES).decode("utf-8")
+                self._tok = _HFTokenizer.from_str(text)
         except Exception as e:  # tokenizers raises its own exception types
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         cfg_path = store.locate("tokenizer_config.json")

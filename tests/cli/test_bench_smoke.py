@@ -112,7 +112,8 @@ def test_heavy_peer(work, engine):
     """Only where the optional peers are installed; a skip here is not a pass."""
     cache_default = peers.cache_dir()
     if not peers.installed(cache_default, engine):
-        pytest.skip(f"{engine} not installed (optional heavy peer): python benchmarks/peers.py install --peers {engine}")
+        pytest.skip(f"{engine} not installed (optional heavy peer): "
+                    f"python benchmarks/peers.py install --peers {engine}")
     cache, results = work
     assert run.main(["exact", "--engines", engine, "--cache", str(cache), "--venvs", str(cache_default),
                      "--results", str(results), "--name", f"exact-{engine}"] + COMMON) == 0

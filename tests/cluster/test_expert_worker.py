@@ -119,7 +119,8 @@ def test_a_failed_read_names_the_layers_rows_and_the_worker_goes_on(family_model
         assert (err.layer, err.expert, err.rows) == (layer, e, used)
         assert not worker.cache.loading()  # every read in flight settled or dropped
         got, _ = run_layer(worker, layer, x, ids, weights, decode=False)  # the fault was one read
-        assert torch.equal(got, local.moe(layer, x, ids, weights, ForwardContext.single(torch.zeros(9, dtype=torch.long))))
+        ctx = ForwardContext.single(torch.zeros(9, dtype=torch.long))
+        assert torch.equal(got, local.moe(layer, x, ids, weights, ctx))
     finally:
         worker.close()
         local.close()
@@ -139,5 +140,6 @@ def test_cache_sized_by_the_planner():
     with pytest.raises(BudgetError, match=r"expert worker 2: --worker-memory .* holds no expert \(3\.00 MiB each\) "
                                           r"beside this process's 300\.00 MiB: that needs .*raise --worker-memory$"):
         cache_slots(2, floor - 1, base, slot, total, transient, None)
-    with pytest.raises(BudgetError, match=r"cannot hold a cache of 500 experts \(--cache-experts\).*lower --cache-experts"):
+    with pytest.raises(BudgetError, match=r"cannot hold a cache of 500 experts \(--cache-experts\)"
+                                          r".*lower --cache-experts"):
         cache_slots(0, budget, base, slot, total, transient, 500)

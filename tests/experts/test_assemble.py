@@ -167,7 +167,8 @@ def test_fused_layouts_canonical_form_matches_its_plan():
     h, i = 64, 32
     spec = ExpertSpec(hidden=h, intermediate=i, variant="clamped_swiglu", bias=True)
     g = torch.Generator().manual_seed(0)
-    dense = {"gate_up_t": torch.randn(h, 2 * i, generator=g).bfloat16(), "gate_up_bias": torch.randn(2 * i, generator=g),
+    dense = {"gate_up_t": torch.randn(h, 2 * i, generator=g).bfloat16(),
+             "gate_up_bias": torch.randn(2 * i, generator=g),
              "down_t": torch.randn(i, h, generator=g).bfloat16(), "down_bias": torch.randn(h, generator=g)}
     q = {role: FORMATS["mxfp4"].quantize(torch.randn(n, k, generator=g)) for role, (n, k) in
          {"gate_up": (2 * i, h), "down": (h, i)}.items()}

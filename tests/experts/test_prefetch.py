@@ -425,5 +425,6 @@ def test_finished_reads_are_not_kept():
     p, pool = _provider(slots=4)
     for t in range(300):
         p.begin(DECODE)
-        p.moe(t % 8, torch.zeros(1, 1), torch.tensor([[t % 16]]), torch.ones(1, 1), DECODE)  # demand reads finish at once
+        # demand reads finish at once
+        p.moe(t % 8, torch.zeros(1, 1), torch.tensor([[t % 16]]), torch.ones(1, 1), DECODE)
     assert len(p._inflight) <= 257 and p.in_flight() == 0

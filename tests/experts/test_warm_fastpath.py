@@ -111,7 +111,8 @@ def test_swiglu_many_equals_one_call_per_expert():
     x = torch.randn(1, 64, generator=g)
     ws = []
     for dtype, inter in ((torch.bfloat16, 32), (torch.float32, 48), (torch.float16, 16)):
-        views = {"gate": torch.randn(inter, 64, generator=g).to(dtype), "up": torch.randn(inter, 64, generator=g).to(dtype),
+        views = {"gate": torch.randn(inter, 64, generator=g).to(dtype),
+                 "up": torch.randn(inter, 64, generator=g).to(dtype),
                  "down": torch.randn(64, inter, generator=g).to(dtype)}
         ws.append(assemble_views(views))
     ws.append(assemble_views({**ws[0].named, "down_bias": torch.randn(64, generator=g)}))

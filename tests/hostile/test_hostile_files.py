@@ -445,7 +445,8 @@ def test_container_file_missing(box, name, message):
 def test_spine_truncated(box):
     spine = box / "spine.bin"
     spine.write_bytes(spine.read_bytes()[:-8192])
-    with pytest.raises(sluice.CheckpointError, match=r"spine\.bin: spine (tensor|group) .* (lies outside|outside the file)"):
+    with pytest.raises(sluice.CheckpointError,
+                       match=r"spine\.bin: spine (tensor|group) .* (lies outside|outside the file)"):
         sluice.load(box, memory=MEM, progress=False)
 
 

@@ -298,7 +298,8 @@ def health_latency_during(srv, request, check) -> float:
 def test_template_nested_loops_are_stopped(srv, post):
     t0 = time.monotonic()
     worst = health_latency_during(
-        srv, lambda: post("/v1/chat/completions", json_body=chat(messages=[{"role": "user", "content": "loop forever"}])),
+        srv, lambda: post("/v1/chat/completions",
+                          json_body=chat(messages=[{"role": "user", "content": "loop forever"}])),
         check=lambda r: expect_error(r, 400, param="messages", code="chat_template_timeout", words=("took more than",)))
     assert time.monotonic() - t0 < 10
     print(f"\n/health during a hostile render: slowest answer {worst * 1000:.0f} ms")
@@ -428,7 +429,8 @@ def test_shutdown_ends_open_stream_with_error_event(probe_engine):
         gate.hold(3)
         lines = []
         with httpx.stream("POST", s.url + "/v1/completions", timeout=30,
-                          json=completion(max_tokens=100, stream=True, ignore_eos=True, temperature=0, logprobs=1)) as r:
+                          json=completion(max_tokens=100, stream=True, ignore_eos=True, temperature=0,
+                                          logprobs=1)) as r:
             it = r.iter_lines()
             while len([x for x in lines if x.startswith("data:")]) < 2:
                 lines.append(next(it))

@@ -78,7 +78,9 @@ def test_swiglu_expert_every_level(t):
     x = torch.randn(t, 256, generator=g)
 
     def fn(v):
-        return kernels.swiglu_rows(v.contiguous(), gate, up, down, 0.7) if t > 1 else kernels.swiglu(v, gate, up, down, 0.7)
+        if t > 1:
+            return kernels.swiglu_rows(v.contiguous(), gate, up, down, 0.7)
+        return kernels.swiglu(v, gate, up, down, 0.7)
 
     ref = at_level(1, lambda: fn(x))
     for threads in (1, 2):

@@ -103,7 +103,8 @@ def test_registry_and_layouts():
     assert FORMATS["q4"].parts(10, 100) == {"blocks": (torch.uint8, (10, 4, 16)), "scales": (torch.float16, (10, 4))}
     assert FORMATS["mxfp4"].parts(10, 64) == {"blocks": (torch.uint8, (10, 2, 16)), "scales": (torch.uint8, (10, 2))}
     assert FORMATS["int8"].parts(3, 40) == {"weight": (torch.int8, (3, 64)), "scales": (torch.float32, (3,))}
-    assert FORMATS["rvq3"].parts(5, 20) == {"codes": (torch.uint8, (5, 3, 3)), "codebooks": (torch.float16, (3, 256, 8))}
+    assert FORMATS["rvq3"].parts(5, 20) == {"codes": (torch.uint8, (5, 3, 3)),
+                                            "codebooks": (torch.float16, (3, 256, 8))}
     assert FORMATS["bf16"].parts(4, 6) == {"weight": (torch.bfloat16, (4, 6))}
     assert FORMATS["fp8"].parts(300, 200) == {"weight": (torch.float8_e4m3fn, (300, 200)),
                                               "scale_inv": (torch.float32, (3, 2))}

@@ -50,7 +50,8 @@ def test_peak_rss_ignores_the_parent():
               "print(peak_rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     vmhwm, maxrss = map(int, out.stdout.split())
-    assert vmhwm < 300 << 20, f"peak_rss() {vmhwm >> 20} MiB includes the parent's memory (ru_maxrss {maxrss >> 20} MiB)"
+    assert vmhwm < 300 << 20, (f"peak_rss() {vmhwm >> 20} MiB includes the parent's memory "
+                               f"(ru_maxrss {maxrss >> 20} MiB)")
     del ballast
 
 

@@ -87,7 +87,8 @@ def test_stop_inside_an_accepted_draft(engine, oracle):
     stop_text = oracle.text[len(oracle.text) // 2 : len(oracle.text) // 2 + 3]
     a = engine.generate(PROMPT, max_new_tokens=40, ignore_eos=True, stop=[stop_text], speculate=False)
     b = engine.generate(PROMPT, max_new_tokens=40, ignore_eos=True, stop=[stop_text])
-    assert (a.text, a.finish_reason) == (b.text, b.finish_reason) == (oracle.text[: oracle.text.index(stop_text)], "stop")
+    want = (oracle.text[: oracle.text.index(stop_text)], "stop")
+    assert (a.text, a.finish_reason) == (b.text, b.finish_reason) == want
 
 
 def test_ngram_drafter_on_repetitive_prompt(engine):

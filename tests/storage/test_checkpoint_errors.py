@@ -43,7 +43,8 @@ def test_truncated_shard(broken):
     f = broken / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 1000])
-    with pytest.raises(sluice.CheckpointError, match=r"tensor '.*' ends at byte \d+ but the file has only \d+ bytes: the file is truncated"):
+    with pytest.raises(sluice.CheckpointError,
+                       match=r"tensor '.*' ends at byte \d+ but the file has only \d+ bytes: the file is truncated"):
         sluice.load(broken, memory="2GiB", progress=False)
 
 
@@ -74,7 +75,9 @@ def test_shape_contradicts_config(broken):
     cfg = json.loads((broken / "config.json").read_text())
     cfg["moe_intermediate_size"] = 48
     (broken / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(sluice.CheckpointError, match=r"mlp\.experts\.0\.gate_proj\.weight' has shape \[32, 64\] but config\.json implies \[48, 64\]"):
+    with pytest.raises(sluice.CheckpointError,
+                       match=r"mlp\.experts\.0\.gate_proj\.weight' has shape \[32, 64\] "
+                             r"but config\.json implies \[48, 64\]"):
         sluice.load(broken, memory="2GiB", progress=False)
 
 
@@ -85,7 +88,8 @@ def test_missing_tensor(broken, tmp_path):
     tensors = load_file(f)
     del tensors["model.layers.0.self_attn.k_norm.weight"]
     save_file(tensors, f, metadata={"format": "pt"})
-    with pytest.raises(sluice.CheckpointError, match=r"tensor 'model\.layers\.0\.self_attn\.k_norm\.weight' is missing"):
+    with pytest.raises(sluice.CheckpointError,
+                       match=r"tensor 'model\.layers\.0\.self_attn\.k_norm\.weight' is missing"):
         sluice.load(broken, memory="2GiB", progress=False)
 
 
@@ -99,7 +103,8 @@ def test_unsupported_family(broken):
     cfg = json.loads((broken / "config.json").read_text())
     cfg["model_type"] = "llama"
     (broken / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(sluice.UnsupportedModelError, match=r"model_type 'llama' is not supported \(supported: .*qwen3_moe"):
+    with pytest.raises(sluice.UnsupportedModelError,
+                       match=r"model_type 'llama' is not supported \(supported: .*qwen3_moe"):
         sluice.load(broken, memory="2GiB")
 
 

@@ -165,7 +165,8 @@ def test_read_fault_is_clear_and_recoverable(packed, kind):
     eng = sluice.load(box, memory="2GiB", cache_experts=4, prefetch=False, progress=False)
     plan = FaultPlan(**({"fail_at": 5} if kind == "fail" else {"short_at": 5}), path_filter="experts-")
     inject_faults(eng.checkpoint, plan)
-    msg = r"experts-L\d{3}\.bin: (reading layer \d+ expert \d+ failed: .*injected I/O error|short read for layer \d+ expert \d+)"
+    msg = (r"experts-L\d{3}\.bin: (reading layer \d+ expert \d+ failed: .*injected I/O error"
+           r"|short read for layer \d+ expert \d+)")
     with pytest.raises(sluice.ExpertReadError, match=msg):
         eng.generate(ids.tolist(), max_new_tokens=12)
     assert plan.injected == 1

@@ -48,7 +48,8 @@ def test_spine_streamed_in_bounded_pieces_is_byte_identical(model_dir, tmp_path,
     assert biggest > 4 * conv.SPINE_CHUNK
     reads = []
     real_read = Checkpoint.read
-    monkeypatch.setattr(Checkpoint, "read", lambda self, name, out=None: reads.append(name) or real_read(self, name, out))
+    monkeypatch.setattr(Checkpoint, "read",
+                        lambda self, name, out=None: reads.append(name) or real_read(self, name, out))
     pieces = convert(src, tmp_path / "pieces.sluice", experts="bf16", progress=False)
     assert not set(reads) & set(manifest["spine"]["tensors"])
     assert _digests(pieces) == _digests(whole)

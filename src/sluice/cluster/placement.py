@@ -38,7 +38,8 @@ class Placement:
             return [h, (h + 1) % self.workers]
         return [h]
 
-    def assign(self, layer: int, rows: dict[int, int], exclude: set[int] = frozenset(), count: bool = True) -> dict[int, int]:
+    def assign(self, layer: int, rows: dict[int, int], exclude: set[int] = frozenset(),
+               count: bool = True) -> dict[int, int]:
         """expert -> worker for one layer's call, ``rows``: expert -> its row count (ascending
         experts); balances replicated experts by rows; never a worker in ``exclude`` if another
         candidate is left (None-free: a fully excluded expert keeps its home)."""

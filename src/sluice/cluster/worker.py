@@ -93,7 +93,8 @@ class ExpertWorker:
                             huge_pages=opts.get("huge_pages", True))
         threads = opts.get("reader_threads", 4)
         # the local provider's lookups, reads, pins and compute; the driver groups and folds
-        self.experts = ExpertProvider(self.source, cache, m.spec, m.n_experts, verify_reads=opts.get("verify_reads", True),
+        self.experts = ExpertProvider(self.source, cache, m.spec, m.n_experts,
+                                      verify_reads=opts.get("verify_reads", True),
                                       pool=ReaderPool(threads, name=f"sluice-worker{index}-read"))
         self.cache = cache
         self.sig = signature(m.checkpoint)

@@ -41,7 +41,8 @@ class ExpertSource:
     def validate(self, layer: int, expert: int, record: memoryview, verify_crc: bool) -> None:
         """Check a record just read (container headers, CRC); raise ``ExpertReadError``."""
 
-    def read(self, layer: int, expert: int, buf: AlignedBuffer, base: int = 0, verify_crc: bool = False) -> ExpertLayout:
+    def read(self, layer: int, expert: int, buf: AlignedBuffer, base: int = 0,
+             verify_crc: bool = False) -> ExpertLayout:
         """Read one expert into ``buf`` at ``base`` (aligned); raises ``ExpertReadError`` naming it."""
         layout = self.layout(layer, expert)
         for r in layout.reads:
@@ -135,7 +136,8 @@ class CheckpointExperts(ExpertSource):
 
         fmt = FORMATS.get(format)
         if fmt is None:
-            raise CheckpointError(f"{self.ckpt.location}: experts stored as {format!r}, a format this build does not know")
+            raise CheckpointError(f"{self.ckpt.location}: experts stored as {format!r}, "
+                                  "a format this build does not know")
         want = {part: DTYPE_NAMES[dt] for part, (dt, _) in fmt.parts(1, fmt.block).items()}
         for part, found in part_dtypes.items():
             if part not in want or found != {want[part]}:

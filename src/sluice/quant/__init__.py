@@ -11,7 +11,8 @@ docs/quantization.md. ``assemble`` is the one place an expert record's bytes bec
 from . import fp8, int8, mxfp4, q4, rvq3  # noqa: F401  (register the formats)
 from .assembly import ExpertWeights, assemble, assemble_views, record_views
 from .dense import embed, linear, linear_chain, linear_t
-from .formats import FORMATS, Format, QuantMatrix, activations, fake_quantize_activations, record_layout, set_activations
+from .formats import (FORMATS, Format, QuantMatrix, activations, fake_quantize_activations, record_layout,
+                      set_activations)
 
 __all__ = ["FORMATS", "ExpertWeights", "Format", "QuantMatrix", "activations", "assemble", "assemble_views", "embed",
            "fake_quantize_activations", "linear", "linear_chain", "linear_t", "record_layout", "record_views",

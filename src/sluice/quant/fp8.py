@@ -141,7 +141,8 @@ class BlockFP8:
             out[:, full * bk :].mul_(s[:, full:])
         return out
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, r0: int = 0,
+               r1: int | None = None) -> torch.Tensor:
         """``x @ W[r0:r1].T (+ bias)`` in fp32; x [T, K] fp32."""
         r1 = self.weight.shape[0] if r1 is None else r1
         if bias is not None and bias.dtype != torch.float32:

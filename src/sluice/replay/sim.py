@@ -146,7 +146,8 @@ class CacheSim:
         probability of every expert (handed over as the engine's MoE block does, as logits)."""
         self.run_rows(layer, [experts], None if probs is None else [probs])
 
-    def run_rows(self, layer: int, rows: Sequence[Sequence[int]], probs: Sequence[Sequence[float]] | None = None) -> None:
+    def run_rows(self, layer: int, rows: Sequence[Sequence[int]],
+                 probs: Sequence[Sequence[float]] | None = None) -> None:
         """One step's MoE call for ``layer`` over several rows (sequences batched in one step, a
         verified draft), each routed to its experts: the union is looked up once, as in the engine."""
         k = max(len(r) for r in rows)

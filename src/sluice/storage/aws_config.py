@@ -91,7 +91,8 @@ def profile_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]
         value = env.get(var)
         return Path(os.path.expanduser(value)) if value else home / default
 
-    cred_path, config_path = where("AWS_SHARED_CREDENTIALS_FILE", ".aws/credentials"), where("AWS_CONFIG_FILE", ".aws/config")
+    cred_path = where("AWS_SHARED_CREDENTIALS_FILE", ".aws/credentials")
+    config_path = where("AWS_CONFIG_FILE", ".aws/config")
     creds = _section(_read(cred_path), (profile,))
     conf = _section(_read(config_path), ("default",) if profile == "default" else (f"profile {profile}", profile))
     if creds is None and conf is None:

@@ -423,7 +423,8 @@ class DiskTier:
         size = entry_size(key.length)
         name = key.name
         final = self.path(name)
-        if size > self.capacity or final.is_file():  # a FIFO or directory there is no entry: replaced (or the write fails)
+        # a FIFO or directory there is no entry: replaced (or the write fails)
+        if size > self.capacity or final.is_file():
             return False
         crc = crc32(data)
         header = make_header(key, crc, model)

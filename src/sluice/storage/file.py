@@ -118,7 +118,8 @@ class LocalFile(ByteSource):
         ticket = current()
         cancelled = False
         try:
-            if want >= 2 * PIECE_BYTES and PIECE_THREADS > 1 and not threading.current_thread().name.startswith("sluice-piece"):
+            if (want >= 2 * PIECE_BYTES and PIECE_THREADS > 1
+                    and not threading.current_thread().name.startswith("sluice-piece")):
                 done, cancelled = self._read_pieces(fd, buf, offset, ticket)
             elif ticket is not None and ticket.cancelled:
                 done, cancelled = 0, True

@@ -56,7 +56,8 @@ def read_regular(path, limit: int | None = None) -> bytes:
     try:
         size = os.fstat(fd).st_size
         if limit is not None and size > limit:
-            raise FileTooLargeError(errno.EFBIG, f"is {size} bytes, more than the {limit} bytes allowed", os.fspath(path))
+            raise FileTooLargeError(errno.EFBIG, f"is {size} bytes, more than the {limit} bytes allowed",
+                                    os.fspath(path))
         chunks, total = [], 0
         while True:
             b = os.read(fd, max(1 << 16, size - total + 1))

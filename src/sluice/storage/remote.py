@@ -224,7 +224,8 @@ class RemoteSource(ByteSource):
     def read_into(self, dest: memoryview, offset: int) -> None:
         n = len(dest)
         if offset < 0 or offset + n > self.size:
-            raise OSError(f"read of {n} bytes at offset {offset} is outside the object ({self.size} bytes): {self.name}")
+            raise OSError(f"read of {n} bytes at offset {offset} is outside the object "
+                          f"({self.size} bytes): {self.name}")
         if n:
             self._get_pieces(dest, offset)
 

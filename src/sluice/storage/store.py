@@ -4,8 +4,8 @@ Metadata is read through a ``Store`` as data tables are through byte sources: sm
 whole (``read_bytes``), data files as ``ByteSource``s (``open``). A library that can open
 a file of its own (the tokenizer library) gets the member itself from ``local_path`` for a
 local directory; any other store gives None and its member is read with ``read_bytes`` (a
-remote store's through ``meta_cache``: no second copy on disk). ``LocalDir`` is the local implementation; ``location.open_store``
-opens a store from a path or a URL.
+remote store's through ``meta_cache``: no second copy on disk). ``LocalDir`` is the local
+implementation; ``location.open_store`` opens a store from a path or a URL.
 """
 
 from __future__ import annotations
