@@ -288,7 +288,8 @@ def test_poisoned_buffers_catch_a_build_time_derivation(family_model, monkeypatc
         self.conv_weight = lambda: frozen
 
     monkeypatch.setattr(GatedDeltaNet, "__init__", derive_at_build)
-    eng = _load(family_model("qwen3_next", "bfloat16"), max_resident_layers=0, debug=sluice.DebugOptions(poison_stream_buffers=True))
+    poison = sluice.DebugOptions(poison_stream_buffers=True)
+    eng = _load(family_model("qwen3_next", "bfloat16"), max_resident_layers=0, debug=poison)
     try:
         assert torch.isnan(eng.forward(prompt_ids())).all()
     finally:
@@ -319,7 +320,8 @@ def test_streamed_block_fp8_is_bit_identical(family_model, tmp_path, scale_dtype
                                   "weight_block_size": [16, 16]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     ids = prompt_ids()
-    resident, streamed = _load(tmp_path), _load(tmp_path, max_resident_layers=0, debug=sluice.DebugOptions(poison_stream_buffers=True))
+    poison = sluice.DebugOptions(poison_stream_buffers=True)
+    resident, streamed = _load(tmp_path), _load(tmp_path, max_resident_layers=0, debug=poison)
     try:
         want = resident.forward(ids)
         assert torch.isfinite(want).all()

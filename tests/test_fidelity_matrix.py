@@ -379,7 +379,8 @@ def test_int8_spine(family_models, family):
         result = eng.generate(IDS.tolist(), max_new_tokens=4, ignore_eos=True)
         assert result.stats["lossy"] == {"spine": "int8"} and eng.info.spine_format == "int8"
         assert eng.plan.spine_bytes < 0.75 * spine_bytes  # bf16 -> int8 + scales; norms, routers stay
-    with sluice.load(box, memory=MEMORY, progress=False, max_resident_layers=0, debug=sluice.DebugOptions(poison_stream_buffers=True)) as eng:
+    poison = sluice.DebugOptions(poison_stream_buffers=True)
+    with sluice.load(box, memory=MEMORY, progress=False, max_resident_layers=0, debug=poison) as eng:
         assert eng.plan.streamed_layers
         assert torch.equal(eng.forward(seq), got)
         assert eng.generate(IDS.tolist(), max_new_tokens=4, ignore_eos=True).token_ids == result.token_ids

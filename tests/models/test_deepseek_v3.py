@@ -246,8 +246,8 @@ def test_grouped_router_matches_transformers():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 16, generator=g)
     for n_group, topk_group, norm in ((1, 1, True), (4, 2, True), (8, 3, False)):
-        cfg = AutoConfig.for_model("deepseek_v3", hidden_size=16, num_attention_heads=4, n_routed_experts=32, num_experts_per_tok=4,
-                                   n_group=n_group, topk_group=topk_group, norm_topk_prob=norm,
+        cfg = AutoConfig.for_model("deepseek_v3", hidden_size=16, num_attention_heads=4, n_routed_experts=32,
+                                   num_experts_per_tok=4, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm,
                                    routed_scaling_factor=1.5)
         r = DeepseekV3TopkRouter(cfg)
         with torch.no_grad():
@@ -258,8 +258,8 @@ def test_grouped_router_matches_transformers():
                               topk_group=topk_group, normalize=norm, scale=1.5)
         _same_routing(ids, w, want_i, want_w)
     # softmax scoring with max-per-group selection (DeepSeek-V2's group_limited_greedy)
-    cfg = AutoConfig.for_model("deepseek_v2", hidden_size=16, num_attention_heads=4, n_routed_experts=32, num_experts_per_tok=4,
-                               n_group=4, topk_group=2, topk_method="group_limited_greedy",
+    cfg = AutoConfig.for_model("deepseek_v2", hidden_size=16, num_attention_heads=4, n_routed_experts=32,
+                               num_experts_per_tok=4, n_group=4, topk_group=2, topk_method="group_limited_greedy",
                                routed_scaling_factor=1.5)
     r = DeepseekV2TopkRouter(cfg)
     with torch.no_grad():

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import sluice
-from conftest import check_chunked_vs_stepwise, check_prefix_reuse, LOGIT_MARGIN, ROUTER_MARGIN, check_exact, expected_outputs, prompt_ids, reference, \
-    tiny_config
+from conftest import (LOGIT_MARGIN, ROUTER_MARGIN, check_chunked_vs_stepwise, check_exact, check_prefix_reuse,
+                      expected_outputs, prompt_ids, reference, tiny_config)
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
 from sluice.model_report import inspect_model, render_inspect

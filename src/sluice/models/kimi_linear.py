@@ -99,8 +99,8 @@ def _types(value, n: int, allowed: tuple[str, ...], key: str) -> list[str]:
 def parse_config(raw: dict) -> Config:
     c = RawConfig(raw)
     if raw.get("quantization_config") is not None:
-        method = (raw["quantization_config"] or {}).get("quant_method") if isinstance(raw["quantization_config"], dict) \
-            else None
+        q = raw["quantization_config"]
+        method = (q or {}).get("quant_method") if isinstance(q, dict) else None
         raise UnsupportedModelError(f"config.json: quantized checkpoints (quantization_config, quant_method="
                                     f"{method!r}) are not supported for {MODEL_TYPE}; use the bf16/fp16/fp32 weights")
     for key, (implemented, why) in _IGNORED_BY_TRANSFORMERS.items():
