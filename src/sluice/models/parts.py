@@ -33,11 +33,14 @@ def _kv_state(n_kv: int, head_dim: int, window: int | None) -> dict[str, int]:
 
 
 def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *, bias: bool = False,
-              qk_norm: str | None = None, window: int | None = None, clip_qkv: float | None = None,
-              sinks: bool = False, bias_in_tail: bool = False, prefix: str = "self_attn.") -> Part:
-    """GQA (``layers.attention.Attention``); ``qk_norm``: None, "head" (per head) or "full" (whole
-    projection); ``bias_in_tail``: the biases are listed after the layer's other tensors (GPT-OSS).
-    The projections are linears (``Lin``): a family's weight format (block FP8) applies to them."""
+              o_bias: bool | None = None, qk_norm: str | None = None, window: int | None = None,
+              clip_qkv: float | None = None, sinks: bool = False, bias_in_tail: bool = False,
+              prefix: str = "self_attn.") -> Part:
+    """GQA (``layers.attention.Attention``); ``bias``: q/k/v biases, and an o_proj bias too unless
+    ``o_bias`` says otherwise (GLM-4.5: q/k/v only); ``qk_norm``: None, "head" (per head) or "full"
+    (whole projection); ``bias_in_tail``: the biases are listed after the layer's other tensors
+    (GPT-OSS). The projections are linears (``Lin``): a family's weight format (block FP8) applies
+    to them."""
     nq, nkv = n_heads * head_dim, n_kv * head_dim
     p = prefix
     tensors = {p + "q_proj": Lin((nq, hidden)), p + "k_proj": Lin((nkv, hidden)),
@@ -48,8 +51,9 @@ def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *
         tensors.update({p + "q_norm.weight": (head_dim,), p + "k_norm.weight": (head_dim,)})
     elif qk_norm == "full":
         tensors.update({p + "q_norm.weight": (nq,), p + "k_norm.weight": (nkv,)})
-    biases = {p + "q_proj.bias": (nq,), p + "k_proj.bias": (nkv,), p + "v_proj.bias": (nkv,),
-              p + "o_proj.bias": (hidden,)} if bias else {}
+    biases = {p + "q_proj.bias": (nq,), p + "k_proj.bias": (nkv,), p + "v_proj.bias": (nkv,)} if bias else {}
+    if bias if o_bias is None else o_bias:
+        biases[p + "o_proj.bias"] = (hidden,)
     extra = {}
     if window is not None:
         extra["window"] = window
