@@ -148,7 +148,10 @@ def parse_config(raw: dict) -> Config:
     _check_layer_types(c, n_layers, first_dense)
     rope, rotary_dim = _rope(raw, head_dim)
     max_pos = c.pos_int("max_position_embeddings", 131072, hi=MAX_POSITIONS)
-    Rotary(head_dim, rope, max_pos)  # refuses unsupported RoPE types now, at load
+    try:
+        Rotary(head_dim, rope, max_pos)  # refuses unsupported RoPE types now, at load
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"config.json: {e}") from None
     mtp = c.int("num_nextn_predict_layers", 1, "num_mtp_layers", lo=0, hi=MAX_LAYERS)
     return Config(
         vocab_size=c.pos_int("vocab_size"),
