@@ -17,6 +17,11 @@ from sluice.models import get_family
 glm = get_family("glm4_moe")
 
 # edit -> what the message names; every one must be refused
+def _rope(**kw) -> dict:
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, **kw}}
+
+
+CT = {"quant_method": "compressed-tensors", "format": "float-quantized"}
 CASES = {
     # keys transformers' GLM-4.5 ignores, at values it would silently compute differently
     "softmax_scoring": ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
@@ -45,23 +50,20 @@ CASES = {
     "qk_norm_number": ({"use_qk_norm": 2}, "use_qk_norm=2"),
     "kv_heads_not_dividing": ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
     # partial RoPE
-    "rotary_factor_zero": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                                                "partial_rotary_factor": 0}}, "partial_rotary_factor=0"),
+    "rotary_factor_zero": (_rope(partial_rotary_factor=0), "partial_rotary_factor=0"),
     "top_level_factor_string": ({"rope_parameters": None, "partial_rotary_factor": "half"},
                                 "partial_rotary_factor='half'"),
-    "rotary_factor_above_one": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                                                     "partial_rotary_factor": 1.5}}, "partial_rotary_factor=1.5"),
-    "rotary_factor_odd_dims": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                                                    "partial_rotary_factor": 0.1875}}, "rotates 3 of head_dim=16"),
-    "rope_theta_nan": ({"rope_parameters": {"rope_type": "default", "rope_theta": math.nan}}, "rope_theta=nan"),
+    "rotary_factor_above_one": (_rope(partial_rotary_factor=1.5), "partial_rotary_factor=1.5"),
+    "rotary_factor_odd_dims": (_rope(partial_rotary_factor=0.1875), "rotates 3 of head_dim=16"),
+    "rope_theta_nan": (_rope(rope_theta=math.nan), "rope_theta=nan"),
     "rope_type_unknown": ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
     # MTP
     "mtp_negative": ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers=-1"),
     "mtp_string": ({"num_nextn_predict_layers": "1"}, "num_nextn_predict_layers='1'"),
     # weight formats: block FP8 only (compressed-tensors FP8 is not read)
-    "compressed_tensors": ({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized"}},
-                           "quant_method='compressed-tensors'"),
-    "fp8_no_block": ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, "weight_block_size=None"),
+    "compressed_tensors": ({"quantization_config": CT}, "quant_method='compressed-tensors'"),
+    "fp8_no_block": ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}},
+                     "weight_block_size=None"),
     "fp8_static": ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static",
                                             "weight_block_size": [128, 128]}}, "activation_scheme"),
 }
