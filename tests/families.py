@@ -126,6 +126,13 @@ REGISTRY: dict[str, Family] = {
             "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.25}}),
         seed=0, post=_norms_and_correction_bias, native="fp8"),
+    # GQA with q/k/v biases and per-head q/k norm; partial RoPE (transformers' default 0.5: 8 of
+    # 16 dims); one leading dense layer; 16 experts in 4 groups, 2 kept, top-4, scaled; a shared
+    # expert; random norm weights and correction bias; block-FP8 attention, MLPs and experts
+    "glm4_moe": Family("glm4_moe", dict(
+        n_routed_experts=16, num_local_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True,
+        use_qk_norm=True), seed=0, post=_norms_and_correction_bias, native="fp8"),
 }
 FAMILY_NAMES = list(REGISTRY)
 

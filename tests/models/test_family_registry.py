@@ -41,7 +41,8 @@ def test_unknown_model_type_names_the_supported_ones():
         get_family("llama")
     names = sorted(families())
     assert f"(supported: {', '.join(names)})" in str(err.value)
-    assert {"deepseek_v3", "gpt_oss", "kimi_k2", "kimi_linear", "mixtral", "olmoe", "qwen3_moe", "qwen3_next"} <= set(names)
+    first_seven = {"deepseek_v3", "gpt_oss", "kimi_k2", "kimi_linear", "mixtral", "olmoe", "qwen3_moe", "qwen3_next"}
+    assert first_seven <= set(names)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
