@@ -11,7 +11,7 @@ import torch
 from ..kernels.backend import cpu
 from ..quant import linear
 from .norm import RMSNorm
-from .rotary import apply_rotary
+from .rotary import apply_rotary, apply_rotary_pairs
 
 # Bound on the fp32 score block [Hq, Tq, L] materialised at once during prefill.
 SCORE_BLOCK_BYTES = 64 << 20
@@ -174,7 +174,8 @@ class Attention:
     """Standard GQA self-attention: projections, optional q/k norms, RoPE, KV cache.
 
     ``qk_norm``: None; ``"head"`` (RMSNorm over each head, Qwen3); ``"full"`` (RMSNorm over
-    the whole projection before splitting heads, OLMoE).
+    the whole projection before splitting heads, OLMoE). ``rope``: ``"half"`` (rotate-half, the
+    first ``d`` dims) or ``"pairs"`` (GPT-J pairs over the whole head, ERNIE-4.5).
     """
 
     def __init__(
@@ -199,6 +200,7 @@ class Attention:
         window: int | None = None,
         sinks: torch.Tensor | None = None,
         scale: float | None = None,
+        rope: str = "half",
     ):
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.bq, self.bk, self.bv, self.bo = bq, bk, bv, bo
@@ -210,6 +212,9 @@ class Attention:
         self.window = window
         self.sinks = sinks.float() if sinks is not None else None
         self.scale = scale if scale is not None else head_dim**-0.5
+        if rope not in ("half", "pairs"):
+            raise ValueError(f"unknown RoPE layout {rope!r}")
+        self.rotate = apply_rotary_pairs if rope == "pairs" else apply_rotary
 
     def new_cache(self, max_ctx: int) -> KVCache | WindowKVCache:
         if self.window is not None:
@@ -243,8 +248,8 @@ class Attention:
         v = v.view(t, self.n_kv, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q = self.rotate(q, cos, sin)
+        k = self.rotate(k, cos, sin)
         o = self.attend_segments(q, k, v, segs)
         return linear(o.reshape(t, -1), self.wo, self.bo)
 
