@@ -193,7 +193,8 @@ def gated_mlp(hidden: int, intermediate: int, act: str, prefix: str = "mlp.", bi
     """``layers.mlp.GatedMLP``: gate_proj, up_proj [I, H], down_proj [H, I] under ``prefix``;
     ``bias``: each with its ``.bias`` right after its weight (ERNIE-4.5's ``use_bias``)."""
     p, names = prefix, ("gate_proj", "up_proj", "down_proj")
-    shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
+    shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden),
+              "down_proj": (hidden, intermediate)}
     tensors: dict = {}
     for n in names:
         tensors[p + n] = Lin(shapes[n])
