@@ -165,8 +165,8 @@ def test_router_is_transformers_router(dtype, norm_min):
     x = torch.randn(40, hdim, generator=g).to(dtype)
     with torch.no_grad():
         logits, tw, tids = router(x)
-    ours = SoftmaxRouter(router.weight.detach(), k, True, correction=router.moe_statics.e_score_correction_bias.detach(),
-                         norm_min=norm_min)
+    bias = router.moe_statics.e_score_correction_bias.detach()
+    ours = SoftmaxRouter(router.weight.detach(), k, True, correction=bias, norm_min=norm_min)
     # the projection: fp32 both (Sluice's batch-invariant kernel sums in its own order); the rule
     # after it, on transformers' own logits: bit for bit
     assert logits.dtype == torch.float32
@@ -264,8 +264,7 @@ def test_config_fields():
     d = em.parse_config(bare)  # transformers' defaults: 64 experts, top-6, 2 shared, MoE from layer 1 on
     assert (d.num_experts, d.num_experts_per_tok, d.num_shared_experts, d.moe_layers, d.rope["rope_theta"]) == (
         64, 6, 2, list(range(1, 28)), 500000.0)
-    transformers_names = dict(bare, num_experts=16, num_experts_per_tok=3)  # attribute_map aliases
-    assert (em.parse_config(transformers_names).num_experts, em.parse_config(transformers_names).num_experts_per_tok) == (
-        16, 3)
+    aliased = em.parse_config(dict(bare, num_experts=16, num_experts_per_tok=3))  # attribute_map's names
+    assert (aliased.num_experts, aliased.num_experts_per_tok) == (16, 3)
     with pytest.raises(UnsupportedModelError, match="none of the 28 layers"):
         em.parse_config(dict(A3B, moe_layer_start_index=28))
