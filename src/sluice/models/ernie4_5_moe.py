@@ -113,7 +113,10 @@ def parse_config(raw: dict) -> Config:
             f"config.json: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported "
             "(ERNIE-4.5 rotates the whole head; transformers' ERNIE cannot rotate part of it)")
     max_pos = c.pos_int("max_position_embeddings", 131072, hi=MAX_POSITIONS)
-    Rotary(head_dim, rope, max_pos)  # refuses unsupported RoPE types now, at load
+    try:
+        Rotary(head_dim, rope, max_pos)  # refuses unsupported RoPE types now, at load
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"config.json: {e}") from None
     return Config(
         vocab_size=c.pos_int("vocab_size"),
         hidden_size=hidden,
