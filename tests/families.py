@@ -44,13 +44,33 @@ def _norms_and_correction_bias(model) -> None:
 
 
 def correction_bias(mlp):
-    """The ``e_score_correction_bias`` of an MoE block: on its gate (DeepSeek-V3, Kimi) or on the
-    block itself (MiniMax-M2); None for other routers."""
-    for owner in (getattr(mlp, "gate", None), mlp):
+    """The ``e_score_correction_bias`` of an MoE block: on its gate (DeepSeek-V3, Kimi), on the
+    block itself (MiniMax-M2) or in its gate's ``moe_statics`` (ERNIE-4.5, [1, E]); None for
+    other routers."""
+    gate = getattr(mlp, "gate", None)
+    for owner in (gate, mlp, getattr(gate, "moe_statics", None)):
         bias = getattr(owner, "e_score_correction_bias", None)
         if isinstance(bias, torch.Tensor):
             return bias
     return None
+
+
+SOFTMAX_BIASED = ("ernie4_5_moe",)  # a correction bias added to softmax probabilities (not sigmoid scores)
+
+
+def _biased_scores(cfg, router_logits: torch.Tensor) -> torch.Tensor:
+    """[T, E] the scores a router with a correction bias adds its bias to."""
+    rl = router_logits.float().reshape(-1, router_logits.shape[-1])
+    return torch.softmax(rl, -1) if cfg.model_type in SOFTMAX_BIASED else torch.sigmoid(rl)
+
+
+def _norms_biases_and_correction_bias(model) -> None:
+    """As ``_norms_and_correction_bias``, and every linear bias random (transformers zeroes them)."""
+    _norms_and_correction_bias(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.bias") or name == "lm_head.bias":
+                p.copy_(0.1 * torch.randn_like(p))
 
 
 def _correction_bias(model) -> None:
@@ -133,6 +153,14 @@ REGISTRY: dict[str, Family] = {
         n_routed_experts=16, num_local_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
         first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True,
         use_qk_norm=True), seed=0, post=_norms_and_correction_bias, native="fp8"),
+    # GPT-J RoPE; layers 1 and 3 MoE (start 1, end 3, interval 2), 0 and 2 dense; softmax +
+    # correction bias ([1, E] in moe_statics), top-4 of 8, the renormalisation clamped at
+    # moe_norm_min 0.8 (above some sums); one shared expert; use_bias (attention, dense and
+    # shared MLPs, the tied head) with random biases, norm weights and correction bias
+    "ernie4_5_moe": Family("ernie4_5_moe", dict(
+        num_hidden_layers=4, moe_layer_start_index=1, moe_layer_end_index=3, moe_layer_interval=2,
+        num_experts_per_tok=4, moe_num_shared_experts=1, moe_norm_min=0.8, use_bias=True),
+        seed=0, post=_norms_biases_and_correction_bias),
 }
 FAMILY_NAMES = list(REGISTRY)
 
@@ -179,7 +207,7 @@ def selection_scores(ref, router_logits: torch.Tensor, moe_layer: int) -> torch.
     biases = [b for b in (correction_bias(layer.mlp) for layer in ref.model.layers) if b is not None]
     if not biases:
         return torch.softmax(rl, -1)
-    s = torch.sigmoid(rl) + biases[moe_layer].float()
+    s = _biased_scores(cfg, rl) + biases[moe_layer].float().reshape(-1)
     t, e = s.shape
     g, tg = getattr(cfg, "n_group", None) or 1, getattr(cfg, "topk_group", None) or 1
     if g == 1:
@@ -200,7 +228,7 @@ def assert_decisive_model(ref, ids: torch.Tensor, first: int) -> None:
     top = out.logits[0, first:].topk(2, dim=-1).values
     margin = (top[:, 0] - top[:, 1]).min().item()
     assert margin > LOGIT_MARGIN, f"top-1/top-2 logit margin {margin:.2e} is a near-tie: pick another seed"
-    grouped = correction_bias(ref.model.layers[-1].mlp) is not None  # sigmoid + bias (groups or not)
+    grouped = correction_bias(ref.model.layers[-1].mlp) is not None  # scores + bias (groups or not)
     n_group, topk_group = getattr(cfg, "n_group", None) or 1, getattr(cfg, "topk_group", None) or 1
     for layer, rl in enumerate(out.router_logits or ()):
         if grouped and topk_group < n_group:

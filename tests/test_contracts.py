@@ -47,6 +47,8 @@ CONFIGS = {
     "glm4_moe": dict(n_routed_experts=16, num_local_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                      first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True,
                      use_qk_norm=True),
+    "ernie4_5_moe": dict(num_experts_per_tok=4, num_hidden_layers=4, moe_layer_start_index=1, moe_layer_interval=2,
+                         moe_num_shared_experts=1, moe_norm_min=0.8, use_bias=True),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8
@@ -97,6 +99,8 @@ def _routers():
     return {
         "softmax": SoftmaxRouter(w, K, normalize=True),
         "softmax-unnormalised": SoftmaxRouter(w, K, normalize=False),
+        # ERNIE-4.5: correction bias [1, E] as stored, the renormalisation clamped at 0.9
+        "softmax-corrected": SoftmaxRouter(w, K, normalize=True, correction=corr[None], norm_min=0.9),
         "grouped": GroupedRouter(w, K, correction=corr, n_group=4, topk_group=2, normalize=True, scale=2.5),
         "grouped-ungrouped": GroupedRouter(w, K, correction=corr, normalize=False, scale=1.5),
         "topk_softmax": TopKSoftmaxRouter(w, K, lb),
@@ -112,6 +116,8 @@ def _selection(router: Router, x: torch.Tensor, bias=None) -> torch.Tensor:
         s = torch.sigmoid(logits) + router.correction
     else:
         s = torch.softmax(logits, -1)
+        if router.correction is not None:
+            s = s + router.correction[0]
     return s if bias is None else s + bias
 
 
@@ -182,11 +188,11 @@ def test_cache_bias_selects_but_does_not_weigh(kind):
     else:
         want = torch.softmax(logits, -1).gather(1, ids)
         if router.normalize:
-            want = want / want.sum(-1, keepdim=True)
+            want = want / want.sum(-1, keepdim=True).clamp(min=router.norm_min or 0.0)
     torch.testing.assert_close(weights, want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("kind", ["grouped", "softmax", "topk_softmax"])
+@pytest.mark.parametrize("kind", ["grouped", "softmax", "topk_softmax", "softmax-corrected"])
 @pytest.mark.parametrize("keep", [1, 2, 3])
 def test_moe_top_k_keeps_the_best_experts(kind, keep):
     router = _routers()[kind]

@@ -145,6 +145,7 @@ FAMILY_KEYS = {  # family -> (tiny config overrides, its top-k key)
     "minimax_m2": ({"rotary_dim": 8}, "num_experts_per_tok"),
     "mimo_v2_flash": ({"v_head_dim": 8}, "num_experts_per_tok"),
     "glm4_moe": ({"n_routed_experts": 8, "n_group": 1, "topk_group": 1}, "num_experts_per_tok"),
+    "ernie4_5_moe": ({}, "moe_k"),
 }
 FAMILY_EDITS = {
     "top_k_zero": lambda raw, k: ({k: 0}, f"{k}=0"),

@@ -11,7 +11,7 @@ import torch
 from ..kernels.backend import cpu
 from ..quant import linear
 from .norm import RMSNorm
-from .rotary import apply_rotary
+from .rotary import apply_rotary, apply_rotary_pairs
 
 # Bound on the fp32 score block [Hq, Tq, L] materialised at once during prefill.
 SCORE_BLOCK_BYTES = 64 << 20
@@ -177,6 +177,8 @@ class Attention:
     the whole projection before splitting heads, OLMoE). ``v_head_dim``: the value heads'
     width when it differs from ``head_dim`` (the output projection reads Hq x Dv);
     ``v_scale``: a constant the values are multiplied by before they are cached (MiMo-V2-Flash).
+    ``rope``: ``"half"`` (rotate-half, the first ``d`` dims) or ``"pairs"`` (GPT-J pairs over the
+    whole head, ERNIE-4.5).
     """
 
     def __init__(
@@ -203,6 +205,7 @@ class Attention:
         scale: float | None = None,
         v_head_dim: int | None = None,
         v_scale: float | None = None,
+        rope: str = "half",
     ):
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.bq, self.bk, self.bv, self.bo = bq, bk, bv, bo
@@ -216,6 +219,9 @@ class Attention:
         self.scale = scale if scale is not None else head_dim**-0.5
         self.v_head_dim = v_head_dim or head_dim
         self.v_scale = v_scale
+        if rope not in ("half", "pairs"):
+            raise ValueError(f"unknown RoPE layout {rope!r}")
+        self.rotate = apply_rotary_pairs if rope == "pairs" else apply_rotary
 
     def new_cache(self, max_ctx: int) -> KVCache | WindowKVCache:
         if self.window is not None:
@@ -252,8 +258,8 @@ class Attention:
             v = v * self.v_scale
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q = self.rotate(q, cos, sin)
+        k = self.rotate(k, cos, sin)
         o = self.attend_segments(q, k, v, segs)
         return linear(o.reshape(t, -1), self.wo, self.bo)
 

@@ -30,11 +30,14 @@ def activation(name: str):
 
 
 class GatedMLP:
-    """``down(act(gate(x)) * up(x))``."""
+    """``down(act(gate(x)) * up(x))``, each projection with an optional bias (ERNIE-4.5's ``use_bias``)."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str):
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str,
+                 biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None)):
         self.gate, self.up, self.down = gate, up, down
+        self.gate_bias, self.up_bias, self.down_bias = biases
         self.act = activation(act)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return linear(self.act(linear(x, self.gate)) * linear(x, self.up), self.down)
+        h = self.act(linear(x, self.gate, self.gate_bias)) * linear(x, self.up, self.up_bias)
+        return linear(h, self.down, self.down_bias)

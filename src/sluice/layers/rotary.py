@@ -95,6 +95,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rot * c + rotate_half(rot) * s, rest), dim=-1)
 
 
+def apply_rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J style RoPE on the whole head (ERNIE-4.5): dims (2i, 2i+1) are one pair, rotated in
+    place by frequency i. x [T, H, D]; cos/sin [T, D] as ``Rotary.cos_sin`` gives them
+    (cat(freqs, freqs)): their first half, each value repeated twice. Computed as transformers
+    computes it, ``x * cos + rotate_pairs(x) * sin`` with ``rotate_pairs`` = (-x1, x0, -x3, x2, ...)."""
+    d = x.shape[-1]
+    c = cos[:, None, : d // 2].repeat_interleave(2, dim=-1)
+    s = sin[:, None, : d // 2].repeat_interleave(2, dim=-1)
+    rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return x * c + rotated * s
+
+
 def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:
     factor = p["factor"]
     low, high = p["low_freq_factor"], p["high_freq_factor"]

@@ -14,7 +14,8 @@ implementation computes them (the sum of a renormalisation in that order), then 
 the same order as the ids; the expert fold sums in ascending expert id (see
 ``experts/provider.py``), so this reordering never changes a result.
 
-Kinds: ``SoftmaxRouter`` (Mixtral, Qwen3-MoE, OLMoE, Qwen3-Next), ``GroupedRouter``
+Kinds: ``SoftmaxRouter`` (Mixtral, Qwen3-MoE, OLMoE, Qwen3-Next; ERNIE-4.5 with a correction
+bias and a clamped renormalisation), ``GroupedRouter``
 (DeepSeek-V3, Kimi K2, Kimi Linear: sigmoid scores, ``e_score_correction_bias``, expert
 groups, ``routed_scaling_factor``), ``TopKSoftmaxRouter`` (GPT-OSS: a biased linear,
 top-k of the logits, softmax over those k).
@@ -53,12 +54,13 @@ def _adjacent_ties(sel: torch.Tensor) -> bool:
     return bool((sel[..., 1:] == sel[..., :-1]).any())
 
 
-def softmax_topk(logits: torch.Tensor, k: int, normalize: bool,
-                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool, bias: torch.Tensor | None = None,
+                 norm_min: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over E in fp32, top-k, optional renormalisation (Mixtral/Qwen3-MoE/OLMoE).
 
     ``bias`` [E] is added to the probabilities for choosing experts only; the mixing
-    weights stay the model's own probabilities.
+    weights stay the model's own probabilities. ``norm_min``: the renormalisation divides by
+    the chosen weights' sum clamped below at ``norm_min`` (ERNIE-4.5's ``moe_norm_min``).
     """
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     if bias is None:
@@ -68,7 +70,8 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool,
         selection, ids = torch.topk(probs + bias, k, dim=-1)
         weights = probs.gather(-1, ids)
     if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        total = weights.sum(dim=-1, keepdim=True)  # in top-k's order, as transformers sums
+        weights = weights / (total if norm_min is None else total.clamp(min=norm_min))
     return descending(ids, selection, weights, presorted=True)
 
 
@@ -185,16 +188,28 @@ class Router:
 
 
 class SoftmaxRouter(Router):
-    """Softmax over all experts, top-k, optional renormalisation over the chosen ones."""
+    """Softmax over all experts, top-k, optional renormalisation over the chosen ones.
+
+    ERNIE-4.5: ``correction`` (its ``moe_statics.e_score_correction_bias``, [1, E] as stored,
+    possibly a stream buffer's view, so it is converted per call, never at build time) is
+    added to the probabilities to select (a cache bias is added to it), and ``norm_min``
+    clamps the renormalisation's sum from below (see ``softmax_topk``)."""
 
     kind = "softmax"
 
-    def __init__(self, weight: torch.Tensor, top_k: int, normalize: bool):
+    def __init__(self, weight: torch.Tensor, top_k: int, normalize: bool, *, correction: torch.Tensor | None = None,
+                 norm_min: float | None = None):
         super().__init__(weight, top_k)
-        self.normalize = bool(normalize)
+        if correction is not None and correction.numel() != weight.shape[0]:
+            raise ValueError(f"correction bias of shape {list(correction.shape)} for {weight.shape[0]} experts")
+        self.normalize, self.correction, self.norm_min = bool(normalize), correction, norm_min
 
     def select(self, logits, bias=None):
-        return softmax_topk(logits, self.top_k, self.normalize, bias)
+        sel = bias.float() if bias is not None else None
+        if self.correction is not None:
+            c = self.correction.reshape(-1).float()
+            sel = c if sel is None else c + sel
+        return softmax_topk(logits, self.top_k, self.normalize, sel, self.norm_min)
 
 
 class GroupedRouter(Router):

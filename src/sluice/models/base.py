@@ -211,8 +211,9 @@ class CausalLM:
     """Embedding -> decoder layers -> final norm -> head."""
 
     def __init__(self, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: torch.Tensor,
-                 rotary: Rotary | LayerRotary | None):
+                 rotary: Rotary | LayerRotary | None, lm_head_bias: torch.Tensor | None = None):
         self.embed, self.layers, self.norm, self.lm_head, self.rotary = embed, layers, norm, lm_head, rotary
+        self.lm_head_bias = lm_head_bias.float() if lm_head_bias is not None else None  # [V], resident
         self.spine = None  # optional SpineStreamer for layers whose matrices are streamed
 
     def is_moe(self, layer: int) -> bool:
@@ -285,4 +286,4 @@ class CausalLM:
         return self.norm.add(h, y)[1] if y is not None else self.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(h, self.lm_head)
+        return linear(h, self.lm_head, self.lm_head_bias)

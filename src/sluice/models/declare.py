@@ -128,6 +128,7 @@ class Model:
     rotary: Callable[[], Any] = lambda: None  # the model's Rotary, built once (None: no RoPE)
     linear_tensors: Callable[[str, Shape], dict[str, Shape]] = plain_linear_tensors
     linear: Callable[[Any, str], Any] = plain_linear
+    head_bias: bool = False  # the head has a bias ``lm_head.bias`` [V] (ERNIE-4.5's ``use_bias``), tied or not
 
     def _expand(self, prefix: str, tensors: dict) -> dict[str, Shape]:
         out: dict[str, Shape] = {}
@@ -141,6 +142,8 @@ class Model:
         spine.update(self._expand("model.norm.", self.norm.tensors))
         if not self.tied:
             spine["lm_head.weight"] = (self.vocab, self.hidden)
+        if self.head_bias:
+            spine["lm_head.bias"] = (self.vocab,)
         for layer in self.layers:
             for sub, part in layer.parts():
                 spine.update(self._expand(layer.prefix + sub, part.tensors))
@@ -184,4 +187,5 @@ class Model:
                                        self._make(w, p, layer.mlp, experts, i)))
         embed = w("model.embed_tokens.weight")
         head = embed if self.tied else w("lm_head.weight")
-        return CausalLM(embed, layers, self._make(w, "model.norm.", self.norm, experts, None), head, self.rotary())
+        return CausalLM(embed, layers, self._make(w, "model.norm.", self.norm, experts, None), head, self.rotary(),
+                        lm_head_bias=w("lm_head.bias") if self.head_bias else None)

@@ -36,13 +36,14 @@ def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *
               qk_norm: str | None = None, window: int | None = None, clip_qkv: float | None = None,
               sinks: bool = False, bias_in_tail: bool = False, prefix: str = "self_attn.",
               v_head_dim: int | None = None, v_scale: float | None = None, sinks_name: str = "sinks",
-              o_bias: bool = True) -> Part:
+              o_bias: bool = True, rope: str = "half") -> Part:
     """GQA (``layers.attention.Attention``); ``qk_norm``: None, "head" (per head) or "full" (whole
     projection); ``bias_in_tail``: the biases are listed after the layer's other tensors (GPT-OSS);
     ``v_head_dim``: value heads narrower or wider than ``head_dim`` (v_proj [Hkv x Dv, H], o_proj
     [H, Hq x Dv]); ``v_scale``: the values' constant factor; ``sinks_name``: the learned sinks'
-    tensor name; ``o_bias``: with ``bias``, o_proj has one too (MiMo-V2-Flash's has none). The
-    projections are linears (``Lin``): a family's weight format (block FP8) applies to them."""
+    tensor name; ``o_bias``: with ``bias``, o_proj has one too (MiMo-V2-Flash's has none);
+    ``rope``: "half" (rotate-half) or "pairs" (GPT-J pairs, ERNIE-4.5). The projections are
+    linears (``Lin``): a family's weight format (block FP8) applies to them."""
     dv = v_head_dim or head_dim
     nq, nkv, nv, no = n_heads * head_dim, n_kv * head_dim, n_kv * dv, n_heads * dv
     p = prefix
@@ -57,7 +58,7 @@ def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *
     biases = {p + "q_proj.bias": (nq,), p + "k_proj.bias": (nkv,), p + "v_proj.bias": (nv,)} if bias else {}
     if bias and o_bias:
         biases[p + "o_proj.bias"] = (hidden,)
-    extra = {}
+    extra = {} if rope == "half" else {"rope": rope}
     if v_head_dim is not None:
         extra["v_head_dim"] = v_head_dim
     if v_scale is not None:
@@ -199,17 +200,36 @@ def kimi_delta(hidden: int, *, heads: int, head_dim: int, kernel: int, act: str,
     return Part(tensors, make, **state)
 
 
-def gated_mlp(hidden: int, intermediate: int, act: str, prefix: str = "mlp.") -> Part:
-    """``layers.mlp.GatedMLP``: gate_proj, up_proj [I, H], down_proj [H, I] under ``prefix``."""
-    p = prefix
-    tensors = {p + "gate_proj": Lin((intermediate, hidden)), p + "up_proj": Lin((intermediate, hidden)),
-               p + "down_proj": Lin((hidden, intermediate))}
-    return Part(tensors, lambda t: GatedMLP(t.lin(p + "gate_proj"), t.lin(p + "up_proj"), t.lin(p + "down_proj"),
-                                            act))
+def gated_mlp(hidden: int, intermediate: int, act: str, prefix: str = "mlp.", bias: bool = False) -> Part:
+    """``layers.mlp.GatedMLP``: gate_proj, up_proj [I, H], down_proj [H, I] under ``prefix``;
+    ``bias``: each with its ``.bias`` right after its weight (ERNIE-4.5's ``use_bias``)."""
+    p, names = prefix, ("gate_proj", "up_proj", "down_proj")
+    shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden),
+              "down_proj": (hidden, intermediate)}
+    tensors: dict = {}
+    for n in names:
+        tensors[p + n] = Lin(shapes[n])
+        if bias:
+            tensors[p + n + ".bias"] = (shapes[n][0],)
+
+    def make(t):
+        return GatedMLP(*(t.lin(p + n) for n in names), act, biases=tuple(t.opt(p + n + ".bias") for n in names))
+
+    return Part(tensors, make)
 
 
-def softmax_router(n_experts: int, hidden: int, top_k: int, normalize: bool) -> Part:
-    return Part({"weight": (n_experts, hidden)}, lambda t: SoftmaxRouter(t("weight"), top_k, normalize=normalize))
+def softmax_router(n_experts: int, hidden: int, top_k: int, normalize: bool, *, weight: str = "weight",
+                   correction: str | None = None, correction_shape: tuple[int, ...] | None = None,
+                   norm_min: float | None = None) -> Part:
+    """``SoftmaxRouter``; ``correction``: the name of a selection-only correction bias (shape
+    ``correction_shape``, default [E]) and ``norm_min`` the renormalisation's clamp (ERNIE-4.5:
+    ``moe(softmax_router(..., weight="gate.weight", correction="moe_statics.e_score_correction_bias",
+    correction_shape=(1, E)), router_name="")``)."""
+    tensors = {weight: (n_experts, hidden)}
+    if correction is not None:
+        tensors[correction] = correction_shape or (n_experts,)
+    return Part(tensors, lambda t: SoftmaxRouter(t(weight), top_k, normalize=normalize, norm_min=norm_min,
+                                                 correction=t(correction) if correction is not None else None))
 
 
 def grouped_router(n_experts: int, hidden: int, top_k: int, *, weight: str = "weight",
