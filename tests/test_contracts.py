@@ -42,6 +42,9 @@ CONFIGS = {
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
     "minimax_m2": dict(num_experts_per_tok=4, intermediate_size=32, rotary_dim=8),
+    "dots1": dict(n_routed_experts=16, num_local_experts=16, num_experts=16, num_experts_per_tok=4, n_group=4,
+                  topk_group=2, first_k_dense_replace=1, n_shared_experts=2, norm_topk_prob=True,
+                  routed_scaling_factor=2.5, sliding_window=8, max_window_layers=2),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8
