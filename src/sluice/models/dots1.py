@@ -150,7 +150,10 @@ def parse_config(raw: dict) -> Config:
     first_dense = c.int("first_k_dense_replace", 0, lo=0, hi=MAX_LAYERS)
     max_pos = c.pos_int("max_position_embeddings", 2048, hi=MAX_POSITIONS)
     rope = _rope(raw)
-    Rotary(head_dim, rope, max_pos)  # refuses unsupported RoPE types now, at load
+    try:
+        Rotary(head_dim, rope, max_pos)  # refuses unsupported RoPE types now, at load
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"config.json: rope_parameters: {e}") from None
     return Config(
         vocab_size=c.pos_int("vocab_size"),
         hidden_size=hidden,
