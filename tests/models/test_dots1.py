@@ -60,10 +60,12 @@ def test_checkpoint_tensor_names():
         p + "mlp.shared_experts.up_proj.weight": (2816, 4096),
         p + "mlp.shared_experts.down_proj.weight": (4096, 2816)}
     assert {k: v for k, v in desc.spine.items() if not k.startswith("model.layers.")} == {
-        "model.embed_tokens.weight": (152064, 4096), "model.norm.weight": (4096,), "lm_head.weight": (152064, 4096)}
+        "model.embed_tokens.weight": (152064, 4096), "model.norm.weight": (4096,),
+        "lm_head.weight": (152064, 4096)}
     refs = {role: (r.name, tuple(r.shape)) for role, r in desc.expert_tensors(7, 127).items()}
     e = p + "mlp.experts.127."
-    assert refs == {"gate": (e + "gate_proj.weight", (1408, 4096)), "up": (e + "up_proj.weight", (1408, 4096)),
+    assert refs == {"gate": (e + "gate_proj.weight", (1408, 4096)),
+                    "up": (e + "up_proj.weight", (1408, 4096)),
                     "down": (e + "down_proj.weight", (4096, 1408))}
     assert desc.moe_layers == list(range(1, 62)) and desc.top_k == 6 and desc.n_experts == 128
     assert desc.window_bytes_per_token == 0  # no sliding layer on the released models
@@ -76,8 +78,10 @@ def test_names_match_what_transformers_saves(family_models):
     path = family_models.hf("dots1", "f32")
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         saved = set(f.keys())
-    assert {"model.layers.1.mlp.experts.15.down_proj.weight", "model.layers.2.mlp.gate.e_score_correction_bias",
-            "model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.0.mlp.gate_proj.weight"} <= saved
+    assert {"model.layers.1.mlp.experts.15.down_proj.weight",
+            "model.layers.2.mlp.gate.e_score_correction_bias",
+            "model.layers.1.mlp.shared_experts.up_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight"} <= saved
     desc = d1.describe(d1.parse_config(json.loads((path / "config.json").read_text())))
     experts = {r.name for layer in desc.moe_layers for e in range(desc.n_experts)
                for r in desc.expert_tensors(layer, e).values()}
@@ -108,8 +112,8 @@ def test_released_config_shape_against_transformers(family_models, tmp_path):
     cfg = json.loads((dst / "config.json").read_text())
     theta = cfg.pop("rope_parameters")["rope_theta"]
     del cfg["layer_types"]
-    cfg.update(rope_theta=theta, rope_scaling=None, sliding_window=4, max_window_layers=1, scoring_func="sigmoid",
-               use_sliding_window=False)
+    cfg.update(rope_theta=theta, rope_scaling=None, sliding_window=4, max_window_layers=1,
+               scoring_func="sigmoid", use_sliding_window=False)
     (dst / "config.json").write_text(json.dumps(cfg))
     parsed = d1.parse_config(cfg)
     assert parsed.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
@@ -121,7 +125,8 @@ def test_released_config_shape_against_transformers(family_models, tmp_path):
 VARIANTS = {
     # q/k/v/o biases, tied embeddings, every layer MoE, no renormalisation, one group
     "biases_tied_no_dense": (dict(attention_bias=True, tie_word_embeddings=True, first_k_dense_replace=0,
-                                  norm_topk_prob=False, n_group=1, topk_group=1, routed_scaling_factor=1.0), 0),
+                                  norm_topk_prob=False, n_group=1, topk_group=1,
+                                  routed_scaling_factor=1.0), 0),
     # explicit layer_types (sliding, full, sliding; window 4); head_dim 8, not hidden / heads
     "layer_types_head_dim": (dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                   sliding_window=4, head_dim=8), 0),
@@ -147,7 +152,8 @@ def test_config_variants_against_transformers(variant, tmp_path):
 
 def test_config_fields():
     cfg = d1.parse_config(DOTS1_CONFIG)
-    assert (cfg.head_dim, cfg.rope["rope_theta"], cfg.n_shared_experts, cfg.routed_scaling_factor) == (128, 1e7, 2, 2.5)
+    assert (cfg.head_dim, cfg.rope["rope_theta"], cfg.n_shared_experts) == (128, 1e7, 2)
+    assert cfg.routed_scaling_factor == 2.5
     assert cfg.layer_types == ["full_attention"] * 62 and cfg.sliding_window is None
     assert (cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.moe_layers[0]) == (1, 1, True, 1)
     # null groups (as some converted configs have; transformers would fail on them) are one group
@@ -156,7 +162,8 @@ def test_config_fields():
     absent = {k: v for k, v in DOTS1_CONFIG.items() if k != "sliding_window"}
     assert d1.parse_config(absent).layer_types == ["full_attention"] * 62
     late = d1.parse_config(dict(absent, max_window_layers=60))
-    assert late.sliding_window == 4096 and late.layer_types[59:] == ["full_attention"] + ["sliding_attention"] * 2
+    assert late.sliding_window == 4096
+    assert late.layer_types[59:] == ["full_attention"] + ["sliding_attention"] * 2
     assert d1.parse_config(dict(DOTS1_CONFIG, first_k_dense_replace=62)).moe_layers == []
     with pytest.raises(UnsupportedModelError, match="quantization_config"):
         d1.parse_config(dict(DOTS1_CONFIG, quantization_config={"quant_method": "compressed-tensors"}))
