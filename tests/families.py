@@ -161,6 +161,13 @@ REGISTRY: dict[str, Family] = {
         num_hidden_layers=4, moe_layer_start_index=1, moe_layer_end_index=3, moe_layer_interval=2,
         num_experts_per_tok=4, moe_num_shared_experts=1, moe_norm_min=0.8, use_bias=True),
         seed=0, post=_norms_biases_and_correction_bias),
+    # full, full, sliding (window 8, max_window_layers 2); layer 0 dense; 16 experts in 4 groups,
+    # 2 kept, top-4, renormalised and scaled by 2.5; two shared experts; random norm weights
+    # (q/k norms per head) and correction bias
+    "dots1": Family("dots1", dict(
+        n_routed_experts=16, num_local_experts=16, num_experts=16, num_experts_per_tok=4, n_group=4,
+        topk_group=2, first_k_dense_replace=1, n_shared_experts=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        sliding_window=8, max_window_layers=2), seed=0, post=_norms_and_correction_bias),
 }
 FAMILY_NAMES = list(REGISTRY)
 

@@ -49,6 +49,9 @@ CONFIGS = {
                      use_qk_norm=True),
     "ernie4_5_moe": dict(num_experts_per_tok=4, num_hidden_layers=4, moe_layer_start_index=1, moe_layer_interval=2,
                          moe_num_shared_experts=1, moe_norm_min=0.8, use_bias=True),
+    "dots1": dict(n_routed_experts=16, num_local_experts=16, num_experts=16, num_experts_per_tok=4, n_group=4,
+                  topk_group=2, first_k_dense_replace=1, n_shared_experts=2, norm_topk_prob=True,
+                  routed_scaling_factor=2.5, sliding_window=8, max_window_layers=2),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8
