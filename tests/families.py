@@ -115,6 +115,13 @@ REGISTRY: dict[str, Family] = {
     # and correction bias; block-FP8 attention and experts as the checkpoints ship them
     "minimax_m2": Family("minimax_m2", dict(intermediate_size=32, rotary_dim=8, num_experts_per_tok=4),
                          seed=0, post=_norms_and_correction_bias, native="fp8"),
+    # every layer MoE with an always-on shared MLP; q/k norm per head AFTER RoPE (random norm
+    # weights); NTK-alpha RoPE as the checkpoints label it ("dynamic" with an alpha); q/k/v/o
+    # biases; softmax top-4 of 8 renormalised
+    "hunyuan_v1_moe": Family("hunyuan_v1_moe", dict(
+        intermediate_size=32, moe_intermediate_size=32, num_experts_per_tok=4, attention_bias=True,
+        rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}),
+        seed=1, post=_norms_and_correction_bias),
 }
 FAMILY_NAMES = list(REGISTRY)
 

@@ -174,7 +174,8 @@ class Attention:
     """Standard GQA self-attention: projections, optional q/k norms, RoPE, KV cache.
 
     ``qk_norm``: None; ``"head"`` (RMSNorm over each head, Qwen3); ``"full"`` (RMSNorm over
-    the whole projection before splitting heads, OLMoE).
+    the whole projection before splitting heads, OLMoE). ``norm_after_rope``: the per-head
+    norms apply to the rotated q/k (Hunyuan) instead of before RoPE.
     """
 
     def __init__(
@@ -199,11 +200,13 @@ class Attention:
         window: int | None = None,
         sinks: torch.Tensor | None = None,
         scale: float | None = None,
+        norm_after_rope: bool = False,
     ):
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.bq, self.bk, self.bv, self.bo = bq, bk, bv, bo
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
         self.qk_norm = qk_norm
+        self.norm_after_rope = norm_after_rope
         self.q_norm = RMSNorm(q_norm, norm_eps) if q_norm is not None else None
         self.k_norm = RMSNorm(k_norm, norm_eps) if k_norm is not None else None
         self.clip_qkv = clip_qkv
@@ -241,10 +244,12 @@ class Attention:
         q = q.view(t, self.n_heads, self.head_dim)
         k = k.view(t, self.n_kv, self.head_dim)
         v = v.view(t, self.n_kv, self.head_dim)
-        if self.qk_norm == "head":
+        if self.qk_norm == "head" and not self.norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
+        if self.qk_norm == "head" and self.norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         o = self.attend_segments(q, k, v, segs)
         return linear(o.reshape(t, -1), self.wo, self.bo)
 

@@ -34,20 +34,24 @@ def _kv_state(n_kv: int, head_dim: int, window: int | None) -> dict[str, int]:
 
 def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *, bias: bool = False,
               qk_norm: str | None = None, window: int | None = None, clip_qkv: float | None = None,
-              sinks: bool = False, bias_in_tail: bool = False, prefix: str = "self_attn.") -> Part:
+              sinks: bool = False, bias_in_tail: bool = False, prefix: str = "self_attn.",
+              norm_names: tuple[str, str] = ("q_norm", "k_norm"), norm_after_rope: bool = False) -> Part:
     """GQA (``layers.attention.Attention``); ``qk_norm``: None, "head" (per head) or "full" (whole
-    projection); ``bias_in_tail``: the biases are listed after the layer's other tensors (GPT-OSS).
+    projection), the norms named ``norm_names`` (Hunyuan: query_layernorm, key_layernorm) and,
+    with ``norm_after_rope``, applied to the rotated heads; ``bias_in_tail``: the biases are listed
+    after the layer's other tensors (GPT-OSS).
     The projections are linears (``Lin``): a family's weight format (block FP8) applies to them."""
     nq, nkv = n_heads * head_dim, n_kv * head_dim
     p = prefix
+    qn, kn = p + norm_names[0] + ".weight", p + norm_names[1] + ".weight"
     tensors = {p + "q_proj": Lin((nq, hidden)), p + "k_proj": Lin((nkv, hidden)),
                p + "v_proj": Lin((nkv, hidden)), p + "o_proj": Lin((hidden, nq))}
     if sinks:
         tensors[p + "sinks"] = (n_heads,)
     if qk_norm == "head":
-        tensors.update({p + "q_norm.weight": (head_dim,), p + "k_norm.weight": (head_dim,)})
+        tensors.update({qn: (head_dim,), kn: (head_dim,)})
     elif qk_norm == "full":
-        tensors.update({p + "q_norm.weight": (nq,), p + "k_norm.weight": (nkv,)})
+        tensors.update({qn: (nq,), kn: (nkv,)})
     biases = {p + "q_proj.bias": (nq,), p + "k_proj.bias": (nkv,), p + "v_proj.bias": (nkv,),
               p + "o_proj.bias": (hidden,)} if bias else {}
     extra = {}
@@ -57,11 +61,13 @@ def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *
         extra["clip_qkv"] = clip_qkv
     if qk_norm is not None:
         extra.update(qk_norm=qk_norm, norm_eps=eps)
+    if norm_after_rope:
+        extra["norm_after_rope"] = True
 
     def make(t):
         kw = dict(extra)
         if qk_norm is not None:
-            kw.update(q_norm=t(p + "q_norm.weight"), k_norm=t(p + "k_norm.weight"))
+            kw.update(q_norm=t(qn), k_norm=t(kn))
         if sinks:
             kw["sinks"] = t(p + "sinks")
         return Attention(wq=t.lin(p + "q_proj"), wk=t.lin(p + "k_proj"), wv=t.lin(p + "v_proj"),
