@@ -42,6 +42,9 @@ CONFIGS = {
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
     "minimax_m2": dict(num_experts_per_tok=4, intermediate_size=32, rotary_dim=8),
+    "hunyuan_v1_moe": dict(num_experts_per_tok=4, intermediate_size=32, moe_intermediate_size=32, attention_bias=True,
+                           rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                            "rope_theta": 10000.0}),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8
