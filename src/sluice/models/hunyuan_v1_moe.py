@@ -123,7 +123,10 @@ def _rope(c: RawConfig, raw: dict, head_dim: int, max_pos: int) -> dict:
                           "an alpha)")
     if rope["rope_type"] in ("dynamic", "ntk_alpha") and head_dim <= 2:
         raise UnsupportedModelError(f"config.json: head_dim={head_dim} is too small for NTK RoPE (needs > 2)")
-    Rotary(head_dim, rope, max_pos, ntk=True)  # refuses unsupported RoPE types now, at load
+    try:
+        Rotary(head_dim, rope, max_pos, ntk=True)  # refuses unsupported RoPE types now, at load
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"config.json: {e}") from None
     return rope
 
 
