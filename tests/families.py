@@ -168,6 +168,13 @@ REGISTRY: dict[str, Family] = {
         n_routed_experts=16, num_local_experts=16, num_experts=16, num_experts_per_tok=4, n_group=4,
         topk_group=2, first_k_dense_replace=1, n_shared_experts=2, norm_topk_prob=True, routed_scaling_factor=2.5,
         sliding_window=8, max_window_layers=2), seed=0, post=_norms_and_correction_bias),
+    # every layer MoE with an always-on shared MLP; q/k norm per head AFTER RoPE (random norm
+    # weights); NTK-alpha RoPE as the checkpoints label it ("dynamic" with an alpha); q/k/v/o
+    # biases; softmax top-4 of 8 renormalised
+    "hunyuan_v1_moe": Family("hunyuan_v1_moe", dict(
+        intermediate_size=32, moe_intermediate_size=32, num_experts_per_tok=4, attention_bias=True,
+        rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}),
+        seed=1, post=_norms_and_correction_bias),
 }
 FAMILY_NAMES = list(REGISTRY)
 

@@ -52,6 +52,9 @@ CONFIGS = {
     "dots1": dict(n_routed_experts=16, num_local_experts=16, num_experts=16, num_experts_per_tok=4, n_group=4,
                   topk_group=2, first_k_dense_replace=1, n_shared_experts=2, norm_topk_prob=True,
                   routed_scaling_factor=2.5, sliding_window=8, max_window_layers=2),
+    "hunyuan_v1_moe": dict(num_experts_per_tok=4, intermediate_size=32, moe_intermediate_size=32, attention_bias=True,
+                           rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                            "rope_theta": 10000.0}),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8

@@ -147,6 +147,7 @@ FAMILY_KEYS = {  # family -> (tiny config overrides, its top-k key)
     "glm4_moe": ({"n_routed_experts": 8, "n_group": 1, "topk_group": 1}, "num_experts_per_tok"),
     "ernie4_5_moe": ({}, "moe_k"),
     "dots1": ({"n_shared_experts": 1}, "num_experts_per_tok"),
+    "hunyuan_v1_moe": ({"intermediate_size": 32, "moe_intermediate_size": 32}, "moe_topk"),
 }
 FAMILY_EDITS = {
     "top_k_zero": lambda raw, k: ({k: 0}, f"{k}=0"),

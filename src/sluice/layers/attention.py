@@ -178,7 +178,8 @@ class Attention:
     width when it differs from ``head_dim`` (the output projection reads Hq x Dv);
     ``v_scale``: a constant the values are multiplied by before they are cached (MiMo-V2-Flash).
     ``rope``: ``"half"`` (rotate-half, the first ``d`` dims) or ``"pairs"`` (GPT-J pairs over the
-    whole head, ERNIE-4.5).
+    whole head, ERNIE-4.5). ``norm_after_rope``: the per-head norms apply to the rotated q/k
+    (Hunyuan) instead of before RoPE.
     """
 
     def __init__(
@@ -206,11 +207,13 @@ class Attention:
         v_head_dim: int | None = None,
         v_scale: float | None = None,
         rope: str = "half",
+        norm_after_rope: bool = False,
     ):
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.bq, self.bk, self.bv, self.bo = bq, bk, bv, bo
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
         self.qk_norm = qk_norm
+        self.norm_after_rope = norm_after_rope
         self.q_norm = RMSNorm(q_norm, norm_eps) if q_norm is not None else None
         self.k_norm = RMSNorm(k_norm, norm_eps) if k_norm is not None else None
         self.clip_qkv = clip_qkv
@@ -256,10 +259,12 @@ class Attention:
         v = v.view(t, self.n_kv, self.v_head_dim)
         if self.v_scale is not None:
             v = v * self.v_scale
-        if self.qk_norm == "head":
+        if self.qk_norm == "head" and not self.norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.rotate(q, cos, sin)
         k = self.rotate(k, cos, sin)
+        if self.qk_norm == "head" and self.norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         o = self.attend_segments(q, k, v, segs)
         return linear(o.reshape(t, -1), self.wo, self.bo)
 

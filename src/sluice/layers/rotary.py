@@ -11,6 +11,12 @@ from ..errors import ConfigError, UnsupportedModelError
 from .pointwise import pointwise
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# NTK-aware base stretching, accepted only by families that ask for it (``Rotary(..., ntk=True)``):
+# "ntk_alpha" stretches the base by ``alpha ** (d / (d - 2))`` (Hunyuan, whose checkpoints label
+# it "dynamic" with an ``alpha``); "dynamic" (dynamic NTK) rescales the base by the sequence
+# length once it exceeds ``max_position_embeddings``. Sluice never runs a context beyond that
+# limit, so the frequencies of every position are the ones transformers computes at init.
+NTK_ROPE_TYPES = ("dynamic", "ntk_alpha")
 
 
 def rope_parameters(cfg: dict) -> dict:
@@ -35,15 +41,18 @@ def rope_parameters(cfg: dict) -> dict:
 class Rotary:
     """cos/sin tables for positions; ``dim`` is the rotated part of the head dimension."""
 
-    def __init__(self, head_dim: int, params: dict, max_position_embeddings: int | None = None):
+    def __init__(self, head_dim: int, params: dict, max_position_embeddings: int | None = None, ntk: bool = False):
         rope_type = params.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        supported = SUPPORTED_ROPE_TYPES + (NTK_ROPE_TYPES if ntk else ())
+        if rope_type not in supported:
             raise UnsupportedModelError(
-                f"RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                f"RoPE type {rope_type!r} is not supported (supported: {', '.join(supported)})"
             )
         base = float(params["rope_theta"])
         self.dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         self.attention_scaling = 1.0
+        if rope_type in NTK_ROPE_TYPES:
+            base = _ntk_base(base, self.dim, rope_type, params, max_position_embeddings)
         inv = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim))
         if rope_type == "linear":
             inv = inv / params["factor"]
@@ -105,6 +114,18 @@ def apply_rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     s = sin[:, None, : d // 2].repeat_interleave(2, dim=-1)
     rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
     return x * c + rotated * s
+
+
+def _ntk_base(base: float, dim: int, rope_type: str, p: dict, max_pos: int | None) -> float:
+    """The stretched RoPE base of the NTK types (in the order transformers computes it, in double)."""
+    if dim <= 2:
+        raise UnsupportedModelError(f"RoPE type {rope_type!r} needs more than 2 rotated dims, got {dim}")
+    if rope_type == "ntk_alpha":
+        return base * p["alpha"] ** (dim / (dim - 2))
+    if max_pos is None:
+        raise UnsupportedModelError("RoPE type 'dynamic' needs max_position_embeddings")
+    factor, seq_len = p["factor"], max_pos  # the longest context Sluice runs
+    return base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
 
 
 def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:

@@ -36,25 +36,29 @@ def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *
               qk_norm: str | None = None, window: int | None = None, clip_qkv: float | None = None,
               sinks: bool = False, bias_in_tail: bool = False, prefix: str = "self_attn.",
               v_head_dim: int | None = None, v_scale: float | None = None, sinks_name: str = "sinks",
-              o_bias: bool = True, rope: str = "half") -> Part:
+              o_bias: bool = True, rope: str = "half", norm_names: tuple[str, str] = ("q_norm", "k_norm"),
+              norm_after_rope: bool = False) -> Part:
     """GQA (``layers.attention.Attention``); ``qk_norm``: None, "head" (per head) or "full" (whole
-    projection); ``bias_in_tail``: the biases are listed after the layer's other tensors (GPT-OSS);
-    ``v_head_dim``: value heads narrower or wider than ``head_dim`` (v_proj [Hkv x Dv, H], o_proj
-    [H, Hq x Dv]); ``v_scale``: the values' constant factor; ``sinks_name``: the learned sinks'
-    tensor name; ``o_bias``: with ``bias``, o_proj has one too (MiMo-V2-Flash's has none);
-    ``rope``: "half" (rotate-half) or "pairs" (GPT-J pairs, ERNIE-4.5). The projections are
-    linears (``Lin``): a family's weight format (block FP8) applies to them."""
+    projection), the norms named ``norm_names`` (Hunyuan: query_layernorm, key_layernorm) and,
+    with ``norm_after_rope``, applied to the rotated heads; ``bias_in_tail``: the biases are listed
+    after the layer's other tensors (GPT-OSS); ``v_head_dim``: value heads narrower or wider than
+    ``head_dim`` (v_proj [Hkv x Dv, H], o_proj [H, Hq x Dv]); ``v_scale``: the values' constant
+    factor; ``sinks_name``: the learned sinks' tensor name; ``o_bias``: with ``bias``, o_proj has
+    one too (MiMo-V2-Flash's has none); ``rope``: "half" (rotate-half) or "pairs" (GPT-J pairs,
+    ERNIE-4.5). The projections are linears (``Lin``): a family's weight format (block FP8)
+    applies to them."""
     dv = v_head_dim or head_dim
     nq, nkv, nv, no = n_heads * head_dim, n_kv * head_dim, n_kv * dv, n_heads * dv
     p = prefix
+    qn, kn = p + norm_names[0] + ".weight", p + norm_names[1] + ".weight"
     tensors = {p + "q_proj": Lin((nq, hidden)), p + "k_proj": Lin((nkv, hidden)),
                p + "v_proj": Lin((nv, hidden)), p + "o_proj": Lin((hidden, no))}
     if sinks:
         tensors[p + sinks_name] = (n_heads,)
     if qk_norm == "head":
-        tensors.update({p + "q_norm.weight": (head_dim,), p + "k_norm.weight": (head_dim,)})
+        tensors.update({qn: (head_dim,), kn: (head_dim,)})
     elif qk_norm == "full":
-        tensors.update({p + "q_norm.weight": (nq,), p + "k_norm.weight": (nkv,)})
+        tensors.update({qn: (nq,), kn: (nkv,)})
     biases = {p + "q_proj.bias": (nq,), p + "k_proj.bias": (nkv,), p + "v_proj.bias": (nv,)} if bias else {}
     if bias and o_bias:
         biases[p + "o_proj.bias"] = (hidden,)
@@ -69,11 +73,13 @@ def attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: float, *
         extra["clip_qkv"] = clip_qkv
     if qk_norm is not None:
         extra.update(qk_norm=qk_norm, norm_eps=eps)
+    if norm_after_rope:
+        extra["norm_after_rope"] = True
 
     def make(t):
         kw = dict(extra)
         if qk_norm is not None:
-            kw.update(q_norm=t(p + "q_norm.weight"), k_norm=t(p + "k_norm.weight"))
+            kw.update(q_norm=t(qn), k_norm=t(kn))
         if sinks:
             kw["sinks"] = t(p + sinks_name)
         return Attention(wq=t.lin(p + "q_proj"), wk=t.lin(p + "k_proj"), wv=t.lin(p + "v_proj"),
