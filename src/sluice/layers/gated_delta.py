@@ -110,7 +110,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def causal_conv(x: torch.Tensor, window: torch.Tensor | None, weight: torch.Tensor, act) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv(x: torch.Tensor, window: torch.Tensor | None, weight: torch.Tensor, act
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution then activation. x [T, C]; window [C, K-1] or None (zeros);
     weight [C, K] fp32. Returns (y [T, C], new window [C, K-1])."""
     t, c = x.shape

@@ -78,8 +78,8 @@ def parse_config(raw: dict, *, dense_layers: bool = True, where: str = "config.j
     ``decoder_sparse_step`` nor ``norm_topk_prob``; its family refuses them)."""
     c = RawConfig(raw, where)
     if raw.get("quantization_config") is not None:
-        method = (raw["quantization_config"] or {}).get("quant_method") if isinstance(raw["quantization_config"], dict) \
-            else None
+        q = raw["quantization_config"]
+        method = q.get("quant_method") if isinstance(q, dict) else None
         raise UnsupportedModelError(f"{where}: quantized checkpoints (quantization_config, quant_method="
                                     f"{method!r}) are not supported for {MODEL_TYPE}; use the bf16/fp16/fp32 weights")
     n_layers = c.layers()
