@@ -134,7 +134,7 @@ REGISTRY: dict[str, Family] = {
         shared_expert_intermediate_size=48, num_experts_per_tok=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
-        seed=0, post=_norms_and_correction_bias, wrapper=dict(vision_config=dict(
+        seed=6, post=_norms_and_correction_bias, wrapper=dict(vision_config=dict(
             depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64, patch_size=4,
             num_position_embeddings=16))),
 }
