@@ -42,6 +42,10 @@ CONFIGS = {
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
     "minimax_m2": dict(num_experts_per_tok=4, intermediate_size=32, rotary_dim=8),
+    # Qwen3.5's text model alone (its wrapper runs in the fidelity matrix)
+    "qwen3_5_moe_text": dict(num_experts_per_tok=4, layer_types=HYBRID, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                             shared_expert_intermediate_size=48),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8
@@ -286,7 +290,8 @@ def test_poisoned_buffers_catch_a_build_time_derivation(family_model, monkeypatc
         self.conv_weight = lambda: frozen
 
     monkeypatch.setattr(GatedDeltaNet, "__init__", derive_at_build)
-    eng = _load(family_model("qwen3_next", "bfloat16"), max_resident_layers=0, debug=sluice.DebugOptions(poison_stream_buffers=True))
+    eng = _load(family_model("qwen3_next", "bfloat16"), max_resident_layers=0,
+        debug=sluice.DebugOptions(poison_stream_buffers=True))
     try:
         assert torch.isnan(eng.forward(prompt_ids())).all()
     finally:
@@ -317,7 +322,8 @@ def test_streamed_block_fp8_is_bit_identical(family_model, tmp_path, scale_dtype
                                   "weight_block_size": [16, 16]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     ids = prompt_ids()
-    resident, streamed = _load(tmp_path), _load(tmp_path, max_resident_layers=0, debug=sluice.DebugOptions(poison_stream_buffers=True))
+    resident, streamed = _load(tmp_path), _load(tmp_path, max_resident_layers=0,
+        debug=sluice.DebugOptions(poison_stream_buffers=True))
     try:
         want = resident.forward(ids)
         assert torch.isfinite(want).all()

@@ -374,7 +374,7 @@ def test_two_ahead_reads_start_before_the_layers_router(family_models):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "kimi_linear", "deepseek_v3",
-                                    "gpt_oss", "minimax_m2"])
+                                    "gpt_oss", "minimax_m2", "qwen3_5_moe"])
 def test_gate_and_two_ahead_leave_logits_bit_identical(family_models, family):
     """Every family: prefetch with the gate and two layers ahead (and the gate off) at a cache of
     about one token's working set gives the same logits and tokens as no prefetch."""
@@ -425,5 +425,6 @@ def test_finished_reads_are_not_kept():
     p, pool = _provider(slots=4)
     for t in range(300):
         p.begin(DECODE)
-        p.moe(t % 8, torch.zeros(1, 1), torch.tensor([[t % 16]]), torch.ones(1, 1), DECODE)  # demand reads finish at once
+        # demand reads finish at once
+        p.moe(t % 8, torch.zeros(1, 1), torch.tensor([[t % 16]]), torch.ones(1, 1), DECODE)
     assert len(p._inflight) <= 257 and p.in_flight() == 0

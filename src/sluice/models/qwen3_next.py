@@ -146,7 +146,10 @@ def parse_config(raw: dict, *, dense_layers: bool = True, where: str = "config.j
         rope=rope,
         raw=raw,
     )
-    Rotary(cfg.head_dim, rope, cfg.max_position_embeddings)  # refuse an unknown RoPE type at load, not at build
+    try:  # refuse an unknown RoPE type at load, not at build
+        Rotary(cfg.head_dim, rope, cfg.max_position_embeddings)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{where}: rope_parameters: {e}") from None
     return cfg
 
 
