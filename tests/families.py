@@ -74,8 +74,9 @@ def _norms_biases_and_correction_bias(model) -> None:
 
 
 def _correction_bias(model) -> None:
+    inner = getattr(model.model, "language_model", model.model)  # a multimodal wrapper's text model
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in inner.layers:
             bias = correction_bias(layer.mlp)
             if bias is not None:
                 bias.copy_(0.3 * torch.randn_like(bias))
@@ -88,11 +89,19 @@ class Family:
     seed: int = 0
     post: Callable | None = None  # model -> None, after from_config (seeded), before saving
     native: str | None = None  # a native quantized source format built from the f32 checkpoint
+    # a multimodal wrapper (as the family's checkpoints are published): its own config keys; the
+    # text model's config (BASE, overrides) is its text_config and the checkpoint is saved from
+    # the image-text model, whose text weights transformers' causal LM reads (the reference)
+    wrapper: dict | None = None
 
     def config(self, **extra):
         from transformers import AutoConfig
 
-        return AutoConfig.for_model(self.model_type, **{**BASE, **copy.deepcopy(self.overrides), **extra})
+        text = {**BASE, **copy.deepcopy(self.overrides), **extra}
+        if self.wrapper is None:
+            return AutoConfig.for_model(self.model_type, **text)
+        return AutoConfig.for_model(self.model_type, text_config=text, initializer_range=text["initializer_range"],
+                                    **copy.deepcopy(self.wrapper))
 
     @property
     def top_k(self) -> int:
@@ -175,6 +184,19 @@ REGISTRY: dict[str, Family] = {
         intermediate_size=32, moe_intermediate_size=32, num_experts_per_tok=4, attention_bias=True,
         rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}),
         seed=1, post=_norms_and_correction_bias),
+    # the published multimodal wrapper (text under model.language_model., a tiny vision tower
+    # never read); linear, full, linear attention with split GDN projections, GQA in both kinds
+    # (2 key / 4 value heads); every layer MoE with a sigmoid-gated shared expert, top-4 of 8;
+    # partial rotary 0.5 with interleaved MRoPE sections; random norm weights
+    "qwen3_5_moe": Family("qwen3_5_moe", dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        shared_expert_intermediate_size=48, num_experts_per_tok=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+        seed=6, post=_norms_and_correction_bias, wrapper=dict(vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64, patch_size=4,
+            num_position_embeddings=16))),
 }
 FAMILY_NAMES = list(REGISTRY)
 
@@ -198,6 +220,8 @@ def save_family(path: Path, family: str, dtype=torch.float32, seed: int | None =
 
     fam = REGISTRY[family]
     torch.manual_seed(fam.seed if seed is None else seed)
+    if fam.wrapper is not None:
+        from transformers import AutoModelForImageTextToText as AutoModelForCausalLM  # noqa: N814
     model = AutoModelForCausalLM.from_config(fam.config(**extra)).eval()
     if fam.post is not None:
         fam.post(model)

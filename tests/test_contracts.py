@@ -55,6 +55,10 @@ CONFIGS = {
     "hunyuan_v1_moe": dict(num_experts_per_tok=4, intermediate_size=32, moe_intermediate_size=32, attention_bias=True,
                            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                             "rope_theta": 10000.0}),
+    # Qwen3.5's text model alone (its wrapper runs in the fidelity matrix)
+    "qwen3_5_moe_text": dict(num_experts_per_tok=4, layer_types=HYBRID, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                             shared_expert_intermediate_size=48),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8

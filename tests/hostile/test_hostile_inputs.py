@@ -148,6 +148,7 @@ FAMILY_KEYS = {  # family -> (tiny config overrides, its top-k key)
     "ernie4_5_moe": ({}, "moe_k"),
     "dots1": ({"n_shared_experts": 1}, "num_experts_per_tok"),
     "hunyuan_v1_moe": ({"intermediate_size": 32, "moe_intermediate_size": 32}, "moe_topk"),
+    "qwen3_5_moe_text": ({}, "num_experts_per_tok"),  # the wrapper: tests/hostile/test_hostile_configs_qwen3_5_moe.py
 }
 FAMILY_EDITS = {
     "top_k_zero": lambda raw, k: ({k: 0}, f"{k}=0"),

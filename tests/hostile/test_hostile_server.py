@@ -140,7 +140,13 @@ BAD_BODIES = {
     "unknown_role": (b'{"model": "tiny-chat", "messages": [{"role": "wizard", "content": "hi"}]}', "messages",
                      ("role",)),
     "image_content_part": (b'{"model": "tiny-chat", "messages": [{"role": "user", "content": '
-                           b'[{"type": "image_url", "image_url": {"url": "x"}}]}]}', "messages", ("image_url",)),
+                           b'[{"type": "image_url", "image_url": {"url": "x"}}]}]}', "messages",
+                           ("image_url", "text model only")),
+    "video_content_part": (b'{"model": "tiny-chat", "messages": [{"role": "user", "content": [{"type": "text", '
+                           b'"text": "what is this?"}, {"type": "video_url", "video_url": {"url": "x"}}]}]}',
+                           "messages", ("video_url", "images, video")),
+    "image_part_qwen_style": (b'{"model": "tiny-chat", "messages": [{"role": "user", "content": '
+                              b'[{"type": "image", "image": "x.png"}]}]}', "messages", ("'image'", "text model only")),
     "model_not_a_string": (b'{"model": 7, "messages": [{"role": "user", "content": "hi"}]}', "model", ("model",)),
 }
 

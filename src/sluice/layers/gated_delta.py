@@ -110,7 +110,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def causal_conv(x: torch.Tensor, window: torch.Tensor | None, weight: torch.Tensor, act) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv(x: torch.Tensor, window: torch.Tensor | None, weight: torch.Tensor, act
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution then activation. x [T, C]; window [C, K-1] or None (zeros);
     weight [C, K] fp32. Returns (y [T, C], new window [C, K-1])."""
     t, c = x.shape
@@ -285,10 +286,9 @@ class GatedDeltaNet(_LinearAttention):
         w = self.conv
         return w.float().reshape(w.shape[0], -1)  # a view for fp32 weights, an upcast per call otherwise
 
-    def segments(self, x: torch.Tensor, segs: list[tuple[int, int, int, LinearState]], cos=None, sin=None
-                 ) -> torch.Tensor:
-        """Rows of several sequences (first row, end row, start position, state): projections on all
-        rows at once, the conv window and the recurrence per sequence on its own state."""
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q/k/v concatenated [T, C], z [T, H, Dv], b [T, H], a [T, H]) from the fused projections,
+        whose rows are grouped per key head: each group's q, k, v, z (and b, a) together."""
         t = x.shape[0]
         nk, r, dk, dv = self.n_k, self.n_v // self.n_k, self.dk, self.dv
         qkvz = linear(x, self.w_qkvz).view(t, nk, 2 * dk + 2 * r * dv)
@@ -296,6 +296,15 @@ class GatedDeltaNet(_LinearAttention):
         ba = linear(x, self.w_ba).view(t, nk, 2 * r)
         b, a = ba[..., :r].reshape(t, self.n_v), ba[..., r:].reshape(t, self.n_v)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, self.n_v, dv), b, a
+
+    def segments(self, x: torch.Tensor, segs: list[tuple[int, int, int, LinearState]], cos=None, sin=None
+                 ) -> torch.Tensor:
+        """Rows of several sequences (first row, end row, start position, state): projections on all
+        rows at once, the conv window and the recurrence per sequence on its own state."""
+        t = x.shape[0]
+        nk, r, dk, dv = self.n_k, self.n_v // self.n_k, self.dk, self.dv
+        mixed, z, b, a = self._project(x)
         mixed, windows = self._mix(mixed, segs)
         kd = nk * dk
         q = mixed[:, :kd].view(t, nk, dk)
@@ -308,8 +317,25 @@ class GatedDeltaNet(_LinearAttention):
         beta = pointwise(torch.sigmoid, b)
         g = self.neg_a * pointwise(F.softplus, a + self.dt_bias)
         o = self._recur(q, k, v, g, beta, segs, windows)
-        o = gated_rms_norm(o, z.reshape(t, self.n_v, dv), self.norm_weight, self.eps, F.silu)
+        o = gated_rms_norm(o, z, self.norm_weight, self.eps, F.silu)
         return linear(o.reshape(t, -1), self.w_out)
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's Gated DeltaNet: the same layer with one projection each for q/k/v (rows: every
+    key head's q, then every k, then every value head's v: the conv's channel order), z [H*Dv],
+    b [H] and a [H] (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``)."""
+
+    def __init__(self, *, w_qkv, w_z, w_b, w_a, conv_weight, a_log, dt_bias, norm_weight, w_out,
+                 n_k: int, n_v: int, dk: int, dv: int, act: str, eps: float):
+        super().__init__(w_qkvz=None, w_ba=None, conv_weight=conv_weight, a_log=a_log, dt_bias=dt_bias,
+                         norm_weight=norm_weight, w_out=w_out, n_k=n_k, n_v=n_v, dk=dk, dv=dv, act=act, eps=eps)
+        self.w_qkv, self.w_z, self.w_b, self.w_a = w_qkv, w_z, w_b, w_a
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = x.shape[0]
+        return (linear(x, self.w_qkv), linear(x, self.w_z).view(t, self.n_v, self.dv), linear(x, self.w_b),
+                linear(x, self.w_a))
 
 
 class KimiDeltaAttention(_LinearAttention):

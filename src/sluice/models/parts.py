@@ -2,17 +2,19 @@
 (relative to its prefix, shapes from the config), how it is built from them, and its state.
 
 One function per kind: ``rms_norm``, ``attention`` (GQA, optional window, sinks, clipping, q/k
-norms), ``gated_attention`` (Qwen3-Next), ``mla`` (DeepSeek-V3, Kimi Linear), ``gated_delta``
-(Gated DeltaNet), ``kimi_delta`` (KDA), ``gated_mlp``, the routers (``softmax_router``,
-``grouped_router``, ``topk_softmax_router``) and ``moe`` (a router, optional shared experts
-and their gate, the routed experts through the expert interface).
+norms), ``gated_attention`` (Qwen3-Next, Qwen3.5), ``mla`` (DeepSeek-V3, Kimi Linear),
+``gated_delta`` (Gated DeltaNet, fused or split projections), ``kimi_delta`` (KDA),
+``gated_mlp``, the routers (``softmax_router``, ``grouped_router``, ``topk_softmax_router``)
+and ``moe`` (a router, optional shared experts and their gate, the routed experts through the
+expert interface).
 """
 
 from __future__ import annotations
 
 from ..layers.attention import Attention, KVCache, WindowKVCache
 from ..layers.gated_attention import GatedAttention
-from ..layers.gated_delta import DECAY_BLOCK_BYTES, SNAPSHOTS, GatedDeltaNet, KimiDeltaAttention, LinearState
+from ..layers.gated_delta import (DECAY_BLOCK_BYTES, SNAPSHOTS, GatedDeltaNet, KimiDeltaAttention, LinearState,
+                                  SplitGatedDeltaNet)
 from ..layers.mla import MLA, LatentCache
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
@@ -162,19 +164,29 @@ def _recurrent(one: int) -> dict[str, int]:
     return dict(fixed=one * (1 + SNAPSHOTS), transient=4 * one)
 
 
-def gated_delta(hidden: int, *, n_k: int, n_v: int, dk: int, dv: int, kernel: int, act: str, eps: float) -> Part:
-    """Gated DeltaNet (``layers.gated_delta.GatedDeltaNet``) at ``linear_attn.``."""
+def gated_delta(hidden: int, *, n_k: int, n_v: int, dk: int, dv: int, kernel: int, act: str, eps: float,
+                split: bool = False) -> Part:
+    """Gated DeltaNet (``layers.gated_delta.GatedDeltaNet``) at ``linear_attn.``: the fused
+    ``in_proj_qkvz`` / ``in_proj_ba`` (Qwen3-Next), or with ``split`` Qwen3.5's ``in_proj_qkv``,
+    ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (``SplitGatedDeltaNet``)."""
     p, kd, vd = "linear_attn.", n_k * dk, n_v * dv
     channels = 2 * kd + vd
-    tensors = {p + "in_proj_qkvz.weight": (2 * kd + 2 * vd, hidden), p + "in_proj_ba.weight": (2 * n_v, hidden),
-               p + "conv1d.weight": (channels, 1, kernel), p + "A_log": (n_v,), p + "dt_bias": (n_v,),
+    if split:
+        proj = {p + "in_proj_qkv.weight": (channels, hidden), p + "in_proj_z.weight": (vd, hidden),
+                p + "in_proj_b.weight": (n_v, hidden), p + "in_proj_a.weight": (n_v, hidden)}
+    else:
+        proj = {p + "in_proj_qkvz.weight": (2 * kd + 2 * vd, hidden), p + "in_proj_ba.weight": (2 * n_v, hidden)}
+    tensors = {**proj, p + "conv1d.weight": (channels, 1, kernel), p + "A_log": (n_v,), p + "dt_bias": (n_v,),
                p + "norm.weight": (dv,), p + "out_proj.weight": (hidden, vd)}
 
     def make(t):
-        return GatedDeltaNet(w_qkvz=t(p + "in_proj_qkvz.weight"), w_ba=t(p + "in_proj_ba.weight"),
-                             conv_weight=t(p + "conv1d.weight"), a_log=t(p + "A_log"), dt_bias=t(p + "dt_bias"),
-                             norm_weight=t(p + "norm.weight"), w_out=t(p + "out_proj.weight"),
-                             n_k=n_k, n_v=n_v, dk=dk, dv=dv, act=act, eps=eps)
+        common = dict(conv_weight=t(p + "conv1d.weight"), a_log=t(p + "A_log"), dt_bias=t(p + "dt_bias"),
+                      norm_weight=t(p + "norm.weight"), w_out=t(p + "out_proj.weight"),
+                      n_k=n_k, n_v=n_v, dk=dk, dv=dv, act=act, eps=eps)
+        if split:
+            return SplitGatedDeltaNet(w_qkv=t(p + "in_proj_qkv.weight"), w_z=t(p + "in_proj_z.weight"),
+                                      w_b=t(p + "in_proj_b.weight"), w_a=t(p + "in_proj_a.weight"), **common)
+        return GatedDeltaNet(w_qkvz=t(p + "in_proj_qkvz.weight"), w_ba=t(p + "in_proj_ba.weight"), **common)
 
     return Part(tensors, make, **_recurrent(LinearState.nbytes(channels, kernel, n_v, dk, dv)))
 

@@ -8,7 +8,7 @@ Multi-token-prediction weights (``mtp.*``) are not used (transformers ignores th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import UnsupportedModelError
 from ..experts.spec import ExpertSpec
@@ -53,6 +53,10 @@ class Config:
     linear_num_value_heads: int
     rope: dict
     raw: dict
+    model_type: str = MODEL_TYPE
+    split_projections: bool = False  # Qwen3.5: in_proj_qkv/z/b/a instead of in_proj_qkvz/ba
+    text_prefix: str = "model."  # where the text model's tensors are (Qwen3.5's wrapper: model.language_model.)
+    notes: list[str] = field(default_factory=list)  # what the description adds (e.g. weights not read)
 
     @property
     def linear_layers(self) -> list[int]:
@@ -68,12 +72,15 @@ class Config:
             self.linear_num_value_heads * self.linear_value_head_dim
 
 
-def parse_config(raw: dict) -> Config:
-    c = RawConfig(raw)
+def parse_config(raw: dict, *, dense_layers: bool = True, where: str = "config.json") -> Config:
+    """``dense_layers=False``: every layer is an MoE block and the top-k weights are always
+    renormalised (Qwen3.5, which has no ``intermediate_size``, ``mlp_only_layers``,
+    ``decoder_sparse_step`` nor ``norm_topk_prob``; its family refuses them)."""
+    c = RawConfig(raw, where)
     if raw.get("quantization_config") is not None:
-        method = (raw["quantization_config"] or {}).get("quant_method") if isinstance(raw["quantization_config"], dict) \
-            else None
-        raise UnsupportedModelError(f"config.json: quantized checkpoints (quantization_config, quant_method="
+        q = raw["quantization_config"]
+        method = q.get("quant_method") if isinstance(q, dict) else None
+        raise UnsupportedModelError(f"{where}: quantized checkpoints (quantization_config, quant_method="
                                     f"{method!r}) are not supported for {MODEL_TYPE}; use the bf16/fp16/fp32 weights")
     n_layers = c.layers()
     hidden = c.pos_int("hidden_size")
@@ -83,27 +90,30 @@ def parse_config(raw: dict) -> Config:
         interval = c.pos_int("full_attention_interval", 4, hi=MAX_LAYERS)
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
     if not isinstance(layer_types, list) or len(layer_types) != n_layers:
-        raise UnsupportedModelError(f"config.json: layer_types must list {n_layers} layer types, got {layer_types!r}")
+        raise UnsupportedModelError(f"{where}: layer_types must list {n_layers} layer types, got {layer_types!r}")
     bad = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
     if bad:
-        raise UnsupportedModelError(f"config.json: layer type(s) {bad} are not supported (supported: "
+        raise UnsupportedModelError(f"{where}: layer type(s) {bad} are not supported (supported: "
                                     f"{', '.join(LAYER_TYPES)})")
     n_experts = c.int("num_experts", 512, lo=0, hi=MAX_EXPERTS)
     if n_experts <= 0:
-        raise UnsupportedModelError("config.json: num_experts=0 (a dense model) is not supported by the MoE engine")
-    step = c.pos_int("decoder_sparse_step", 1, hi=MAX_LAYERS)
-    mlp_only = set(c.int_list("mlp_only_layers", (), lo=0))
-    moe = [i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0]
+        raise UnsupportedModelError(f"{where}: num_experts=0 (a dense model) is not supported by the MoE engine")
+    if dense_layers:
+        step = c.pos_int("decoder_sparse_step", 1, hi=MAX_LAYERS)
+        mlp_only = set(c.int_list("mlp_only_layers", (), lo=0))
+        moe = [i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0]
+    else:
+        moe = list(range(n_layers))
     if not moe:
-        raise UnsupportedModelError("config.json: no MoE layer (a dense model) is not supported by the MoE engine")
+        raise UnsupportedModelError(f"{where}: no MoE layer (a dense model) is not supported by the MoE engine")
     nk = c.pos_int("linear_num_key_heads", 16, hi=MAX_HEADS)
     nv = c.pos_int("linear_num_value_heads", 32, hi=MAX_HEADS)
     if nv % nk:
         raise UnsupportedModelError(
-            f"config.json: linear_num_value_heads={nv} must be a multiple of linear_num_key_heads={nk}")
+            f"{where}: linear_num_value_heads={nv} must be a multiple of linear_num_key_heads={nk}")
     shared = c.int("shared_expert_intermediate_size", 512, hi=MAX_DIM)
     if shared <= 0:
-        raise UnsupportedModelError(f"config.json: shared_expert_intermediate_size={shared} is not supported "
+        raise UnsupportedModelError(f"{where}: shared_expert_intermediate_size={shared} is not supported "
                                     "(Qwen3-Next always has a shared expert)")
     rope = rope_parameters(raw)
     rope.setdefault("partial_rotary_factor", 0.25)  # transformers' default for this family
@@ -111,7 +121,7 @@ def parse_config(raw: dict) -> Config:
     cfg = Config(
         vocab_size=c.pos_int("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=c.pos_int("intermediate_size"),
+        intermediate_size=c.pos_int("intermediate_size") if dense_layers else 0,
         moe_intermediate_size=c.pos_int("moe_intermediate_size", 512),
         shared_expert_intermediate_size=shared,
         num_hidden_layers=n_layers,
@@ -125,7 +135,7 @@ def parse_config(raw: dict) -> Config:
         attention_bias=c.bool("attention_bias", False),
         num_experts=n_experts,
         num_experts_per_tok=c.top_k("num_experts_per_tok", n_experts, 10),
-        norm_topk_prob=c.bool("norm_topk_prob", True),
+        norm_topk_prob=c.bool("norm_topk_prob", True) if dense_layers else True,
         moe_layers=moe,
         layer_types=list(layer_types),
         linear_conv_kernel_dim=c.pos_int("linear_conv_kernel_dim", 4, hi=MAX_HEAD_DIM),
@@ -136,7 +146,10 @@ def parse_config(raw: dict) -> Config:
         rope=rope,
         raw=raw,
     )
-    Rotary(cfg.head_dim, rope, cfg.max_position_embeddings)  # refuse an unknown RoPE type at load, not at build
+    try:  # refuse an unknown RoPE type at load, not at build
+        Rotary(cfg.head_dim, rope, cfg.max_position_embeddings)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{where}: rope_parameters: {e}") from None
     return cfg
 
 
@@ -147,7 +160,8 @@ def declare(cfg: Config) -> Model:
         if cfg.layer_types[i] == "linear_attention":
             return gated_delta(h, n_k=cfg.linear_num_key_heads, n_v=cfg.linear_num_value_heads,
                                dk=cfg.linear_key_head_dim, dv=cfg.linear_value_head_dim,
-                               kernel=cfg.linear_conv_kernel_dim, act=cfg.hidden_act, eps=eps)
+                               kernel=cfg.linear_conv_kernel_dim, act=cfg.hidden_act, eps=eps,
+                               split=cfg.split_projections)
         return gated_attention(h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, eps,
                                bias=cfg.attention_bias)
 
@@ -171,12 +185,13 @@ def describe(cfg: Config) -> ModelDescription:
     fixed = model.state()["state_bytes_fixed"]
     n_lin, n_full = len(cfg.linear_layers), len(cfg.full_layers)
     return model.describe(
-        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_refs(spec, "model.layers.{layer}.mlp.experts.{e}.{name}.weight", PROJ_NAMES),
+        model_type=cfg.model_type, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
+        expert_tensors=expert_refs(spec, cfg.text_prefix + "layers.{layer}.mlp.experts.{e}.{name}.weight",
+                                   PROJ_NAMES),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
         notes=[f"hybrid attention: {n_lin} Gated DeltaNet layer(s) with a fixed-size recurrent state "
                f"({format_size(fixed)} with {SNAPSHOTS} snapshots kept for prefix reuse) and "
-               f"{n_full} full-attention layer(s) with a KV cache"],
+               f"{n_full} full-attention layer(s) with a KV cache", *cfg.notes],
     )
 
 

@@ -142,7 +142,9 @@ class ChatMessage(BaseModel):
             texts = []
             for part in self.content:
                 if part.type != "text" or part.text is None:
-                    raise ValueError(f"content part of type {part.type!r} is not supported (text only)")
+                    raise ValueError(f"content part of type {part.type!r} is not supported: Sluice runs the "
+                                     "text model only (images, video and audio are refused, even for a "
+                                     "multimodal checkpoint)")
                 texts.append(part.text)
             msg["content"] = "".join(texts)
         elif self.content is None:

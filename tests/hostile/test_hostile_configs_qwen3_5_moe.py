@@ -1,0 +1,127 @@
+"""Hostile Qwen3.5 config.json fields (the multimodal wrapper and its text_config): each refused at
+parse time with one message naming the field (a ``sluice: error:`` line at the CLI), never misread."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from families import REGISTRY
+from sluice.errors import ConfigError, UnsupportedModelError
+from sluice.models import get_family
+
+q35 = get_family("qwen3_5_moe")
+
+ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+
+# text_config edit -> what the message names; every one must be refused
+TEXT_CASES = {
+    # keys transformers' Qwen3.5 text model ignores, at values it would silently compute differently
+    "dense_layers": ({"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
+    "sparse_step": ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    "no_renorm": ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+    "no_output_gate": ({"attn_output_gate": False}, "attn_output_gate=False"),
+    # what Qwen3-Next's blocks read
+    "layer_types_short": ({"layer_types": ["linear_attention"]}, "layer_types must list 3"),
+    "layer_type_unknown": ({"layer_types": ["linear_attention", "sliding_attention", "full_attention"]},
+                           "sliding_attention"),
+    "interval_zero": ({"layer_types": None, "full_attention_interval": 0}, "full_attention_interval=0"),
+    "value_heads_not_multiple": ({"linear_num_value_heads": 3}, "linear_num_value_heads=3"),
+    "key_heads_zero": ({"linear_num_key_heads": 0}, "linear_num_key_heads=0"),
+    "key_head_dim_string": ({"linear_key_head_dim": "16"}, "linear_key_head_dim='16'"),
+    "conv_kernel_float": ({"linear_conv_kernel_dim": 4.0}, "linear_conv_kernel_dim=4.0"),
+    "no_experts": ({"num_experts": 0}, "num_experts=0"),
+    "top_k_above_experts": ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+    "no_shared_expert": ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0"),
+    "moe_intermediate_negative": ({"moe_intermediate_size": -1}, "moe_intermediate_size=-1"),
+    "heads_zero": ({"num_attention_heads": 0}, "num_attention_heads=0"),
+    "eps_nan": ({"rms_norm_eps": math.nan}, "rms_norm_eps=nan"),
+    "tie_string": ({"tie_word_embeddings": "no"}, "tie_word_embeddings='no'"),
+    "mtp_negative": ({"mtp_num_hidden_layers": -1}, "mtp_num_hidden_layers=-1"),
+    # RoPE: the interleaved MRoPE sections do nothing for text, but a malformed one is refused
+    "mrope_section_short": ({"rope_parameters": {**ROPE, "mrope_section": [2, 2]}}, "mrope_section=[2, 2]"),
+    "mrope_section_string": ({"rope_parameters": {**ROPE, "mrope_section": "2,1,1"}}, "mrope_section='2,1,1'"),
+    "mrope_section_negative": ({"rope_parameters": {**ROPE, "mrope_section": [2, -1, 1]}}, "mrope_section"),
+    "mrope_interleaved_string": ({"rope_parameters": {**ROPE, "mrope_interleaved": "yes"}},
+                                 "mrope_interleaved='yes'"),
+    "partial_rotary_above_one": ({"rope_parameters": {**ROPE, "partial_rotary_factor": 2}}, "partial_rotary_factor=2"),
+    "rope_theta_negative": ({"rope_parameters": {**ROPE, "rope_theta": -1}}, "rope_theta=-1"),
+    "rope_type_unknown": ({"rope_parameters": {**ROPE, "rope_type": "mrope3d"}}, "mrope3d"),
+}
+
+# wrapper-level edit -> what the message names
+WRAPPER_CASES = {
+    "no_text_config": ({"text_config": None}, "text_config"),
+    "text_config_string": ({"text_config": "qwen3_5_moe_text"}, "text_config"),
+    "tie_disagrees": ({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
+    "fp8": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quant_method='fp8'"),
+}
+
+
+@pytest.fixture(scope="module")
+def raw():
+    return json.loads(json.dumps(REGISTRY["qwen3_5_moe"].config().to_dict()))
+
+
+def _copy(raw):
+    return json.loads(json.dumps(raw))
+
+
+def test_clean_config_parses(raw):
+    cfg = q35.parse_config(_copy(raw))
+    assert cfg.split_projections and cfg.text_prefix == "model.language_model." and cfg.moe_layers == [0, 1, 2]
+    text = q35.parse_config(_copy(raw)["text_config"])  # the text model's config alone
+    assert text.text_prefix == "model." and text.num_experts_per_tok == 4
+
+
+@pytest.mark.parametrize("case", list(TEXT_CASES))
+def test_hostile_qwen3_5_moe_text_config(case, raw):
+    change, expected = TEXT_CASES[case]
+    wrapped = _copy(raw)
+    wrapped["text_config"].update(change)
+    with pytest.raises((ConfigError, UnsupportedModelError)) as e:
+        q35.parse_config(wrapped)
+    assert expected in str(e.value) and str(e.value).startswith("config.json"), str(e.value)
+    text = {**_copy(raw)["text_config"], **change}  # the text-only checkpoint's config.json
+    with pytest.raises((ConfigError, UnsupportedModelError)) as e:
+        q35.parse_config(text)
+    assert expected in str(e.value) and str(e.value).startswith("config.json: "), str(e.value)
+
+
+@pytest.mark.parametrize("case", list(WRAPPER_CASES))
+def test_hostile_qwen3_5_moe_wrapper(case, raw):
+    change, expected = WRAPPER_CASES[case]
+    with pytest.raises((ConfigError, UnsupportedModelError)) as e:
+        q35.parse_config({**_copy(raw), **change})
+    assert expected in str(e.value) and str(e.value).startswith("config.json: "), str(e.value)
+
+
+def test_other_text_model_type_refused(raw):
+    wrapped = _copy(raw)
+    wrapped["text_config"]["model_type"] = "qwen3_next"
+    with pytest.raises(UnsupportedModelError, match="text_config.model_type='qwen3_next'"):
+        q35.parse_config(wrapped)
+
+
+@pytest.mark.parametrize("case", ["dense_layers", "mrope_section_string"])
+def test_refused_at_the_cli_in_one_line(case, family_models, tmp_path, capsys):
+    """A real wrapper checkpoint whose text_config carries the field: one ``sluice: error:`` line."""
+    from sluice.cli import main
+
+    src = family_models.hf("qwen3_5_moe", "f32")
+    dst = tmp_path / "m"
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).symlink_to(f)
+    (dst / "config.json").unlink()
+    change, expected = TEXT_CASES[case]
+    capsys.readouterr()  # building the checkpoint prints progress
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"].update(change)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    rc = main(["inspect", str(dst)])
+    out, err = capsys.readouterr()
+    assert rc != 0 and err.startswith("sluice: error: ") and err.count("\n") == 1, err
+    assert expected in err and "Traceback" not in out + err
