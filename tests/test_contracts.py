@@ -42,6 +42,9 @@ CONFIGS = {
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
     "minimax_m2": dict(num_experts_per_tok=4, intermediate_size=32, rotary_dim=8),
+    "glm4_moe_lite": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_key_value_heads=4,
+                          mlp_layer_types=["dense", "sparse", "sparse"], kv_lora_rank=40, q_lora_rank=48, head_dim=8,
+                          qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, routed_scaling_factor=1.8),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8

@@ -143,6 +143,7 @@ FAMILY_KEYS = {  # family -> (tiny config overrides, its top-k key)
     "deepseek_v3": ({"num_key_value_heads": 4, "n_group": 1, "topk_group": 1}, "num_experts_per_tok"),
     "gpt_oss": ({}, "num_experts_per_tok"),
     "minimax_m2": ({"rotary_dim": 8}, "num_experts_per_tok"),
+    "glm4_moe_lite": ({"num_key_value_heads": 4, "head_dim": 8, "qk_rope_head_dim": 8}, "num_experts_per_tok"),
 }
 FAMILY_EDITS = {
     "top_k_zero": lambda raw, k: ({k: 0}, f"{k}=0"),
