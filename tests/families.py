@@ -8,7 +8,7 @@ optional ``post`` that sets weights transformers initializes trivially (norm wei
 correction bias of grouped routers) so that the engine is proven to apply them. Grouped
 routers use top-k >= 4, so the order in which selected experts come back matters.
 
-Native-format sources are built from an entry's f32 checkpoint: DeepSeek-V3 and MiniMax-M2 with
+Native-format sources are built from an entry's f32 checkpoint: DeepSeek-V3, GLM-4.7-Flash and MiniMax-M2 with
 block-FP8 linear weights (``to_fp8``) and GPT-OSS with MXFP4 experts (``to_mxfp4``).
 """
 
@@ -197,6 +197,14 @@ REGISTRY: dict[str, Family] = {
         seed=6, post=_norms_and_correction_bias, wrapper=dict(vision_config=dict(
             depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64, patch_size=4,
             num_position_embeddings=16))),
+    # GLM-4.7-Flash: MLA with q low-rank and v_head_dim > qk_nope_head_dim (its 192/64/256 scaled
+    # down); mlp_layer_types sparse, dense, sparse; top-4 of 16 in one group, scaled 1.8; a shared
+    # expert; random norm weights and correction bias; block-FP8 linears as the FP8 checkpoint ships
+    "glm4_moe_lite": Family("glm4_moe_lite", dict(
+        num_key_value_heads=4, head_dim=4, n_routed_experts=16, num_experts_per_tok=4, n_group=1, topk_group=1,
+        mlp_layer_types=["sparse", "dense", "sparse"], kv_lora_rank=40, q_lora_rank=48, qk_rope_head_dim=4,
+        qk_nope_head_dim=12, v_head_dim=16, n_shared_experts=1, routed_scaling_factor=1.8), seed=0,
+        post=_norms_and_correction_bias, native="fp8"),
 }
 FAMILY_NAMES = list(REGISTRY)
 

@@ -23,7 +23,7 @@ from ..experts.spec import ExpertSpec, TensorRef
 from ..layers.rotary import Rotary, rope_parameters
 from ..quant.fp8 import SCALE_SUFFIX, BlockFP8, not_converted, parse_quantization_config, scale_shape
 from .base import CausalLM, ModelDescription
-from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
+from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import gated_mlp, grouped_router, mla, moe, rms_norm
 
@@ -33,7 +33,8 @@ ALIASES = ("kimi_k2",)  # Kimi K2 ships the DeepSeek-V3 architecture under its o
 # transformers' DeepseekV3Config defaults, used only when config.json lacks the key
 _DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
                  qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
-                 first_k_dense_replace=3, norm_topk_prob=True, rope_interleave=True)
+                 first_k_dense_replace=3, norm_topk_prob=True, rope_interleave=True, rms_norm_eps=1e-6,
+                 max_position_embeddings=4096)
 
 
 @dataclass
@@ -69,15 +70,16 @@ class Config:
     block: tuple[int, int] | None  # FP8 weight block, None for plain dtypes
     quantization: dict | None
     model_type: str
+    family: str = MODEL_TYPE  # the family module that parsed it (GLM-4.7-Flash reuses this one)
 
     def quantized(self, module: str) -> bool:
         """Whether linear ``module`` (its name without ``.weight``) is stored as block FP8."""
         return self.block is not None and not not_converted(self.quantization, module)
 
 
-def _raw_or_default(raw: dict, key: str):
+def _raw_or_default(raw: dict, key: str, defaults: dict):
     """The key's value, ``None`` if config.json sets it to null, transformers' default if absent."""
-    return raw[key] if key in raw else _DEFAULTS[key]
+    return raw[key] if key in raw else defaults[key]
 
 
 def _positive_int(c: RawConfig, key: str, value) -> int:
@@ -86,25 +88,44 @@ def _positive_int(c: RawConfig, key: str, value) -> int:
     return value
 
 
+def _moe_layers(c: RawConfig, n_layers: int, n_experts: int) -> list[int]:
+    """DeepSeek-V3's MoE layers: from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th."""
+    first_dense = c.int("first_k_dense_replace", _DEFAULTS["first_k_dense_replace"], lo=0, null=0)
+    freq = c.int("moe_layer_freq", 1)
+    if freq < 1:
+        raise UnsupportedModelError(f"config.json: moe_layer_freq={freq} is not supported")
+    return [i for i in range(n_layers) if n_experts and i >= first_dense and i % freq == 0]
+
+
 def parse_config(raw: dict) -> Config:
+    return parse_mla_config(raw, _DEFAULTS, MODEL_TYPE, "DeepSeek-V3", _moe_layers)
+
+
+def parse_mla_config(raw: dict, defaults: dict, family: str, name: str, moe_layers) -> Config:
+    """The config of a DeepSeek-V3-style model (MLA, grouped sigmoid routing with the correction
+    bias, shared experts) of ``family`` (``name`` in messages): ``defaults`` are its transformers
+    config's defaults (used only where config.json lacks the key), ``moe_layers(c, n_layers,
+    n_experts)`` its MoE layer indices."""
     c = RawConfig(raw)
     n_layers = c.layers()
     heads, kv_heads, _ = c.heads(0, head_dim=False)
     if kv_heads != heads:
         raise UnsupportedModelError(
             f"config.json: num_key_value_heads={kv_heads} with num_attention_heads={heads} is not supported (MLA "
-            "expands one key/value per query head; transformers' DeepSeek-V3 needs them equal too)")
-    c.refuse("scoring_func", ("sigmoid",), "DeepSeek-V3 routing scores experts with a sigmoid; transformers "
+            f"expands one key/value per query head; transformers' {name} needs them equal too)")
+    c.refuse("scoring_func", ("sigmoid",), f"{name} routing scores experts with a sigmoid; transformers "
              "ignores scoring_func, so another value would be silently different")
-    c.refuse("topk_method", ("noaux_tc",), "DeepSeek-V3 selects experts with noaux_tc (bias-corrected group "
+    c.refuse("topk_method", ("noaux_tc",), f"{name} selects experts with noaux_tc (bias-corrected group "
              "top-k); transformers ignores topk_method")
     for key in ("use_sliding_window", "sliding_window"):
-        c.refuse(key, (False,), "DeepSeek-V3 attends to the whole context")
+        c.refuse(key, (False,), f"{name} attends to the whole context")
 
-    n_experts = c.int("n_routed_experts", 0, "num_local_experts", lo=0, hi=MAX_EXPERTS)
-    k = c.top_k("num_experts_per_tok", n_experts) if n_experts else c.int("num_experts_per_tok", 0)
-    n_group = raw.get("n_group", _DEFAULTS["n_group"]) or 1
-    topk_group = raw.get("topk_group", _DEFAULTS["topk_group"]) or 1
+    n_experts = c.int("n_routed_experts", defaults.get("n_routed_experts", 0), "num_local_experts", lo=0,
+                      hi=MAX_EXPERTS)
+    k_default = defaults.get("num_experts_per_tok", REQUIRED)
+    k = c.top_k("num_experts_per_tok", n_experts, k_default) if n_experts else c.int("num_experts_per_tok", 0)
+    n_group = raw.get("n_group", defaults["n_group"]) or 1
+    topk_group = raw.get("topk_group", defaults["topk_group"]) or 1
     n_group = _positive_int(c, "n_group", n_group)
     topk_group = _positive_int(c, "topk_group", topk_group)
     if n_experts:
@@ -119,25 +140,21 @@ def parse_config(raw: dict) -> Config:
         if k > topk_group * (n_experts // n_group):
             raise UnsupportedModelError(f"config.json: num_experts_per_tok={k} exceeds the {topk_group} x "
                                         f"{n_experts // n_group} experts of the selected groups")
-    first_dense = c.int("first_k_dense_replace", _DEFAULTS["first_k_dense_replace"], lo=0, null=0)
-    freq = c.int("moe_layer_freq", 1)
-    if freq < 1:
-        raise UnsupportedModelError(f"config.json: moe_layer_freq={freq} is not supported")
-    moe = [i for i in range(n_layers) if n_experts and i >= first_dense and i % freq == 0]
+    moe = moe_layers(c, n_layers, n_experts)
 
-    q_lora = _raw_or_default(raw, "q_lora_rank")
+    q_lora = _raw_or_default(raw, "q_lora_rank", defaults)
     if q_lora is not None:
         q_lora = _positive_int(c, "q_lora_rank", q_lora)
-    dn = _positive_int(c, "qk_nope_head_dim", _raw_or_default(raw, "qk_nope_head_dim"))
-    dr = _positive_int(c, "qk_rope_head_dim", _raw_or_default(raw, "qk_rope_head_dim"))
+    dn = _positive_int(c, "qk_nope_head_dim", _raw_or_default(raw, "qk_nope_head_dim", defaults))
+    dr = _positive_int(c, "qk_rope_head_dim", _raw_or_default(raw, "qk_rope_head_dim", defaults))
     if dr % 2:
         raise UnsupportedModelError(f"config.json: qk_rope_head_dim={dr} must be even")
-    dv = _positive_int(c, "v_head_dim", _raw_or_default(raw, "v_head_dim"))
-    max_pos = c.pos_int("max_position_embeddings", 4096, hi=MAX_POSITIONS)
+    dv = _positive_int(c, "v_head_dim", _raw_or_default(raw, "v_head_dim", defaults))
+    max_pos = c.pos_int("max_position_embeddings", defaults["max_position_embeddings"], hi=MAX_POSITIONS)
     rope = check_rope(rope_parameters(raw))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(
-            f"config.json: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported (DeepSeek-V3 "
+            f"config.json: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported (MLA "
             "rotates the whole qk_rope_head_dim part)")
     if rope.get("rope_type", "default") != "default" and rope.get("factor") is None:
         raise UnsupportedModelError(f"config.json: RoPE type {rope.get('rope_type')!r} without a 'factor' is not "
@@ -152,7 +169,7 @@ def parse_config(raw: dict) -> Config:
         scale = scale * m * m
     qc = raw.get("quantization_config")
     block = parse_quantization_config(qc)
-    n_shared = c.int("n_shared_experts", _DEFAULTS["n_shared_experts"], lo=0, hi=MAX_EXPERTS, null=0)
+    n_shared = c.int("n_shared_experts", defaults["n_shared_experts"], lo=0, hi=MAX_EXPERTS, null=0)
     return Config(
         vocab_size=c.pos_int("vocab_size"),
         hidden_size=c.pos_int("hidden_size"),
@@ -161,30 +178,31 @@ def parse_config(raw: dict) -> Config:
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         hidden_act=act,
-        rms_norm_eps=c.eps(1e-6),
+        rms_norm_eps=c.eps(defaults["rms_norm_eps"]),
         max_position_embeddings=max_pos,
         tie_word_embeddings=c.bool("tie_word_embeddings", False),
         attention_bias=c.bool("attention_bias", False),
         q_lora_rank=q_lora,
-        kv_lora_rank=_positive_int(c, "kv_lora_rank", _raw_or_default(raw, "kv_lora_rank")),
+        kv_lora_rank=_positive_int(c, "kv_lora_rank", _raw_or_default(raw, "kv_lora_rank", defaults)),
         qk_nope_head_dim=dn,
         qk_rope_head_dim=dr,
         v_head_dim=dv,
-        rope_interleave=bool(raw.get("rope_interleave", _DEFAULTS["rope_interleave"])),
+        rope_interleave=c.bool("rope_interleave", defaults["rope_interleave"]),
         n_routed_experts=n_experts,
         n_shared_experts=int(n_shared),
         num_experts_per_tok=k,
         n_group=n_group,
         topk_group=topk_group,
-        norm_topk_prob=bool(raw.get("norm_topk_prob", _DEFAULTS["norm_topk_prob"])),
-        routed_scaling_factor=c.float("routed_scaling_factor", _DEFAULTS["routed_scaling_factor"], positive=True),
+        norm_topk_prob=c.bool("norm_topk_prob", defaults["norm_topk_prob"]),
+        routed_scaling_factor=c.float("routed_scaling_factor", defaults["routed_scaling_factor"], positive=True),
         moe_layers=moe,
         mtp_layers=c.int("num_nextn_predict_layers", 0, "num_mtp_layers", lo=0, hi=MAX_LAYERS),
         rope=rope,
         softmax_scale=scale,
         block=block,
         quantization=qc if block is not None else None,
-        model_type=raw.get("model_type", MODEL_TYPE),
+        model_type=raw.get("model_type", family),
+        family=family,
     )
 
 
@@ -258,8 +276,8 @@ def describe(cfg: Config) -> ModelDescription:
     if cfg.block is not None:
         notes.append(f"FP8 e4m3 weights with {cfg.block[0]}x{cfg.block[1]} block scales, kept in FP8 "
                      "(activations stay fp32)")
-    if cfg.model_type != MODEL_TYPE:
-        notes.append(f"model_type {cfg.model_type!r} read as {MODEL_TYPE}")
+    if cfg.model_type != cfg.family:
+        notes.append(f"model_type {cfg.model_type!r} read as {cfg.family}")
     return declare(cfg).describe(
         model_type=cfg.model_type, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, expert=spec,
         expert_tensors=expert_tensors, max_position_embeddings=cfg.max_position_embeddings,
