@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import sluice
-from conftest import check_chunked_vs_stepwise, check_prefix_reuse, check_exact, expected_outputs, prompt_ids, reference, save_tiny
+from conftest import (check_chunked_vs_stepwise, check_exact, check_prefix_reuse, expected_outputs, prompt_ids,
+                      reference, save_tiny)
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
 from sluice.model_report import inspect_model, render_inspect

@@ -146,7 +146,8 @@ class MLA:
         absorbed = t * h * r * (dn + dv) + t * end * h * (2 * r + dr)
         return absorbed < naive
 
-    def __call__(self, x: torch.Tensor, start: int, cache: LatentCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, start: int, cache: LatentCache, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
         return self.segments(x, [(0, x.shape[0], start, cache)], cos, sin)
 
     def segments(self, x: torch.Tensor, segs: list[tuple[int, int, int, LatentCache]], cos: torch.Tensor,
