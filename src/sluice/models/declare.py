@@ -128,6 +128,7 @@ class Model:
     rotary: Callable[[], Any] = lambda: None  # the model's Rotary, built once (None: no RoPE)
     linear_tensors: Callable[[str, Shape], dict[str, Shape]] = plain_linear_tensors
     linear: Callable[[Any, str], Any] = plain_linear
+    prefix: str = ""  # of every tensor name in the checkpoint (a multimodal wrapper's "language_model.")
 
     def _expand(self, prefix: str, tensors: dict) -> dict[str, Shape]:
         out: dict[str, Shape] = {}
@@ -146,7 +147,7 @@ class Model:
                 spine.update(self._expand(layer.prefix + sub, part.tensors))
             for sub, part in layer.parts():
                 spine.update(self._expand(layer.prefix + sub, part.tail))
-        return spine
+        return {self.prefix + name: shape for name, shape in spine.items()} if self.prefix else spine
 
     def _all_parts(self) -> list[Part]:
         return [part for layer in self.layers for _, part in layer.parts()]
@@ -175,6 +176,9 @@ class Model:
         return part.make(Tensors(self, w, prefix, declared, experts, layer))
 
     def build(self, w, experts) -> CausalLM:
+        if self.prefix:
+            stored, prefix = w, self.prefix
+            w = lambda name: stored(prefix + name)  # noqa: E731
         layers = []
         for layer in self.layers:
             p, i = layer.prefix, layer.index

@@ -4,7 +4,8 @@ Multi-head Latent Attention with a compressed latent cache (``layers/mla.py``), 
 rope sub-head (interleaved pairs by default, YaRN with the mscale softmax correction),
 sigmoid group-limited routing with ``e_score_correction_bias`` for selection only
 (``layers/routing.py``), shared experts, ``first_k_dense_replace`` dense layers (and
-``moe_layer_freq``), block-scaled FP8 checkpoints (``quant/fp8.py``) kept in FP8.
+``moe_layer_freq``), block-scaled FP8 checkpoints (``quant/fp8.py``) kept in FP8, and
+compressed-tensors INT4 experts (Kimi K2-Thinking, K2.5: ``quant/int4.py``) kept in INT4.
 
 Semantics follow transformers 5.24 (the oracle). Where transformers ignores a config key
 that would change the computation, Sluice refuses that key's non-default values instead
@@ -21,6 +22,7 @@ import torch
 from ..errors import CheckpointError, UnsupportedModelError
 from ..experts.spec import ExpertSpec, TensorRef
 from ..layers.rotary import Rotary, rope_parameters
+from ..quant.int4 import parse_compressed_tensors
 from ..quant.fp8 import SCALE_SUFFIX, BlockFP8, not_converted, parse_quantization_config, scale_shape
 from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
@@ -69,6 +71,8 @@ class Config:
     block: tuple[int, int] | None  # FP8 weight block, None for plain dtypes
     quantization: dict | None
     model_type: str
+    int4: bool = False  # routed experts stored as compressed-tensors INT4 (weight_packed / weight_scale)
+    prefix: str = ""  # of every tensor name (a multimodal wrapper's ``language_model.``)
 
     def quantized(self, module: str) -> bool:
         """Whether linear ``module`` (its name without ``.weight``) is stored as block FP8."""
@@ -86,13 +90,13 @@ def _positive_int(c: RawConfig, key: str, value) -> int:
     return value
 
 
-def parse_config(raw: dict) -> Config:
-    c = RawConfig(raw)
+def parse_config(raw: dict, where: str = "config.json") -> Config:
+    c = RawConfig(raw, where)
     n_layers = c.layers()
     heads, kv_heads, _ = c.heads(0, head_dim=False)
     if kv_heads != heads:
         raise UnsupportedModelError(
-            f"config.json: num_key_value_heads={kv_heads} with num_attention_heads={heads} is not supported (MLA "
+            f"{c.where}: num_key_value_heads={kv_heads} with num_attention_heads={heads} is not supported (MLA "
             "expands one key/value per query head; transformers' DeepSeek-V3 needs them equal too)")
     c.refuse("scoring_func", ("sigmoid",), "DeepSeek-V3 routing scores experts with a sigmoid; transformers "
              "ignores scoring_func, so another value would be silently different")
@@ -109,20 +113,20 @@ def parse_config(raw: dict) -> Config:
     topk_group = _positive_int(c, "topk_group", topk_group)
     if n_experts:
         if n_experts % n_group:
-            raise UnsupportedModelError(f"config.json: n_routed_experts={n_experts} is not divisible by "
+            raise UnsupportedModelError(f"{c.where}: n_routed_experts={n_experts} is not divisible by "
                                         f"n_group={n_group}")
         if topk_group > n_group:
-            raise UnsupportedModelError(f"config.json: topk_group={topk_group} exceeds n_group={n_group}")
+            raise UnsupportedModelError(f"{c.where}: topk_group={topk_group} exceeds n_group={n_group}")
         if n_group > 1 and n_experts // n_group < 2:
-            raise UnsupportedModelError(f"config.json: n_group={n_group} leaves fewer than 2 experts per group "
+            raise UnsupportedModelError(f"{c.where}: n_group={n_group} leaves fewer than 2 experts per group "
                                         "(groups are scored by their two best experts)")
         if k > topk_group * (n_experts // n_group):
-            raise UnsupportedModelError(f"config.json: num_experts_per_tok={k} exceeds the {topk_group} x "
+            raise UnsupportedModelError(f"{c.where}: num_experts_per_tok={k} exceeds the {topk_group} x "
                                         f"{n_experts // n_group} experts of the selected groups")
     first_dense = c.int("first_k_dense_replace", _DEFAULTS["first_k_dense_replace"], lo=0, null=0)
     freq = c.int("moe_layer_freq", 1)
     if freq < 1:
-        raise UnsupportedModelError(f"config.json: moe_layer_freq={freq} is not supported")
+        raise UnsupportedModelError(f"{c.where}: moe_layer_freq={freq} is not supported")
     moe = [i for i in range(n_layers) if n_experts and i >= first_dense and i % freq == 0]
 
     q_lora = _raw_or_default(raw, "q_lora_rank")
@@ -131,16 +135,16 @@ def parse_config(raw: dict) -> Config:
     dn = _positive_int(c, "qk_nope_head_dim", _raw_or_default(raw, "qk_nope_head_dim"))
     dr = _positive_int(c, "qk_rope_head_dim", _raw_or_default(raw, "qk_rope_head_dim"))
     if dr % 2:
-        raise UnsupportedModelError(f"config.json: qk_rope_head_dim={dr} must be even")
+        raise UnsupportedModelError(f"{c.where}: qk_rope_head_dim={dr} must be even")
     dv = _positive_int(c, "v_head_dim", _raw_or_default(raw, "v_head_dim"))
     max_pos = c.pos_int("max_position_embeddings", 4096, hi=MAX_POSITIONS)
     rope = check_rope(rope_parameters(raw))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(
-            f"config.json: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported (DeepSeek-V3 "
+            f"{c.where}: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported (DeepSeek-V3 "
             "rotates the whole qk_rope_head_dim part)")
     if rope.get("rope_type", "default") != "default" and rope.get("factor") is None:
-        raise UnsupportedModelError(f"config.json: RoPE type {rope.get('rope_type')!r} without a 'factor' is not "
+        raise UnsupportedModelError(f"{c.where}: RoPE type {rope.get('rope_type')!r} without a 'factor' is not "
                                     "supported (transformers requires it too)")
     Rotary(dr, rope, max_pos)  # refuses unsupported RoPE types now, at load
     act = c.act()
@@ -151,13 +155,22 @@ def parse_config(raw: dict) -> Config:
         m = 1.0 if factor <= 1 else 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0
         scale = scale * m * m
     qc = raw.get("quantization_config")
-    block = parse_quantization_config(qc)
+    int4 = isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"
+    if int4:
+        parse_compressed_tensors(qc, c.where)
+        block = None
+    else:
+        block = parse_quantization_config(qc, c.where)
     n_shared = c.int("n_shared_experts", _DEFAULTS["n_shared_experts"], lo=0, hi=MAX_EXPERTS, null=0)
+    hidden, moe_inter = c.pos_int("hidden_size"), c.pos_int("moe_intermediate_size")
+    if int4 and (hidden % 32 or moe_inter % 32):
+        raise UnsupportedModelError(f"{c.where}: hidden_size={hidden} and moe_intermediate_size={moe_inter} must be "
+                                    "multiples of 32 for INT4 group-32 experts")
     return Config(
         vocab_size=c.pos_int("vocab_size"),
-        hidden_size=c.pos_int("hidden_size"),
+        hidden_size=hidden,
         intermediate_size=c.pos_int("intermediate_size"),
-        moe_intermediate_size=c.pos_int("moe_intermediate_size"),
+        moe_intermediate_size=moe_inter,
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         hidden_act=act,
@@ -185,6 +198,7 @@ def parse_config(raw: dict) -> Config:
         block=block,
         quantization=qc if block is not None else None,
         model_type=raw.get("model_type", MODEL_TYPE),
+        int4=int4,
     )
 
 
@@ -229,7 +243,7 @@ def declare(cfg: Config) -> Model:
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
                  lambda: Rotary(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings),
                  linear_tensors=lambda module, shape: _linear_tensors(cfg, module, shape),
-                 linear=lambda w, module: _linear(cfg, w, module))
+                 linear=lambda w, module: _linear(cfg, w, module), prefix=cfg.prefix)
 
 
 def describe(cfg: Config) -> ModelDescription:
@@ -240,7 +254,10 @@ def describe(cfg: Config) -> ModelDescription:
     shapes = spec.matrix_shapes()
 
     def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        p = f"model.layers.{layer}.mlp.experts.{e}."
+        p = f"{cfg.prefix}model.layers.{layer}.mlp.experts.{e}."
+        if cfg.int4:  # exactly the parts of sluice.quant's int4 format, read as stored
+            return {f"{role}.{part}": TensorRef(f"{p}{role}_proj.weight_{part}", (n, k // div))
+                    for role, (n, k) in shapes.items() for part, div in (("packed", 8), ("scale", 32))}
         refs = {}
         for role in ("gate", "up", "down"):
             module = f"{p}{role}_proj"
@@ -255,6 +272,9 @@ def describe(cfg: Config) -> ModelDescription:
                      f"{'..' + str(n + cfg.mtp_layers - 1) if cfg.mtp_layers > 1 else ''}.*) are not used: "
                      "generation predicts one token per step")
     notes.append(f"MLA latent cache: {rank} + {dr} floats per position per layer (not full K/V)")
+    if cfg.int4:
+        notes.append("routed experts: compressed-tensors INT4 (group 32, bf16 scales), kept in INT4 and multiplied "
+                     "exactly as stored (activations stay fp32)")
     if cfg.block is not None:
         notes.append(f"FP8 e4m3 weights with {cfg.block[0]}x{cfg.block[1]} block scales, kept in FP8 "
                      "(activations stay fp32)")
@@ -263,7 +283,7 @@ def describe(cfg: Config) -> ModelDescription:
     return declare(cfg).describe(
         model_type=cfg.model_type, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, expert=spec,
         expert_tensors=expert_tensors, max_position_embeddings=cfg.max_position_embeddings,
-        attn_heads=cfg.num_attention_heads, notes=notes,
+        attn_heads=cfg.num_attention_heads, notes=notes, expert_format="int4" if cfg.int4 else None,
     )
 
 
