@@ -19,6 +19,7 @@ import torch
 import sluice
 from conftest import prompt_ids
 from families import REGISTRY, save_family
+from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
 from sluice.quant import FORMATS, QuantMatrix
 from sluice.quant.int4 import dequantize_reference, pack_int32, unpack_int32
@@ -147,7 +148,9 @@ def test_format_binds_q4_only_when_scales_are_f16_exact(tiny):
     levels, scale, deq = _quantize(w, tiny=tiny)
     parts = {"packed": _pack(levels), "scale": scale}
     m = FORMATS["int4"].bind(parts, 16, 64, exact=True)
-    assert m.format.name == ("int4" if tiny else "q4")
+    assert m.format.name == "int4" and (getattr(m, "q4", None) is None) == tiny
+    if not tiny:
+        assert m.q4.format.name == "q4" and m.q4.parts["blocks"].data_ptr() == parts["packed"].data_ptr()
     assert torch.equal(m.dequantize(), deq)
     x = torch.randn(5, 64)
     assert (m.matmul(x) - x @ deq.T).abs().max().item() < 1e-4
@@ -160,6 +163,10 @@ def test_int4_against_dequantized_reference(ds_src, tmp_path, wrap):
     slots = [s.weights for s in eng.cache.slots if s.weights is not None]
     assert slots and all(isinstance(w["down"], QuantMatrix) for w in slots)
     assert eng.info.experts.record_bytes < sluice.load(ref, memory="4GiB", progress=False).info.experts.record_bytes
+    box = convert(path, tmp_path / "int4.sluice", progress=False)  # the INT4 words and scales copied as stored
+    b = sluice.load(box, memory="4GiB", progress=False)
+    assert b.experts_source.format == "int4" and b.info.is_container
+    assert torch.equal(b.forward(prompt_ids()), eng.forward(prompt_ids()))
 
 
 def test_refused_schemes(ds_src, tmp_path):

@@ -268,7 +268,7 @@ def describe(cfg: Config) -> ModelDescription:
     notes = []
     if cfg.mtp_layers:
         n = cfg.num_hidden_layers
-        notes.append(f"{cfg.mtp_layers} multi-token-prediction layer(s) (model.layers.{n}"
+        notes.append(f"{cfg.mtp_layers} multi-token-prediction layer(s) ({cfg.prefix}model.layers.{n}"
                      f"{'..' + str(n + cfg.mtp_layers - 1) if cfg.mtp_layers > 1 else ''}.*) are not used: "
                      "generation predicts one token per step")
     notes.append(f"MLA latent cache: {rank} + {dr} floats per position per layer (not full K/V)")

@@ -93,8 +93,25 @@ class Int4(Format):
         if sys.byteorder == "little" and packed.is_contiguous() and f16_exact(scale):
             g = self.padded_k(k) // GROUP
             q4 = {"blocks": packed.view(torch.uint8).view(n, g, 16), "scales": scale.to(torch.float16)}
-            return QuantMatrix(Q4_FORMAT, q4, n, k, exact)
+            return Int4Matrix(self, parts, n, k, exact, QuantMatrix(Q4_FORMAT, q4, n, k, exact))
         return QuantMatrix(self, parts, n, k, exact)
+
+
+class Int4Matrix(QuantMatrix):
+    """An int4 matrix (its ``format`` and ``parts`` the stored ones, which ``sluice convert`` copies)
+    multiplied as ``q4``, the same words with f16 scales (``q4``)."""
+
+    __slots__ = ("q4",)
+
+    def __init__(self, fmt: Format, parts, n: int, k: int, exact: bool, q4: QuantMatrix):
+        super().__init__(fmt, parts, n, k, exact)
+        self.q4 = q4
+        self._fast = q4._fast
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.q4.matmul(x, bias)
+
+    linear = matmul
 
 
 INT4_FORMAT = register(Int4())
