@@ -14,7 +14,7 @@ from families import REGISTRY
 from sluice.errors import ConfigError, UnsupportedModelError
 from sluice.models import get_family
 
-kimi = get_family("kimi_k25")
+kimi = get_family("kimi_k25")  # the deepseek_v3 family (an alias)
 ds = get_family("deepseek_v3")
 
 QCONFIG = {

@@ -36,7 +36,7 @@ def test_every_family_has_a_docs_row():
 
 
 def test_unknown_model_type_names_the_supported_ones():
-    with pytest.raises(UnsupportedModelError, match="supported: deepseek_v3, gpt_oss, kimi_k2, kimi_linear"):
+    with pytest.raises(UnsupportedModelError, match="supported: deepseek_v3, gpt_oss, kimi_k2, kimi_k25, kimi_linear"):
         get_family("llama")
 
 

@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (``model_type: deepseek_v3``; Kimi K2 ships the same architecture).
+"""DeepSeek-V3 (``model_type: deepseek_v3``; Kimi K2 ships the same architecture, and Kimi
+K2.5 / K2.6, ``kimi_k25``, wrap it as the text model of a multimodal model).
 
 Multi-head Latent Attention with a compressed latent cache (``layers/mla.py``), RoPE on a
 rope sub-head (interleaved pairs by default, YaRN with the mscale softmax correction),
@@ -10,12 +11,21 @@ compressed-tensors INT4 experts (Kimi K2-Thinking, K2.5: ``quant/int4.py``) kept
 Semantics follow transformers 5.24 (the oracle). Where transformers ignores a config key
 that would change the computation, Sluice refuses that key's non-default values instead
 of guessing (the list is in ``docs/families.md``).
+
+``kimi_k25`` (transformers' ``Kimi_K25Config`` / ``Kimi_K25ForConditionalGeneration``): the
+wrapper's ``text_config`` is this family's config (``model_type`` ``deepseek_v3``, or ``kimi_k2``,
+which transformers rewrites to it), its tensors are named under ``language_model.``
+(``language_model.model.layers.N.*``, ``language_model.lm_head.weight``), the vision tower
+(``vision_tower.*``) and projector (``mm_projector.*``) are never read. The head is tied to the
+embedding by the wrapper's own ``tie_word_embeddings`` (default true), as transformers ties it;
+a top-level ``quantization_config`` applies to the text model (one in ``text_config`` too must
+be the same).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,7 +40,10 @@ from .declare import Layer, Model
 from .parts import gated_mlp, grouped_router, mla, moe, rms_norm
 
 MODEL_TYPE = "deepseek_v3"
-ALIASES = ("kimi_k2",)  # Kimi K2 ships the DeepSeek-V3 architecture under its own model_type
+ALIASES = ("kimi_k2", "kimi_k25")  # Kimi K2 ships the DeepSeek-V3 architecture; K2.5/K2.6 wrap it
+WRAPPER = "kimi_k25"
+WRAPPER_PREFIX = "language_model."
+TEXT_TYPES = ("deepseek_v3", "kimi_k2")
 
 # transformers' DeepseekV3Config defaults, used only when config.json lacks the key
 _DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
@@ -90,7 +103,33 @@ def _positive_int(c: RawConfig, key: str, value) -> int:
     return value
 
 
+def _parse_wrapper(raw: dict) -> Config:
+    """A ``kimi_k25`` config.json: its text model (see the module docstring)."""
+    c = RawConfig(raw)
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModelError(f"config.json: text_config={text!r} is not supported ({WRAPPER} needs the "
+                                    "text model's config as an object)")
+    where = "config.json text_config"
+    text_type = text.get("model_type", MODEL_TYPE)
+    if text_type not in TEXT_TYPES:
+        raise UnsupportedModelError(f"{where}: model_type={text_type!r} is not supported (expected one of "
+                                    f"{', '.join(TEXT_TYPES)})")
+    text = dict(text)
+    top_q, text_q = raw.get("quantization_config"), text.get("quantization_config")
+    if top_q is not None and text_q is not None and top_q != text_q:
+        raise UnsupportedModelError("config.json: quantization_config differs from text_config.quantization_config "
+                                    "(which one the text model uses would be a guess)")
+    if top_q is not None:
+        text["quantization_config"] = top_q
+    text["tie_word_embeddings"] = c.bool("tie_word_embeddings", True)  # the wrapper ties the head
+    text["model_type"] = WRAPPER
+    return replace(parse_config(text, where), prefix=WRAPPER_PREFIX)
+
+
 def parse_config(raw: dict, where: str = "config.json") -> Config:
+    if isinstance(raw, dict) and raw.get("model_type") == WRAPPER and where == "config.json":
+        return _parse_wrapper(raw)
     c = RawConfig(raw, where)
     n_layers = c.layers()
     heads, kv_heads, _ = c.heads(0, head_dim=False)
@@ -280,6 +319,9 @@ def describe(cfg: Config) -> ModelDescription:
                      "(activations stay fp32)")
     if cfg.model_type != MODEL_TYPE:
         notes.append(f"model_type {cfg.model_type!r} read as {MODEL_TYPE}")
+    if cfg.prefix:
+        notes.append(f"multimodal wrapper: the text model (tensors under {cfg.prefix!r}); the vision tower and "
+                     "projector are not read")
     return declare(cfg).describe(
         model_type=cfg.model_type, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, expert=spec,
         expert_tensors=expert_tensors, max_position_embeddings=cfg.max_position_embeddings,
