@@ -9,7 +9,7 @@ container, are the model's weights: not lossy. Widening (bf16 or f16 to f32) is 
 
 from __future__ import annotations
 
-QUANTIZED = ("int8", "q4", "mxfp4", "rvq3", "fp8")
+QUANTIZED = ("int8", "q4", "mxfp4", "rvq3", "fp8", "int4")
 FLOAT_BITS = {"f32": 32, "bf16": 16, "f16": 16}
 
 

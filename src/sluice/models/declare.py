@@ -129,6 +129,7 @@ class Model:
     linear_tensors: Callable[[str, Shape], dict[str, Shape]] = plain_linear_tensors
     linear: Callable[[Any, str], Any] = plain_linear
     head_bias: bool = False  # the head has a bias ``lm_head.bias`` [V] (ERNIE-4.5's ``use_bias``), tied or not
+    prefix: str = ""  # of every tensor name in the checkpoint (a multimodal wrapper's "language_model.")
 
     def _expand(self, prefix: str, tensors: dict) -> dict[str, Shape]:
         out: dict[str, Shape] = {}
@@ -149,7 +150,7 @@ class Model:
                 spine.update(self._expand(layer.prefix + sub, part.tensors))
             for sub, part in layer.parts():
                 spine.update(self._expand(layer.prefix + sub, part.tail))
-        return spine
+        return {self.prefix + name: shape for name, shape in spine.items()} if self.prefix else spine
 
     def _all_parts(self) -> list[Part]:
         return [part for layer in self.layers for _, part in layer.parts()]
@@ -178,6 +179,9 @@ class Model:
         return part.make(Tensors(self, w, prefix, declared, experts, layer))
 
     def build(self, w, experts) -> CausalLM:
+        if self.prefix:
+            stored, prefix = w, self.prefix
+            w = lambda name: stored(prefix + name)  # noqa: E731
         layers = []
         for layer in self.layers:
             p, i = layer.prefix, layer.index

@@ -1,26 +1,38 @@
-"""DeepSeek-V3 (``model_type: deepseek_v3``; Kimi K2 ships the same architecture).
+"""DeepSeek-V3 (``model_type: deepseek_v3``; Kimi K2 ships the same architecture, and Kimi
+K2.5 / K2.6, ``kimi_k25``, wrap it as the text model of a multimodal model).
 
 Multi-head Latent Attention with a compressed latent cache (``layers/mla.py``), RoPE on a
 rope sub-head (interleaved pairs by default, YaRN with the mscale softmax correction),
 sigmoid group-limited routing with ``e_score_correction_bias`` for selection only
 (``layers/routing.py``), shared experts, ``first_k_dense_replace`` dense layers (and
-``moe_layer_freq``), block-scaled FP8 checkpoints (``quant/fp8.py``) kept in FP8.
+``moe_layer_freq``), block-scaled FP8 checkpoints (``quant/fp8.py``) kept in FP8, and
+compressed-tensors INT4 experts (Kimi K2-Thinking, K2.5: ``quant/int4.py``) kept in INT4.
 
 Semantics follow transformers 5.24 (the oracle). Where transformers ignores a config key
 that would change the computation, Sluice refuses that key's non-default values instead
 of guessing (the list is in ``docs/families.md``).
+
+``kimi_k25`` (transformers' ``Kimi_K25Config`` / ``Kimi_K25ForConditionalGeneration``): the
+wrapper's ``text_config`` is this family's config (``model_type`` ``deepseek_v3``, or ``kimi_k2``,
+which transformers rewrites to it), its tensors are named under ``language_model.``
+(``language_model.model.layers.N.*``, ``language_model.lm_head.weight``), the vision tower
+(``vision_tower.*``) and projector (``mm_projector.*``) are never read. The head is tied to the
+embedding by the wrapper's own ``tie_word_embeddings`` (default true), as transformers ties it;
+a top-level ``quantization_config`` applies to the text model (one in ``text_config`` too must
+be the same).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import CheckpointError, UnsupportedModelError
 from ..experts.spec import ExpertSpec, TensorRef
 from ..layers.rotary import Rotary, rope_parameters
+from ..quant.int4 import parse_compressed_tensors
 from ..quant.fp8 import SCALE_SUFFIX, BlockFP8, not_converted, parse_quantization_config, scale_shape
 from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
@@ -28,7 +40,10 @@ from .declare import Layer, Model
 from .parts import gated_mlp, grouped_router, mla, moe, rms_norm
 
 MODEL_TYPE = "deepseek_v3"
-ALIASES = ("kimi_k2",)  # Kimi K2 ships the DeepSeek-V3 architecture under its own model_type
+ALIASES = ("kimi_k2", "kimi_k25")  # Kimi K2 ships the DeepSeek-V3 architecture; K2.5/K2.6 wrap it
+WRAPPER = "kimi_k25"
+WRAPPER_PREFIX = "language_model."
+TEXT_TYPES = ("deepseek_v3", "kimi_k2")
 
 # transformers' DeepseekV3Config defaults, used only when config.json lacks the key
 _DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
@@ -71,6 +86,8 @@ class Config:
     quantization: dict | None
     model_type: str
     family: str = MODEL_TYPE  # the family module that parsed it (GLM-4.7-Flash reuses this one)
+    int4: bool = False  # routed experts stored as compressed-tensors INT4 (weight_packed / weight_scale)
+    prefix: str = ""  # of every tensor name (a multimodal wrapper's ``language_model.``)
 
     def quantized(self, module: str) -> bool:
         """Whether linear ``module`` (its name without ``.weight``) is stored as block FP8."""
@@ -93,25 +110,52 @@ def _moe_layers(c: RawConfig, n_layers: int, n_experts: int) -> list[int]:
     first_dense = c.int("first_k_dense_replace", _DEFAULTS["first_k_dense_replace"], lo=0, null=0)
     freq = c.int("moe_layer_freq", 1)
     if freq < 1:
-        raise UnsupportedModelError(f"config.json: moe_layer_freq={freq} is not supported")
+        raise UnsupportedModelError(f"{c.where}: moe_layer_freq={freq} is not supported")
     return [i for i in range(n_layers) if n_experts and i >= first_dense and i % freq == 0]
 
 
-def parse_config(raw: dict) -> Config:
-    return parse_mla_config(raw, _DEFAULTS, MODEL_TYPE, "DeepSeek-V3", _moe_layers)
-
-
-def parse_mla_config(raw: dict, defaults: dict, family: str, name: str, moe_layers) -> Config:
-    """The config of a DeepSeek-V3-style model (MLA, grouped sigmoid routing with the correction
-    bias, shared experts) of ``family`` (``name`` in messages): ``defaults`` are its transformers
-    config's defaults (used only where config.json lacks the key), ``moe_layers(c, n_layers,
-    n_experts)`` its MoE layer indices."""
+def _parse_wrapper(raw: dict) -> Config:
+    """A ``kimi_k25`` config.json: its text model (see the module docstring)."""
     c = RawConfig(raw)
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModelError(f"config.json: text_config={text!r} is not supported ({WRAPPER} needs the "
+                                    "text model's config as an object)")
+    where = "config.json text_config"
+    text_type = text.get("model_type", MODEL_TYPE)
+    if text_type not in TEXT_TYPES:
+        raise UnsupportedModelError(f"{where}: model_type={text_type!r} is not supported (expected one of "
+                                    f"{', '.join(TEXT_TYPES)})")
+    text = dict(text)
+    top_q, text_q = raw.get("quantization_config"), text.get("quantization_config")
+    if top_q is not None and text_q is not None and top_q != text_q:
+        raise UnsupportedModelError("config.json: quantization_config differs from text_config.quantization_config "
+                                    "(which one the text model uses would be a guess)")
+    if top_q is not None:
+        text["quantization_config"] = top_q
+    text["tie_word_embeddings"] = c.bool("tie_word_embeddings", True)  # the wrapper ties the head
+    text["model_type"] = WRAPPER
+    return replace(parse_config(text, where), prefix=WRAPPER_PREFIX)
+
+
+def parse_config(raw: dict, where: str = "config.json") -> Config:
+    if isinstance(raw, dict) and raw.get("model_type") == WRAPPER and where == "config.json":
+        return _parse_wrapper(raw)
+    return parse_mla_config(raw, _DEFAULTS, MODEL_TYPE, "DeepSeek-V3", _moe_layers, where)
+
+
+def parse_mla_config(raw: dict, defaults: dict, family: str, name: str, moe_layers,
+                     where: str = "config.json") -> Config:
+    """The config of a DeepSeek-V3-style model (MLA, grouped sigmoid routing with the correction
+    bias, shared experts) of ``family`` (``name`` in messages; ``where`` names the config object):
+    ``defaults`` are its transformers config's defaults (used only where config.json lacks the
+    key), ``moe_layers(c, n_layers, n_experts)`` its MoE layer indices."""
+    c = RawConfig(raw, where)
     n_layers = c.layers()
     heads, kv_heads, _ = c.heads(0, head_dim=False)
     if kv_heads != heads:
         raise UnsupportedModelError(
-            f"config.json: num_key_value_heads={kv_heads} with num_attention_heads={heads} is not supported (MLA "
+            f"{c.where}: num_key_value_heads={kv_heads} with num_attention_heads={heads} is not supported (MLA "
             f"expands one key/value per query head; transformers' {name} needs them equal too)")
     c.refuse("scoring_func", ("sigmoid",), f"{name} routing scores experts with a sigmoid; transformers "
              "ignores scoring_func, so another value would be silently different")
@@ -130,15 +174,15 @@ def parse_mla_config(raw: dict, defaults: dict, family: str, name: str, moe_laye
     topk_group = _positive_int(c, "topk_group", topk_group)
     if n_experts:
         if n_experts % n_group:
-            raise UnsupportedModelError(f"config.json: n_routed_experts={n_experts} is not divisible by "
+            raise UnsupportedModelError(f"{c.where}: n_routed_experts={n_experts} is not divisible by "
                                         f"n_group={n_group}")
         if topk_group > n_group:
-            raise UnsupportedModelError(f"config.json: topk_group={topk_group} exceeds n_group={n_group}")
+            raise UnsupportedModelError(f"{c.where}: topk_group={topk_group} exceeds n_group={n_group}")
         if n_group > 1 and n_experts // n_group < 2:
-            raise UnsupportedModelError(f"config.json: n_group={n_group} leaves fewer than 2 experts per group "
+            raise UnsupportedModelError(f"{c.where}: n_group={n_group} leaves fewer than 2 experts per group "
                                         "(groups are scored by their two best experts)")
         if k > topk_group * (n_experts // n_group):
-            raise UnsupportedModelError(f"config.json: num_experts_per_tok={k} exceeds the {topk_group} x "
+            raise UnsupportedModelError(f"{c.where}: num_experts_per_tok={k} exceeds the {topk_group} x "
                                         f"{n_experts // n_group} experts of the selected groups")
     moe = moe_layers(c, n_layers, n_experts)
 
@@ -148,16 +192,16 @@ def parse_mla_config(raw: dict, defaults: dict, family: str, name: str, moe_laye
     dn = _positive_int(c, "qk_nope_head_dim", _raw_or_default(raw, "qk_nope_head_dim", defaults))
     dr = _positive_int(c, "qk_rope_head_dim", _raw_or_default(raw, "qk_rope_head_dim", defaults))
     if dr % 2:
-        raise UnsupportedModelError(f"config.json: qk_rope_head_dim={dr} must be even")
+        raise UnsupportedModelError(f"{c.where}: qk_rope_head_dim={dr} must be even")
     dv = _positive_int(c, "v_head_dim", _raw_or_default(raw, "v_head_dim", defaults))
     max_pos = c.pos_int("max_position_embeddings", defaults["max_position_embeddings"], hi=MAX_POSITIONS)
     rope = check_rope(rope_parameters(raw))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(
-            f"config.json: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported (MLA "
+            f"{c.where}: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported (MLA "
             "rotates the whole qk_rope_head_dim part)")
     if rope.get("rope_type", "default") != "default" and rope.get("factor") is None:
-        raise UnsupportedModelError(f"config.json: RoPE type {rope.get('rope_type')!r} without a 'factor' is not "
+        raise UnsupportedModelError(f"{c.where}: RoPE type {rope.get('rope_type')!r} without a 'factor' is not "
                                     "supported (transformers requires it too)")
     Rotary(dr, rope, max_pos)  # refuses unsupported RoPE types now, at load
     act = c.act()
@@ -168,13 +212,22 @@ def parse_mla_config(raw: dict, defaults: dict, family: str, name: str, moe_laye
         m = 1.0 if factor <= 1 else 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0
         scale = scale * m * m
     qc = raw.get("quantization_config")
-    block = parse_quantization_config(qc)
+    int4 = isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"
+    if int4:
+        parse_compressed_tensors(qc, c.where)
+        block = None
+    else:
+        block = parse_quantization_config(qc, c.where)
     n_shared = c.int("n_shared_experts", defaults["n_shared_experts"], lo=0, hi=MAX_EXPERTS, null=0)
+    hidden, moe_inter = c.pos_int("hidden_size"), c.pos_int("moe_intermediate_size")
+    if int4 and (hidden % 32 or moe_inter % 32):
+        raise UnsupportedModelError(f"{c.where}: hidden_size={hidden} and moe_intermediate_size={moe_inter} must be "
+                                    "multiples of 32 for INT4 group-32 experts")
     return Config(
         vocab_size=c.pos_int("vocab_size"),
-        hidden_size=c.pos_int("hidden_size"),
+        hidden_size=hidden,
         intermediate_size=c.pos_int("intermediate_size"),
-        moe_intermediate_size=c.pos_int("moe_intermediate_size"),
+        moe_intermediate_size=moe_inter,
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         hidden_act=act,
@@ -203,6 +256,7 @@ def parse_mla_config(raw: dict, defaults: dict, family: str, name: str, moe_laye
         quantization=qc if block is not None else None,
         model_type=raw.get("model_type", family),
         family=family,
+        int4=int4,
     )
 
 
@@ -247,7 +301,7 @@ def declare(cfg: Config) -> Model:
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
                  lambda: Rotary(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings),
                  linear_tensors=lambda module, shape: _linear_tensors(cfg, module, shape),
-                 linear=lambda w, module: _linear(cfg, w, module))
+                 linear=lambda w, module: _linear(cfg, w, module), prefix=cfg.prefix)
 
 
 def describe(cfg: Config) -> ModelDescription:
@@ -258,7 +312,10 @@ def describe(cfg: Config) -> ModelDescription:
     shapes = spec.matrix_shapes()
 
     def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        p = f"model.layers.{layer}.mlp.experts.{e}."
+        p = f"{cfg.prefix}model.layers.{layer}.mlp.experts.{e}."
+        if cfg.int4:  # exactly the parts of sluice.quant's int4 format, read as stored
+            return {f"{role}.{part}": TensorRef(f"{p}{role}_proj.weight_{part}", (n, k // div))
+                    for role, (n, k) in shapes.items() for part, div in (("packed", 8), ("scale", 32))}
         refs = {}
         for role in ("gate", "up", "down"):
             module = f"{p}{role}_proj"
@@ -269,19 +326,25 @@ def describe(cfg: Config) -> ModelDescription:
     notes = []
     if cfg.mtp_layers:
         n = cfg.num_hidden_layers
-        notes.append(f"{cfg.mtp_layers} multi-token-prediction layer(s) (model.layers.{n}"
+        notes.append(f"{cfg.mtp_layers} multi-token-prediction layer(s) ({cfg.prefix}model.layers.{n}"
                      f"{'..' + str(n + cfg.mtp_layers - 1) if cfg.mtp_layers > 1 else ''}.*) are not used: "
                      "generation predicts one token per step")
     notes.append(f"MLA latent cache: {rank} + {dr} floats per position per layer (not full K/V)")
+    if cfg.int4:
+        notes.append("routed experts: compressed-tensors INT4 (group 32, bf16 scales), kept in INT4 and multiplied "
+                     "exactly as stored (activations stay fp32)")
     if cfg.block is not None:
         notes.append(f"FP8 e4m3 weights with {cfg.block[0]}x{cfg.block[1]} block scales, kept in FP8 "
                      "(activations stay fp32)")
     if cfg.model_type != cfg.family:
         notes.append(f"model_type {cfg.model_type!r} read as {cfg.family}")
+    if cfg.prefix:
+        notes.append(f"multimodal wrapper: the text model (tensors under {cfg.prefix!r}); the vision tower and "
+                     "projector are not read")
     return declare(cfg).describe(
         model_type=cfg.model_type, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, expert=spec,
         expert_tensors=expert_tensors, max_position_embeddings=cfg.max_position_embeddings,
-        attn_heads=cfg.num_attention_heads, notes=notes,
+        attn_heads=cfg.num_attention_heads, notes=notes, expert_format="int4" if cfg.int4 else None,
     )
 
 
