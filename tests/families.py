@@ -126,6 +126,11 @@ REGISTRY: dict[str, Family] = {
             "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.25}}),
         seed=0, post=_norms_and_correction_bias, native="fp8"),
+    # layer 0 dense, 1-2 MoE; q/k/v/o biases; per-head q/k norm; sigmoid + correction bias on the
+    # MoE block (checkpoint ``mlp.expert_bias``), top-4 of 8 without groups, scaled by 2.826; two
+    # shared experts' width; random norm weights and correction bias; block-FP8 linears
+    "hy_v3": Family("hy_v3", dict(num_experts_per_tok=4, num_shared_experts=2, attention_bias=True),
+                    seed=0, post=_norms_and_correction_bias, native="fp8"),
 }
 FAMILY_NAMES = list(REGISTRY)
 
