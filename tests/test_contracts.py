@@ -44,6 +44,7 @@ CONFIGS = {
     "minimax_m2": dict(num_experts_per_tok=4, intermediate_size=32, rotary_dim=8),
     "mimo_v2_flash": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, intermediate_size=48,
                           v_head_dim=8, sliding_window=5, routed_scaling_factor=2.0),
+    "hy_v3": dict(num_experts_per_tok=4, num_shared_experts=2, attention_bias=True),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8

@@ -144,6 +144,7 @@ FAMILY_KEYS = {  # family -> (tiny config overrides, its top-k key)
     "gpt_oss": ({}, "num_experts_per_tok"),
     "minimax_m2": ({"rotary_dim": 8}, "num_experts_per_tok"),
     "mimo_v2_flash": ({"v_head_dim": 8}, "num_experts_per_tok"),
+    "hy_v3": ({}, "num_experts_per_tok"),
 }
 FAMILY_EDITS = {
     "top_k_zero": lambda raw, k: ({k: 0}, f"{k}=0"),
