@@ -374,7 +374,7 @@ def test_two_ahead_reads_start_before_the_layers_router(family_models):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "kimi_linear", "deepseek_v3",
-                                    "gpt_oss", "minimax_m2", "mimo_v2_flash"])
+                                    "gpt_oss", "minimax_m2", "mimo_v2_flash", "hy_v3"])
 def test_gate_and_two_ahead_leave_logits_bit_identical(family_models, family):
     """Every family: prefetch with the gate and two layers ahead (and the gate off) at a cache of
     about one token's working set gives the same logits and tokens as no prefetch."""
