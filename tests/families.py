@@ -205,6 +205,11 @@ REGISTRY: dict[str, Family] = {
         mlp_layer_types=["sparse", "dense", "sparse"], kv_lora_rank=40, q_lora_rank=48, qk_rope_head_dim=4,
         qk_nope_head_dim=12, v_head_dim=16, n_shared_experts=1, routed_scaling_factor=1.8), seed=0,
         post=_norms_and_correction_bias, native="fp8"),
+    # layer 0 dense, 1-2 MoE; q/k/v/o biases; per-head q/k norm; sigmoid + correction bias on the
+    # MoE block (checkpoint ``mlp.expert_bias``), top-4 of 8 without groups, scaled by 2.826; two
+    # shared experts' width; random norm weights and correction bias; block-FP8 linears
+    "hy_v3": Family("hy_v3", dict(num_experts_per_tok=4, num_shared_experts=2, attention_bias=True),
+                    seed=0, post=_norms_and_correction_bias, native="fp8"),
 }
 FAMILY_NAMES = list(REGISTRY)
 

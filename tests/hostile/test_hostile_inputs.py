@@ -150,6 +150,7 @@ FAMILY_KEYS = {  # family -> (tiny config overrides, its top-k key)
     "hunyuan_v1_moe": ({"intermediate_size": 32, "moe_intermediate_size": 32}, "moe_topk"),
     "qwen3_5_moe_text": ({}, "num_experts_per_tok"),  # the wrapper: tests/hostile/test_hostile_configs_qwen3_5_moe.py
     "glm4_moe_lite": ({"num_key_value_heads": 4, "head_dim": 8, "qk_rope_head_dim": 8}, "num_experts_per_tok"),
+    "hy_v3": ({}, "num_experts_per_tok"),
 }
 FAMILY_EDITS = {
     "top_k_zero": lambda raw, k: ({k: 0}, f"{k}=0"),

@@ -79,7 +79,8 @@ def test_embedding_rows_and_linear(boxes):
 
 
 @pytest.mark.parametrize("family,kind", [("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4"), ("minimax_m2", "fp8"),
-                                         ("mimo_v2_flash", "fp8"), ("glm4_moe", "fp8"), ("glm4_moe_lite", "fp8")])
+                                         ("mimo_v2_flash", "fp8"), ("glm4_moe", "fp8"), ("glm4_moe_lite", "fp8"),
+                                         ("hy_v3", "fp8")])
 def test_native_formats_stay_as_stored(family_models, family, kind):
     """FP8 spine weights are one byte already and stay FP8 with their scales; MXFP4 experts stay
     MXFP4; the float matrices around them become int8. The result runs and is finite."""
