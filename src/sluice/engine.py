@@ -78,9 +78,18 @@ def load(path: str | os.PathLike, memory: int | str | None = None, *, revision: 
 SPINE_DTYPES = ("F32", "BF16", "F16")
 
 
-def check_spine_dtype(name: str, info, spine: dict) -> None:
+TABLE_DTYPES = ("I64", "I32")  # integer lookup tables (``ModelDescription.tables``)
+
+
+def check_spine_dtype(name: str, info, spine: dict, tables=()) -> None:
     """Spine tensors are float32/bfloat16/float16; block-scaled FP8 (e4m3) only for a weight whose
-    ``_scale_inv`` companion the family reads too."""
+    ``_scale_inv`` companion the family reads too; the family's integer ``tables`` I64 / I32 (and
+    nothing else)."""
+    if name in tables:
+        if info.dtype in TABLE_DTYPES:
+            return
+        raise CheckpointError(f"{info.file}: tensor {name!r} is a lookup table of expert ids, stored as "
+                              f"{info.dtype}; expected integers ({' or '.join(TABLE_DTYPES)})")
     if info.dtype in SPINE_DTYPES or (info.dtype == "F8_E4M3" and name + "_scale_inv" in spine):
         return
     if info.dtype == "F8_E4M3":
@@ -152,7 +161,7 @@ class ModelInfo:
                                       self.checkpoint.manifest_path)
                 continue
             check_tensor(name, info, shape)
-            check_spine_dtype(name, info, self.desc.spine)
+            check_spine_dtype(name, info, self.desc.spine, self.desc.tables)
         if self.is_container:
             self.experts = ContainerExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
                                             self.desc.expert)
