@@ -72,6 +72,9 @@ class ModelDescription:
     # possibly before their layer runs, so always resident (never streamed nor quantized), stored
     # as integers (I64 / I32)
     tables: list[str] = field(default_factory=list)
+    # the spine matrices multiplied whole through ``quant.linear`` (what ``--spine int8`` may
+    # quantize), when the family lists them; None: ``quantized_spine.quantizable``'s naming rule
+    spine_linears: list[str] | None = None
 
     def state_bytes(self, max_ctx: int) -> int:
         """KV caches and recurrent states of one sequence of up to ``max_ctx`` positions."""

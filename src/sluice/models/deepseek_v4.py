@@ -293,8 +293,9 @@ def attention(cfg: Config, i: int, rotary: Rotary) -> Part:
     g, r = cfg.o_groups, cfg.o_lora_rank
     kind, m = KIND[cfg.layer_types[i]], cfg.rate(i)
     p = "attn."
+    # wo_a is read by row blocks (one per output group), so it is a plain tensor, not a ``Lin``
     tensors: dict = {p + "wq_a": Lin((qr, h)), p + "q_norm.weight": (qr,), p + "wq_b": Lin((nh * d, qr)),
-                     p + "wkv": Lin((d, h)), p + "kv_norm.weight": (d,), p + "wo_a": Lin((g * r, nh * d // g)),
+                     p + "wkv": Lin((d, h)), p + "kv_norm.weight": (d,), p + "wo_a.weight": (g * r, nh * d // g),
                      p + "wo_b": Lin((h, g * r)), p + "attn_sink": (nh,)}
     comp = index = None
     if kind != "sliding":
@@ -314,8 +315,8 @@ def attention(cfg: Config, i: int, rotary: Rotary) -> Part:
                               topk=cfg.index_topk)
         return CompressedAttention(
             wq_a=t.lin(p + "wq_a"), q_norm=t(p + "q_norm.weight"), wq_b=t.lin(p + "wq_b"), wkv=t.lin(p + "wkv"),
-            kv_norm=t(p + "kv_norm.weight"), wo_a=t.lin(p + "wo_a"), wo_b=t.lin(p + "wo_b"), sinks=t(p + "attn_sink"),
-            n_heads=nh, head_dim=d, window=cfg.sliding_window, groups=g, eps=eps, kind=kind,
+            kv_norm=t(p + "kv_norm.weight"), wo_a=t(p + "wo_a.weight"), wo_b=t.lin(p + "wo_b"),
+            sinks=t(p + "attn_sink"), n_heads=nh, head_dim=d, window=cfg.sliding_window, groups=g, eps=eps, kind=kind,
             compressor=comp(t.sub(p + "compressor.")) if comp is not None else None, indexer=indexer,
             rotary=rotary)
 

@@ -27,7 +27,7 @@ from ..layers.hyper import HyperConnection, HyperHead, expand, mix
 from ..layers.rotary import LayerRotary
 from ..quant import embed
 from .base import CausalLM, MoEBlock, ModelDescription
-from .declare import Model, Part, Shape
+from .declare import Lin, Model, Part, Shape
 
 
 def hyper_connection(n: int, hidden: int, *, iters: int, eps: float, norm_eps: float) -> Part:
@@ -92,8 +92,19 @@ class HyperModel(Model):
                 spine.update(self._expand(layer.prefix + sub, part.tail))
         return spine
 
+    def linears(self) -> list[str]:
+        """The spine tensors of every part's ``Lin`` declarations, the embedding and the head: the
+        matrices the layers multiply whole through ``quant.linear`` (``ModelDescription.spine_linears``)."""
+        out = [self.embed_name] + ([] if self.tied else [self.head_name])
+        for layer in self.layers:
+            for sub, part in layer.parts():
+                for name, shape in {**part.tensors, **part.tail}.items():
+                    if isinstance(shape, Lin):
+                        out.extend(self.linear_tensors(layer.prefix + sub + name, shape.shape))
+        return [n for n in out if n.endswith(".weight")]
+
     def describe(self, **fields) -> ModelDescription:
-        return super().describe(tables=list(self.tables), **fields)
+        return super().describe(tables=list(self.tables), spine_linears=self.linears(), **fields)
 
     def build(self, w, experts) -> HyperCausalLM:
         layers = []
