@@ -166,6 +166,10 @@ def _rope(c: RawConfig, head_dim: int, partial: float) -> dict:
         raise c.bad("rope_parameters", given, "an object")
     given = dict(given or {})
     if isinstance(given.get("main"), dict) and isinstance(given.get("compress"), dict):
+        for key in given:  # transformers keeps only the two nested sets (and drops the rest)
+            if key not in ("main", "compress", "rope_type", "type"):
+                raise c.bad(f"rope_parameters.{key}", given[key], "only the 'main' and 'compress' parameters "
+                            "(transformers ignores anything beside them)")
         out = {"main": dict(given["main"]), "compress": dict(given["compress"])}
     else:
         flat = {k: v for k, v in given.items() if k not in ("main", "compress")}
@@ -223,9 +227,9 @@ def parse_config(raw: dict) -> Config:
                                     "(qk_rope_head_dim / partial_rotary_factor) is not supported: expected an even "
                                     "number of dims, at least 2, at most head_dim")
     groups = c.pos_int("o_groups", 8, hi=MAX_HEADS)
-    if (heads * head_dim) % groups or heads % groups:
-        raise UnsupportedModelError(f"config.json: o_groups={groups} does not divide the "
-                                    f"{heads} heads (num_attention_heads) into equal groups")
+    if (heads * head_dim) % groups:
+        raise UnsupportedModelError(f"config.json: o_groups={groups} does not divide the attention output "
+                                    f"({heads} heads x {head_dim} dims) into equal groups")
     layer_types = _layer_types(c, n)
     mlp_types = _mlp_types(c, n)
     rates = _rates(c)
