@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from ..quant import linear
-from .attention import WindowKVCache, attend
-from .compressor import Compressor, CompressorState, Indexer, rope_trailing, visible
+from .attention import MAX_DRAFT, WindowKVCache, attend
+from .compressor import Compressor, CompressorState, Indexer, rollback_for, rope_trailing, visible
 from .norm import RMSNorm
 
 KINDS = ("sliding", "hca", "csa")
@@ -37,13 +37,9 @@ KINDS = ("sliding", "hca", "csa")
 class SharedWindowCache(WindowKVCache):
     """A ``WindowKVCache`` whose values are its keys (one tensor: K = V)."""
 
-    def __init__(self, max_ctx: int, dim: int, window: int):
-        super().__init__(1, max_ctx, dim, window, v_dim=1)
+    def __init__(self, max_ctx: int, dim: int, window: int, rollback: int = MAX_DRAFT):
+        super().__init__(1, max_ctx, dim, window, v_dim=1, rollback=rollback)
         self.v = self.k
-
-    @staticmethod
-    def nbytes(dim: int, window: int, max_ctx: int | None = None) -> int:
-        return 4 * dim * WindowKVCache.positions(window, max_ctx)
 
 
 class CompressedState:
@@ -72,11 +68,13 @@ class CompressedState:
 
 class CompressedAttention:
     """One V4 attention layer (see the module docstring). ``rotary``: the layer's RoPE table (the
-    "compress" one in compressed layers), for the compressed entries' positions."""
+    "compress" one in compressed layers), for the compressed entries' positions. ``positions``:
+    the buffer of every ring of its state (the window, the compressors' last projections), at
+    least each one's natural size (None: each its natural size)."""
 
     def __init__(self, *, wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sinks, n_heads: int, head_dim: int,
                  window: int, groups: int, eps: float, kind: str = "sliding", compressor: Compressor | None = None,
-                 indexer: Indexer | None = None, rotary=None):
+                 indexer: Indexer | None = None, rotary=None, positions: int | None = None):
         if kind not in KINDS:
             raise ValueError(f"unknown V4 attention kind {kind!r}")
         if (kind != "sliding") != (compressor is not None) or (kind == "csa") != (indexer is not None):
@@ -89,11 +87,23 @@ class CompressedAttention:
         self.n_heads, self.head_dim, self.window, self.groups = n_heads, head_dim, window, groups
         self.scale = head_dim ** -0.5
         self.kind, self.compressor, self.indexer, self.rotary = kind, compressor, indexer, rotary
+        self.positions = positions
+
+    def _compressors(self) -> list[Compressor]:
+        return [c for c in (self.compressor, self.indexer.compressor if self.indexer else None) if c is not None]
 
     def new_cache(self, max_ctx: int) -> CompressedState:
-        comp = self.compressor.new_state(max_ctx) if self.compressor is not None else None
-        index = self.indexer.compressor.new_state(max_ctx) if self.indexer is not None else None
-        return CompressedState(SharedWindowCache(max_ctx, self.head_dim, self.window), comp, index)
+        comp = self.compressor.new_state(max_ctx, self.positions) if self.compressor is not None else None
+        index = self.indexer.compressor.new_state(max_ctx, self.positions) if self.indexer is not None else None
+        window = SharedWindowCache(max_ctx, self.head_dim, self.window, rollback_for(self.window, self.positions))
+        return CompressedState(window, comp, index)
+
+    def cache_bytes(self, max_ctx: int) -> int:
+        """Bytes of ``new_cache(max_ctx)``'s tensors."""
+        total = 4 * self.head_dim * min(max_ctx, self.positions or WindowKVCache.positions(self.window))
+        for c in self._compressors():
+            total += c.state_bytes(max_ctx, self.positions or CompressorState.positions(c.m, c.overlap))
+        return total
 
     def __call__(self, x: torch.Tensor, start: int, state: CompressedState, cos, sin) -> torch.Tensor:
         return self.segments(x, [(0, x.shape[0], start, state)], cos, sin)

@@ -33,8 +33,6 @@ E entries, Hi indexer heads, Di indexer head dim, K index_topk.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..quant import linear
@@ -65,24 +63,28 @@ def pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return sum_ascending(kv * p, 1)
 
 
+def rollback_for(span: int, positions: int | None) -> int:
+    """The rollback that gives a ``WindowKVCache`` of ``span`` positions a buffer of ``positions``
+    (every ring of a model the same size, so the declaration states them exactly); None: the
+    default, ``MAX_DRAFT``."""
+    return MAX_DRAFT if positions is None else positions // 2 - span + 1
+
+
 class CompressorState:
     """One compressor's state for one sequence: ``entries`` [max_ctx // m, D] (those below
-    ``length // m`` written) and ``raw`` (the last positions' projections and gates)."""
+    ``length // m`` written) and ``raw`` (the last positions' projections and gates, in a buffer
+    of ``positions`` positions at most: at least its natural ``positions(m, overlap)``)."""
 
-    def __init__(self, max_ctx: int, m: int, width: int, dim: int, overlap: bool):
+    def __init__(self, max_ctx: int, m: int, width: int, dim: int, overlap: bool, positions: int | None = None):
         self.m = m
-        self.raw = WindowKVCache(1, max_ctx, width, (2 if overlap else 1) * m, v_dim=width)
+        span = (2 if overlap else 1) * m
+        self.raw = WindowKVCache(1, max_ctx, width, span, v_dim=width, rollback=rollback_for(span, positions))
         self.entries = torch.empty(max_ctx // m, dim)
 
     @staticmethod
     def positions(m: int, overlap: bool, max_ctx: int | None = None) -> int:
-        """Positions ``raw`` keeps at most."""
+        """Positions ``raw`` needs at least (the last ``m`` or ``2m`` and a rejected draft's, twice)."""
         return WindowKVCache.positions((2 if overlap else 1) * m, max_ctx)
-
-    @staticmethod
-    def nbytes(max_ctx: int, m: int, width: int, dim: int, overlap: bool) -> int:
-        """Bytes of the state's tensors for a context of ``max_ctx`` (fp32)."""
-        return 4 * (CompressorState.positions(m, overlap, max_ctx) * 2 * width + (max_ctx // m) * dim)
 
     def tensor_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.raw.k, self.raw.v, self.entries))
@@ -105,8 +107,13 @@ class Compressor:
         self.norm = RMSNorm(norm, eps)
         self.width = (2 if overlap else 1) * dim
 
-    def new_state(self, max_ctx: int) -> CompressorState:
-        return CompressorState(max_ctx, self.m, self.width, self.dim, self.overlap)
+    def new_state(self, max_ctx: int, positions: int | None = None) -> CompressorState:
+        return CompressorState(max_ctx, self.m, self.width, self.dim, self.overlap, positions)
+
+    def state_bytes(self, max_ctx: int, positions: int) -> int:
+        """Bytes of ``new_state(max_ctx, positions)``'s tensors: the last positions' projections and
+        gates, and the entries."""
+        return 4 * (2 * self.width * min(max_ctx, positions) + (max_ctx // self.m) * self.dim)
 
     def update(self, x: torch.Tensor, start: int, state: CompressorState, rotary) -> torch.Tensor:
         """Take rows x [T, H] at positions start..; write the entries of the windows they complete;
@@ -182,10 +189,4 @@ class Indexer:
         return order.sort().values
 
 
-def entry_bytes_per_token(dim: int, m: int) -> int:
-    """A bound on the entries' bytes per context position (``floor(ctx / m) * 4D <= ctx * ceil(4D / m)``)."""
-    return math.ceil(4 * dim / m)
-
-
-__all__ = ["Compressor", "CompressorState", "Indexer", "MAX_DRAFT", "entry_bytes_per_token", "pool",
-           "rope_trailing", "visible"]
+__all__ = ["Compressor", "CompressorState", "Indexer", "pool", "rollback_for", "rope_trailing", "visible"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import CheckpointError
 from ..quant import linear
 from .pointwise import pointwise
 
@@ -274,22 +275,23 @@ class HashRouter(Router):
     ``tid2eid`` [V, K] (integers) is kept resident (``ModelDescription.tables``), so ``experts_for``
     can answer before the layer runs: it is a pure function of the token ids, the hook for reads
     that are certain before the model computes anything. ``select`` needs the step's token ids;
-    the ids come back by descending weight (ties: ascending id), as every router's.
+    the ids come back by descending weight (ties: ascending id), as every router's. A row that
+    names an expert out of range, or one expert twice, is refused when a token reads it
+    (``CheckpointError`` naming the table ``name`` and the token).
     """
 
     kind = "hash"
     keyed = True  # the token ids choose: ``MoEBlock`` passes them (``select(..., token_ids=)``)
 
     def __init__(self, weight: torch.Tensor, top_k: int, tid2eid: torch.Tensor, *, scoring: str = "sqrtsoftplus",
-                 normalize: bool = True, scale: float = 1.0):
+                 normalize: bool = True, scale: float = 1.0, name: str = "tid2eid"):
         super().__init__(weight, top_k)
         if scoring not in SCORINGS:
             raise ValueError(f"unknown scoring function {scoring!r}")
         if len(tid2eid.shape) != 2 or tid2eid.shape[1] != top_k:
             raise ValueError(f"hash table of shape {list(tid2eid.shape)} for {top_k} experts per token")
-        if tid2eid.dtype.is_floating_point or tid2eid.dtype == torch.bool:
-            raise ValueError(f"hash table of dtype {tid2eid.dtype}: expected integers")
         self.tid2eid, self.scoring, self.normalize, self.scale = tid2eid, scoring, bool(normalize), float(scale)
+        self.name = name
 
     @property
     def vocab(self) -> int:
@@ -297,7 +299,19 @@ class HashRouter(Router):
 
     def experts_for(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The experts [T, K] (long) of tokens ``token_ids`` [T]: the table's rows, nothing else."""
-        return self.tid2eid[token_ids.reshape(-1).long()].long()
+        tokens = token_ids.reshape(-1).long()
+        ids = self.tid2eid[tokens].long()
+        if ids.numel():
+            bad = (ids < 0) | (ids >= self.n_experts)
+            if ids.shape[1] > 1:
+                s = ids.sort(dim=1).values
+                bad[:, 1:] |= s[:, 1:] == s[:, :-1]
+            if bool(bad.any()):
+                row = int(bad.any(dim=1).nonzero()[0, 0])
+                raise CheckpointError(f"{self.name}: token {int(tokens[row])} is routed to experts "
+                                      f"{ids[row].tolist()}: expected {ids.shape[1]} distinct ids below "
+                                      f"{self.n_experts}")
+        return ids
 
     def select(self, logits, bias=None, token_ids: torch.Tensor | None = None):
         if token_ids is None:

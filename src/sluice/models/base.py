@@ -61,6 +61,9 @@ class ModelDescription:
     # positions each keeps at most (fewer when max_context is shorter)
     window_bytes_per_token: int = 0
     window_positions: int = 0
+    # compressed caches (DeepSeek-V4's CSA / HCA entries): one entry per m positions, so m -> the
+    # bytes of one entry, all such layers (a context of n positions holds n // m entries)
+    entry_bytes: dict[int, int] = field(default_factory=dict)
     max_position_embeddings: int = 4096
     attn_heads: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
@@ -79,7 +82,8 @@ class ModelDescription:
     def state_bytes(self, max_ctx: int) -> int:
         """KV caches and recurrent states of one sequence of up to ``max_ctx`` positions."""
         return (self.state_bytes_per_token * max_ctx + self.state_bytes_fixed
-                + self.window_bytes_per_token * min(max_ctx, self.window_positions))
+                + self.window_bytes_per_token * min(max_ctx, self.window_positions)
+                + sum(b * (max_ctx // m) for m, b in self.entry_bytes.items()))
 
     @property
     def working_set(self) -> int:

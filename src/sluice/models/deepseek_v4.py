@@ -32,11 +32,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, UnsupportedModelError
+from ..errors import UnsupportedModelError
 from ..experts.spec import ExpertSpec, TensorRef
 from ..layers.attention import WindowKVCache
-from ..layers.compressed_attention import CompressedAttention, SharedWindowCache
-from ..layers.compressor import Compressor, CompressorState, Indexer, entry_bytes_per_token
+from ..layers.compressed_attention import CompressedAttention
+from ..layers.compressor import Compressor, CompressorState, Indexer
 from ..layers.mlp import GatedMLP
 from ..layers.rotary import LayerRotary, Rotary
 from ..layers.routing import HashRouter
@@ -291,8 +291,19 @@ def _compressor(hidden: int, m: int, dim: int, overlap: bool, eps: float) -> tup
     return tensors, make
 
 
-def attention(cfg: Config, i: int, rotary: Rotary) -> Part:
-    """Layer ``i``'s attention at ``attn.`` (published names), and its state per sequence."""
+def ring_positions(cfg: Config) -> int:
+    """The buffer of every ring of every layer's state (the window, the compressors' last
+    projections): the largest any of them needs, so the declaration states them all exactly."""
+    need = [WindowKVCache.positions(cfg.sliding_window)]
+    for i, t in enumerate(cfg.layer_types):
+        if t != "sliding_attention":
+            need.append(CompressorState.positions(cfg.rate(i), KIND[t] == "csa"))
+    return max(need)
+
+
+def attention(cfg: Config, i: int, rotary: Rotary, positions: int) -> Part:
+    """Layer ``i``'s attention at ``attn.`` (published names), and its state per sequence
+    (``positions``: ``ring_positions(cfg)``)."""
     h, d, nh, qr, eps = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank, cfg.rms_norm_eps
     g, r = cfg.o_groups, cfg.o_lora_rank
     kind, m = KIND[cfg.layer_types[i]], cfg.rate(i)
@@ -322,20 +333,16 @@ def attention(cfg: Config, i: int, rotary: Rotary) -> Part:
             kv_norm=t(p + "kv_norm.weight"), wo_a=t(p + "wo_a.weight"), wo_b=t.lin(p + "wo_b"),
             sinks=t(p + "attn_sink"), n_heads=nh, head_dim=d, window=cfg.sliding_window, groups=g, eps=eps, kind=kind,
             compressor=comp(t.sub(p + "compressor.")) if comp is not None else None, indexer=indexer,
-            rotary=rotary)
+            rotary=rotary, positions=positions)
 
-    # per sequence: the window (K = V, once) and the compressors' last projections (bounded), plus
-    # the compressed entries (one per m positions)
-    window = SharedWindowCache.nbytes(d, cfg.sliding_window) // WindowKVCache.positions(cfg.sliding_window)
-    positions = [WindowKVCache.positions(cfg.sliding_window)]
-    entries = 0
+    # per sequence: rings of ``positions`` (the window, K = V stored once; the compressors' last
+    # projections and gates) and the compressed entries, one per m positions
+    window, entries = 4 * d, {}
     for dim, on in ((d, kind != "sliding"), (cfg.index_head_dim, kind == "csa")):
         if on:
-            overlap = kind == "csa"
-            window += 4 * 2 * (2 if overlap else 1) * dim
-            positions.append(CompressorState.positions(m, overlap))
-            entries += entry_bytes_per_token(dim, m)
-    return Part(tensors, make, kv_per_token=entries, window_per_token=window, window_positions=max(positions))
+            window += 4 * 2 * (2 if kind == "csa" else 1) * dim
+            entries[m] = entries.get(m, 0) + 4 * dim
+    return Part(tensors, make, window_per_token=window, window_positions=positions, entries=entries)
 
 
 def _shared_expert(hidden: int, inter: int, act: str, limit: float) -> Part:
@@ -347,23 +354,8 @@ def _shared_expert(hidden: int, inter: int, act: str, limit: float) -> Part:
 def _hash_router(cfg: Config) -> Part:
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     return Part({"weight": (e, cfg.hidden_size), "tid2eid": (cfg.vocab_size, k)},
-                lambda t: HashRouter(t("weight"), k, checked_table(t("tid2eid"), e, t.prefix + "tid2eid"),
-                                     scoring=cfg.scoring_func, scale=cfg.routed_scaling_factor))
-
-
-def checked_table(table, n_experts: int, name: str):
-    """A hash layer's ``tid2eid`` [V, K], refused unless every row names K distinct experts
-    (a resident integer table: read once here, never streamed)."""
-    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= n_experts):
-        raise CheckpointError(f"{name}: expert ids range {int(table.min())}..{int(table.max())}, outside the "
-                              f"{n_experts} experts")
-    if table.shape[1] > 1:
-        s = table.sort(dim=1).values
-        dup = (s[:, 1:] == s[:, :-1]).any(dim=1).nonzero()
-        if dup.numel():
-            tok = int(dup[0, 0])
-            raise CheckpointError(f"{name}: token {tok} is routed to the same expert twice ({table[tok].tolist()})")
-    return table
+                lambda t: HashRouter(t("weight"), k, t("tid2eid"), scoring=cfg.scoring_func,
+                                     scale=cfg.routed_scaling_factor, name=t.prefix + "tid2eid"))
 
 
 def _mlp(cfg: Config, i: int) -> Part:
@@ -382,12 +374,13 @@ def declare(cfg: Config) -> HyperModel:
     main = Rotary(cfg.head_dim, cfg.rope["main"], cfg.max_position_embeddings)
     compress = Rotary(cfg.head_dim, cfg.rope["compress"], cfg.max_position_embeddings)
     of_layer = [0 if t == "sliding_attention" else 1 for t in cfg.layer_types]
+    positions = ring_positions(cfg)
 
     def hc(prefix: str) -> Part:
         return hyper_connection(n, h, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=eps).nested(prefix)
 
     layers = [HyperLayer(i, f"layers.{i}.", rms_norm(h, eps), rms_norm(h, eps), hc("hc_attn_"), hc("hc_ffn_"),
-                         attention(cfg, i, compress if of_layer[i] else main), _mlp(cfg, i),
+                         attention(cfg, i, compress if of_layer[i] else main, positions), _mlp(cfg, i),
                          names={"input_norm": "attn_norm.", "post_norm": "ffn_norm."})
               for i in range(cfg.num_hidden_layers)]
     tables = [f"layers.{i}.ffn.gate.tid2eid" for i, t in enumerate(cfg.mlp_layer_types) if t == "hash_moe"]
