@@ -35,7 +35,8 @@ KINDS = ("sliding", "hca", "csa")
 
 
 class SharedWindowCache(WindowKVCache):
-    """A ``WindowKVCache`` whose values are its keys (one tensor: K = V)."""
+    """A ``WindowKVCache`` whose values are its keys (one tensor: K = V; the cache writes and
+    moves it once)."""
 
     def __init__(self, max_ctx: int, dim: int, window: int, rollback: int = MAX_DRAFT):
         super().__init__(1, max_ctx, dim, window, v_dim=1, rollback=rollback)

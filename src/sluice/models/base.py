@@ -64,6 +64,9 @@ class ModelDescription:
     # compressed caches (DeepSeek-V4's CSA / HCA entries): one entry per m positions, so m -> the
     # bytes of one entry, all such layers (a context of n positions holds n // m entries)
     entry_bytes: dict[int, int] = field(default_factory=dict)
+    # bounded buffers of the last positions (DeepSeek-V4's windows and compressor rings), by size:
+    # positions kept at most -> bytes per position, all such buffers
+    rings: dict[int, int] = field(default_factory=dict)
     max_position_embeddings: int = 4096
     attn_heads: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
@@ -83,7 +86,8 @@ class ModelDescription:
         """KV caches and recurrent states of one sequence of up to ``max_ctx`` positions."""
         return (self.state_bytes_per_token * max_ctx + self.state_bytes_fixed
                 + self.window_bytes_per_token * min(max_ctx, self.window_positions)
-                + sum(b * (max_ctx // m) for m, b in self.entry_bytes.items()))
+                + sum(b * (max_ctx // m) for m, b in self.entry_bytes.items())
+                + sum(b * min(max_ctx, n) for n, b in self.rings.items()))
 
     @property
     def working_set(self) -> int:

@@ -291,19 +291,8 @@ def _compressor(hidden: int, m: int, dim: int, overlap: bool, eps: float) -> tup
     return tensors, make
 
 
-def ring_positions(cfg: Config) -> int:
-    """The buffer of every ring of every layer's state (the window, the compressors' last
-    projections): the largest any of them needs, so the declaration states them all exactly."""
-    need = [WindowKVCache.positions(cfg.sliding_window)]
-    for i, t in enumerate(cfg.layer_types):
-        if t != "sliding_attention":
-            need.append(CompressorState.positions(cfg.rate(i), KIND[t] == "csa"))
-    return max(need)
-
-
-def attention(cfg: Config, i: int, rotary: Rotary, positions: int) -> Part:
-    """Layer ``i``'s attention at ``attn.`` (published names), and its state per sequence
-    (``positions``: ``ring_positions(cfg)``)."""
+def attention(cfg: Config, i: int, rotary: Rotary) -> Part:
+    """Layer ``i``'s attention at ``attn.`` (published names), and its state per sequence."""
     h, d, nh, qr, eps = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank, cfg.rms_norm_eps
     g, r = cfg.o_groups, cfg.o_lora_rank
     kind, m = KIND[cfg.layer_types[i]], cfg.rate(i)
@@ -333,16 +322,17 @@ def attention(cfg: Config, i: int, rotary: Rotary, positions: int) -> Part:
             kv_norm=t(p + "kv_norm.weight"), wo_a=t(p + "wo_a.weight"), wo_b=t.lin(p + "wo_b"),
             sinks=t(p + "attn_sink"), n_heads=nh, head_dim=d, window=cfg.sliding_window, groups=g, eps=eps, kind=kind,
             compressor=comp(t.sub(p + "compressor.")) if comp is not None else None, indexer=indexer,
-            rotary=rotary, positions=positions)
+            rotary=rotary)
 
-    # per sequence: rings of ``positions`` (the window, K = V stored once; the compressors' last
+    # per sequence: rings of the last positions (the window, K = V stored once; the compressors'
     # projections and gates) and the compressed entries, one per m positions
-    window, entries = 4 * d, {}
+    rings, entries = {WindowKVCache.positions(cfg.sliding_window): 4 * d}, {}
     for dim, on in ((d, kind != "sliding"), (cfg.index_head_dim, kind == "csa")):
         if on:
-            window += 4 * 2 * (2 if kind == "csa" else 1) * dim
+            n = CompressorState.positions(m, kind == "csa")
+            rings[n] = rings.get(n, 0) + 4 * 2 * (2 if kind == "csa" else 1) * dim
             entries[m] = entries.get(m, 0) + 4 * dim
-    return Part(tensors, make, window_per_token=window, window_positions=positions, entries=entries)
+    return Part(tensors, make, entries=entries, rings=rings)
 
 
 def _shared_expert(hidden: int, inter: int, act: str, limit: float) -> Part:
@@ -374,13 +364,12 @@ def declare(cfg: Config) -> HyperModel:
     main = Rotary(cfg.head_dim, cfg.rope["main"], cfg.max_position_embeddings)
     compress = Rotary(cfg.head_dim, cfg.rope["compress"], cfg.max_position_embeddings)
     of_layer = [0 if t == "sliding_attention" else 1 for t in cfg.layer_types]
-    positions = ring_positions(cfg)
 
     def hc(prefix: str) -> Part:
         return hyper_connection(n, h, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=eps).nested(prefix)
 
     layers = [HyperLayer(i, f"layers.{i}.", rms_norm(h, eps), rms_norm(h, eps), hc("hc_attn_"), hc("hc_ffn_"),
-                         attention(cfg, i, compress if of_layer[i] else main, positions), _mlp(cfg, i),
+                         attention(cfg, i, compress if of_layer[i] else main), _mlp(cfg, i),
                          names={"input_norm": "attn_norm.", "post_norm": "ffn_norm."})
               for i in range(cfg.num_hidden_layers)]
     tables = [f"layers.{i}.ffn.gate.tid2eid" for i, t in enumerate(cfg.mlp_layer_types) if t == "hash_moe"]
