@@ -33,6 +33,17 @@ BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermedia
             bos_token_id=1, eos_token_id=None, pad_token_id=0)
 
 
+def prompt_ids(n: int = 16, seed: int = 1, vocab: int = 256) -> torch.Tensor:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# The prompt every registry checkpoint is proven decisive on (``FamilyModels.expected``; the
+# fidelity matrix's baselines): 8 tokens twice, so n-gram speculation drafts (and rolls back)
+# from the first generated tokens on; and how many greedy tokens are compared
+PROMPT = torch.cat([prompt_ids()[:8], prompt_ids()[:8]])
+N_NEW = 32
+
+
 def _norms_and_correction_bias(model) -> None:
     """Non-trivial norm weights (each proven applied) and a correction bias that changes
     selections (it selects, never weighs)."""
@@ -393,8 +404,10 @@ class FamilyModels:
 
     ``hf(family, kind)``: the Hugging Face directory (kind ``f32``, ``bf16`` or the family's
     native format); ``reference_path``: what transformers runs as the reference for it (the
-    fp32-dequantized twin of an FP8 checkpoint); ``container(family, kind, experts)``: that
-    directory converted (``experts=None``: the experts as stored)."""
+    fp32-dequantized twin of an FP8 checkpoint); ``transformers`` and ``expected``: that
+    reference model and its logits and greedy tokens on ``PROMPT``, shared by the matrix and
+    the model tests; ``container(family, kind, experts)``: that directory converted
+    (``experts=None``: the experts as stored)."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -427,6 +440,24 @@ class FamilyModels:
             return path, path
 
         return self._once(("native", family, kind), build)
+
+    def transformers(self, family: str, kind: str = "f32"):
+        """transformers' fp32 model on ``reference_path(family, kind)``, loaded once (read-only use)."""
+        return self._once(("transformers", family, kind), lambda: reference(self.reference_path(family, kind)))
+
+    def expected(self, family: str, kind: str = "f32") -> tuple[torch.Tensor, list[int]]:
+        """transformers' logits at every position of ``PROMPT`` and its ``N_NEW`` greedy tokens on
+        ``(family, kind)``, proven decisive (``assert_decisive_model``); computed once a session."""
+
+        def run():
+            ref = self.transformers(family, kind)
+            with torch.no_grad():
+                logits = ref(PROMPT[None]).logits[0]
+                out = ref.generate(PROMPT[None], max_new_tokens=N_NEW, do_sample=False)[0]
+            assert_decisive_model(ref, out, len(PROMPT) - 1)
+            return logits, out[len(PROMPT):].tolist()
+
+        return self._once(("expected", family, kind), run)
 
     def container(self, family: str, kind: str = "f32", experts: str | None = None, spine: str | None = None) -> Path:
         from sluice.convert import convert
