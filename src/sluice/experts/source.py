@@ -109,7 +109,7 @@ class CheckpointExperts(ExpertSource):
                         if info.dtype in _BLOCK_SCALED and role + SCALE_SUFFIX not in refs:
                             raise CheckpointError(
                                 f"{info.file}: expert tensor {ref.name!r} is {info.dtype} but config.json declares "
-                                "no block-scaled quantization (quantization_config) to read its scales with")
+                                "no FP8 quantization (quantization_config) to read its scales with")
                 self._layouts[(layer, e)] = layout_from_spans(spans, max((align(s.file) for s in spans), default=1))
                 if not payload:
                     payload = sum(s.nbytes for s in spans)
