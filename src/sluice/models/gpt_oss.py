@@ -26,7 +26,7 @@ from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import attention, moe, rms_norm, topk_softmax_router
-from .weight_format import METHODS, WeightFormat
+from .weight_format import METHODS
 
 MODEL_TYPE = "gpt_oss"
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -84,9 +84,10 @@ def _quantization(raw: dict) -> bool:
         raise UnsupportedModelError(f"config.json: quantization_config {q!r} is not supported")
     method = q.get("quant_method")
     if method in METHODS:
-        WeightFormat(q).refuse(MODEL_TYPE, "GPT-OSS's experts are fused, biased and input-major: transformers' FP8 "
-                               "experts carry no biases and compressed-tensors quantizes linear modules only "
-                               "(GPT-OSS ships MXFP4)")
+        raise UnsupportedModelError(
+            f"config.json: quantization_config.quant_method={method!r} checkpoints are not supported for gpt_oss: "
+            "its experts are fused, biased and input-major; transformers' FP8 experts carry no biases and "
+            "compressed-tensors quantizes linear modules only (GPT-OSS ships MXFP4)")
     if method != "mxfp4":
         raise UnsupportedModelError(
             f"config.json: quantization_config.quant_method={method!r} is not supported for gpt_oss "

@@ -204,11 +204,5 @@ class WeightFormat:
                     "exactly as stored (activations stay fp32)"]
         return []
 
-    def refuse(self, family: str, why: str) -> None:
-        """Refuse a quantized checkpoint for ``family`` (``why``: the reason), by the format's name."""
-        if self.kind is not None:
-            raise UnsupportedModelError(f"{self.where}: {self.kind} checkpoints (quantization_config) are not "
-                                        f"supported for {family}: {why}")
-
 
 PLAIN = WeightFormat()
