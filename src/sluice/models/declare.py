@@ -38,7 +38,7 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class Lin:
-    """A linear module's weight [out, in] (stored as ``<module>.weight``, plus what ``linear_tensors`` adds)."""
+    """A linear module's weight [out, in] (``<module>.weight``, plus its scales in a ``weight_format``)."""
 
     shape: Shape
 
