@@ -209,8 +209,9 @@ def parse_config(raw: dict) -> Config:
                "the shared expert has no biases in DeepSeek-V4 checkpoints")
         c.refuse(key, allowed, why)
     if raw.get("quantization_config") is not None or raw.get("expert_dtype") is not None:
-        raise UnsupportedModelError("config.json: quantization_config / expert_dtype: DeepSeek-V4's FP8 spine and "
-                                    "FP4 experts are not supported yet; convert the checkpoint to bf16 first")
+        raise UnsupportedModelError("config.json: quantization_config / expert_dtype is not supported for deepseek_v4 "
+                                    "yet (its FP8 spine with ue8m0 scales and FP4 experts): convert the checkpoint "
+                                    "to bf16 first")
     n = c.layers()
     hidden = c.pos_int("hidden_size")
     heads = c.pos_int("num_attention_heads", hi=MAX_HEADS)

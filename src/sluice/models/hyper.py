@@ -100,7 +100,7 @@ class HyperModel(Model):
             for sub, part in layer.parts():
                 for name, shape in {**part.tensors, **part.tail}.items():
                     if isinstance(shape, Lin):
-                        out.extend(self.linear_tensors(layer.prefix + sub + name, shape.shape))
+                        out.extend(self.weights.tensors(layer.prefix + sub + name, shape.shape))
         return [n for n in out if n.endswith(".weight")]
 
     def describe(self, **fields) -> ModelDescription:
