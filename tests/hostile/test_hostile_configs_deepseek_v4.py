@@ -3,14 +3,11 @@ the field (a ``sluice: error:`` line at the CLI), never misread."""
 
 from __future__ import annotations
 
-import json
 import math
-import warnings
 
 import pytest
 
-from conftest import tiny_config
-from sluice.errors import ConfigError, UnsupportedModelError
+from hostile_configs import assert_refused, assert_refused_at_cli, copy, hostile_checkpoint, registry_config
 from sluice.models import get_family
 
 v4 = get_family("deepseek_v4")
@@ -75,25 +72,29 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def raw():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return tiny_config("deepseek_v4", num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
-                           index_head_dim=16, o_groups=2, o_lora_rank=16, q_lora_rank=24, layer_types=TYPES,
-                           mlp_layer_types=["hash_moe", "moe", "moe"]).to_dict()
+    return registry_config("deepseek_v4", layer_types=TYPES, mlp_layer_types=["hash_moe", "moe", "moe"],
+                           num_hidden_layers=3)
 
 
 def test_clean_config_parses(raw):
-    cfg = v4.parse_config(json.loads(json.dumps(raw)))
+    cfg = v4.parse_config(copy(raw))
     assert cfg.layer_types == TYPES and cfg.mlp_layer_types == ["hash_moe", "moe", "moe"] and cfg.rope_dim == 8
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_hostile_config_refused(raw, case):
+def test_hostile_deepseek_v4_config(case, raw):
     change, expected = CASES[case]
-    bad = {k: v for k, v in {**json.loads(json.dumps(raw)), **change}.items() if v is not None}
-    with pytest.raises((ConfigError, UnsupportedModelError)) as e:
-        v4.parse_config(bad)
-    assert expected in str(e.value) and str(e.value).startswith("config.json: ")
+    assert_refused(v4.parse_config, raw, lambda r: {k: v for k, v in {**r, **change}.items() if v is not None},
+                   expected)
+
+
+@pytest.mark.parametrize("case", ["kv_heads", "fp4_experts", "ratios_unknown", "groups_not_dividing"])
+def test_refused_at_the_cli_in_one_line(case, family_models, tmp_path, capsys):
+    """A real checkpoint directory whose config.json carries the field: one ``sluice: error:`` line."""
+    change = CASES[case][0]
+    path = hostile_checkpoint(family_models, tmp_path, "deepseek_v4",
+                              lambda r: {k: v for k, v in {**r, **change}.items() if v is not None})
+    assert_refused_at_cli(path, CASES[case][1], capsys)
 
 
 def test_legacy_keys_as_transformers_reads_them(raw):
@@ -106,7 +107,7 @@ def test_legacy_keys_as_transformers_reads_them(raw):
     legacy.update(compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=2, qk_rope_head_dim=8, rope_theta=10000,
                   compress_rope_theta=160000, rope_scaling={"type": "yarn", "factor": 16, "beta_fast": 32,
                                                             "beta_slow": 1, "original_max_position_embeddings": 64})
-    cfg = v4.parse_config(json.loads(json.dumps(legacy)))
+    cfg = v4.parse_config(copy(legacy))
     ref = AutoConfig.for_model("deepseek_v4", **{k: v for k, v in legacy.items() if k != "model_type"})
     assert cfg.layer_types == ref.layer_types and cfg.mlp_layer_types == ref.mlp_layer_types
     assert cfg.rope_dim == ref.qk_rope_head_dim == 8
