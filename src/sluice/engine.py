@@ -131,7 +131,9 @@ class ModelInfo:
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
         self.config = self.family.parse_config(self.raw_config)
-        check_layer_count(self.config.num_hidden_layers, self.checkpoint.tensors, getattr(self.config, "mtp_layers", 0))
+        wrapped = isinstance(self.raw_config.get("text_config"), dict)  # a multimodal wrapper's text model
+        check_layer_count(self.config.num_hidden_layers, self.checkpoint.tensors, getattr(self.config, "mtp_layers", 0),
+                          "config.json text_config" if wrapped else "config.json")
         self.desc = self.family.describe(self.config)
         aliases = getattr(self.family, "tensor_aliases", None)
         if aliases is not None:  # a tensor some checkpoints store under another name
