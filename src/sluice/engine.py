@@ -53,7 +53,7 @@ from .storage import is_url, open_store
 from .storage.disk_tier import open_tier
 from .storage.urls import mask
 from .sysmem import current_rss, default_budget
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, has_tokenizer
 from . import prompt_fit
 from .outputs import model_inputs
 from .trace import TraceWriter
@@ -162,7 +162,7 @@ class ModelInfo:
             self.experts = CheckpointExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
                                              self.desc.expert_tensors, self.desc.expert_format, self.desc.expert)
         self.tokenizer: Tokenizer | None = None
-        if store.exists("tokenizer.json"):
+        if has_tokenizer(store):
             self.tokenizer = Tokenizer(store)
         self.meta_progress.close()
         self.eos_token_ids = eos_ids(self.raw_config, self.checkpoint.generation_config)
