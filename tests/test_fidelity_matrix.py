@@ -147,6 +147,7 @@ def test_rows_cover_every_pair():
 # whose cumulative decays lose precision. On qwen3_next's tiny f32 config the delta rule in
 # fp64 lands 1.06e-4 from transformers' logits and Sluice's fp32 recurrence 1.15e-4 (the fp32
 # chunked form, which shares transformers' rounding, 1.1e-5): the reference's own error.
+# (qwen3_5_moe: tests/models/test_qwen3_5_moe.py measures both against a true fp64 evaluation.)
 # (The families whose declaration keeps a recurrent state: qwen3_next, kimi_linear.)
 LINEAR_ATTENTION = tuple(f for f in FAMILY_NAMES if recurrent(f))
 

@@ -60,8 +60,8 @@ CASES = {
     # MTP
     "mtp_negative": ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers=-1"),
     "mtp_string": ({"num_nextn_predict_layers": "1"}, "num_nextn_predict_layers='1'"),
-    # weight formats: block FP8 only (compressed-tensors FP8 is not read)
-    "compressed_tensors": ({"quantization_config": CT}, "quant_method='compressed-tensors'"),
+    # weight formats: a compressed-tensors config without its weights' scheme
+    "compressed_tensors": ({"quantization_config": CT}, "quantization_config.config_groups=None"),
     "fp8_no_block": ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}},
                      "weight_block_size=None"),
     "fp8_static": ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static",

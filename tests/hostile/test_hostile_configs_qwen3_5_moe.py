@@ -10,7 +10,7 @@ import pytest
 
 from families import REGISTRY
 from hostile_configs import assert_refused, assert_refused_at_cli, hostile_checkpoint
-from sluice.errors import UnsupportedModelError
+from sluice.errors import ConfigError, UnsupportedModelError
 from sluice.models import get_family
 
 q35 = get_family("qwen3_5_moe")
@@ -57,7 +57,11 @@ WRAPPER_CASES = {
     "no_text_config": ({"text_config": None}, "text_config"),
     "text_config_string": ({"text_config": "qwen3_5_moe_text"}, "text_config"),
     "tie_disagrees": ({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
-    "fp8": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quant_method='fp8'"),
+    "fp8_block": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 128]}},
+                  "weight_block_size=[0, 128]"),
+    "quant_method": ({"quantization_config": {"quant_method": "awq"}}, "quant_method='awq'"),
+    "two_quant_configs": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                           "text_config": None}, "quantization_config differs"),
 }
 
 
@@ -91,7 +95,14 @@ def test_hostile_qwen3_5_moe_text_config(case, raw):
 
 @pytest.mark.parametrize("case", list(WRAPPER_CASES))
 def test_hostile_qwen3_5_moe_wrapper(case, raw):
-    assert_refused(q35.parse_config, raw, *WRAPPER_CASES[case])
+    change, expected = WRAPPER_CASES[case]
+    wrapped = {**_copy(raw), **change}
+    if change.get("text_config", 0) is None and "quantization_config" in change:  # both levels, different
+        wrapped["text_config"] = {**_copy(raw)["text_config"], "quantization_config": {"quant_method": "fp8",
+                                                                                     "weight_block_size": [64, 64]}}
+    with pytest.raises((ConfigError, UnsupportedModelError)) as e:
+        q35.parse_config(wrapped)
+    assert expected in str(e.value) and str(e.value).startswith("config.json: "), str(e.value)
 
 
 def test_other_text_model_type_refused(raw):

@@ -293,7 +293,7 @@ def test_config_fields():
     cfg = glm.parse_config(GLM45_CONFIG)
     assert (cfg.rotary_dim, cfg.head_dim, cfg.rope["rope_theta"], cfg.mtp_layers) == (64, 128, 1000000, 1)
     assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.n_shared_experts) == (1, 1, 2.5, 1)
-    assert cfg.attention_bias and cfg.use_qk_norm and cfg.fp8.block is None
+    assert cfg.attention_bias and cfg.use_qk_norm and cfg.weights.kind is None
     minimal = {k: v for k, v in GLM45_CONFIG.items() if k not in (
         "partial_rotary_factor", "num_nextn_predict_layers", "first_k_dense_replace", "n_shared_experts",
         "norm_topk_prob", "routed_scaling_factor", "use_qk_norm", "attention_bias", "rms_norm_eps")}

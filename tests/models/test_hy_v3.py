@@ -164,7 +164,7 @@ def test_config_fields():
     cfg = hy.parse_config(HY3_CONFIG)
     assert (cfg.head_dim, cfg.rope["rope_theta"], cfg.mtp_layers, cfg.router_scaling_factor) == (
         128, 11158840.0, 1, 2.826)
-    assert cfg.mlp_layer_types == ["dense"] + ["sparse"] * 79 and cfg.fp8.block is None
+    assert cfg.mlp_layer_types == ["dense"] + ["sparse"] * 79 and cfg.weights.kind is None
     bare = {k: v for k, v in HY3_CONFIG.items() if k not in ("head_dim", "rope_parameters", "router_scaling_factor")}
     cfg = hy.parse_config(bare)  # transformers' defaults: head_dim 128 (not hidden / heads), theta 11158840
     assert (cfg.head_dim, cfg.rope["rope_theta"], cfg.router_scaling_factor) == (128, 11158840.0, 2.826)

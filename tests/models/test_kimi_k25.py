@@ -179,7 +179,8 @@ def test_refused_schemes(ds_src, tmp_path):
             (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), "actorder='group'"),
             (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
              "input_activations"),
-            (lambda q: q.update(format="float-quantized"), "format='float-quantized'"),
+            (lambda q: q.update(format="float-quantized"), "num_bits=4 is not supported (expected 8 for format "
+                                                            "'float-quantized'"),
             (lambda q: q.update(quantization_status="frozen"), "quantization_status='frozen'")):
         c = json.loads(json.dumps(cfg))
         edit(c["quantization_config"])

@@ -227,7 +227,7 @@ def test_config_fields():
     assert (cfg.head_dim, cfg.v_head_dim, cfg.v_scale, cfg.sliding_window) == (192, 128, 0.707, 129)
     assert cfg.layer_types.count("full_attention") == 9 and cfg.layer_types[5] == "full_attention"
     assert cfg.kv_heads(0) == 4 and cfg.kv_heads(1) == 8 and cfg.moe_layers == list(range(1, 48))
-    assert (cfg.routed_scaling_factor, cfg.mtp_modules, cfg.fp8.block) == (1.0, 3, None)
+    assert (cfg.routed_scaling_factor, cfg.mtp_modules, cfg.weights.kind) == (1.0, 3, None)
     assert cfg.rope == {"full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334},
                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
                                               "partial_rotary_factor": 0.334}}

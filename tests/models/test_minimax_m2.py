@@ -135,7 +135,7 @@ def test_config_fields():
     base = dict(M2_CONFIG, quantization_config=None)
     cfg = mm.parse_config(base)
     assert (cfg.rotary_dim, cfg.head_dim, cfg.rope["rope_theta"], cfg.mtp_layers) == (64, 128, 5000000, 3)
-    assert cfg.fp8.block is None
+    assert cfg.weights.kind is None
     same = dict(base, rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5})
     assert mm.parse_config(same).rotary_dim == 64
     no_rotary = {k: v for k, v in base.items() if k != "rotary_dim"}
