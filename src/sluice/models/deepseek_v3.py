@@ -279,13 +279,18 @@ def _linear(cfg: Config, w, module: str):
     return weight
 
 
-def declare(cfg: Config) -> Model:
-    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+def mla_args(cfg: Config) -> dict:
+    """``parts.mla``'s arguments for ``cfg``'s attention (DeepSeek-V3.2's sparse attention adds its own)."""
     # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps, not rms_norm_eps
-    attn = mla(h, cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-               qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-               v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias, scale=cfg.softmax_scale,
-               interleave=cfg.rope_interleave, norm_eps=1e-6)
+    return dict(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias,
+                scale=cfg.softmax_scale, interleave=cfg.rope_interleave, norm_eps=1e-6)
+
+
+def declare(cfg: Config, attention=None) -> Model:
+    """The model; ``attention(i)``: layer i's attention part (default: MLA on every layer)."""
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+    attn = mla(h, cfg.num_attention_heads, **mla_args(cfg))
 
     def mlp(i: int):
         if i in cfg.moe_layers:
@@ -297,14 +302,16 @@ def declare(cfg: Config) -> Model:
             return moe(router, shared=shared)
         return gated_mlp(h, cfg.intermediate_size, cfg.hidden_act)
 
-    layers = [Layer(i, rms_norm(h, eps), rms_norm(h, eps), attn, mlp(i)) for i in range(cfg.num_hidden_layers)]
+    layers = [Layer(i, rms_norm(h, eps), rms_norm(h, eps), attn if attention is None else attention(i), mlp(i))
+              for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
                  lambda: Rotary(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings),
                  linear_tensors=lambda module, shape: _linear_tensors(cfg, module, shape),
                  linear=lambda w, module: _linear(cfg, w, module), prefix=cfg.prefix)
 
 
-def describe(cfg: Config) -> ModelDescription:
+def describe(cfg: Config, model: Model | None = None, more_notes: tuple[str, ...] = ()) -> ModelDescription:
+    """``model``: the declaration, when a family declares its own (DeepSeek-V3.2); ``more_notes``: its notes."""
     h, dr, rank = cfg.hidden_size, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     fp8_experts = bool(cfg.moe_layers) and cfg.quantized(f"model.layers.{cfg.moe_layers[0]}.mlp.experts.0.gate_proj")
     spec = ExpertSpec(hidden=h, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act,
@@ -330,6 +337,7 @@ def describe(cfg: Config) -> ModelDescription:
                      f"{'..' + str(n + cfg.mtp_layers - 1) if cfg.mtp_layers > 1 else ''}.*) are not used: "
                      "generation predicts one token per step")
     notes.append(f"MLA latent cache: {rank} + {dr} floats per position per layer (not full K/V)")
+    notes.extend(more_notes)
     if cfg.int4:
         notes.append("routed experts: compressed-tensors INT4 (group 32, bf16 scales), kept in INT4 and multiplied "
                      "exactly as stored (activations stay fp32)")
@@ -341,7 +349,7 @@ def describe(cfg: Config) -> ModelDescription:
     if cfg.prefix:
         notes.append(f"multimodal wrapper: the text model (tensors under {cfg.prefix!r}); the vision tower and "
                      "projector are not read")
-    return declare(cfg).describe(
+    return (model or declare(cfg)).describe(
         model_type=cfg.model_type, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, expert=spec,
         expert_tensors=expert_tensors, max_position_embeddings=cfg.max_position_embeddings,
         attn_heads=cfg.num_attention_heads, notes=notes, expert_format="int4" if cfg.int4 else None,
