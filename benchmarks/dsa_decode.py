@@ -5,9 +5,9 @@ One ``layers.dsa.SparseMLA`` layer with DeepSeek-V3.2's sizes (hidden 7168, 128 
 weights (block FP8 as published, or bf16 with ``--format bf16``), its latent cache and indexer keys
 filled with random values for L - 1 positions. One decode step is ``attn.segments`` of one token at
 position L - 1 (it writes that position, the indexer scores all L and keeps 2048, MLA attends over
-them). Reported per context: the median step time, the indexer's own share (its keys, queries and selection for the same step, timed
-alone) and, for comparison, plain MLA over all L positions (what attention without the selection
-costs). The contexts are measured interleaved, so background load hits them alike.
+them). Reported per context: the median step time, the indexer's own share (its keys, queries and
+selection for the same step, timed alone) and, for comparison, plain MLA over all L positions (what
+attention without the selection costs). The contexts are measured interleaved, so background load hits them alike.
 
     PYTHONPATH=src python benchmarks/dsa_decode.py [--contexts 4096 32768] [--reps 7] [--threads 2]
         [--format fp8|bf16] [--json benchmarks/results/dsa-decode.json]
