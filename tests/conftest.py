@@ -19,7 +19,7 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
-from families import BASE, LOGIT_MARGIN, REGISTRY, ROUTER_MARGIN, FamilyModels  # noqa: E402,F401
+from families import BASE, LOGIT_MARGIN, REGISTRY, ROUTER_MARGIN, FamilyModels, prompt_ids  # noqa: E402,F401
 
 # the softmax-router families' extra config, from the registry (tests/families.py): each
 # exercises what its family has (dense layers, sliding window, clip_qkv)
@@ -78,10 +78,6 @@ def at_level(level: int, fn):
         return fn()
     finally:
         kernels.set_isa_cap(prev)
-
-
-def prompt_ids(n: int = 16, seed: int = 1, vocab: int = 256) -> torch.Tensor:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def assert_decisive(ref, ids: torch.Tensor, first: int, top_k: int) -> None:

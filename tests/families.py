@@ -9,7 +9,9 @@ correction bias of grouped routers) so that the engine is proven to apply them. 
 routers use top-k >= 4, so the order in which selected experts come back matters.
 
 Native-format sources are built from an entry's f32 checkpoint: DeepSeek-V3, GLM-4.7-Flash and MiniMax-M2 with
-block-FP8 linear weights (``to_fp8``) and GPT-OSS with MXFP4 experts (``to_mxfp4``).
+block-FP8 linear weights (``to_fp8``) and GPT-OSS with MXFP4 experts (``to_mxfp4``). Every family's f32
+checkpoint can be stored in the quantized forms of ``STORED`` too (``to_stored``: block FP8, compressed-
+tensors FP8 per channel or block, compressed-tensors INT4 experts), each with its dequantized fp32 twin.
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermedia
             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
             num_local_experts=8, num_experts_per_tok=2, initializer_range=0.2, max_position_embeddings=512,
             bos_token_id=1, eos_token_id=None, pad_token_id=0)
+
+
+def prompt_ids(n: int = 16, seed: int = 1, vocab: int = 256) -> torch.Tensor:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# The prompt every registry checkpoint is proven decisive on (``FamilyModels.expected``; the
+# fidelity matrix's baselines): 8 tokens twice, so n-gram speculation drafts (and rolls back)
+# from the first generated tokens on; and how many greedy tokens are compared
+PROMPT = torch.cat([prompt_ids()[:8], prompt_ids()[:8]])
+N_NEW = 32
 
 
 def _norms_and_correction_bias(model) -> None:
@@ -313,30 +326,124 @@ def assert_decisive_model(ref, ids: torch.Tensor, first: int) -> None:
         assert gaps > ROUTER_MARGIN, f"router margin {gaps:.2e} in MoE layer {layer} is a near-tie: pick another seed"
 
 
-# -- native formats -------------------------------------------------------------------------
+# -- stored (quantized) formats --------------------------------------------------------------
+#
+# Written here from the formats' descriptions, independently of sluice.quant: the quantized
+# checkpoint and its twin, the same model with the quantized weights dequantized to fp32 (the
+# model the checkpoint stands for, which transformers runs as the reference).
 
 FP8_BLOCK = (16, 16)  # small blocks so tiny matrices span several of them
+E4M3_MAX = 448.0
+EXPERT_MATRIX = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")  # a routed expert's matrix, one per expert
+ROUTER = re.compile(r"\.gate(\.wg)?\.weight$")  # routers stay plain in every released quantized checkpoint
+STORED = ("fp8", "ct-fp8", "ct-fp8-block", "int4")  # block FP8; compressed-tensors FP8 per channel / block; INT4
 
 
-def _is_fp8_linear(name: str) -> bool:
-    return ".layers." in name and (name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
-                                   or re.search(r"\.experts\.\d+\.w[123]\.weight$", name) is not None)
+def _linear_leaves(src: Path) -> set[str]:
+    """The last name of every linear module (``nn.Linear``) of transformers' model of ``src``: what
+    its FP8 integration converts (the head aside)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cfg = AutoConfig.from_pretrained(src)
+    cls = AutoModelForImageTextToText if hasattr(cfg, "vision_config") else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = cls.from_config(cfg)
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
 
 
-def to_fp8(src: Path, dst: Path, ref: Path, block=FP8_BLOCK) -> tuple[Path, Path]:
-    """Quantize every linear weight of ``src`` to block FP8 (``dst``) and write the same model
-    with those weights dequantized to fp32 (``ref``, the transformers reference)."""
+def e4m3_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 [N, K], fp32 scales [ceil(N/bn), ceil(K/bk)]): each block's amax maps to 448."""
+    n, k = w.shape
+    bn, bk = block
+    sn, sk = -(-n // bn), -(-k // bk)
+    pad = torch.zeros(sn * bn, sk * bk)
+    pad[:n, :k] = w.float()
+    amax = pad.view(sn, bn, sk, bk).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (w.float() / e4m3_expand(scale, block, n, k)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def e4m3_expand(scale: torch.Tensor, block: tuple[int, int], n: int, k: int) -> torch.Tensor:
+    """Block scales [ceil(N/bn), ceil(K/bk)] -> one per element [N, K] (element (r, c): scale[r // bn, c // bk])."""
+    return scale.float()[torch.arange(n) // block[0]][:, torch.arange(k) // block[1]]
+
+
+def e4m3_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """W[r, c] = float(q[r, c]) * scale[r // bn, c // bk], in fp32 (exact: 4 x 8 significant bits)."""
+    return q.float() * e4m3_expand(scale, block, *q.shape)
+
+
+def int4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> (levels int8 in -8..7, bf16 scales [N, K/32], the exact fp32 dequantization)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // 32, 32)
+    scale = (g.abs().amax(-1) / 7).to(torch.bfloat16)
+    levels = (g / scale.float()[..., None]).round().clamp(-8, 7)
+    deq = (levels.double() * scale.double()[..., None]).float().reshape(n, k)
+    return levels.reshape(n, k).to(torch.int8), scale, deq
+
+
+def int4_pack(levels: torch.Tensor) -> torch.Tensor:
+    """levels [N, K] -> int32 [N, K/8]: element 8j + i's code (level + 8) in bits 4i..4i+3 of word j."""
+    n, k = levels.shape
+    codes = (levels.to(torch.int64) + 8).reshape(n, k // 8, 8)
+    word = torch.zeros(n, k // 8, dtype=torch.int64)
+    for i in range(8):
+        word |= codes[..., i] << (4 * i)
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+
+
+_INT4_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+                 "dynamic": False, "actorder": None, "observer": "minmax"}
+
+
+def _stored_config(kind: str, block, routers: list[str]) -> dict:
+    if kind == "fp8":
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+        return {**qc, "modules_to_not_convert": routers} if routers else qc
+    ct = {"quant_method": "compressed-tensors", "quantization_status": "compressed", "kv_cache_scheme": None,
+          "sparsity_config": {}, "ignore": ["lm_head", *routers]}
+    if kind == "int4":  # the routed experts only, named by a pattern
+        group = {"targets": [r"re:.*\.experts\.\d+\..*"], "input_activations": None, "output_activations": None,
+                 "weights": _INT4_WEIGHTS}
+        return {**ct, "format": "pack-quantized", "config_groups": {"group_0": group}}
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
+               "actorder": None, "observer": "minmax", "strategy": "block" if kind == "ct-fp8-block" else "channel",
+               "block_structure": list(block) if kind == "ct-fp8-block" else None}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}  # GLM-4.5-FP8's
+    group = {"targets": ["Linear"], "input_activations": acts, "output_activations": None, "weights": weights}
+    return {**ct, "format": "float-quantized", "config_groups": {"group_0": group}}
+
+
+def to_stored(src: Path, dst: Path, ref: Path, kind: str, block=FP8_BLOCK) -> tuple[Path, Path]:
+    """``src`` (an f32 checkpoint) stored as ``kind`` (one of ``STORED``) in ``dst``, and its twin
+    ``ref``: the FP8 kinds quantize every linear transformers' FP8 integration converts (the
+    routers aside, listed as kept plain) and every routed expert; ``int4`` the routed experts."""
     from safetensors.torch import load_file, save_file
 
-    from sluice.quant.fp8 import dequantize, quantize
-
-    tensors = load_file(src / "model.safetensors")
-    q, deq = {}, {}
-    for name, t in tensors.items():
-        if _is_fp8_linear(name):
-            w, s = quantize(t, tuple(block))
-            q[name], q[name + "_scale_inv"] = w, s
-            deq[name] = dequantize(w, s, tuple(block))
+    block = tuple(block)
+    leaves = _linear_leaves(src)
+    q, deq, routers = {}, {}, []
+    for name, t in load_file(src / "model.safetensors").items():
+        module = name[: -len(".weight")]
+        linear = name.endswith(".weight") and t.dim() == 2 and ".layers." in name and "visual" not in name \
+            and module.rsplit(".", 1)[-1] in leaves
+        if linear and ROUTER.search(name):
+            routers.append(module)
+            linear = False
+        expert = EXPERT_MATRIX.search(name) is not None and t.dim() == 2
+        if kind == "int4" and expert:
+            levels, scale, deq[name] = int4_quantize(t)
+            q[module + ".weight_packed"], q[module + ".weight_scale"] = int4_pack(levels), scale
+            q[module + ".weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
+        elif kind != "int4" and (expert or linear):
+            b = (1, t.shape[1]) if kind == "ct-fp8" else block  # per channel: one row as wide as the row
+            w, s = e4m3_quantize(t, b)
+            if kind == "ct-fp8":  # llm-compressor stores channel scales [N, 1] in the model's dtype
+                s = s.to(torch.bfloat16)
+                w = (t.float() / s.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            q[name], q[name + ("_scale_inv" if kind == "fp8" else "_scale")] = w, s
+            deq[name] = e4m3_dequantize(w, s, b)
         else:
             q[name] = deq[name] = t
     cfg = json.loads((src / "config.json").read_text())
@@ -345,10 +452,14 @@ def to_fp8(src: Path, dst: Path, ref: Path, block=FP8_BLOCK) -> tuple[Path, Path
         save_file(data, d / "model.safetensors", metadata={"format": "pt"})
         c = dict(cfg)
         if qc:
-            c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                        "weight_block_size": list(block)}
+            c["quantization_config"] = _stored_config(kind, block, routers)
         (d / "config.json").write_text(json.dumps(c, indent=1))
     return dst, ref
+
+
+def to_fp8(src: Path, dst: Path, ref: Path, block=FP8_BLOCK) -> tuple[Path, Path]:
+    """``src`` with its linear weights in block FP8 (``dst``) and its dequantized fp32 twin (``ref``)."""
+    return to_stored(src, dst, ref, "fp8", block)
 
 
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -410,8 +521,10 @@ class FamilyModels:
 
     ``hf(family, kind)``: the Hugging Face directory (kind ``f32``, ``bf16`` or the family's
     native format); ``reference_path``: what transformers runs as the reference for it (the
-    fp32-dequantized twin of an FP8 checkpoint); ``container(family, kind, experts)``: that
-    directory converted (``experts=None``: the experts as stored)."""
+    fp32-dequantized twin of an FP8 checkpoint); ``transformers`` and ``expected``: that
+    reference model and its logits and greedy tokens on ``PROMPT``, shared by the matrix and
+    the model tests; ``container(family, kind, experts)``: that directory converted
+    (``experts=None``: the experts as stored)."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -423,6 +536,7 @@ class FamilyModels:
         return self._made[key]
 
     def hf(self, family: str, kind: str = "f32") -> Path:
+        """``kind``: ``PLAIN``'s, the family's native format, or one of ``STORED`` (any family)."""
         if kind in PLAIN:
             dtype, extra = PLAIN[kind]
             return self._once(("hf", family, kind),
@@ -433,17 +547,35 @@ class FamilyModels:
         return self.hf(family, kind) if kind in PLAIN else self._native(family, kind)[1]
 
     def _native(self, family: str, kind: str):
-        if REGISTRY[family].native != kind:
+        if REGISTRY[family].native != kind and kind not in STORED:
             raise ValueError(f"{family} has no native {kind} source in the registry")
 
         def build():
             src = self.hf(family, "f32")
-            if kind == "fp8":
-                return to_fp8(src, self.root / f"{family}-fp8", self.root / f"{family}-fp8-dequantized")
+            if kind in STORED:
+                return to_stored(src, self.root / f"{family}-{kind}", self.root / f"{family}-{kind}-dequantized", kind)
             path, _ = to_mxfp4(src, self.root / f"{family}-mxfp4")
             return path, path
 
         return self._once(("native", family, kind), build)
+
+    def transformers(self, family: str, kind: str = "f32"):
+        """transformers' fp32 model on ``reference_path(family, kind)``, loaded once (read-only use)."""
+        return self._once(("transformers", family, kind), lambda: reference(self.reference_path(family, kind)))
+
+    def expected(self, family: str, kind: str = "f32") -> tuple[torch.Tensor, list[int]]:
+        """transformers' logits at every position of ``PROMPT`` and its ``N_NEW`` greedy tokens on
+        ``(family, kind)``, proven decisive (``assert_decisive_model``); computed once a session."""
+
+        def run():
+            ref = self.transformers(family, kind)
+            with torch.no_grad():
+                logits = ref(PROMPT[None]).logits[0]
+                out = ref.generate(PROMPT[None], max_new_tokens=N_NEW, do_sample=False)[0]
+            assert_decisive_model(ref, out, len(PROMPT) - 1)
+            return logits, out[len(PROMPT):].tolist()
+
+        return self._once(("expected", family, kind), run)
 
     def container(self, family: str, kind: str = "f32", experts: str | None = None, spine: str | None = None) -> Path:
         from sluice.convert import convert

@@ -2,23 +2,26 @@
 
 Each family of the registry (``tests/families.py``) is built as an f32 and a bf16 Hugging Face
 checkpoint, plus its native format where it has one (DeepSeek-V3 block FP8, GPT-OSS MXFP4).
-For each such checkpoint the *baseline* is the resident default run of its HF directory:
-within 1e-4 of transformers' logits at every position (f32 and FP8; bf16 and MXFP4: 1e-4 x
-max|logit| against the fp32-upcast reference) and transformers' 32 greedy tokens, with
-and without speculation. Every *cell* changes some of the axes in ``AXES`` and must give
-logits at every position bit-identical to the baseline (``torch.equal``) and the same 32
-greedy tokens.
+For each such checkpoint the *baseline* is the run of its HF directory with every axis of
+``AXES`` at its default: within 1e-4 of transformers' logits at every position (f32 and FP8;
+bf16 and MXFP4: 1e-4 x max|logit| against the fp32-upcast reference) and transformers' 32
+greedy tokens, with and without speculation. Every *cell* changes some of the axes and must
+give logits at every position bit-identical to the baseline (``torch.equal``) and the same
+32 greedy tokens.
 
 The decoding axis is bitwise too: the kernels are batch-invariant (``tests/runtime/test_batch_invariance.py``),
 so token-by-token prefill (``prefill_chunk=1``) gives the logits of one chunk, and speculation
 (drafts verified several rows at a time) gives the same tokens and the same log-probability
 of every generated token as plain decoding, bit for bit.
 
-Rows: every non-default value of every axis alone, both non-default values of each pair of
-axes that share code (``CODE_SHARING``), and a pairwise covering array over all of them
-(``covering_array``; ``test_rows_cover_every_pair`` proves the coverage). A cell may be
-skipped only with a reason in ``SKIP_REASONS``, and may be expected to fail only for a bug in
-``KNOWN_BUGS`` (conftest turns any other skip or xfail into a failure).
+Rows: a pairwise covering array (``pairwise_rows``) that, with the baseline's all-default
+row, holds every pair of values of every two axes on every checkpoint, so every value of
+every axis runs on every checkpoint and both non-default values of each pair of axes that
+share code (``CODE_SHARING``) run together; ``test_rows_cover_every_pair`` proves it. A
+failing cell names its row; to find the axis, run the row's values one at a time
+(docs/testing.md). A cell may be skipped only with a reason in ``SKIP_REASONS``, and may be
+expected to fail only for a bug in ``KNOWN_BUGS`` (conftest turns any other skip or xfail
+into a failure).
 
 Below the matrix: the lossy switches, quantized containers and the int8 spine on every family.
 """
@@ -29,6 +32,7 @@ import ast
 import errno
 import itertools
 import json
+import math
 import os
 from pathlib import Path
 
@@ -36,13 +40,11 @@ import pytest
 import torch
 
 import sluice
-from conftest import UNLISTED_SKIPS, prompt_ids
-from families import FAMILY_NAMES, assert_decisive_model, kinds, recurrent, reference, selection_scores
+from conftest import UNLISTED_SKIPS
+from families import FAMILY_NAMES, N_NEW, kinds, recurrent, selection_scores
+from families import PROMPT as IDS  # 8 tokens twice: n-gram speculation drafts from the first generated tokens on
 
-N_NEW = 32
 MEMORY = "4GiB"
-# 8 tokens twice: n-gram speculation drafts (and rolls back) from the first generated tokens on
-IDS = torch.cat([prompt_ids()[:8], prompt_ids()[:8]])
 
 # axis -> its values, the first being the default; a row maps every axis to one value
 AXES: dict[str, tuple] = {
@@ -84,49 +86,24 @@ def _marks(key: str | None) -> list:
 # -- rows ---------------------------------------------------------------------------------------
 
 
-def covering_array(axes: dict[str, tuple], seeds: list[dict]) -> list[dict]:
-    """``seeds`` (partial rows, completed with defaults) plus rows added greedily until every
-    pair of values of every two axes appears in some row. Deterministic: each new row starts
-    from the first uncovered pair and takes, axis by axis, the value covering the most
-    uncovered pairs with the values already chosen (ties: the earlier value)."""
-    names = list(axes)
-    rows = [{**{a: v[0] for a, v in axes.items()}, **s} for s in seeds]
-    uncovered = {((a, va), (b, vb)) for a, b in itertools.combinations(names, 2) for va in axes[a] for vb in axes[b]}
-
-    def pairs(row):
-        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
-
-    for row in rows:
-        uncovered -= pairs(row)
-    while uncovered:
-        (a, va), (b, vb) = min(uncovered, key=lambda p: (names.index(p[0][0]), names.index(p[1][0]),
-                                                         axes[p[0][0]].index(p[0][1]), axes[p[1][0]].index(p[1][1])))
-        row = {a: va, b: vb}
-        for axis in names:
-            if axis in row:
-                continue
-            gain = [sum(((x, row[x]), (axis, v)) in uncovered or ((axis, v), (x, row[x])) in uncovered for x in row)
-                    for v in axes[axis]]
-            row[axis] = axes[axis][gain.index(max(gain))]
-        row = {axis: row[axis] for axis in names}
-        rows.append(row)
-        uncovered -= pairs(row)
-    return rows
+def pairwise_rows(axes: dict[str, tuple]) -> list[dict]:
+    """Rows that, together with the all-default row, hold every pair of values of every two
+    (two-valued) axes. Row ``i`` sets axis ``j`` to its non-default value iff ``i`` is in the
+    ``j``-th ``m``-subset of ``range(k)`` (lexicographic), ``m = k // 2 + 1``, with ``k`` the
+    fewest rows that have as many such subsets as axes: distinct subsets of one size contain
+    neither each other (both mixed pairs appear), two subsets of more than half of ``range(k)``
+    meet (both non-default values appear together) and the all-default row holds both defaults.
+    Nine axes: 5 rows, 6 with the all-default one (the fewest any all-pairs array of nine
+    two-valued axes has)."""
+    assert all(len(v) == 2 for v in axes.values()), "pairwise_rows covers two-valued axes"
+    k = 1
+    while math.comb(k, k // 2 + 1) < len(axes):
+        k += 1
+    subsets = list(itertools.combinations(range(k), k // 2 + 1))[: len(axes)]
+    return [{a: v[1] if i in subset else v[0] for (a, v), subset in zip(axes.items(), subsets)} for i in range(k)]
 
 
-def _rows() -> list[dict]:
-    seeds = [{axis: v} for axis, values in AXES.items() for v in values[1:]]  # every value alone
-    seeds += [{a: AXES[a][1], b: AXES[b][1]} for a, b in CODE_SHARING]  # code-sharing pairs together
-    out, seen = [], set()
-    for row in covering_array(AXES, seeds):
-        key = tuple(row.values())
-        if key not in seen:
-            seen.add(key)
-            out.append(row)
-    return out
-
-
-ROWS = _rows()
+ROWS = pairwise_rows(AXES)
 
 
 def row_id(row: dict) -> str:
@@ -140,14 +117,22 @@ CELLS = [pytest.param(f, k, row, id=f"{f}-{k}-{row_id(row)}", marks=_marks(_know
 
 
 def test_rows_cover_every_pair():
-    """Every value of every axis, every pair of values of every two axes (the pairwise
-    covering array), and both non-default values of each code-sharing pair appear."""
+    """With the baseline's all-default row, every pair of values of every two axes (the
+    pairwise covering array) appears on every checkpoint: so every value of every axis, and
+    both non-default values of each code-sharing pair; no row repeats another or the baseline."""
+    rows = [DEFAULT, *ROWS]
     for a, b in itertools.combinations(AXES, 2):
         for va, vb in itertools.product(AXES[a], AXES[b]):
-            assert any(r[a] == va and r[b] == vb for r in ROWS), (a, va, b, vb)
+            assert any(r[a] == va and r[b] == vb for r in rows), (a, va, b, vb)
     for a, b in CODE_SHARING:
         assert any(r[a] == AXES[a][1] and r[b] == AXES[b][1] for r in ROWS)
-    assert len(ROWS) == len({tuple(r.values()) for r in ROWS}) <= 24
+    assert all(any(r[a] == v for r in ROWS) for a, values in AXES.items() for v in values[1:])
+    assert len(rows) == len({tuple(r.values()) for r in rows}) <= 8
+    for n in range(2, 16):  # the construction for other numbers of axes (an axis added later)
+        axes = {f"a{i}": (0, 1) for i in range(n)}
+        rows = [{a: 0 for a in axes}, *pairwise_rows(axes)]
+        assert all(any(r[a] == va and r[b] == vb for r in rows)
+                   for a, b in itertools.combinations(axes, 2) for va in (0, 1) for vb in (0, 1)), n
 
 
 # -- baseline -----------------------------------------------------------------------------------
@@ -158,6 +143,7 @@ def test_rows_cover_every_pair():
 # whose cumulative decays lose precision. On qwen3_next's tiny f32 config the delta rule in
 # fp64 lands 1.06e-4 from transformers' logits and Sluice's fp32 recurrence 1.15e-4 (the fp32
 # chunked form, which shares transformers' rounding, 1.1e-5): the reference's own error.
+# (qwen3_5_moe: tests/models/test_qwen3_5_moe.py measures both against a true fp64 evaluation.)
 # (The families whose declaration keeps a recurrent state: qwen3_next, kimi_linear.)
 LINEAR_ATTENTION = tuple(f for f in FAMILY_NAMES if recurrent(f))
 
@@ -177,16 +163,14 @@ class Baselines:
         self._runs: dict = {}
 
     def get(self, family: str, kind: str) -> dict:
-        """The resident default run of the HF directory, proven against transformers."""
+        """The run of the HF directory with every axis at its default (the covering array's
+        all-default row), proven against transformers (``FamilyModels.expected``)."""
         key = (family, kind)
         if key not in self._runs:
-            ref = reference(self.models.reference_path(family, kind))
-            with torch.no_grad():
-                ref_logits = ref(IDS[None]).logits[0]
-                ref_out = ref.generate(IDS[None], max_new_tokens=N_NEW, do_sample=False)[0]
-            assert_decisive_model(ref, ref_out, len(IDS) - 1)
-            ref_tokens = ref_out[len(IDS):].tolist()
-            with sluice.load(self.models.hf(family, kind), memory=MEMORY, progress=False) as eng:
+            ref_logits, ref_tokens = self.models.expected(family, kind)
+            with sluice.load(self.models.hf(family, kind), memory=MEMORY, progress=False,
+                             **_options(DEFAULT, {})) as eng:
+                assert not eng.info.is_container and not eng.plan.streamed_layers
                 logits = eng.forward(IDS)
                 tol = _tolerance(family, kind, ref_logits)
                 diff = (logits - ref_logits).abs().max().item()
@@ -196,9 +180,21 @@ class Baselines:
                 assert plain.token_ids == ref_tokens and spec.token_ids == ref_tokens
                 assert spec.stats["drafted"] > 0  # speculation drafted (and verified) here
                 assert spec.logprobs == plain.logprobs  # verified drafts: the bits of plain decoding
+                assert spec.stats["direct_io"] == eng.experts_source.direct_io
                 self._runs[key] = dict(logits=logits, tokens=ref_tokens, logprobs=plain.logprobs,
                                        working_set=eng.desc.working_set,
                                        top_k=eng.desc.top_k, layers=len(eng.model.layers))
+        return self._runs[key]
+
+    def bf16_container(self, family: str) -> dict:
+        """The bf16 container of the "bf16-std" checkpoint, the lossy formats' reference: its
+        greedy continuation of ``IDS`` (``seq``), its logits on it (``want``), its spine bytes."""
+        key = (family, "bf16-std container")
+        if key not in self._runs:
+            with sluice.load(self.models.container(family, "bf16-std"), memory=MEMORY, progress=False) as eng:
+                assert eng.experts_source.format == "bf16" and eng.lossy == {}
+                seq = IDS.tolist() + eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True).token_ids
+                self._runs[key] = dict(seq=seq, want=eng.forward(seq), spine_bytes=eng.plan.spine_bytes)
         return self._runs[key]
 
 
@@ -296,13 +292,12 @@ def test_lossy_switch(family_models, baselines, family, switch, tmp_path):
         assert torch.equal(eng.forward(IDS), base["logits"])
         assert eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True).token_ids == base["tokens"]
     if switch == "moe_top_k":
-        _check_top1_routing(family_models.reference_path(family, "f32"), IDS.tolist() + changed.token_ids, trace)
+        _check_top1_routing(family_models.transformers(family, "f32"), IDS.tolist() + changed.token_ids, trace)
 
 
-def _check_top1_routing(ref_path: Path, seq: list[int], trace: Path) -> None:
+def _check_top1_routing(ref, seq: list[int], trace: Path) -> None:
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     steps = steps[:N_NEW - 1]  # the lossy run's decode steps (the trace file then holds later runs')
-    ref = reference(ref_path)
     with torch.no_grad():
         out = ref(torch.tensor(seq)[None], output_router_logits=True)
     scores = selection_scores(ref, out.router_logits[0].float().reshape(len(seq), -1), 0)
@@ -332,18 +327,15 @@ QUANT_REFUSED: dict[tuple[str, str], str] = {}
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
-def test_quantized_container(family_models, family, fmt):
+def test_quantized_container(family_models, baselines, family, fmt):
     """Finite logits, and teacher-forced top-1 agreement with the bf16 container (on the bf16
     container's greedy continuation) of at least ``QUANT_MIN_AGREEMENT``."""
     if (family, fmt) in QUANT_REFUSED:
         with pytest.raises((ValueError, sluice.SluiceError), match=QUANT_REFUSED[(family, fmt)]):
             family_models.container(family, "bf16-std", fmt)
         return
-    ref_box = family_models.container(family, "bf16-std")
-    with sluice.load(ref_box, memory=MEMORY, progress=False) as eng:
-        assert eng.experts_source.format == "bf16"
-        seq = IDS.tolist() + eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True).token_ids
-        want = eng.forward(seq)
+    ref = baselines.bf16_container(family)
+    seq, want = ref["seq"], ref["want"]
     with sluice.load(family_models.container(family, "bf16-std", fmt), memory=MEMORY, progress=False) as eng:
         assert eng.experts_source.format == fmt
         got = eng.forward(seq)
@@ -360,16 +352,12 @@ SPINE_MIN_AGREEMENT = 0.9  # teacher-forced top-1 against the bf16 container (me
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.filterwarnings("ignore:.*the spine is stored as int8")
-def test_int8_spine(family_models, family):
+def test_int8_spine(family_models, baselines, family):
     """The lossy int8 spine on every family: it runs (resident, and streamed one layer at a time
     from poisoned buffers: bit-identical), changes the output, every result says it is lossy, the
     resident spine shrinks, and teacher-forced top-1 agrees with the bf16 container."""
-    ref_box = family_models.container(family, "bf16-std")
-    with sluice.load(ref_box, memory=MEMORY, progress=False) as eng:
-        seq = IDS.tolist() + eng.generate(IDS.tolist(), max_new_tokens=N_NEW, ignore_eos=True).token_ids
-        want = eng.forward(seq)
-        spine_bytes = eng.plan.spine_bytes
-        assert eng.lossy == {}
+    ref = baselines.bf16_container(family)
+    seq, want, spine_bytes = ref["seq"], ref["want"], ref["spine_bytes"]
     box = family_models.container(family, "bf16-std", spine="int8")
     with pytest.warns(UserWarning, match="spine is stored as int8"):
         eng = sluice.load(box, memory=MEMORY, progress=False)

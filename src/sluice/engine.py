@@ -76,17 +76,18 @@ def load(path: str | os.PathLike, memory: int | str | None = None, *, revision: 
 
 
 SPINE_DTYPES = ("F32", "BF16", "F16")
+FP8_SCALES = ("_scale_inv", "_scale")  # block FP8's weight_scale_inv, compressed-tensors' weight_scale
 
 
 def check_spine_dtype(name: str, info, spine: dict) -> None:
-    """Spine tensors are float32/bfloat16/float16; block-scaled FP8 (e4m3) only for a weight whose
-    ``_scale_inv`` companion the family reads too."""
-    if info.dtype in SPINE_DTYPES or (info.dtype == "F8_E4M3" and name + "_scale_inv" in spine):
+    """Spine tensors are float32/bfloat16/float16; FP8 (e4m3) only for a weight whose scales
+    (``_scale_inv`` or ``_scale``) the family reads too."""
+    if info.dtype in SPINE_DTYPES or (info.dtype == "F8_E4M3" and any(name + s in spine for s in FP8_SCALES)):
         return
     if info.dtype == "F8_E4M3":
         raise CheckpointError(
-            f"{info.file}: spine tensor {name!r} is F8_E4M3, but config.json declares no block-scaled "
-            "quantization for it (quantization_config / modules_to_not_convert)")
+            f"{info.file}: spine tensor {name!r} is F8_E4M3, but config.json declares no FP8 quantization for "
+            "it (quantization_config / modules_to_not_convert / ignore)")
     raise CheckpointError(
         f"{info.file}: spine tensor {name!r} is stored as {info.dtype}; Sluice computes with spine tensors "
         f"in {', '.join(SPINE_DTYPES)} (and block-scaled F8_E4M3 weights with their scales): re-save the "

@@ -10,6 +10,7 @@ import warnings
 import pytest
 
 from families import REGISTRY
+from hostile_configs import assert_refused, assert_refused_at_cli, hostile_checkpoint
 from sluice.errors import CheckpointError, ConfigError, UnsupportedModelError
 from sluice.models import get_family
 
@@ -94,27 +95,11 @@ def test_clean_config_parses(raw):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_hostile_dots1_config(case, raw):
-    change, expected = CASES[case]
-    with pytest.raises((ConfigError, UnsupportedModelError, CheckpointError)) as e:
-        d1.parse_config({**json.loads(json.dumps(raw)), **change})
-    assert expected in str(e.value) and str(e.value).startswith("config.json: "), str(e.value)
+    assert_refused(d1.parse_config, raw, *CASES[case], errors=(ConfigError, UnsupportedModelError, CheckpointError))
 
 
 @pytest.mark.parametrize("case", ["sliding_without_window", "softmax_scoring", "groups_not_dividing"])
 def test_refused_at_the_cli_in_one_line(case, family_models, tmp_path, capsys):
     """A real checkpoint directory whose config.json carries the field: one ``sluice: error:`` line."""
-    from sluice.cli import main
-
-    src = family_models.hf("dots1", "f32")
-    dst = tmp_path / "m"
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).symlink_to(f)
-    (dst / "config.json").unlink()
-    change, expected = CASES[case]
-    capsys.readouterr()  # building the checkpoint prints progress
-    (dst / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **change}))
-    rc = main(["inspect", str(dst)])
-    out, err = capsys.readouterr()
-    assert rc != 0 and err.startswith("sluice: error: ") and err.count("\n") == 1, err
-    assert expected in err and "Traceback" not in out + err
+    path = hostile_checkpoint(family_models, tmp_path, "dots1", CASES[case][0])
+    assert_refused_at_cli(path, CASES[case][1], capsys)

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tiny_config
 from families import REGISTRY
-from sluice.errors import ConfigError, UnsupportedModelError
+from hostile_configs import assert_refused, assert_refused_at_cli, hostile_checkpoint
 from sluice.models import get_family
 
 glm = get_family("glm4_moe")
@@ -60,8 +60,8 @@ CASES = {
     # MTP
     "mtp_negative": ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers=-1"),
     "mtp_string": ({"num_nextn_predict_layers": "1"}, "num_nextn_predict_layers='1'"),
-    # weight formats: block FP8 only (compressed-tensors FP8 is not read)
-    "compressed_tensors": ({"quantization_config": CT}, "quant_method='compressed-tensors'"),
+    # weight formats: a compressed-tensors config without its weights' scheme
+    "compressed_tensors": ({"quantization_config": CT}, "quantization_config.config_groups=None"),
     "fp8_no_block": ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}},
                      "weight_block_size=None"),
     "fp8_static": ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static",
@@ -83,27 +83,11 @@ def test_clean_config_parses(raw):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_hostile_glm4_moe_config(case, raw):
-    change, expected = CASES[case]
-    with pytest.raises((ConfigError, UnsupportedModelError)) as e:
-        glm.parse_config({**json.loads(json.dumps(raw)), **change})
-    assert expected in str(e.value) and str(e.value).startswith("config.json: "), str(e.value)
+    assert_refused(glm.parse_config, raw, *CASES[case])
 
 
 @pytest.mark.parametrize("case", ["mlp_layer_types", "rotary_factor_odd_dims", "compressed_tensors"])
 def test_refused_at_the_cli_in_one_line(case, family_models, tmp_path, capsys):
     """A real checkpoint directory whose config.json carries the field: one ``sluice: error:`` line."""
-    from sluice.cli import main
-
-    src = family_models.hf("glm4_moe", "f32")
-    dst = tmp_path / "m"
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).symlink_to(f)
-    (dst / "config.json").unlink()
-    change, expected = CASES[case]
-    capsys.readouterr()  # building the checkpoint prints progress
-    (dst / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **change}))
-    rc = main(["inspect", str(dst)])
-    out, err = capsys.readouterr()
-    assert rc != 0 and err.startswith("sluice: error: ") and err.count("\n") == 1, err
-    assert expected in err and "Traceback" not in out + err
+    path = hostile_checkpoint(family_models, tmp_path, "glm4_moe", CASES[case][0])
+    assert_refused_at_cli(path, CASES[case][1], capsys)

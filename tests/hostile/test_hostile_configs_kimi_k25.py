@@ -13,13 +13,15 @@ import pytest
 from families import REGISTRY
 from sluice.errors import ConfigError, UnsupportedModelError
 from sluice.models import get_family
+from sluice.models.weight_format import INT4
 
 kimi = get_family("kimi_k25")  # the deepseek_v3 family (an alias)
 ds = get_family("deepseek_v3")
 
 QCONFIG = {
     "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-    "kv_cache_scheme": None, "ignore": ["lm_head", "re:.*self_attn.*"],
+    "kv_cache_scheme": None, "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                                        "re:.*mlp\\.(gate|up|down)_proj.*"],
     "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
                                   "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                               "group_size": 32, "dynamic": False, "actorder": None}}},
@@ -46,7 +48,10 @@ QUANT_CASES = {
     "output_acts": (G + ("output_activations",), {"num_bits": 8}, "output_activations"),
     "group_format": (G + ("format",), "int-quantized", "format='int-quantized'"),
     "targets_string": (G + ("targets",), "Linear", "targets='Linear'"),
-    "format": (("format",), "float-quantized", "format='float-quantized'"),
+    "format": (("format",), "float-quantized", "num_bits=4 is not supported (expected 8 for format "
+                                               "'float-quantized'"),
+    "spine_covered": (("ignore",), ["lm_head"], "model.layers.0.self_attn.q_a_proj': compressed-tensors INT4 is "
+                                                "read for routed experts only"),
     "format_missing": (("format",), None, "format=None"),
     "frozen": (("quantization_status",), "frozen", "quantization_status='frozen'"),
     "kv_cache": (("kv_cache_scheme",), {"num_bits": 8}, "kv_cache_scheme"),
@@ -79,9 +84,10 @@ def _wrap(text: dict, **top) -> dict:
 
 def test_clean_configs_parse(text):
     cfg = kimi.parse_config(_wrap(text, quantization_config=QCONFIG))
-    assert cfg.int4 and cfg.prefix == "language_model." and cfg.tie_word_embeddings  # the wrapper's default
+    assert cfg.weights.kind == INT4 and cfg.prefix == "language_model."
+    assert cfg.tie_word_embeddings  # the wrapper's default
     assert not kimi.parse_config(_wrap(text, tie_word_embeddings=False)).tie_word_embeddings
-    assert ds.parse_config({**text, "quantization_config": QCONFIG}).int4
+    assert ds.parse_config({**text, "quantization_config": QCONFIG}).weights.kind == INT4
     assert kimi.describe(cfg).expert_format == "int4"
 
 
@@ -92,7 +98,7 @@ def test_hostile_quantization_config(case, text):
     for parse, raw, where in ((ds.parse_config, {**text, "quantization_config": q}, "config.json: "),
                               (kimi.parse_config, _wrap(text, quantization_config=q), "config.json text_config: ")):
         with pytest.raises((ConfigError, UnsupportedModelError)) as e:
-            parse(json.loads(json.dumps(raw)))
+            ds.describe(parse(json.loads(json.dumps(raw))))
         assert expected in str(e.value) and str(e.value).startswith(where), str(e.value)
         assert "\n" not in str(e.value)
 
@@ -107,7 +113,7 @@ WRAPPER_CASES = {
                           "quantization_config differs"),
     "text_hostile": (lambda t: _wrap({**t, "n_group": 3}), "config.json text_config: n_routed_experts="),
     "hidden_not_32": (lambda t: _wrap({**t, "hidden_size": 48}, quantization_config=QCONFIG),
-                      "hidden_size=48 and moe_intermediate_size"),
+                      "hidden_size=48"),
 }
 
 
@@ -115,5 +121,5 @@ WRAPPER_CASES = {
 def test_hostile_wrapper(case, text):
     make, expected = WRAPPER_CASES[case]
     with pytest.raises((ConfigError, UnsupportedModelError)) as e:
-        kimi.parse_config(make(json.loads(json.dumps(text))))
+        kimi.describe(kimi.parse_config(make(json.loads(json.dumps(text)))))
     assert expected in str(e.value) and str(e.value).startswith("config.json"), str(e.value)

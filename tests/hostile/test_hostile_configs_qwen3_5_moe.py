@@ -9,6 +9,7 @@ import math
 import pytest
 
 from families import REGISTRY
+from hostile_configs import assert_refused, assert_refused_at_cli, hostile_checkpoint
 from sluice.errors import ConfigError, UnsupportedModelError
 from sluice.models import get_family
 
@@ -56,7 +57,11 @@ WRAPPER_CASES = {
     "no_text_config": ({"text_config": None}, "text_config"),
     "text_config_string": ({"text_config": "qwen3_5_moe_text"}, "text_config"),
     "tie_disagrees": ({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
-    "fp8": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quant_method='fp8'"),
+    "fp8_block": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 128]}},
+                  "weight_block_size=[0, 128]"),
+    "quant_method": ({"quantization_config": {"quant_method": "awq"}}, "quant_method='awq'"),
+    "two_quant_configs": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                           "text_config": None}, "quantization_config differs"),
 }
 
 
@@ -69,6 +74,11 @@ def _copy(raw):
     return json.loads(json.dumps(raw))
 
 
+def _in_text_config(change: dict):
+    """An edit of the wrapper's config: ``change`` merged into its text_config."""
+    return lambda cfg: {**cfg, "text_config": {**cfg["text_config"], **change}}
+
+
 def test_clean_config_parses(raw):
     cfg = q35.parse_config(_copy(raw))
     assert cfg.split_projections and cfg.text_prefix == "model.language_model." and cfg.moe_layers == [0, 1, 2]
@@ -79,22 +89,19 @@ def test_clean_config_parses(raw):
 @pytest.mark.parametrize("case", list(TEXT_CASES))
 def test_hostile_qwen3_5_moe_text_config(case, raw):
     change, expected = TEXT_CASES[case]
-    wrapped = _copy(raw)
-    wrapped["text_config"].update(change)
-    with pytest.raises((ConfigError, UnsupportedModelError)) as e:
-        q35.parse_config(wrapped)
-    assert expected in str(e.value) and str(e.value).startswith("config.json"), str(e.value)
-    text = {**_copy(raw)["text_config"], **change}  # the text-only checkpoint's config.json
-    with pytest.raises((ConfigError, UnsupportedModelError)) as e:
-        q35.parse_config(text)
-    assert expected in str(e.value) and str(e.value).startswith("config.json: "), str(e.value)
+    assert_refused(q35.parse_config, raw, _in_text_config(change), expected, prefix="config.json")
+    assert_refused(q35.parse_config, raw["text_config"], change, expected)  # the text-only checkpoint's config.json
 
 
 @pytest.mark.parametrize("case", list(WRAPPER_CASES))
 def test_hostile_qwen3_5_moe_wrapper(case, raw):
     change, expected = WRAPPER_CASES[case]
+    wrapped = {**_copy(raw), **change}
+    if change.get("text_config", 0) is None and "quantization_config" in change:  # both levels, different
+        wrapped["text_config"] = {**_copy(raw)["text_config"], "quantization_config": {"quant_method": "fp8",
+                                                                                     "weight_block_size": [64, 64]}}
     with pytest.raises((ConfigError, UnsupportedModelError)) as e:
-        q35.parse_config({**_copy(raw), **change})
+        q35.parse_config(wrapped)
     assert expected in str(e.value) and str(e.value).startswith("config.json: "), str(e.value)
 
 
@@ -108,20 +115,6 @@ def test_other_text_model_type_refused(raw):
 @pytest.mark.parametrize("case", ["dense_layers", "mrope_section_string"])
 def test_refused_at_the_cli_in_one_line(case, family_models, tmp_path, capsys):
     """A real wrapper checkpoint whose text_config carries the field: one ``sluice: error:`` line."""
-    from sluice.cli import main
-
-    src = family_models.hf("qwen3_5_moe", "f32")
-    dst = tmp_path / "m"
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).symlink_to(f)
-    (dst / "config.json").unlink()
     change, expected = TEXT_CASES[case]
-    capsys.readouterr()  # building the checkpoint prints progress
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["text_config"].update(change)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    rc = main(["inspect", str(dst)])
-    out, err = capsys.readouterr()
-    assert rc != 0 and err.startswith("sluice: error: ") and err.count("\n") == 1, err
-    assert expected in err and "Traceback" not in out + err
+    path = hostile_checkpoint(family_models, tmp_path, "qwen3_5_moe", _in_text_config(change))
+    assert_refused_at_cli(path, expected, capsys)

@@ -395,5 +395,5 @@ def test_fp8_checkpoint_without_scales_is_clear(fp8_dirs, tmp_path):
     cfg = json.loads((dst / "config.json").read_text())
     del cfg["quantization_config"]
     (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(sluice.CheckpointError, match="declares no block-scaled quantization"):
+    with pytest.raises(sluice.CheckpointError, match="declares no FP8 quantization"):
         sluice.load(dst, memory="4GiB", progress=False)

@@ -33,6 +33,19 @@ def reference():
 
 
 @pytest.fixture(scope="module")
+def reference_tokens(reference):
+    """transformers' greedy NEW_TOKENS for each prompt, generated once for both speculate settings."""
+    model, tok = reference
+    out = {}
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out[prompt] = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                         pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
 def engine():
     # a quarter of the experts cached: most routed experts are read from the checkpoint
     return sluice.load(SHIPPED_MODEL, memory="4GiB", cache_experts=48, progress=False)
@@ -50,13 +63,10 @@ def test_shipped_checkpoint_is_small_and_complete():
 
 
 @pytest.mark.parametrize("speculate", [False, True])
-def test_greedy_equals_transformers(reference, engine, speculate):
-    model, tok = reference
+def test_greedy_equals_transformers(reference, reference_tokens, engine, speculate):
+    _, tok = reference
     for prompt in PROMPTS:
-        ids = tok(prompt, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            ref = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        ref = reference_tokens[prompt]
         got = engine.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, speculate=speculate)
         assert got.token_ids == ref, prompt
         assert got.text == tok.decode(ref)

@@ -14,7 +14,7 @@ import torch
 
 import sluice
 from conftest import prompt_ids
-from families import assert_decisive_model, reference, save_family
+from families import PROMPT, assert_decisive_model, reference, save_family
 from sluice.convert import convert
 from sluice.layers.mla import MLA
 from sluice.layers.routing import grouped_topk
@@ -101,19 +101,24 @@ def test_released_config_fields():
     assert listed.moe_layers == list(range(3, 47))  # entries past num_hidden_layers unused, as in transformers
 
 
-def _checked(path, ref_path=None, cache_experts=None):
-    """Logits at every prompt position and 32 greedy tokens against transformers."""
-    ref = reference(ref_path or path)
-    ids = prompt_ids()
-    with torch.no_grad():
-        ref_logits = ref(ids[None]).logits[0]
-        ref_out = ref.generate(ids[None], max_new_tokens=N_NEW, do_sample=False)[0]
-    assert_decisive_model(ref, ref_out, len(ids) - 1)
+def _checked(path, expected=None, cache_experts=None):
+    """Logits at every prompt position and 32 greedy tokens against transformers (``expected``:
+    its logits and tokens on ``PROMPT``, else run here on ``prompt_ids()``)."""
+    if expected is None:
+        ref = reference(path)
+        ids = prompt_ids()
+        with torch.no_grad():
+            ref_logits = ref(ids[None]).logits[0]
+            ref_out = ref.generate(ids[None], max_new_tokens=N_NEW, do_sample=False)[0]
+        assert_decisive_model(ref, ref_out, len(ids) - 1)
+        ref_tokens = ref_out[len(ids):].tolist()
+    else:
+        ids, (ref_logits, ref_tokens) = PROMPT, expected
     eng = sluice.load(path, memory="4GiB", cache_experts=cache_experts, progress=False)
     logits = eng.forward(ids)
     assert (logits - ref_logits).abs().max().item() <= 1e-4
     out = eng.generate(ids.tolist(), max_new_tokens=N_NEW, ignore_eos=True, speculate=False)
-    assert out.token_ids == ref_out[len(ids):].tolist()
+    assert out.token_ids == ref_tokens
     return eng, logits, out
 
 
@@ -143,8 +148,8 @@ def test_variants_against_transformers(variant, tmp_path):
 def test_fp8_stays_fp8(family_models, tmp_path):
     """The FP8 checkpoint against transformers on its dequantized twin (fp32 compute on both
     sides: the fp32 bound); attention, the dense MLP, the shared expert and the experts in FP8."""
-    fp8, deq = family_models.hf("glm4_moe_lite", "fp8"), family_models.reference_path("glm4_moe_lite", "fp8")
-    eng, logits, out = _checked(fp8, deq, cache_experts=4)
+    fp8 = family_models.hf("glm4_moe_lite", "fp8")  # transformers on its dequantized twin, once a session
+    eng, logits, out = _checked(fp8, family_models.expected("glm4_moe_lite", "fp8"), cache_experts=4)
     assert eng.experts_source.format == "fp8" and out.stats["evictions"] > 0
     attn = eng.model.layers[0].attn
     assert isinstance(attn.wkv_b, BlockFP8) and attn.wkv_b.weight.dtype == torch.float8_e4m3fn
@@ -154,7 +159,7 @@ def test_fp8_stays_fp8(family_models, tmp_path):
     box = convert(fp8, tmp_path / "fp8.sluice", progress=False)
     with sluice.load(box, memory="4GiB", cache_experts=4, progress=False) as b:
         assert b.experts_source.format == "fp8"
-        assert torch.equal(b.forward(prompt_ids()), logits)
+        assert torch.equal(b.forward(PROMPT), logits)
     eng.close()
 
 

@@ -15,7 +15,7 @@ import torch
 
 import sluice
 from conftest import prompt_ids
-from families import reference, save_family
+from families import PROMPT, reference, save_family
 from sluice.errors import UnsupportedModelError
 from sluice.models import get_family
 from sluice.quant.fp8 import BlockFP8
@@ -144,16 +144,13 @@ def test_config_variants_against_transformers(variant, tmp_path):
 def test_fp8_linears_stay_fp8(family_models):
     """The FP8 checkpoint against transformers on its dequantized twin (fp32 compute on both
     sides: the fp32 bound), attention, dense, shared and expert linears kept in FP8."""
-    fp8, deq = family_models.hf("hy_v3", "fp8"), family_models.reference_path("hy_v3", "fp8")
-    ref = reference(deq)
-    ids = prompt_ids()
-    with torch.no_grad():
-        ref_logits = ref(ids[None]).logits[0]
-        ref_out = ref.generate(ids[None], max_new_tokens=N_NEW, do_sample=False)[0]
+    fp8 = family_models.hf("hy_v3", "fp8")
+    ref_logits, ref_tokens = family_models.expected("hy_v3", "fp8")  # transformers on the twin, once a session
+    ids = PROMPT
     with sluice.load(fp8, memory="4GiB", cache_experts=4, progress=False) as eng:
         assert (eng.forward(ids) - ref_logits).abs().max().item() <= 1e-4
         result = eng.generate(ids.tolist(), max_new_tokens=N_NEW, ignore_eos=True, speculate=False)
-        assert result.token_ids == ref_out[len(ids):].tolist()
+        assert result.token_ids == ref_tokens
         assert eng.experts_source.format == "fp8"
         attn = eng.model.layers[1].attn
         for w in (attn.wq, attn.wk, attn.wv, attn.wo):
@@ -167,7 +164,7 @@ def test_config_fields():
     cfg = hy.parse_config(HY3_CONFIG)
     assert (cfg.head_dim, cfg.rope["rope_theta"], cfg.mtp_layers, cfg.router_scaling_factor) == (
         128, 11158840.0, 1, 2.826)
-    assert cfg.mlp_layer_types == ["dense"] + ["sparse"] * 79 and cfg.fp8.block is None
+    assert cfg.mlp_layer_types == ["dense"] + ["sparse"] * 79 and cfg.weights.kind is None
     bare = {k: v for k, v in HY3_CONFIG.items() if k not in ("head_dim", "rope_parameters", "router_scaling_factor")}
     cfg = hy.parse_config(bare)  # transformers' defaults: head_dim 128 (not hidden / heads), theta 11158840
     assert (cfg.head_dim, cfg.rope["rope_theta"], cfg.router_scaling_factor) == (128, 11158840.0, 2.826)

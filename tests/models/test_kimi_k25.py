@@ -18,7 +18,7 @@ import torch
 
 import sluice
 from conftest import prompt_ids
-from families import REGISTRY, save_family
+from families import REGISTRY
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
 from sluice.quant import FORMATS, QuantMatrix
@@ -103,8 +103,8 @@ def _to_int4(src: Path, dst: Path, ref: Path, wrap: bool = False) -> tuple[Path,
 
 
 @pytest.fixture(scope="module")
-def ds_src(tmp_path_factory):
-    return save_family(tmp_path_factory.mktemp("ds") / "f32", "deepseek_v3")
+def ds_src(family_models):
+    return family_models.hf("deepseek_v3", "f32")  # the registry's checkpoint, built once a session (read only)
 
 
 def _reference(path: Path, wrap: bool):
@@ -179,7 +179,8 @@ def test_refused_schemes(ds_src, tmp_path):
             (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), "actorder='group'"),
             (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
              "input_activations"),
-            (lambda q: q.update(format="float-quantized"), "format='float-quantized'"),
+            (lambda q: q.update(format="float-quantized"), "num_bits=4 is not supported (expected 8 for format "
+                                                            "'float-quantized'"),
             (lambda q: q.update(quantization_status="frozen"), "quantization_status='frozen'")):
         c = json.loads(json.dumps(cfg))
         edit(c["quantization_config"])

@@ -229,7 +229,8 @@ BASE = dict(model_type="kimi_linear", vocab_size=64, hidden_size=32, intermediat
     (dict(first_k_dense_replace=4), "no MoE layer"),
     (dict(layer_types=["linear_attention", "mamba", "full_attention", "linear_attention"]), "'mamba'"),
     (dict(hidden_act="mish"), "'mish'"),
-    (dict(quantization_config={"quant_method": "compressed-tensors"}), "quantized checkpoints"),
+    (dict(quantization_config={"quant_method": "compressed-tensors"}), "quantization_config.format=None"),
+    (dict(quantization_config={"quant_method": "gptq"}), "quant_method='gptq'"),
 ])
 def test_refused_options(edit, message):
     with pytest.raises(UnsupportedModelError, match=message):

@@ -16,7 +16,7 @@ import torch
 
 import sluice
 from conftest import prompt_ids
-from families import reference, save_family
+from families import PROMPT, reference, save_family
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
 from sluice.layers import attention
@@ -161,17 +161,14 @@ def test_config_variants_against_transformers(variant, tmp_path):
 def test_fp8_linears_stay_fp8(family_models, tmp_path):
     """The FP8 checkpoint against transformers on its dequantized twin (fp32 compute on both
     sides: the fp32 bound), with the attention, dense and expert linears kept in FP8."""
-    fp8, deq = family_models.hf("mimo_v2_flash", "fp8"), family_models.reference_path("mimo_v2_flash", "fp8")
-    ref = reference(deq)
-    ids = prompt_ids()
-    with torch.no_grad():
-        ref_logits = ref(ids[None]).logits[0]
-        ref_out = ref.generate(ids[None], max_new_tokens=N_NEW, do_sample=False)[0]
+    fp8 = family_models.hf("mimo_v2_flash", "fp8")
+    ref_logits, ref_tokens = family_models.expected("mimo_v2_flash", "fp8")  # transformers on the twin, once a session
+    ids = PROMPT
     with sluice.load(fp8, memory="4GiB", cache_experts=4, progress=False) as eng:
         logits = eng.forward(ids)
         assert (logits - ref_logits).abs().max().item() <= 1e-4
         result = eng.generate(ids.tolist(), max_new_tokens=N_NEW, ignore_eos=True, speculate=False)
-        assert result.token_ids == ref_out[len(ids):].tolist()
+        assert result.token_ids == ref_tokens
         assert eng.experts_source.format == "fp8" and result.stats["evictions"] > 0
         for layer in (eng.model.layers[0], eng.model.layers[1]):
             attn = layer.attn
@@ -230,7 +227,7 @@ def test_config_fields():
     assert (cfg.head_dim, cfg.v_head_dim, cfg.v_scale, cfg.sliding_window) == (192, 128, 0.707, 129)
     assert cfg.layer_types.count("full_attention") == 9 and cfg.layer_types[5] == "full_attention"
     assert cfg.kv_heads(0) == 4 and cfg.kv_heads(1) == 8 and cfg.moe_layers == list(range(1, 48))
-    assert (cfg.routed_scaling_factor, cfg.mtp_modules, cfg.fp8.block) == (1.0, 3, None)
+    assert (cfg.routed_scaling_factor, cfg.mtp_modules, cfg.weights.kind) == (1.0, 3, None)
     assert cfg.rope == {"full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334},
                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
                                               "partial_rotary_factor": 0.334}}

@@ -14,7 +14,7 @@ import torch
 
 import sluice
 from conftest import prompt_ids
-from families import reference
+from families import PROMPT, reference
 from sluice.convert import convert
 from sluice.errors import UnsupportedModelError
 from sluice.models import get_family
@@ -110,17 +110,14 @@ def test_original_config_shape_against_transformers(family_models, tmp_path):
 def test_fp8_attention_and_experts_stay_fp8(family_models, tmp_path):
     """The FP8 checkpoint against transformers on its dequantized twin (fp32 compute on both
     sides: the fp32 bound), with the attention projections and the experts kept in FP8."""
-    fp8, deq = family_models.hf("minimax_m2", "fp8"), family_models.reference_path("minimax_m2", "fp8")
-    ref = reference(deq)
-    ids = prompt_ids()
-    with torch.no_grad():
-        ref_logits = ref(ids[None]).logits[0]
-        ref_out = ref.generate(ids[None], max_new_tokens=N_NEW, do_sample=False)[0]
+    fp8 = family_models.hf("minimax_m2", "fp8")
+    ref_logits, ref_tokens = family_models.expected("minimax_m2", "fp8")  # transformers on the twin, once a session
+    ids = PROMPT
     with sluice.load(fp8, memory="4GiB", cache_experts=4, progress=False) as eng:
         logits = eng.forward(ids)
         assert (logits - ref_logits).abs().max().item() <= 1e-4
         result = eng.generate(ids.tolist(), max_new_tokens=N_NEW, ignore_eos=True, speculate=False)
-        assert result.token_ids == ref_out[len(ids):].tolist()
+        assert result.token_ids == ref_tokens
         assert eng.experts_source.format == "fp8" and result.stats["evictions"] > 0
         attn = eng.model.layers[0].attn
         for w in (attn.wq, attn.wk, attn.wv, attn.wo):
@@ -138,7 +135,7 @@ def test_config_fields():
     base = dict(M2_CONFIG, quantization_config=None)
     cfg = mm.parse_config(base)
     assert (cfg.rotary_dim, cfg.head_dim, cfg.rope["rope_theta"], cfg.mtp_layers) == (64, 128, 5000000, 3)
-    assert cfg.fp8.block is None
+    assert cfg.weights.kind is None
     same = dict(base, rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5})
     assert mm.parse_config(same).rotary_dim == 64
     no_rotary = {k: v for k, v in base.items() if k != "rotary_dim"}

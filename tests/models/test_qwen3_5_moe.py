@@ -14,6 +14,7 @@ import torch
 import sluice
 from conftest import check_exact, expected_outputs, prompt_ids
 from families import BASE, REGISTRY, assert_decisive_model, reference
+from fp64_reference import fp64_logits
 from sluice.layers.rotary import Rotary
 from sluice.models import get_family
 
@@ -102,21 +103,23 @@ def test_names_match_what_transformers_saves(family_models):
 TEXT_SEED = 31  # decisive logits and router choices on the compared prompt (assert_decisive_model)
 
 
-@pytest.fixture(scope="module")
-def text_only(tmp_path_factory):
-    """The registry entry's text model saved alone (model_type qwen3_5_moe_text, model.layers.*),
-    with the entry's random norm weights."""
+def _save_text(path, seed: int, dtype: str):
+    """The registry entry's text model alone (model_type qwen3_5_moe_text, model.layers.*), with
+    the entry's random norm weights, initialized from ``seed``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5_moe_text", **{**BASE, **TEXT})).eval()
+    REGISTRY["qwen3_5_moe"].post(model)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_only(tmp_path_factory):
+    """The text model of TEXT_SEED saved alone, f32 and bf16."""
     root = tmp_path_factory.mktemp("qwen3_5_moe_text")
-    out = {}
-    for dt in ("float32", "bfloat16"):
-        torch.manual_seed(TEXT_SEED)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5_moe_text", **{**BASE, **TEXT})).eval()
-        REGISTRY["qwen3_5_moe"].post(model)
-        model.to(getattr(torch, dt)).save_pretrained(root / dt)
-        out[dt] = root / dt
-    return out
+    return {dt: _save_text(root / dt, TEXT_SEED, dt) for dt in ("float32", "bfloat16")}
 
 
 def _load(path, **opts):
@@ -124,20 +127,78 @@ def _load(path, **opts):
     return sluice.load(path, memory="2GiB", **opts)
 
 
+# The f32 bound against transformers: 1e-4 (the project's bar) plus transformers' own fp32 error.
+# This tiny model amplifies fp32 rounding: in a true fp64 evaluation (tests/fp64_reference.py)
+# of ILL_CONDITIONED_SEED, rounding one product (layer 0's in_proj_qkv, half an ulp) to fp32
+# moves the logits 4.1e-5; the same product computed by torch's fp32 matmul (a few ulps) moves
+# them 3.2e-4, by Sluice's fp32 kernel 3.3e-5. Measured over seeds 0-39 of the text model on the
+# suite's prompt against fp64: transformers' fp32 logits are 1.1e-4 away (median; up to 7.2e-4;
+# over 1e-4 on 23 seeds), Sluice's 4.2e-5 (median; up to 3.6e-4; over 1e-4 on 7 seeds), Sluice
+# the closer on 34 of 40. So where Sluice differs from transformers by more than 1e-4, it is
+# mostly transformers that is off: on ILL_CONDITIONED_SEED transformers lands 5.2e-4 from fp64
+# and Sluice 8.9e-5 (the two 5.0e-4 apart). The suite's seeds (TEXT_SEED, the registry's) are
+# ones where transformers is within 1e-4 of fp64; there Sluice is held to 1e-4 of fp64 as well
+# as to F32_BOUND of transformers.
+F32_BOUND = 2e-4
+ILL_CONDITIONED_SEED = 29
+
+
 def test_text_only_checkpoint_exact(text_only):
-    """f32 logits within 2e-4 (the linear-attention families' bound: transformers' chunked delta
-    rule's own fp32 error, see the fidelity matrix) at every position and 32 greedy tokens
-    identical, with evictions; bf16 against its fp32-upcast reference."""
+    """f32 logits within 1e-4 of the exact (fp64) logits and within 2e-4 of transformers' fp32
+    ones (``F32_BOUND``) at every position, 32 greedy tokens identical, with evictions; bf16
+    against its fp32-upcast reference."""
     ids = prompt_ids()
     f32 = text_only["float32"]
     assert json.loads((f32 / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
     eng = _load(f32, cache_experts=4)
     exp = expected_outputs(reference(f32), ids, N_NEW, assert_decisive_model)
-    _, result = check_exact(exp, eng, ids, N_NEW, tol=2e-4)
+    logits, result = check_exact(exp, eng, ids, N_NEW, tol=F32_BOUND)
+    assert (logits.double() - fp64_logits(f32, ids)).abs().max().item() <= 1e-4
     assert result.stats["evictions"] > 0 and eng.desc.model_type == "qwen3_5_moe"
     bf16 = text_only["bfloat16"]
     exp = expected_outputs(reference(bf16), ids, N_NEW, assert_decisive_model)
     check_exact(exp, _load(bf16), ids, N_NEW, tol=1e-4 * max(1.0, exp[0].abs().max().item()))
+
+
+def test_f32_distance_to_transformers_is_transformers_own_error(tmp_path):
+    """On ILL_CONDITIONED_SEED Sluice's f32 logits are within 1e-4 of the exact (fp64) ones while
+    transformers' are more than F32_BOUND away; one half-ulp rounding of layer 0's
+    ``in_proj_qkv`` product in the fp64 model moves the logits by more than 2e-5 (the
+    amplification). The fp64 reference is fp64 throughout: its chunked and its recurrent delta
+    rule, two summation orders, agree to 1e-10."""
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as hf
+    from transformers import AutoModelForCausalLM
+
+    from fp64_reference import rounded_to_fp32, true_fp64
+
+    path = _save_text(tmp_path / "m", ILL_CONDITIONED_SEED, "float32")
+    ids = prompt_ids()
+    exact = fp64_logits(path, ids)
+    theirs = reference(path)(ids[None]).logits[0].double()
+    with _load(path) as eng:
+        mine = eng.forward(ids).double()
+    to_exact, theirs_to_exact = (mine - exact).abs().max().item(), (theirs - exact).abs().max().item()
+    assert to_exact <= 1e-4 and theirs_to_exact > F32_BOUND, (to_exact, theirs_to_exact)
+
+    m64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").eval()
+    chunked = hf.torch_chunk_gated_delta_rule
+
+    def recurrent(q, k, v, g, beta, chunk_size=64, **kw):
+        kw.pop("cu_seqlens", None)
+        return hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+
+    with torch.no_grad(), true_fp64():
+        hf.torch_chunk_gated_delta_rule = recurrent
+        try:
+            stepwise = m64(ids[None], use_cache=False).logits[0]
+        finally:
+            hf.torch_chunk_gated_delta_rule = chunked
+        qkv = m64.model.layers[0].linear_attn.in_proj_qkv
+        hook = qkv.register_forward_hook(lambda mod, args, out: rounded_to_fp32(out))
+        rounded = m64(ids[None], use_cache=False).logits[0]
+        hook.remove()
+    assert (stepwise - exact).abs().max().item() < 1e-10
+    assert (rounded - exact).abs().max().item() > 2e-5
 
 
 def test_wrapper_and_text_only_give_the_same_bits(family_models, tmp_path):
@@ -185,7 +246,8 @@ def test_interleaved_mrope_is_plain_partial_rope_for_text():
 
 def test_wrapper_forward_is_the_text_forward(family_models):
     """transformers' multimodal model on a text prompt (it builds its own 3-row positions) gives
-    the logits of its text-only causal LM, and Sluice's on the wrapper checkpoint within 2e-4."""
+    the logits of its text-only causal LM, and Sluice's on the wrapper checkpoint within
+    F32_BOUND of them and 1e-4 of the exact (fp64) ones."""
     from transformers import AutoModelForImageTextToText
 
     path = family_models.hf("qwen3_5_moe", "f32")
@@ -196,7 +258,9 @@ def test_wrapper_forward_is_the_text_forward(family_models):
         b = reference(path)(ids[None], use_cache=False).logits[0]
     assert torch.equal(a, b)
     with _load(path) as eng:
-        assert (eng.forward(ids) - a).abs().max().item() <= 2e-4
+        mine = eng.forward(ids)
+    assert (mine - a).abs().max().item() <= F32_BOUND
+    assert (mine.double() - fp64_logits(path, ids)).abs().max().item() <= 1e-4
 
 
 def test_vision_weights_are_never_read(family_models, monkeypatch):

@@ -162,7 +162,8 @@ BASE = dict(model_type="qwen3_next", vocab_size=64, hidden_size=32, intermediate
     (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "'longrope'"),
     (dict(hidden_act="mish"), "'mish'"),
     (dict(full_attention_interval=0), "full_attention_interval=0"),
-    (dict(quantization_config={"quant_method": "fp8"}), "quant_method='fp8'"),
+    (dict(quantization_config={"quant_method": "fp8"}), "weight_block_size=None"),
+    (dict(quantization_config={"quant_method": "awq"}), "quant_method='awq'"),
     (dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
     (dict(mlp_only_layers=[0, 1, 2, 3]), "no MoE layer"),
 ])

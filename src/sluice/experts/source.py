@@ -86,7 +86,7 @@ class CheckpointExperts(ExpertSource):
         self.ckpt = ckpt
         self._layouts: dict[tuple[int, int], ExpertLayout] = {}
         dtypes: set[str] = set()
-        part_dtypes: dict[str, set[str]] = {}
+        part_dtypes: dict[str, dict[str, str]] = {}  # part -> dtype -> the first tensor with it
         payload = 0
         aligns: dict[str, int] = {}  # file -> its source's alignment
 
@@ -103,13 +103,13 @@ class CheckpointExperts(ExpertSource):
                     info = ckpt.info(ref.name)
                     spans.append(self._span(role, ref, info))
                     if "." in role:  # a part of a natively quantized matrix ("gate_up.blocks")
-                        part_dtypes.setdefault(role.split(".", 1)[1], set()).add(info.dtype)
+                        part_dtypes.setdefault(role.split(".", 1)[1], {}).setdefault(info.dtype, ref.name)
                     elif not role.endswith(SCALE_SUFFIX):  # matrices and biases (not FP8 block scales)
                         dtypes.add(info.dtype)
                         if info.dtype in _BLOCK_SCALED and role + SCALE_SUFFIX not in refs:
                             raise CheckpointError(
                                 f"{info.file}: expert tensor {ref.name!r} is {info.dtype} but config.json declares "
-                                "no block-scaled quantization (quantization_config) to read its scales with")
+                                "no FP8 quantization (quantization_config) to read its scales with")
                 self._layouts[(layer, e)] = layout_from_spans(spans, max((align(s.file) for s in spans), default=1))
                 if not payload:
                     payload = sum(s.nbytes for s in spans)
@@ -131,7 +131,7 @@ class CheckpointExperts(ExpertSource):
         self.format = _FORMAT_OF_DTYPE[dtype]
         self.slot_bytes = max((lay.slot_bytes for lay in self._layouts.values()), default=4096)
 
-    def _native(self, format: str, dtypes: set[str], part_dtypes: dict[str, set[str]], spec) -> None:
+    def _native(self, format: str, dtypes: set[str], part_dtypes: dict[str, dict[str, str]], spec) -> None:
         from ..quant import FORMATS
 
         fmt = FORMATS.get(format)
@@ -140,10 +140,12 @@ class CheckpointExperts(ExpertSource):
                                   "a format this build does not know")
         want = {part: DTYPE_NAMES[dt] for part, (dt, _) in fmt.parts(1, fmt.block).items()}
         for part, found in part_dtypes.items():
-            if part not in want or found != {want[part]}:
+            if part not in want or set(found) != {want[part]}:
+                odd = next((name for dt, name in found.items() if dt != want.get(part)), "")
                 raise CheckpointError(
-                    f"{self.ckpt.location}: {format} expert part {part!r} has dtype {sorted(found)}, "
-                    f"the format stores {want.get(part, 'no such part')}")
+                    f"{self.ckpt.location}: {format} expert part {part!r} has dtype {sorted(found)} ({odd!r} is "
+                    f"{next(dt for dt, name in found.items() if name == odd)}), the format stores "
+                    f"{want.get(part, 'no such part')}")
         if len(dtypes) > 1 or not dtypes <= set(_FORMAT_OF_DTYPE):
             raise CheckpointError(f"{self.ckpt.location}: expert biases have dtypes {sorted(dtypes)}; expected one of "
                                   f"{', '.join(_FORMAT_OF_DTYPE)}")

@@ -223,8 +223,13 @@ def _int_range(lo, hi, bare: bool = False) -> str:
 
 
 def eos_ids(raw: dict, generation_config: dict | None = None) -> list[int]:
+    """The ids generation stops at: config.json's ``eos_token_id`` (a multimodal wrapper's,
+    else its ``text_config``'s, as transformers fills an unset generation field from the text
+    model's config) and generation_config.json's, in that order, each once."""
     out: list[int] = []
-    for src in (raw, generation_config or {}):
+    text = raw.get("text_config")
+    model = raw if raw.get("eos_token_id") is not None or not isinstance(text, dict) else text
+    for src in (model, generation_config or {}):
         v = src.get("eos_token_id")
         for x in v if isinstance(v, list) else [v]:
             if isinstance(x, int) and x not in out:

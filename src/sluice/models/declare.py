@@ -17,9 +17,10 @@ From the one declaration:
   declared (``Tensors``, the getter a part builds from, refuses any other name).
 
 A linear weight is declared as ``Lin(shape)`` under its module name (``"q_proj"``, not
-``"q_proj.weight"``): a family whose checkpoints store some linears in a weight format
-(DeepSeek-V3's block FP8) passes ``linear_tensors`` (the stored tensors of one module) and
-``linear`` (the built linear) to ``Model``; by default a linear is ``<module>.weight``.
+``"q_proj.weight"``): the family's ``weights`` (``weight_format.WeightFormat``, from config.json's
+``quantization_config``) says which tensors store it (``<module>.weight``, plus its FP8 scales)
+and builds it; the routed experts' tensors come from the same ``weights``
+(``Model.routed_experts``), and ``describe`` adds its notes.
 """
 
 from __future__ import annotations
@@ -28,24 +29,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..experts.spec import ExpertSpec
 from .base import CausalLM, DecoderLayer, ModelDescription
+from .weight_format import PLAIN, WeightFormat
 
 Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class Lin:
-    """A linear module's weight [out, in] (stored as ``<module>.weight``, plus what ``linear_tensors`` adds)."""
+    """A linear module's weight [out, in] (``<module>.weight``, plus its scales in a ``weight_format``)."""
 
     shape: Shape
-
-
-def plain_linear_tensors(module: str, shape: Shape) -> dict[str, Shape]:
-    return {module + ".weight": shape}
-
-
-def plain_linear(w, module: str):
-    return w(module + ".weight")
 
 
 class Tensors:
@@ -68,7 +63,7 @@ class Tensors:
     def lin(self, module: str):
         if not isinstance(self._declared.get(module), Lin):
             raise KeyError(f"{self.prefix}{module} is not declared as a linear by this part")
-        return self._model.linear(self._w, self.prefix + module)
+        return self._model.weights.linear(self._w, self.prefix + module)
 
     def sub(self, prefix: str) -> Tensors:
         declared = {k[len(prefix):]: v for k, v in self._declared.items() if k.startswith(prefix)}
@@ -126,15 +121,14 @@ class Model:
     norm: Part  # at ``model.norm.``
     tied: bool  # the head is the embedding (no ``lm_head.weight``)
     rotary: Callable[[], Any] = lambda: None  # the model's Rotary, built once (None: no RoPE)
-    linear_tensors: Callable[[str, Shape], dict[str, Shape]] = plain_linear_tensors
-    linear: Callable[[Any, str], Any] = plain_linear
+    weights: WeightFormat = PLAIN  # how the checkpoint stores its linears and routed experts
     head_bias: bool = False  # the head has a bias ``lm_head.bias`` [V] (ERNIE-4.5's ``use_bias``), tied or not
     prefix: str = ""  # of every tensor name in the checkpoint (a multimodal wrapper's "language_model.")
 
     def _expand(self, prefix: str, tensors: dict) -> dict[str, Shape]:
         out: dict[str, Shape] = {}
         for name, shape in tensors.items():
-            out.update(self.linear_tensors(prefix + name, shape.shape) if isinstance(shape, Lin)
+            out.update(self.weights.tensors(prefix + name, shape.shape) if isinstance(shape, Lin)
                        else {prefix + name: tuple(shape)})
         return out
 
@@ -168,9 +162,16 @@ class Model:
     def moe_layers(self) -> list[int]:
         return [layer.index for layer in self.layers if layer.mlp.routed]
 
+    def routed_experts(self, spec: ExpertSpec, template: str, names: dict[str, str]) -> dict:
+        """``describe``'s ``expert``, ``expert_tensors`` and ``expert_format`` for routed experts whose
+        matrices are the linear modules ``template.format(layer=, e=, name=names[role])`` (checkpoint
+        names, without ``.weight``), stored as ``weights`` says."""
+        return self.weights.experts(spec, template, names, self.moe_layers)
+
     def describe(self, **fields) -> ModelDescription:
         """A ``ModelDescription``: the spine, the state fields and the MoE layers from the declaration,
-        the rest from ``fields``."""
+        the weight format's notes after ``fields["notes"]``, the rest from ``fields``."""
+        fields["notes"] = [*fields.get("notes", ()), *self.weights.notes()]
         return ModelDescription(n_layers=len(self.layers), hidden=self.hidden, vocab=self.vocab, spine=self.spine(),
                                 moe_layers=self.moe_layers, **self.state(), **fields)
 

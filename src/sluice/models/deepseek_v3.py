@@ -6,7 +6,8 @@ rope sub-head (interleaved pairs by default, YaRN with the mscale softmax correc
 sigmoid group-limited routing with ``e_score_correction_bias`` for selection only
 (``layers/routing.py``), shared experts, ``first_k_dense_replace`` dense layers (and
 ``moe_layer_freq``), block-scaled FP8 checkpoints (``quant/fp8.py``) kept in FP8, and
-compressed-tensors INT4 experts (Kimi K2-Thinking, K2.5: ``quant/int4.py``) kept in INT4.
+compressed-tensors INT4 experts (Kimi K2-Thinking, K2.5: ``quant/int4.py``) kept in INT4, read as
+every family reads them (``models/weight_format.py``).
 
 Semantics follow transformers 5.24 (the oracle). Where transformers ignores a config key
 that would change the computation, Sluice refuses that key's non-default values instead
@@ -27,17 +28,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import torch
-
-from ..errors import CheckpointError, UnsupportedModelError
-from ..experts.spec import ExpertSpec, TensorRef
+from ..errors import UnsupportedModelError
+from ..experts.spec import ExpertSpec
 from ..layers.rotary import Rotary, rope_parameters
-from ..quant.int4 import parse_compressed_tensors
-from ..quant.fp8 import SCALE_SUFFIX, BlockFP8, not_converted, parse_quantization_config, scale_shape
 from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import gated_mlp, grouped_router, mla, moe, rms_norm
+from .standard import PROJ_NAMES
+from .weight_format import WeightFormat, text_quantization
 
 MODEL_TYPE = "deepseek_v3"
 ALIASES = ("kimi_k2", "kimi_k25")  # Kimi K2 ships the DeepSeek-V3 architecture; K2.5/K2.6 wrap it
@@ -82,16 +81,10 @@ class Config:
     mtp_layers: int
     rope: dict
     softmax_scale: float
-    block: tuple[int, int] | None  # FP8 weight block, None for plain dtypes
-    quantization: dict | None
+    weights: WeightFormat  # how the checkpoint stores its linears and routed experts
     model_type: str
     family: str = MODEL_TYPE  # the family module that parsed it (GLM-4.7-Flash reuses this one)
-    int4: bool = False  # routed experts stored as compressed-tensors INT4 (weight_packed / weight_scale)
     prefix: str = ""  # of every tensor name (a multimodal wrapper's ``language_model.``)
-
-    def quantized(self, module: str) -> bool:
-        """Whether linear ``module`` (its name without ``.weight``) is stored as block FP8."""
-        return self.block is not None and not not_converted(self.quantization, module)
 
 
 def _raw_or_default(raw: dict, key: str, defaults: dict):
@@ -127,15 +120,11 @@ def _parse_wrapper(raw: dict) -> Config:
         raise UnsupportedModelError(f"{where}: model_type={text_type!r} is not supported (expected one of "
                                     f"{', '.join(TEXT_TYPES)})")
     text = dict(text)
-    top_q, text_q = raw.get("quantization_config"), text.get("quantization_config")
-    if top_q is not None and text_q is not None and top_q != text_q:
-        raise UnsupportedModelError("config.json: quantization_config differs from text_config.quantization_config "
-                                    "(which one the text model uses would be a guess)")
-    if top_q is not None:
-        text["quantization_config"] = top_q
+    text["quantization_config"] = text_quantization(raw, text)
     text["tie_word_embeddings"] = c.bool("tie_word_embeddings", True)  # the wrapper ties the head
     text["model_type"] = WRAPPER
-    return replace(parse_config(text, where), prefix=WRAPPER_PREFIX)
+    cfg = parse_config(text, where)
+    return replace(cfg, prefix=WRAPPER_PREFIX, weights=cfg.weights.with_names(lambda m: WRAPPER_PREFIX + m))
 
 
 def parse_config(raw: dict, where: str = "config.json") -> Config:
@@ -211,18 +200,9 @@ def parse_mla_config(raw: dict, defaults: dict, family: str, name: str, moe_laye
         factor = float(rope["factor"])
         m = 1.0 if factor <= 1 else 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0
         scale = scale * m * m
-    qc = raw.get("quantization_config")
-    int4 = isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"
-    if int4:
-        parse_compressed_tensors(qc, c.where)
-        block = None
-    else:
-        block = parse_quantization_config(qc, c.where)
+    weights = WeightFormat(raw.get("quantization_config"), c.where)
     n_shared = c.int("n_shared_experts", defaults["n_shared_experts"], lo=0, hi=MAX_EXPERTS, null=0)
     hidden, moe_inter = c.pos_int("hidden_size"), c.pos_int("moe_intermediate_size")
-    if int4 and (hidden % 32 or moe_inter % 32):
-        raise UnsupportedModelError(f"{c.where}: hidden_size={hidden} and moe_intermediate_size={moe_inter} must be "
-                                    "multiples of 32 for INT4 group-32 experts")
     return Config(
         vocab_size=c.pos_int("vocab_size"),
         hidden_size=hidden,
@@ -252,31 +232,10 @@ def parse_mla_config(raw: dict, defaults: dict, family: str, name: str, moe_laye
         mtp_layers=c.int("num_nextn_predict_layers", 0, "num_mtp_layers", lo=0, hi=MAX_LAYERS),
         rope=rope,
         softmax_scale=scale,
-        block=block,
-        quantization=qc if block is not None else None,
+        weights=weights,
         model_type=raw.get("model_type", family),
         family=family,
-        int4=int4,
     )
-
-
-def _linear_tensors(cfg: Config, module: str, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
-    """The stored tensors of one linear module: its weight, and its block scales if it is FP8."""
-    out: dict[str, tuple[int, ...]] = {module + ".weight": shape}
-    if cfg.quantized(module):
-        out[module + ".weight" + SCALE_SUFFIX] = scale_shape(shape, cfg.block)
-    return out
-
-
-def _linear(cfg: Config, w, module: str):
-    weight = w(module + ".weight")
-    if cfg.quantized(module):
-        return BlockFP8(weight, w(module + ".weight" + SCALE_SUFFIX), cfg.block, module + ".weight")
-    if isinstance(weight, torch.Tensor) and weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise CheckpointError(
-            f"tensor {module + '.weight'!r} is {weight.dtype}, but config.json declares no block-scaled "
-            "quantization for it (quantization_config / modules_to_not_convert)")
-    return weight
 
 
 def mla_args(cfg: Config) -> dict:
@@ -306,30 +265,14 @@ def declare(cfg: Config, attention=None) -> Model:
               for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
                  lambda: Rotary(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings),
-                 linear_tensors=lambda module, shape: _linear_tensors(cfg, module, shape),
-                 linear=lambda w, module: _linear(cfg, w, module), prefix=cfg.prefix)
+                 weights=cfg.weights, prefix=cfg.prefix)
 
 
 def describe(cfg: Config, model: Model | None = None, more_notes: tuple[str, ...] = ()) -> ModelDescription:
     """``model``: the declaration, when a family declares its own (DeepSeek-V3.2); ``more_notes``: its notes."""
     h, dr, rank = cfg.hidden_size, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    fp8_experts = bool(cfg.moe_layers) and cfg.quantized(f"model.layers.{cfg.moe_layers[0]}.mlp.experts.0.gate_proj")
-    spec = ExpertSpec(hidden=h, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act,
-                      block=cfg.block if fp8_experts else None)
-    shapes = spec.matrix_shapes()
-
-    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        p = f"{cfg.prefix}model.layers.{layer}.mlp.experts.{e}."
-        if cfg.int4:  # exactly the parts of sluice.quant's int4 format, read as stored
-            return {f"{role}.{part}": TensorRef(f"{p}{role}_proj.weight_{part}", (n, k // div))
-                    for role, (n, k) in shapes.items() for part, div in (("packed", 8), ("scale", 32))}
-        refs = {}
-        for role in ("gate", "up", "down"):
-            module = f"{p}{role}_proj"
-            for name, shape in _linear_tensors(cfg, module, shapes[role]).items():
-                refs[role + SCALE_SUFFIX if name.endswith(SCALE_SUFFIX) else role] = TensorRef(name, shape)
-        return refs
-
+    spec = ExpertSpec(hidden=h, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
+    model = model or declare(cfg)
     notes = []
     if cfg.mtp_layers:
         n = cfg.num_hidden_layers
@@ -338,21 +281,15 @@ def describe(cfg: Config, model: Model | None = None, more_notes: tuple[str, ...
                      "generation predicts one token per step")
     notes.append(f"MLA latent cache: {rank} + {dr} floats per position per layer (not full K/V)")
     notes.extend(more_notes)
-    if cfg.int4:
-        notes.append("routed experts: compressed-tensors INT4 (group 32, bf16 scales), kept in INT4 and multiplied "
-                     "exactly as stored (activations stay fp32)")
-    if cfg.block is not None:
-        notes.append(f"FP8 e4m3 weights with {cfg.block[0]}x{cfg.block[1]} block scales, kept in FP8 "
-                     "(activations stay fp32)")
     if cfg.model_type != cfg.family:
         notes.append(f"model_type {cfg.model_type!r} read as {cfg.family}")
     if cfg.prefix:
         notes.append(f"multimodal wrapper: the text model (tensors under {cfg.prefix!r}); the vision tower and "
                      "projector are not read")
-    return (model or declare(cfg)).describe(
-        model_type=cfg.model_type, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_tensors, max_position_embeddings=cfg.max_position_embeddings,
-        attn_heads=cfg.num_attention_heads, notes=notes, expert_format="int4" if cfg.int4 else None,
+    return model.describe(
+        model_type=cfg.model_type, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, cfg.prefix + "model.layers.{layer}.mlp.experts.{e}.{name}", PROJ_NAMES),
+        max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads, notes=notes,
     )
 
 

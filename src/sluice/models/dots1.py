@@ -26,10 +26,11 @@ from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import attention, gated_mlp, grouped_router, moe, rms_norm
-from .standard import PROJ_NAMES, expert_refs
+from .standard import PROJ_NAMES
+from .weight_format import PLAIN, WeightFormat
 
 MODEL_TYPE = "dots1"
-EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{name}.weight"
+EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{name}"  # + ".weight"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # keys transformers' Dots1 does not read: the value it computes as if it had (others are refused)
@@ -74,6 +75,7 @@ class Config:
     routed_scaling_factor: float
     moe_layers: list[int]
     rope: dict
+    weights: WeightFormat = PLAIN
 
 
 def _layer_types(c: RawConfig, n_layers: int) -> tuple[list[str], int | None]:
@@ -140,10 +142,6 @@ def parse_config(raw: dict) -> Config:
     for key, allowed in _IGNORED.items():
         c.refuse(key, allowed, f"transformers' Dots1 computes as if it were {allowed[0]!r}; another "
                  "value would be silently different")
-    if raw.get("quantization_config"):
-        raise UnsupportedModelError(
-            "config.json: quantization_config is not supported for dots1 (Sluice reads the bf16/fp32 "
-            "checkpoints; convert a quantized one back first)")
     layer_types, window = _layer_types(c, n_layers)
     n_experts, k, n_group, topk_group = _routing(c)
     n_shared = c.pos_int("n_shared_experts", REQUIRED, hi=MAX_EXPERTS)
@@ -179,6 +177,7 @@ def parse_config(raw: dict) -> Config:
         routed_scaling_factor=c.float("routed_scaling_factor", 1.0, positive=True),
         moe_layers=list(range(first_dense, n_layers)),
         rope=rope,
+        weights=WeightFormat(raw.get("quantization_config"), c.where),
     )
 
 
@@ -202,7 +201,7 @@ def declare(cfg: Config) -> Model:
     layers = [Layer(i, rms_norm(h, eps), rms_norm(h, eps), attn(i), mlp(i))
               for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
-                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings))
+                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings), weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
@@ -217,8 +216,8 @@ def describe(cfg: Config) -> ModelDescription:
                      f"{model.state()['window_positions']} positions kept) and "
                      f"{cfg.num_hidden_layers - n_sliding} full layers")
     return model.describe(
-        model_type=MODEL_TYPE, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_refs(spec, EXPERT_TEMPLATE, PROJ_NAMES),
+        model_type=MODEL_TYPE, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, EXPERT_TEMPLATE, PROJ_NAMES),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads, notes=notes,
     )
 

@@ -32,10 +32,11 @@ from .base import CausalLM, ModelDescription
 from .config import MAX_DIM, MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import attention, gated_mlp, moe, rms_norm, softmax_router
-from .standard import PROJ_NAMES, expert_refs
+from .standard import PROJ_NAMES
+from .weight_format import PLAIN, WeightFormat
 
 MODEL_TYPE = "ernie4_5_moe"
-EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{name}.weight"  # per expert, gate/up/down_proj
+EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{name}"  # per expert, gate/up/down_proj (+ ".weight")
 BIAS = "moe_statics.e_score_correction_bias"  # under mlp.; [1, E]
 GATE_BIAS = "gate." + BIAS  # where transformers keeps it in memory (its conversion mapping renames it)
 
@@ -76,6 +77,7 @@ class Config:
     moe_layers: list[int]
     mtp_layers: int
     rope: dict
+    weights: WeightFormat = PLAIN
 
 
 def moe_schedule(n_layers: int, start: int, end: int, interval: int) -> list[int]:
@@ -138,6 +140,7 @@ def parse_config(raw: dict) -> Config:
         moe_layers=layers,
         mtp_layers=c.int("num_nextn_predict_layers", 0, lo=0, hi=MAX_LAYERS),
         rope=rope,
+        weights=WeightFormat(raw.get("quantization_config"), c.where),
     )
 
 
@@ -159,7 +162,8 @@ def declare(cfg: Config) -> Model:
                               rope="pairs"), mlp(i))
               for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
-                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings), head_bias=bias)
+                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings), head_bias=bias,
+                 weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
@@ -168,9 +172,10 @@ def describe(cfg: Config) -> ModelDescription:
     if cfg.mtp_layers:
         notes.append(f"{cfg.mtp_layers} multi-token-prediction layer(s) are not used: generation predicts one "
                      "token per step")
-    return declare(cfg).describe(
-        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_refs(spec, EXPERT_TEMPLATE, PROJ_NAMES),
+    model = declare(cfg)
+    return model.describe(
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, EXPERT_TEMPLATE, PROJ_NAMES),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads, notes=notes,
     )
 

@@ -7,7 +7,7 @@ RMSNorm (``use_qk_norm``), partial RoPE on the first ``partial_rotary_factor`` o
 (sigmoid scores, the selection-only ``e_score_correction_bias`` on the gate, ``n_group`` /
 ``topk_group`` group-limited top-k, ``norm_topk_prob``, ``routed_scaling_factor``) with
 ``n_shared_experts`` shared experts. Block-FP8 checkpoints (``weight_scale_inv``) stay FP8:
-the attention projections, dense and shared MLPs and the experts (``models/block_fp8.py``).
+the attention projections, dense and shared MLPs and the experts (``models/weight_format.py``).
 
 The multi-token-prediction layers (``num_nextn_predict_layers``, stored as
 ``model.layers.<num_hidden_layers + i>.*``) are not declared, so they are never read.
@@ -23,18 +23,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from ..experts.spec import ExpertSpec, TensorRef
+from ..experts.spec import ExpertSpec
 from ..layers.rotary import Rotary, rope_parameters
-from ..quant.fp8 import SCALE_SUFFIX
 from .base import CausalLM, ModelDescription
-from .block_fp8 import LinearFormat
 from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import attention, gated_mlp, grouped_router, moe, rms_norm
 from .standard import PROJ_NAMES
+from .weight_format import WeightFormat
 
 MODEL_TYPE = "glm4_moe"
-EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{name}"  # + ".weight" (+ "_scale_inv")
+EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{name}"  # + ".weight" (+ its scales)
 
 # keys transformers' Glm4Moe ignores (DeepSeek-V3's, Qwen's, GLM-4.7-Flash's): the value it
 # computes with; anything else is refused
@@ -73,7 +72,7 @@ class Config:
     moe_layers: list[int]
     mtp_layers: int
     rope: dict
-    fp8: LinearFormat
+    weights: WeightFormat
 
 
 def _rope(raw: dict, head_dim: int) -> tuple[dict, int]:
@@ -179,7 +178,7 @@ def parse_config(raw: dict) -> Config:
         moe_layers=[i for i in range(n_layers) if i >= first_dense],
         mtp_layers=mtp,
         rope=rope,
-        fp8=LinearFormat(raw.get("quantization_config")),
+        weights=WeightFormat(raw.get("quantization_config"), c.where),
     )
 
 
@@ -203,37 +202,21 @@ def declare(cfg: Config) -> Model:
               for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
                  lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings),
-                 linear_tensors=cfg.fp8.tensors, linear=cfg.fp8.linear)
+                 weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
-    first = cfg.moe_layers[0] if cfg.moe_layers else 0
-    fp8_experts = cfg.fp8.quantized(EXPERT_TEMPLATE.format(layer=first, e=0, name="gate_proj"))
-    spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act,
-                      block=cfg.fp8.block if fp8_experts else None)
-    shapes = spec.matrix_shapes()
-
-    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        refs = {}
-        for role, name in PROJ_NAMES.items():
-            module = EXPERT_TEMPLATE.format(layer=layer, e=e, name=name)
-            for tensor, shape in cfg.fp8.tensors(module, shapes[role]).items():
-                key = role + SCALE_SUFFIX if tensor.endswith(SCALE_SUFFIX) else role
-                refs[key] = TensorRef(tensor, shape)
-        return refs
-
+    spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
+    model = declare(cfg)
     notes = [f"partial RoPE: {cfg.rotary_dim} of {cfg.head_dim} dims per head"]
     if cfg.mtp_layers:
         n = cfg.num_hidden_layers
         notes.append(f"{cfg.mtp_layers} multi-token-prediction layer(s) (model.layers.{n}"
                      f"{'..' + str(n + cfg.mtp_layers - 1) if cfg.mtp_layers > 1 else ''}.*) are not used: "
                      "generation predicts one token per step")
-    if cfg.fp8.block is not None:
-        b = cfg.fp8.block
-        notes.append(f"FP8 e4m3 weights with {b[0]}x{b[1]} block scales, kept in FP8 (activations stay fp32)")
-    return declare(cfg).describe(
-        model_type=MODEL_TYPE, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_tensors, max_position_embeddings=cfg.max_position_embeddings,
+    return model.describe(
+        model_type=MODEL_TYPE, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, EXPERT_TEMPLATE, PROJ_NAMES), max_position_embeddings=cfg.max_position_embeddings,
         attn_heads=cfg.num_attention_heads, notes=notes,
     )
 

@@ -7,7 +7,10 @@ Experts are fused on disk, input-major (``y = x @ W``):
 ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]. Each
 expert is the contiguous e-th slice of each, streamed as it is (see ``experts/fused.py``).
 Native MXFP4 checkpoints (``quantization_config.quant_method == "mxfp4"``) store the expert
-matrices as ``*_blocks`` / ``*_scales`` instead; see ``_mxfp4_tensors``.
+matrices as ``*_blocks`` / ``*_scales`` instead; see ``_mxfp4_tensors``. Block-FP8 and
+compressed-tensors checkpoints (``models/weight_format.py``) are refused by name: transformers'
+FP8 experts have no biases (``FP8Experts`` asserts ``has_bias=False``), and compressed-tensors
+quantizes linear modules, which GPT-OSS's fused [E, H, 2I] experts are not.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import attention, moe, rms_norm, topk_softmax_router
+from .weight_format import METHODS
 
 MODEL_TYPE = "gpt_oss"
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -79,6 +83,11 @@ def _quantization(raw: dict) -> bool:
     if not isinstance(q, dict):
         raise UnsupportedModelError(f"config.json: quantization_config {q!r} is not supported")
     method = q.get("quant_method")
+    if method in METHODS:
+        raise UnsupportedModelError(
+            f"config.json: quantization_config.quant_method={method!r} checkpoints are not supported for gpt_oss: "
+            "its experts are fused, biased and input-major; transformers' FP8 experts carry no biases and "
+            "compressed-tensors quantizes linear modules only (GPT-OSS ships MXFP4)")
     if method != "mxfp4":
         raise UnsupportedModelError(
             f"config.json: quantization_config.quant_method={method!r} is not supported for gpt_oss "

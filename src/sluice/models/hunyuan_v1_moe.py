@@ -26,10 +26,11 @@ from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_POSITIONS, RawConfig, check_rope, number
 from .declare import Layer, Model
 from .parts import attention, gated_mlp, moe, rms_norm, softmax_router
-from .standard import PROJ_NAMES, expert_refs
+from .standard import PROJ_NAMES
+from .weight_format import PLAIN, WeightFormat
 
 MODEL_TYPE = "hunyuan_v1_moe"
-EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{name}.weight"
+EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{name}"  # + ".weight"
 
 # keys of the original Hunyuan config.json that transformers' HunYuanMoEV1 ignores: the value
 # it computes with (anything else is refused)
@@ -69,6 +70,7 @@ class Config:
     num_experts: int
     moe_topk: list[int]  # per layer
     rope: dict
+    weights: WeightFormat = PLAIN
 
 
 def _uniform(c: RawConfig, key: str, want, n_layers: int, why: str) -> None:
@@ -172,6 +174,7 @@ def parse_config(raw: dict) -> Config:
         num_experts=n_experts,
         moe_topk=_top_k(c, n_layers, n_experts),
         rope=_rope(c, raw, head_dim, max_pos),
+        weights=WeightFormat(raw.get("quantization_config"), c.where),
     )
 
 
@@ -185,7 +188,8 @@ def declare(cfg: Config) -> Model:
                         shared=gated_mlp(h, inter, cfg.hidden_act, prefix=""), shared_name="shared_mlp."))
               for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
-                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, ntk=True))
+                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, ntk=True),
+                 weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
@@ -200,9 +204,10 @@ def describe(cfg: Config) -> ModelDescription:
     if len(set(cfg.moe_topk)) > 1:
         notes.append(f"experts per token vary by layer ({min(cfg.moe_topk)}..{max(cfg.moe_topk)}); plans count "
                      f"{max(cfg.moe_topk)} in every layer")
-    return declare(cfg).describe(
-        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=max(cfg.moe_topk), expert=spec,
-        expert_tensors=expert_refs(spec, EXPERT_TEMPLATE, PROJ_NAMES),
+    model = declare(cfg)
+    return model.describe(
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=max(cfg.moe_topk),
+        **model.routed_experts(spec, EXPERT_TEMPLATE, PROJ_NAMES),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads, notes=notes,
     )
 

@@ -8,7 +8,7 @@ the first layer dense, the others MoE). An MoE block: sigmoid scores of an fp32 
 by ``router_scaling_factor``; one always-on shared MLP of ``num_shared_experts`` x
 ``moe_intermediate_size`` (``mlp.shared_mlp.*``); experts ``gate_proj`` / ``up_proj`` /
 ``down_proj`` per expert. Block-FP8 checkpoints (``weight_scale_inv``) stay FP8
-(``models/block_fp8.py``). The multi-token-prediction layer stored after the decoder layers
+(``models/weight_format.py``). The multi-token-prediction layer stored after the decoder layers
 (``model.layers.<num_hidden_layers>.*``, ``num_nextn_predict_layers``) is not used.
 
 Semantics follow transformers 5.24 (modeling_hy_v3.py, the oracle). The published config.json
@@ -24,14 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from ..experts.spec import ExpertSpec, TensorRef
+from ..experts.spec import ExpertSpec
 from ..layers.rotary import Rotary, rope_parameters
-from ..quant.fp8 import SCALE_SUFFIX
 from .base import CausalLM, ModelDescription
-from .block_fp8 import LinearFormat
 from .config import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope, number
 from .declare import Layer, Model
 from .parts import attention, gated_mlp, grouped_router, moe, rms_norm
+from .standard import PROJ_NAMES
+from .weight_format import WeightFormat
 
 MODEL_TYPE = "hy_v3"
 MLP_TYPES = ("dense", "sparse")
@@ -39,7 +39,7 @@ DEFAULT_THETA = 11_158_840.0  # transformers' HYV3Config.default_theta
 ROUTER = "router.gate.weight"  # the checkpoints' router (transformers' ``mlp.gate.weight``)
 BIAS = "expert_bias"  # the checkpoints' correction bias (transformers' ``mlp.e_score_correction_bias``)
 SHARED = "shared_mlp."  # the checkpoints' shared MLP (transformers' ``mlp.shared_experts``)
-EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{role}_proj"  # + ".weight" (+ "_scale_inv")
+EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{name}"  # + ".weight" (+ its scales)
 
 # keys of the published config.json that transformers' HYV3 ignores, with the values it computes
 # as if they had (anything else would be silently different, so it is refused)
@@ -81,7 +81,7 @@ class Config:
     router_scaling_factor: float
     rope: dict
     mtp_layers: int  # model.layers.<n>.. after the decoder layers, not used
-    fp8: LinearFormat
+    weights: WeightFormat
 
     @property
     def moe_layers(self) -> list[int]:
@@ -169,7 +169,7 @@ def parse_config(raw: dict) -> Config:
         router_scaling_factor=scale,
         rope=_rope(c, raw),
         mtp_layers=mtp,
-        fp8=LinearFormat(raw.get("quantization_config")),
+        weights=WeightFormat(raw.get("quantization_config"), c.where),
     )
 
 
@@ -191,24 +191,13 @@ def declare(cfg: Config) -> Model:
               for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
                  lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings),
-                 linear_tensors=cfg.fp8.tensors, linear=cfg.fp8.linear)
+                 weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
     moe_layers = cfg.moe_layers
-    fp8_experts = bool(moe_layers) and cfg.fp8.quantized(EXPERT_TEMPLATE.format(layer=moe_layers[0], e=0, role="gate"))
-    spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act,
-                      block=cfg.fp8.block if fp8_experts else None)
-    shapes = spec.matrix_shapes()
-
-    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        refs = {}
-        for role in ("gate", "up", "down"):
-            module = EXPERT_TEMPLATE.format(layer=layer, e=e, role=role)
-            for tensor, shape in cfg.fp8.tensors(module, shapes[role]).items():
-                refs[role + SCALE_SUFFIX if tensor.endswith(SCALE_SUFFIX) else role] = TensorRef(tensor, shape)
-        return refs
-
+    spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
+    model = declare(cfg)
     n_dense = cfg.mlp_layer_types.count("dense")
     notes = [f"{n_dense} dense layer(s), {len(moe_layers)} MoE layers with {cfg.num_shared_experts} shared "
              f"expert(s); routed weights scaled by {cfg.router_scaling_factor:g}"]
@@ -217,12 +206,9 @@ def describe(cfg: Config) -> ModelDescription:
         notes.append(f"{cfg.mtp_layers} multi-token-prediction layer(s) (model.layers.{n}"
                      f"{'..' + str(n + cfg.mtp_layers - 1) if cfg.mtp_layers > 1 else ''}.*) are not used: "
                      "generation predicts one token per step")
-    if cfg.fp8.block is not None:
-        b = cfg.fp8.block
-        notes.append(f"FP8 e4m3 weights with {b[0]}x{b[1]} block scales, kept in FP8 (activations stay fp32)")
-    return declare(cfg).describe(
-        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_tensors, max_position_embeddings=cfg.max_position_embeddings,
+    return model.describe(
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, EXPERT_TEMPLATE, PROJ_NAMES), max_position_embeddings=cfg.max_position_embeddings,
         attn_heads=cfg.num_attention_heads, notes=notes,
     )
 

@@ -23,7 +23,7 @@ from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_POSITIONS, RawConfig
 from .declare import Layer, Model
 from .parts import gated_mlp, grouped_router, kimi_delta, mla, moe, rms_norm
-from .standard import expert_refs
+from .weight_format import PLAIN, WeightFormat
 
 MODEL_TYPE = "kimi_linear"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -72,6 +72,7 @@ class Config:
     linear_num_heads: int
     linear_conv_kernel_dim: int
     raw: dict
+    weights: WeightFormat = PLAIN
 
     @property
     def moe_layers(self) -> list[int]:
@@ -98,11 +99,6 @@ def _types(value, n: int, allowed: tuple[str, ...], key: str) -> list[str]:
 
 def parse_config(raw: dict) -> Config:
     c = RawConfig(raw)
-    if raw.get("quantization_config") is not None:
-        q = raw["quantization_config"]
-        method = (q or {}).get("quant_method") if isinstance(q, dict) else None
-        raise UnsupportedModelError(f"config.json: quantized checkpoints (quantization_config, quant_method="
-                                    f"{method!r}) are not supported for {MODEL_TYPE}; use the bf16/fp16/fp32 weights")
     for key, (implemented, why) in _IGNORED_BY_TRANSFORMERS.items():
         if key in raw and raw[key] != implemented:
             raise UnsupportedModelError(f"config.json: {key}={raw[key]!r} is not supported ({why})")
@@ -188,6 +184,7 @@ def parse_config(raw: dict) -> Config:
         linear_conv_kernel_dim=lin_cfg.pos_int("short_conv_kernel_size", c.pos_int("linear_conv_kernel_dim", 4,
                                                                                    hi=MAX_HEAD_DIM), hi=MAX_HEAD_DIM),
         raw=raw,
+        weights=WeightFormat(raw.get("quantization_config"), c.where),
     )
     if not cfg.moe_layers:
         raise UnsupportedModelError("config.json: no MoE layer (a dense model) is not supported by the MoE engine")
@@ -199,13 +196,11 @@ def _prefix(i: int) -> str:
 
 
 def tensor_aliases(cfg: Config) -> dict[str, str]:
-    """Dense MLPs are ``mlp.*`` in the original checkpoints, ``block_sparse_moe.*`` as transformers saves them."""
-    out = {}
-    for i, t in enumerate(cfg.mlp_layer_types):
-        if t == "dense":
-            for r in ("gate", "up", "down"):
-                out[f"{_prefix(i)}mlp.{r}_proj.weight"] = f"{_prefix(i)}block_sparse_moe.{r}_proj.weight"
-    return out
+    """Dense MLPs are ``mlp.*`` in the original checkpoints, ``block_sparse_moe.*`` as transformers saves
+    them (their weights and, in FP8 checkpoints, their scales)."""
+    dense = tuple(f"{_prefix(i)}mlp." for i, t in enumerate(cfg.mlp_layer_types) if t == "dense")
+    return {name: name.replace(".mlp.", ".block_sparse_moe.", 1) for name in declare(cfg).spine()
+            if name.startswith(dense)}
 
 
 class NoPEMLA(MLA):
@@ -238,7 +233,7 @@ def declare(cfg: Config) -> Model:
         return gated_mlp(h, cfg.intermediate_size, cfg.hidden_act)
 
     layers = [Layer(i, rms_norm(h, eps), rms_norm(h, eps), attn(i), mlp(i)) for i in range(cfg.num_hidden_layers)]
-    return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings)
+    return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings, weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
@@ -247,9 +242,9 @@ def describe(cfg: Config) -> ModelDescription:
     fixed = model.state()["state_bytes_fixed"]
     n_lin, n_full = len(cfg.linear_layers), len(cfg.full_layers)
     return model.describe(
-        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_refs(spec, "model.layers.{layer}.block_sparse_moe.experts.{e}.{name}.weight",
-                                   {"gate": "w1", "up": "w3", "down": "w2"}),
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, "model.layers.{layer}.block_sparse_moe.experts.{e}.{name}",
+                               {"gate": "w1", "up": "w3", "down": "w2"}),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
         notes=[f"hybrid attention: {n_lin} Kimi Delta Attention layer(s) with a fixed-size recurrent state "
                f"({format_size(fixed)} with {SNAPSHOTS} snapshots kept for prefix reuse) and "

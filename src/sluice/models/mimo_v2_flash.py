@@ -12,7 +12,7 @@ selection-only ``e_score_correction_bias`` on the gate, group-limited top-k as D
 (``n_group``, ``topk_group``), renormalised (``norm_topk_prob``) and scaled
 (``routed_scaling_factor``), no shared experts; experts ``gate_proj`` / ``up_proj`` /
 ``down_proj`` per expert. Block-FP8 checkpoints (``weight_scale_inv``) stay FP8
-(``models/block_fp8.py``). The multi-token-prediction layers (``model.mtp.*``) are not used.
+(``models/weight_format.py``). The multi-token-prediction layers (``model.mtp.*``) are not used.
 
 Semantics follow transformers 5.24 (modeling_mimo_v2_flash.py, the oracle). The published
 config.json also carries the keys of Xiaomi's own code (``hybrid_layer_pattern``,
@@ -25,21 +25,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from ..experts.spec import ExpertSpec, TensorRef
+from ..experts.spec import ExpertSpec
 from ..layers.attention import MAX_DRAFT
 from ..layers.rotary import LayerRotary, Rotary
-from ..quant.fp8 import SCALE_SUFFIX
 from .base import CausalLM, ModelDescription
-from .block_fp8 import LinearFormat
 from .config import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope, number
 from .declare import Layer, Model
 from .parts import attention, gated_mlp, grouped_router, moe, rms_norm
+from .standard import PROJ_NAMES
+from .weight_format import WeightFormat
 
 MODEL_TYPE = "mimo_v2_flash"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MLP_TYPES = ("dense", "sparse")
 SINKS = "attention_sink_bias"  # the checkpoints' name of the learned sinks (transformers' ``sinks``)
-EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{role}_proj"  # + ".weight" (+ "_scale_inv")
+EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{e}.{name}"  # + ".weight" (+ its scales)
 
 # transformers' MiMoV2FlashConfig defaults, used when config.json lacks the key
 _DEFAULT_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
@@ -86,7 +86,7 @@ class Config:
     routed_scaling_factor: float
     rope: dict  # layer kind -> {"rope_theta": ..., "partial_rotary_factor": ...}
     mtp_modules: int  # model.mtp.* layers, not used
-    fp8: LinearFormat
+    weights: WeightFormat
 
     def kv_heads(self, i: int) -> int:
         return self.num_key_value_heads * (2 if self.layer_types[i] == "sliding_attention" else 1)
@@ -244,7 +244,7 @@ def parse_config(raw: dict) -> Config:
         routed_scaling_factor=routed_scale,
         rope=rope,
         mtp_modules=mtp,
-        fp8=LinearFormat(raw.get("quantization_config")),
+        weights=WeightFormat(raw.get("quantization_config"), c.where),
     )
 
 
@@ -272,24 +272,11 @@ def declare(cfg: Config) -> Model:
 
     layers = [Layer(i, rms_norm(h, eps), rms_norm(h, eps), attn(i), mlp(i)) for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings, rotary,
-                 linear_tensors=cfg.fp8.tensors, linear=cfg.fp8.linear)
+                 weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
-    moe_layers = cfg.moe_layers
-    fp8_experts = bool(moe_layers) and cfg.fp8.quantized(EXPERT_TEMPLATE.format(layer=moe_layers[0], e=0, role="gate"))
-    spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act,
-                      block=cfg.fp8.block if fp8_experts else None)
-    shapes = spec.matrix_shapes()
-
-    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        refs = {}
-        for role in ("gate", "up", "down"):
-            module = EXPERT_TEMPLATE.format(layer=layer, e=e, role=role)
-            for tensor, shape in cfg.fp8.tensors(module, shapes[role]).items():
-                refs[role + SCALE_SUFFIX if tensor.endswith(SCALE_SUFFIX) else role] = TensorRef(tensor, shape)
-        return refs
-
+    spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
     model = declare(cfg)
     n_sliding = cfg.layer_types.count("sliding_attention")
     rot = {k: int(cfg.head_dim * p["partial_rotary_factor"]) for k, p in cfg.rope.items()}
@@ -308,12 +295,9 @@ def describe(cfg: Config) -> ModelDescription:
     if cfg.mtp_modules:
         notes.append(f"{cfg.mtp_modules} multi-token-prediction layer(s) (model.mtp.*) are not used: generation "
                      "predicts one token per step")
-    if cfg.fp8.block is not None:
-        b = cfg.fp8.block
-        notes.append(f"FP8 e4m3 weights with {b[0]}x{b[1]} block scales, kept in FP8 (activations stay fp32)")
     return model.describe(
-        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_tensors, max_position_embeddings=cfg.max_position_embeddings,
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, EXPERT_TEMPLATE, PROJ_NAMES), max_position_embeddings=cfg.max_position_embeddings,
         attn_heads=cfg.num_attention_heads, notes=notes,
     )
 

@@ -6,7 +6,7 @@ split), partial RoPE on the first ``rotary_dim`` dims of each head, every layer 
 MoE block itself (not on its gate), top-k without groups, the chosen sigmoid scores
 renormalised (no scaling factor), no shared experts; experts ``w1`` (gate), ``w3`` (up),
 ``w2`` (down). Block-FP8 checkpoints (``weight_scale_inv``) stay FP8: the attention
-projections and the experts (``models/block_fp8.py``, ``quant/fp8.py``).
+projections and the experts (``models/weight_format.py``, ``quant/fp8.py``).
 
 Semantics follow transformers 5.24 (modeling_minimax_m2.py, the oracle). Keys transformers
 ignores but that would change the computation (MiniMax-01's lightning attention layers, other
@@ -18,18 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from ..experts.spec import ExpertSpec, TensorRef
+from ..experts.spec import ExpertSpec
 from ..layers.rotary import Rotary, rope_parameters
-from ..quant.fp8 import SCALE_SUFFIX
 from .base import CausalLM, ModelDescription
-from .block_fp8 import LinearFormat
 from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, REQUIRED, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import attention, grouped_router, moe, rms_norm
+from .weight_format import WeightFormat
 
 MODEL_TYPE = "minimax_m2"
 ROLE_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}  # the checkpoints' expert projection names
-EXPERT_TEMPLATE = "model.layers.{layer}.block_sparse_moe.experts.{e}.{name}"  # + ".weight" (+ "_scale_inv")
+EXPERT_TEMPLATE = "model.layers.{layer}.block_sparse_moe.experts.{e}.{name}"  # + ".weight" (+ its scales)
 
 # keys of MiniMax-01 (model_type "minimax") and the original MiniMax-M2 config.json that
 # transformers' MiniMaxM2 ignores: the value it computes with (anything else is refused)
@@ -74,7 +73,7 @@ class Config:
     num_experts_per_tok: int
     mtp_layers: int
     rope: dict
-    fp8: LinearFormat
+    weights: WeightFormat
 
 
 def _rope(c: RawConfig, raw: dict, head_dim: int) -> tuple[dict, int]:
@@ -138,7 +137,7 @@ def parse_config(raw: dict) -> Config:
         num_experts_per_tok=c.top_k("num_experts_per_tok", n_experts),
         mtp_layers=mtp,
         rope=rope,
-        fp8=LinearFormat(raw.get("quantization_config")),
+        weights=WeightFormat(raw.get("quantization_config"), c.where),
     )
 
 
@@ -154,33 +153,19 @@ def declare(cfg: Config) -> Model:
               for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
                  lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings),
-                 linear_tensors=cfg.fp8.tensors, linear=cfg.fp8.linear)
+                 weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
-    fp8_experts = cfg.fp8.quantized(EXPERT_TEMPLATE.format(layer=0, e=0, name="w1"))
-    spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, act=cfg.hidden_act,
-                      block=cfg.fp8.block if fp8_experts else None)
-    shapes = spec.matrix_shapes()
-
-    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        refs = {}
-        for role, name in ROLE_NAMES.items():
-            module = EXPERT_TEMPLATE.format(layer=layer, e=e, name=name)
-            for tensor, shape in cfg.fp8.tensors(module, shapes[role]).items():
-                refs[role + SCALE_SUFFIX if tensor.endswith(SCALE_SUFFIX) else role] = TensorRef(tensor, shape)
-        return refs
-
+    spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, act=cfg.hidden_act)
+    model = declare(cfg)
     notes = [f"partial RoPE: {cfg.rotary_dim} of {cfg.head_dim} dims per head"]
     if cfg.mtp_layers:
         notes.append(f"{cfg.mtp_layers} multi-token-prediction module(s) are not used: generation predicts one "
                      "token per step")
-    if cfg.fp8.block is not None:
-        b = cfg.fp8.block
-        notes.append(f"FP8 e4m3 weights with {b[0]}x{b[1]} block scales, kept in FP8 (activations stay fp32)")
-    return declare(cfg).describe(
-        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_tensors, max_position_embeddings=cfg.max_position_embeddings,
+    return model.describe(
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, EXPERT_TEMPLATE, ROLE_NAMES), max_position_embeddings=cfg.max_position_embeddings,
         attn_heads=cfg.num_attention_heads, notes=notes,
     )
 

@@ -11,7 +11,7 @@ from .base import CausalLM, ModelDescription
 from .config import REQUIRED, MAX_EXPERTS, MAX_POSITIONS, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import attention, moe, rms_norm, softmax_router
-from .standard import expert_refs
+from .weight_format import PLAIN, WeightFormat
 
 MODEL_TYPE = "mixtral"
 _ROLE_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
@@ -34,6 +34,7 @@ class Config:
     num_experts: int
     num_experts_per_tok: int
     rope: dict
+    weights: WeightFormat = PLAIN
 
 
 def parse_config(raw: dict) -> Config:
@@ -59,6 +60,7 @@ def parse_config(raw: dict) -> Config:
         num_experts=n_experts,
         num_experts_per_tok=c.top_k("num_experts_per_tok", n_experts),
         rope=check_rope(rope_parameters({"rope_theta": 1e6, **raw})),
+        weights=WeightFormat(raw.get("quantization_config"), c.where),
     )
 
 
@@ -71,15 +73,15 @@ def declare(cfg: Config) -> Model:
                         prefix="block_sparse_moe."))
               for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
-                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings))
+                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings), weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
     spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, act=cfg.hidden_act)
-    return declare(cfg).describe(
-        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_refs(spec, "model.layers.{layer}.block_sparse_moe.experts.{e}.{name}.weight",
-                                   _ROLE_NAMES),
+    model = declare(cfg)
+    return model.describe(
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, "model.layers.{layer}.block_sparse_moe.experts.{e}.{name}", _ROLE_NAMES),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
     )
 

@@ -11,7 +11,8 @@ from .base import CausalLM, ModelDescription
 from .config import REQUIRED, MAX_EXPERTS, MAX_POSITIONS, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import attention, moe, rms_norm, softmax_router
-from .standard import PROJ_NAMES, expert_refs
+from .standard import PROJ_NAMES
+from .weight_format import PLAIN, WeightFormat
 
 MODEL_TYPE = "olmoe"
 
@@ -35,6 +36,7 @@ class Config:
     num_experts_per_tok: int
     norm_topk_prob: bool
     rope: dict
+    weights: WeightFormat = PLAIN
 
 
 def parse_config(raw: dict) -> Config:
@@ -63,6 +65,7 @@ def parse_config(raw: dict) -> Config:
         num_experts_per_tok=c.top_k("num_experts_per_tok", n_experts),
         norm_topk_prob=c.bool("norm_topk_prob", False),
         rope=check_rope(rope_parameters(raw)),
+        weights=WeightFormat(raw.get("quantization_config"), c.where),
     )
 
 
@@ -74,14 +77,15 @@ def declare(cfg: Config) -> Model:
                     moe(softmax_router(cfg.num_experts, h, cfg.num_experts_per_tok, cfg.norm_topk_prob)))
               for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
-                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings))
+                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings), weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
     spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, act=cfg.hidden_act)
-    return declare(cfg).describe(
-        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_refs(spec, "model.layers.{layer}.mlp.experts.{e}.{name}.weight", PROJ_NAMES),
+    model = declare(cfg)
+    return model.describe(
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, "model.layers.{layer}.mlp.experts.{e}.{name}", PROJ_NAMES),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
     )
 

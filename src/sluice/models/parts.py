@@ -102,8 +102,8 @@ def gated_attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: fl
                     norm_offset: float = 1.0) -> Part:
     """Qwen3-Next's full attention: q_proj also yields the sigmoid output gate (2 x the query width)."""
     nq, nkv, p = n_heads * head_dim, n_kv * head_dim, "self_attn."
-    tensors = {p + "q_proj.weight": (2 * nq, hidden), p + "k_proj.weight": (nkv, hidden),
-               p + "v_proj.weight": (nkv, hidden), p + "o_proj.weight": (hidden, nq),
+    tensors = {p + "q_proj": Lin((2 * nq, hidden)), p + "k_proj": Lin((nkv, hidden)),
+               p + "v_proj": Lin((nkv, hidden)), p + "o_proj": Lin((hidden, nq)),
                p + "q_norm.weight": (head_dim,), p + "k_norm.weight": (head_dim,)}
     if bias:
         tensors.update({p + "q_proj.bias": (2 * nq,), p + "k_proj.bias": (nkv,), p + "v_proj.bias": (nkv,),
@@ -111,8 +111,8 @@ def gated_attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: fl
 
     def make(t):
         return GatedAttention(
-            wq=t(p + "q_proj.weight"), wk=t(p + "k_proj.weight"), wv=t(p + "v_proj.weight"),
-            wo=t(p + "o_proj.weight"), bq=t.opt(p + "q_proj.bias"), bk=t.opt(p + "k_proj.bias"),
+            wq=t.lin(p + "q_proj"), wk=t.lin(p + "k_proj"), wv=t.lin(p + "v_proj"),
+            wo=t.lin(p + "o_proj"), bq=t.opt(p + "q_proj.bias"), bk=t.opt(p + "k_proj.bias"),
             bv=t.opt(p + "v_proj.bias"), bo=t.opt(p + "o_proj.bias"), n_heads=n_heads, n_kv=n_kv,
             head_dim=head_dim, q_norm=t(p + "q_norm.weight"), k_norm=t(p + "k_norm.weight"), norm_eps=eps,
             norm_offset=norm_offset)
@@ -202,21 +202,21 @@ def gated_delta(hidden: int, *, n_k: int, n_v: int, dk: int, dv: int, kernel: in
     p, kd, vd = "linear_attn.", n_k * dk, n_v * dv
     channels = 2 * kd + vd
     if split:
-        proj = {p + "in_proj_qkv.weight": (channels, hidden), p + "in_proj_z.weight": (vd, hidden),
-                p + "in_proj_b.weight": (n_v, hidden), p + "in_proj_a.weight": (n_v, hidden)}
+        proj = {p + "in_proj_qkv": Lin((channels, hidden)), p + "in_proj_z": Lin((vd, hidden)),
+                p + "in_proj_b": Lin((n_v, hidden)), p + "in_proj_a": Lin((n_v, hidden))}
     else:
-        proj = {p + "in_proj_qkvz.weight": (2 * kd + 2 * vd, hidden), p + "in_proj_ba.weight": (2 * n_v, hidden)}
+        proj = {p + "in_proj_qkvz": Lin((2 * kd + 2 * vd, hidden)), p + "in_proj_ba": Lin((2 * n_v, hidden))}
     tensors = {**proj, p + "conv1d.weight": (channels, 1, kernel), p + "A_log": (n_v,), p + "dt_bias": (n_v,),
-               p + "norm.weight": (dv,), p + "out_proj.weight": (hidden, vd)}
+               p + "norm.weight": (dv,), p + "out_proj": Lin((hidden, vd))}
 
     def make(t):
         common = dict(conv_weight=t(p + "conv1d.weight"), a_log=t(p + "A_log"), dt_bias=t(p + "dt_bias"),
-                      norm_weight=t(p + "norm.weight"), w_out=t(p + "out_proj.weight"),
+                      norm_weight=t(p + "norm.weight"), w_out=t.lin(p + "out_proj"),
                       n_k=n_k, n_v=n_v, dk=dk, dv=dv, act=act, eps=eps)
         if split:
-            return SplitGatedDeltaNet(w_qkv=t(p + "in_proj_qkv.weight"), w_z=t(p + "in_proj_z.weight"),
-                                      w_b=t(p + "in_proj_b.weight"), w_a=t(p + "in_proj_a.weight"), **common)
-        return GatedDeltaNet(w_qkvz=t(p + "in_proj_qkvz.weight"), w_ba=t(p + "in_proj_ba.weight"), **common)
+            return SplitGatedDeltaNet(w_qkv=t.lin(p + "in_proj_qkv"), w_z=t.lin(p + "in_proj_z"),
+                                      w_b=t.lin(p + "in_proj_b"), w_a=t.lin(p + "in_proj_a"), **common)
+        return GatedDeltaNet(w_qkvz=t.lin(p + "in_proj_qkvz"), w_ba=t.lin(p + "in_proj_ba"), **common)
 
     return Part(tensors, make, **_recurrent(LinearState.nbytes(channels, kernel, n_v, dk, dv)))
 
@@ -226,20 +226,20 @@ def kimi_delta(hidden: int, *, heads: int, head_dim: int, kernel: int, act: str,
     forward also builds bounded per-channel decay blocks."""
     p, d = "self_attn.", head_dim
     qkv = heads * d
-    tensors = {p + "q_proj.weight": (qkv, hidden), p + "k_proj.weight": (qkv, hidden),
-               p + "v_proj.weight": (qkv, hidden), p + "q_conv1d.weight": (qkv, 1, kernel),
+    tensors = {p + "q_proj": Lin((qkv, hidden)), p + "k_proj": Lin((qkv, hidden)),
+               p + "v_proj": Lin((qkv, hidden)), p + "q_conv1d.weight": (qkv, 1, kernel),
                p + "k_conv1d.weight": (qkv, 1, kernel), p + "v_conv1d.weight": (qkv, 1, kernel),
-               p + "f_a_proj.weight": (d, hidden), p + "f_b_proj.weight": (qkv, d), p + "dt_bias": (qkv,),
-               p + "A_log": (1, 1, heads, 1), p + "b_proj.weight": (heads, hidden), p + "g_a_proj.weight": (d, hidden),
-               p + "g_b_proj.weight": (qkv, d), p + "o_norm.weight": (d,), p + "o_proj.weight": (hidden, qkv)}
+               p + "f_a_proj": Lin((d, hidden)), p + "f_b_proj": Lin((qkv, d)), p + "dt_bias": (qkv,),
+               p + "A_log": (1, 1, heads, 1), p + "b_proj": Lin((heads, hidden)), p + "g_a_proj": Lin((d, hidden)),
+               p + "g_b_proj": Lin((qkv, d)), p + "o_norm.weight": (d,), p + "o_proj": Lin((hidden, qkv))}
 
     def make(t):
         return KimiDeltaAttention(
-            wq=t(p + "q_proj.weight"), wk=t(p + "k_proj.weight"), wv=t(p + "v_proj.weight"),
+            wq=t.lin(p + "q_proj"), wk=t.lin(p + "k_proj"), wv=t.lin(p + "v_proj"),
             q_conv=t(p + "q_conv1d.weight"), k_conv=t(p + "k_conv1d.weight"), v_conv=t(p + "v_conv1d.weight"),
-            f_a=t(p + "f_a_proj.weight"), f_b=t(p + "f_b_proj.weight"), a_log=t(p + "A_log"),
-            dt_bias=t(p + "dt_bias"), w_b=t(p + "b_proj.weight"), g_a=t(p + "g_a_proj.weight"),
-            g_b=t(p + "g_b_proj.weight"), norm_weight=t(p + "o_norm.weight"), w_out=t(p + "o_proj.weight"),
+            f_a=t.lin(p + "f_a_proj"), f_b=t.lin(p + "f_b_proj"), a_log=t(p + "A_log"),
+            dt_bias=t(p + "dt_bias"), w_b=t.lin(p + "b_proj"), g_a=t.lin(p + "g_a_proj"),
+            g_b=t.lin(p + "g_b_proj"), norm_weight=t(p + "o_norm.weight"), w_out=t.lin(p + "o_proj"),
             n_heads=heads, head_dim=head_dim, act=act, eps=eps)
 
     one = LinearState.nbytes(3 * qkv, kernel, heads, d, d)
@@ -306,12 +306,12 @@ def moe(router: Part, *, prefix: str = "mlp.", router_name: str = "gate.", share
     s = shared.nested(prefix + shared_name) if shared is not None else None
     if s is not None:
         tensors.update(s.tensors)
-    gate = prefix + "shared_expert_gate.weight"
+    gate = prefix + "shared_expert_gate"
     if shared_gate is not None:
-        tensors[gate] = (1, shared_gate)
+        tensors[gate] = Lin((1, shared_gate))
 
     def make(t):
         return MoEBlock(t.layer, r.make(t), t.experts, shared=s.make(t) if s is not None else None,
-                        shared_gate=t(gate) if shared_gate is not None else None)
+                        shared_gate=t.lin(gate) if shared_gate is not None else None)
 
     return Part(tensors, make, routed=True)

@@ -19,7 +19,9 @@ The published checkpoints are the multimodal wrapper: ``text_config`` holds the 
 config, its tensors are under ``model.language_model.`` (``lm_head.weight`` at the top), and
 the vision tower (``model.visual.*``) is never read. Requests with images or video are refused
 by the server (text content parts only). Multi-token-prediction weights (``mtp.*``) are not
-used (transformers ignores them too). Quantized checkpoints (FP8) are refused.
+used (transformers ignores them too). FP8 and INT4 checkpoints are read as every family reads
+them (``models/weight_format.py``), the wrapper's top-level ``quantization_config`` applying to the
+text model.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..errors import ConfigError, UnsupportedModelError
 from . import qwen3_next
 from .base import CausalLM, ModelDescription
 from .config import MAX_LAYERS, RawConfig
+from .weight_format import WeightFormat, text_quantization
 
 MODEL_TYPE = "qwen3_5_moe"
 ALIASES = ("qwen3_5_moe_text",)
@@ -88,14 +91,9 @@ def _check_mrope(rope: dict, where: str) -> None:
 def parse_config(raw: dict) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"config.json: must be a JSON object, got {type(raw).__name__}")
-    for cfg in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
-        if cfg.get("quantization_config") is not None:
-            q = cfg["quantization_config"]
-            method = q.get("quant_method") if isinstance(q, dict) else None
-            raise UnsupportedModelError(f"config.json: quantized checkpoints (quantization_config, quant_method="
-                                        f"{method!r}) are not supported for {MODEL_TYPE}; use the bf16/fp16/fp32 "
-                                        "weights")
     text, where, prefix, notes = _text_config(raw)
+    quantization = text_quantization(raw, text) if text is not raw else raw.get("quantization_config")
+    weights = WeightFormat(quantization, checkpoint_name=lambda m: _renamed(m, prefix))
     c = RawConfig(text, where)
     for key, allowed in _IGNORED.items():
         c.refuse(key, allowed, f"transformers' Qwen3.5 computes as if it were {allowed[0]!r}; another value "
@@ -107,8 +105,9 @@ def parse_config(raw: dict) -> Config:
     if mtp:
         notes = [*notes, f"{mtp} multi-token-prediction layer(s) (mtp.*) are not used: generation predicts one "
                  "token per step"]
-    cfg = qwen3_next.parse_config({**_DEFAULTS, **text}, dense_layers=False, where=where)
+    cfg = qwen3_next.parse_config({**_DEFAULTS, **text, "quantization_config": None}, dense_layers=False, where=where)
     cfg.model_type, cfg.split_projections, cfg.text_prefix, cfg.notes = MODEL_TYPE, True, prefix, notes
+    cfg.weights = weights
     return cfg
 
 
@@ -120,12 +119,17 @@ def describe(cfg: Config) -> ModelDescription:
     return qwen3_next.describe(cfg)
 
 
+def _renamed(name: str, prefix: str) -> str:
+    """A text-model tensor's name in the checkpoint (the wrapper's ``model.language_model.``)."""
+    return prefix + name[len("model."):] if name.startswith("model.") else name
+
+
 def tensor_aliases(cfg: Config) -> dict[str, str]:
     """The wrapper stores the text model's tensors under ``model.language_model.`` (the head
     stays ``lm_head.weight``): each spine tensor's name there."""
     if cfg.text_prefix == "model.":
         return {}
-    return {name: cfg.text_prefix + name[len("model."):] for name in declare(cfg).spine() if name.startswith("model.")}
+    return {name: _renamed(name, cfg.text_prefix) for name in declare(cfg).spine() if name.startswith("model.")}
 
 
 def build(cfg: Config, w, experts) -> CausalLM:

@@ -12,7 +12,8 @@ from .base import CausalLM, ModelDescription
 from .config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import attention, gated_mlp, moe, rms_norm, softmax_router
-from .standard import PROJ_NAMES, expert_refs
+from .standard import PROJ_NAMES
+from .weight_format import PLAIN, WeightFormat
 
 MODEL_TYPE = "qwen3_moe"
 
@@ -39,6 +40,7 @@ class Config:
     moe_layers: list[int]
     rope: dict
     raw: dict
+    weights: WeightFormat = PLAIN
 
 
 def parse_config(raw: dict) -> Config:
@@ -73,6 +75,7 @@ def parse_config(raw: dict) -> Config:
         moe_layers=moe,
         rope=check_rope(rope_parameters(raw)),
         raw=raw,
+        weights=WeightFormat(raw.get("quantization_config"), c.where),
     )
 
 
@@ -89,14 +92,15 @@ def declare(cfg: Config) -> Model:
                               bias=cfg.attention_bias, qk_norm="head", window=cfg.sliding_window), mlp(i))
               for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
-                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings))
+                 lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings), weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
     spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
-    return declare(cfg).describe(
-        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_refs(spec, "model.layers.{layer}.mlp.experts.{e}.{name}.weight", PROJ_NAMES),
+    model = declare(cfg)
+    return model.describe(
+        model_type=MODEL_TYPE, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, "model.layers.{layer}.mlp.experts.{e}.{name}", PROJ_NAMES),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
     )
 

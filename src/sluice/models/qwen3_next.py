@@ -19,7 +19,8 @@ from .base import CausalLM, ModelDescription
 from .config import MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, RawConfig, check_rope
 from .declare import Layer, Model
 from .parts import gated_attention, gated_delta, gated_mlp, moe, rms_norm, softmax_router
-from .standard import PROJ_NAMES, expert_refs
+from .standard import PROJ_NAMES
+from .weight_format import PLAIN, WeightFormat
 
 MODEL_TYPE = "qwen3_next"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -57,6 +58,7 @@ class Config:
     split_projections: bool = False  # Qwen3.5: in_proj_qkv/z/b/a instead of in_proj_qkvz/ba
     text_prefix: str = "model."  # where the text model's tensors are (Qwen3.5's wrapper: model.language_model.)
     notes: list[str] = field(default_factory=list)  # what the description adds (e.g. weights not read)
+    weights: WeightFormat = PLAIN
 
     @property
     def linear_layers(self) -> list[int]:
@@ -77,11 +79,6 @@ def parse_config(raw: dict, *, dense_layers: bool = True, where: str = "config.j
     renormalised (Qwen3.5, which has no ``intermediate_size``, ``mlp_only_layers``,
     ``decoder_sparse_step`` nor ``norm_topk_prob``; its family refuses them)."""
     c = RawConfig(raw, where)
-    if raw.get("quantization_config") is not None:
-        q = raw["quantization_config"]
-        method = q.get("quant_method") if isinstance(q, dict) else None
-        raise UnsupportedModelError(f"{where}: quantized checkpoints (quantization_config, quant_method="
-                                    f"{method!r}) are not supported for {MODEL_TYPE}; use the bf16/fp16/fp32 weights")
     n_layers = c.layers()
     hidden = c.pos_int("hidden_size")
     heads, kv, head_dim = c.heads(hidden)
@@ -145,6 +142,7 @@ def parse_config(raw: dict, *, dense_layers: bool = True, where: str = "config.j
         linear_num_value_heads=nv,
         rope=rope,
         raw=raw,
+        weights=WeightFormat(raw.get("quantization_config"), where),
     )
     try:  # refuse an unknown RoPE type at load, not at build
         Rotary(cfg.head_dim, rope, cfg.max_position_embeddings)
@@ -176,7 +174,7 @@ def declare(cfg: Config) -> Model:
               for i in range(cfg.num_hidden_layers)]
     rotary = (lambda: Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)) if cfg.full_layers else \
         (lambda: None)
-    return Model(cfg.vocab_size, h, layers, rms_norm(h, eps, 1.0), cfg.tie_word_embeddings, rotary)
+    return Model(cfg.vocab_size, h, layers, rms_norm(h, eps, 1.0), cfg.tie_word_embeddings, rotary, weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
@@ -185,9 +183,8 @@ def describe(cfg: Config) -> ModelDescription:
     fixed = model.state()["state_bytes_fixed"]
     n_lin, n_full = len(cfg.linear_layers), len(cfg.full_layers)
     return model.describe(
-        model_type=cfg.model_type, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, expert=spec,
-        expert_tensors=expert_refs(spec, cfg.text_prefix + "layers.{layer}.mlp.experts.{e}.{name}.weight",
-                                   PROJ_NAMES),
+        model_type=cfg.model_type, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        **model.routed_experts(spec, cfg.text_prefix + "layers.{layer}.mlp.experts.{e}.{name}", PROJ_NAMES),
         max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
         notes=[f"hybrid attention: {n_lin} Gated DeltaNet layer(s) with a fixed-size recurrent state "
                f"({format_size(fixed)} with {SNAPSHOTS} snapshots kept for prefix reuse) and "

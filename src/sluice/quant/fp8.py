@@ -21,6 +21,8 @@ checkpoint's ``quantization_config``.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ..kernels.backend import cpu
@@ -70,9 +72,20 @@ def parse_quantization_config(raw: dict | None, where: str = "config.json") -> t
 
 
 def not_converted(raw: dict | None, module: str) -> bool:
-    """True if ``module`` (e.g. ``model.layers.3.self_attn.q_a_proj``) is listed in ``modules_to_not_convert``."""
+    """True if ``module`` (e.g. ``model.layers.3.self_attn.q_a_proj``) is listed in ``modules_to_not_convert``:
+    an entry naming it or a module it is in (``self_attn``, ``model.layers.3``), or one transformers
+    skips it for (a regex from the start up to a module boundary, or a suffix: ``gate`` skips
+    ``mlp.shared_expert_gate``, as transformers' ``should_convert_module`` does)."""
     skip = (raw or {}).get("modules_to_not_convert") or []
-    return any(s and (module == s or module.startswith(s + ".") or f".{s}." in f".{module}.") for s in skip)
+    return any(s and (module == s or module.startswith(s + ".") or f".{s}." in f".{module}." or module.endswith(s)
+                      or _boundary_match(s, module)) for s in skip if isinstance(s, str))
+
+
+def _boundary_match(pattern: str, module: str) -> bool:
+    try:
+        return re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module) is not None
+    except re.error:
+        return False
 
 
 def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:

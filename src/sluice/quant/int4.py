@@ -2,7 +2,8 @@
 
 How Kimi K2-Thinking and K2.5/K2.6 checkpoints store their routed experts (quantization_config
 ``quant_method: compressed-tensors``, ``format: pack-quantized``, 4-bit ``int`` weights,
-``strategy: group``, ``group_size: 32``, ``symmetric: true``). Parts of an [N, K] matrix
+``strategy: group``, ``group_size: 32``, ``symmetric: true``; read by ``compressed_tensors.parse``,
+for any family's experts: ``models/weight_format.py``). Parts of an [N, K] matrix
 (K a multiple of 32, as the checkpoints have it; G = K / 32):
   ``packed`` int32 [N, K / 8]   (``<module>.weight_packed``) eight 4-bit codes per int32, code
                                 8j + i of a row in bits 4i..4i+3 of its int32 j (lowest first),
@@ -115,59 +116,3 @@ class Int4Matrix(QuantMatrix):
 
 
 INT4_FORMAT = register(Int4())
-
-
-_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
-            "dynamic": False}
-_NULL_WEIGHTS = ("actorder", "block_structure")  # keys that must be unset (no reordering, no blocks)
-_SCALE_DTYPES = (None, "bfloat16", "torch.bfloat16")  # the checkpoint's weight_scale is checked at load too
-
-
-def parse_compressed_tensors(raw: dict, where: str = "config.json") -> None:
-    """Check a compressed-tensors ``quantization_config`` is the one scheme ``int4`` reads: one group
-    of pack-quantized 4-bit symmetric integer weights in groups of 32, no activation, KV-cache or
-    sparsity quantization. Anything else is refused with a one-line error, never misread."""
-    from ..errors import UnsupportedModelError
-
-    def refuse(key: str, value, want: str):
-        raise UnsupportedModelError(f"{where}: quantization_config.{key}={value!r} is not supported ({want}; "
-                                    "Sluice reads compressed-tensors INT4 pack-quantized, group 32, symmetric)")
-
-    fmt = raw.get("format")
-    if fmt != "pack-quantized":
-        refuse("format", fmt, "expected 'pack-quantized'")
-    status = raw.get("quantization_status", "compressed")
-    if status != "compressed":
-        refuse("quantization_status", status, "expected 'compressed': the weights must be stored packed")
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if raw.get(key):
-            refuse(key, raw[key], "expected null")
-    groups = raw.get("config_groups")
-    if not isinstance(groups, dict) or len(groups) != 1:
-        refuse("config_groups", groups, "expected exactly one group")
-    (gname, group), = groups.items()
-    if not isinstance(group, dict):
-        refuse(f"config_groups.{gname}", group, "expected an object")
-    if group.get("format", fmt) != "pack-quantized":
-        refuse(f"config_groups.{gname}.format", group.get("format"), "expected 'pack-quantized'")
-    for key in ("input_activations", "output_activations"):
-        if group.get(key) is not None:
-            refuse(f"config_groups.{gname}.{key}", group[key], "expected null: weight-only quantization")
-    weights = group.get("weights")
-    if not isinstance(weights, dict):
-        refuse(f"config_groups.{gname}.weights", weights, "expected an object")
-    for key, want in _WEIGHTS.items():
-        got = weights.get(key, want if key == "dynamic" else None)
-        if type(got) is not type(want) or got != want:
-            refuse(f"config_groups.{gname}.weights.{key}", got, f"expected {want!r}")
-    for key in _NULL_WEIGHTS:
-        if weights.get(key) is not None:
-            refuse(f"config_groups.{gname}.weights.{key}", weights[key], "expected null")
-    if weights.get("scale_dtype") not in _SCALE_DTYPES:
-        refuse(f"config_groups.{gname}.weights.scale_dtype", weights["scale_dtype"], "expected bfloat16")
-    targets = group.get("targets", ["Linear"])
-    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-        refuse(f"config_groups.{gname}.targets", targets, "expected a list of module names")
-    ignore = raw.get("ignore", [])
-    if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
-        refuse("ignore", ignore, "expected a list of module names")
