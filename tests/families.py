@@ -341,14 +341,17 @@ STORED = ("fp8", "ct-fp8", "ct-fp8-block", "int4")  # block FP8; compressed-tens
 
 def _linear_leaves(src: Path) -> set[str]:
     """The last name of every linear module (``nn.Linear``) of transformers' model of ``src``: what
-    its FP8 integration converts (the head aside)."""
+    its FP8 integration converts (the head and the model's ``_keep_in_fp32_modules`` aside: DSA's
+    ``indexer.weights_proj``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     cfg = AutoConfig.from_pretrained(src)
     cls = AutoModelForImageTextToText if hasattr(cfg, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
         model = cls.from_config(cfg)
-    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    kept = getattr(model, "_keep_in_fp32_modules", None) or []
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
+            and not any(k in n for k in kept)}
 
 
 def e4m3_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,14 +4,9 @@ never misread."""
 
 from __future__ import annotations
 
-import json
-import warnings
-
 import pytest
 
-from conftest import tiny_config
-from families import REGISTRY
-from sluice.errors import ConfigError, UnsupportedModelError
+from hostile_configs import assert_refused, assert_refused_at_cli, hostile_checkpoint, registry_config
 from sluice.models import get_family
 
 # edit -> what the message names; every one must be refused, on both families
@@ -61,13 +56,11 @@ CASES = [(f, c) for f in ("deepseek_v32", "glm_moe_dsa") for c in SHARED] + [("g
 
 @pytest.fixture(scope="module")
 def raws():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {f: tiny_config(f, **REGISTRY[f].overrides).to_dict() for f in ("deepseek_v32", "glm_moe_dsa")}
+    return {f: registry_config(f) for f in ("deepseek_v32", "glm_moe_dsa")}
 
 
 def _parse(family: str, raw: dict):
-    return get_family(family).parse_config(json.loads(json.dumps(raw)))
+    return get_family(family).parse_config(raw)
 
 
 def test_clean_configs_parse(raws):
@@ -82,28 +75,12 @@ def test_clean_configs_parse(raws):
 
 @pytest.mark.parametrize("family,case", CASES)
 def test_hostile_dsa_config(family, case, raws):
-    change, expected = {**SHARED, **GLM}[case]
-    with pytest.raises((ConfigError, UnsupportedModelError)) as e:
-        _parse(family, {**raws[family], **change})
-    assert expected in str(e.value) and str(e.value).startswith("config.json: "), str(e.value)
+    assert_refused(get_family(family).parse_config, raws[family], *{**SHARED, **GLM}[case])
 
 
 @pytest.mark.parametrize("family,case", [("deepseek_v32", "index_head_dim_below_rope"),
                                          ("glm_moe_dsa", "indexer_types_first_shared")])
 def test_refused_at_the_cli_in_one_line(family, case, family_models, tmp_path, capsys):
     """A real checkpoint directory whose config.json carries the field: one ``sluice: error:`` line."""
-    from sluice.cli import main
-
-    src = family_models.hf(family, "f32")
-    dst = tmp_path / "m"
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).symlink_to(f)
-    (dst / "config.json").unlink()
-    change, expected = {**SHARED, **GLM}[case]
-    capsys.readouterr()  # building the checkpoint prints progress
-    (dst / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **change}))
-    rc = main(["inspect", str(dst)])
-    out, err = capsys.readouterr()
-    assert rc != 0 and err.startswith("sluice: error: ") and err.count("\n") == 1, err
-    assert expected in err and "Traceback" not in out + err
+    edit, expected = {**SHARED, **GLM}[case]
+    assert_refused_at_cli(hostile_checkpoint(family_models, tmp_path, family, edit), expected, capsys)

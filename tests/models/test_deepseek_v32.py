@@ -305,52 +305,18 @@ def test_state_is_a_cache_per_position(family_models):
     assert again.token_ids == first.token_ids[5:]
 
 
-def _fp8_twins(src, tmp_path):
-    """The f32 checkpoint with every linear block-FP8 as published (the indexer's wq_b and wk included,
-    its weights_proj left bf16), and the same model with those weights dequantized (the reference)."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    from sluice.quant.fp8 import dequantize, quantize
-
-    block = (16, 16)
-    q, deq = {}, {}
-    for name, t in load_file(src / "model.safetensors").items():
-        fp8 = ".layers." in name and name.endswith(("_proj.weight", "_proj_with_mqa.weight", "indexer.wq_b.weight",
-                                                    "indexer.wk.weight")) and "weights_proj" not in name
-        if fp8:
-            w, s = quantize(t, block)
-            q[name], q[name + "_scale_inv"], deq[name] = w, s, dequantize(w, s, block)
-        elif "weights_proj" in name:  # bf16 in the published checkpoint
-            q[name] = t.to(torch.bfloat16)
-            deq[name] = q[name].float()
-        else:
-            q[name] = deq[name] = t
-    cfg = json.loads((src / "config.json").read_text())
-    out = []
-    for d, data, qc in ((tmp_path / "fp8", q, True), (tmp_path / "deq", deq, False)):
-        d.mkdir()
-        save_file(data, d / "model.safetensors", metadata={"format": "pt"})
-        c = dict(cfg, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                           "weight_block_size": list(block)}) if qc else cfg
-        (d / "config.json").write_text(json.dumps(c))
-        out.append(d)
-    return out
-
-
-def test_fp8_indexer_stays_fp8(family_models, tmp_path):
-    """The published layout's FP8 indexer projections (and MLA's) are multiplied as stored: logits at
-    every position within 1e-4 of transformers on the dequantized twin."""
+def test_fp8_indexer_stays_fp8(family_models):
+    """The published layout's FP8 indexer projections (and MLA's) are multiplied as stored, its
+    weights_proj plain (transformers never converts it): logits at every position within 1e-4 of
+    transformers on the dequantized twin (the suite's FP8 checkpoints: ``families.to_stored``)."""
     from sluice.quant.fp8 import BlockFP8
 
-    fp8, deq = _fp8_twins(family_models.hf("deepseek_v32", "f32"), tmp_path)
-    ref = reference(deq)
+    ref = reference(family_models.reference_path("deepseek_v32", "fp8"))
     ids = prompt_ids(40, seed=2)
     with torch.no_grad():
         want = ref(ids[None]).logits[0]
-    with sluice.load(fp8, memory="4GiB", progress=False) as eng:
+    with sluice.load(family_models.hf("deepseek_v32", "fp8"), memory="4GiB", progress=False) as eng:
         ix = eng.model.layers[1].attn.indexer
         assert isinstance(ix.wq_b, BlockFP8) and isinstance(ix.wk, BlockFP8)
-        assert ix.weights_proj.dtype == torch.bfloat16 and isinstance(eng.model.layers[1].attn.wkv_b, BlockFP8)
+        assert ix.weights_proj.dtype == torch.float32 and isinstance(eng.model.layers[1].attn.wkv_b, BlockFP8)
         assert (eng.forward(ids) - want).abs().max().item() <= 1e-4
