@@ -6,8 +6,6 @@ store provides (the file itself for a local directory)."""
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -16,7 +14,6 @@ from .chat_template import special_tokens
 from .errors import ChatTemplateError, CheckpointError
 from .storage import Store, open_store
 from .storage.jsonfile import read_json
-from .storage.regular import kind
 
 
 def _json_kind(v) -> str:
@@ -28,30 +25,17 @@ def _json_kind(v) -> str:
 TOKENIZER_MAX_BYTES = 256 << 20
 
 
-def _not_regular(store: Store, name: str) -> str | None:
-    """What a local member ``name`` that is there but is no regular file is, in words (a FIFO, a
-    directory, ...); None for a regular file, a missing one, or a store without local files."""
-    local = store.local_path(name)
-    if local is None:
-        return None
-    try:
-        mode = os.stat(local).st_mode  # through a symlink, as the tokenizer library would open it
-    except OSError:
-        return None
-    return None if stat.S_ISREG(mode) else kind(mode)
-
-
 def has_tokenizer(store: Store) -> bool:
     """The directory has a ``tokenizer.json``: a file, or something else under its name (which
     ``Tokenizer`` refuses by name rather than reading the model as having no tokenizer)."""
-    return store.exists("tokenizer.json") or _not_regular(store, "tokenizer.json") is not None
+    return store.exists("tokenizer.json") or store.not_regular("tokenizer.json") is not None
 
 
 class Tokenizer:
     def __init__(self, directory: str | Path | Store):
         store = directory if isinstance(directory, Store) else open_store(directory)
         path = store.locate("tokenizer.json")
-        what = _not_regular(store, "tokenizer.json")
+        what = store.not_regular("tokenizer.json")
         if what is not None:  # never opened: a FIFO would block the tokenizer library until a writer came
             raise CheckpointError(f"{path}: cannot load the tokenizer: tokenizer.json is {what}, not a regular file")
         if not store.exists("tokenizer.json"):
