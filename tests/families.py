@@ -259,6 +259,23 @@ REGISTRY: dict[str, Family] = {
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                      "compressed_sparse_attention"], mlp_layer_types=["moe", "hash_moe", "hash_moe", "moe"],
         num_hidden_layers=4), seed=0, post=_v4_weights),
+    # DeepSeek sparse attention (MLA over the index_topk=8 positions a 16-head indexer selects: the
+    # 16-token prompt crosses it, prompt + generation is 6 times it); layer 0 dense; 16 experts in 4
+    # groups, 2 kept, top-4; random norm weights (the indexer's LayerNorm weight and bias too)
+    "deepseek_v32": Family("deepseek_v32", dict(
+        num_key_value_heads=4, n_routed_experts=16, num_experts=16, num_local_experts=16, num_experts_per_tok=4,
+        n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=40, q_lora_rank=48, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_n_heads=16, index_head_dim=16), seed=5,
+        post=_norms_and_correction_bias),
+    # GLM-5: DSA with interleaved indexer RoPE and indexer_types full, shared (layer 0's selection
+    # reused), full; index_topk=18, crossed during generation (speculative drafts verified across it);
+    # mlp_layer_types sparse, dense, sparse; top-4 of 16 in one group, scaled 1.8
+    "glm_moe_dsa": Family("glm_moe_dsa", dict(
+        num_key_value_heads=4, n_routed_experts=16, num_experts=16, num_local_experts=16, num_experts_per_tok=4,
+        n_group=1, topk_group=1, mlp_layer_types=["sparse", "dense", "sparse"], kv_lora_rank=40, q_lora_rank=48,
+        qk_rope_head_dim=4, qk_nope_head_dim=12, v_head_dim=16, routed_scaling_factor=1.8, index_topk=18,
+        index_n_heads=16, index_head_dim=16, indexer_types=["full", "shared", "full"]), seed=2,
+        post=_norms_and_correction_bias),
 }
 FAMILY_NAMES = list(REGISTRY)
 
@@ -360,14 +377,17 @@ STORED = ("fp8", "ct-fp8", "ct-fp8-block", "int4")  # block FP8; compressed-tens
 
 def _linear_leaves(src: Path) -> set[str]:
     """The last name of every linear module (``nn.Linear``) of transformers' model of ``src``: what
-    its FP8 integration converts (the head aside)."""
+    its FP8 integration converts (the head and the model's ``_keep_in_fp32_modules`` aside: DSA's
+    ``indexer.weights_proj``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     cfg = AutoConfig.from_pretrained(src)
     cls = AutoModelForImageTextToText if hasattr(cfg, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
         model = cls.from_config(cfg)
-    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    kept = getattr(model, "_keep_in_fp32_modules", None) or []
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
+            and not any(k in n for k in kept)}
 
 
 def e4m3_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

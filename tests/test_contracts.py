@@ -70,6 +70,16 @@ CONFIGS = {
                                                           "heavily_compressed_attention": 8},
                         layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
                                      "sliding_attention"], mlp_layer_types=["moe"] * 3),
+    "deepseek_v32": dict(n_routed_experts=16, num_experts=16, num_local_experts=16, num_experts_per_tok=4, n_group=4,
+                         topk_group=2,
+                         first_k_dense_replace=1, num_key_value_heads=4, kv_lora_rank=40, q_lora_rank=48,
+                         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=6, index_n_heads=8,
+                         index_head_dim=16),
+    "glm_moe_dsa": dict(n_routed_experts=16, num_experts=16, num_local_experts=16, num_experts_per_tok=4,
+                        num_key_value_heads=4,
+                        mlp_layer_types=["dense", "sparse", "sparse"], kv_lora_rank=40, q_lora_rank=48,
+                        qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, index_topk=6, index_n_heads=8,
+                        index_head_dim=16, indexer_types=["full", "shared", "full"]),
 }
 FAMILIES = list(CONFIGS)
 N_NEW = 8

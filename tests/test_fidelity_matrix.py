@@ -18,10 +18,10 @@ Rows: a pairwise covering array (``pairwise_rows``) that, with the baseline's al
 row, holds every pair of values of every two axes on every checkpoint, so every value of
 every axis runs on every checkpoint and both non-default values of each pair of axes that
 share code (``CODE_SHARING``) run together; ``test_rows_cover_every_pair`` proves it. A
-failing cell names its row; to find the axis, run the row's values one at a time
-(docs/testing.md). A cell may be skipped only with a reason in ``SKIP_REASONS``, and may be
-expected to fail only for a bug in ``KNOWN_BUGS`` (conftest turns any other skip or xfail
-into a failure).
+failing cell names its row; ``SLUICE_MATRIX_ROWS=single`` runs every non-default value alone
+instead, to find the axis (docs/testing.md). A cell may be skipped only with a reason in
+``SKIP_REASONS``, and may be expected to fail only for a bug in ``KNOWN_BUGS`` (conftest turns
+any other skip or xfail into a failure).
 
 Below the matrix: the lossy switches, quantized containers and the int8 spine on every family.
 """
@@ -103,7 +103,10 @@ def pairwise_rows(axes: dict[str, tuple]) -> list[dict]:
     return [{a: v[1] if i in subset else v[0] for (a, v), subset in zip(axes.items(), subsets)} for i in range(k)]
 
 
-ROWS = pairwise_rows(AXES)
+# SLUICE_MATRIX_ROWS=single runs every non-default value alone instead (9 rows a checkpoint): which
+# axis of a failing row breaks it (docs/testing.md)
+SINGLE = os.environ.get("SLUICE_MATRIX_ROWS") == "single"
+ROWS = [{**DEFAULT, a: v} for a, vals in AXES.items() for v in vals[1:]] if SINGLE else pairwise_rows(AXES)
 
 
 def row_id(row: dict) -> str:
@@ -120,13 +123,14 @@ def test_rows_cover_every_pair():
     """With the baseline's all-default row, every pair of values of every two axes (the
     pairwise covering array) appears on every checkpoint: so every value of every axis, and
     both non-default values of each code-sharing pair; no row repeats another or the baseline."""
-    rows = [DEFAULT, *ROWS]
+    assert SINGLE or ROWS == pairwise_rows(AXES)
+    rows = [DEFAULT, *pairwise_rows(AXES)]
     for a, b in itertools.combinations(AXES, 2):
         for va, vb in itertools.product(AXES[a], AXES[b]):
             assert any(r[a] == va and r[b] == vb for r in rows), (a, va, b, vb)
     for a, b in CODE_SHARING:
-        assert any(r[a] == AXES[a][1] and r[b] == AXES[b][1] for r in ROWS)
-    assert all(any(r[a] == v for r in ROWS) for a, values in AXES.items() for v in values[1:])
+        assert any(r[a] == AXES[a][1] and r[b] == AXES[b][1] for r in rows)
+    assert all(any(r[a] == v for r in rows) for a, values in AXES.items() for v in values[1:])
     assert len(rows) == len({tuple(r.values()) for r in rows}) <= 8
     for n in range(2, 16):  # the construction for other numbers of axes (an axis added later)
         axes = {f"a{i}": (0, 1) for i in range(n)}

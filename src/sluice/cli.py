@@ -275,7 +275,7 @@ def cmd_convert(args) -> int:
     from .convert import convert
 
     out = convert(args.model, args.output, experts=args.experts, spine=args.spine, progress=not args.no_progress,
-                  force=args.force)
+                  force=args.force, allow_unversioned_remote=args.allow_unversioned_remote)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -418,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes resident, the rest goes to the expert cache; results are flagged lossy. Quality: "
                         "docs/quantization.md")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_unversioned_arg(c)
     c.set_defaults(func=cmd_convert)
 
     k = sub.add_parser("check", help="verify every CRC of a container",

@@ -44,6 +44,7 @@ from .container import (
     seal_manifest,
 )
 from .engine import ModelInfo
+from .options import Options
 from .errors import CheckpointError, ConvertError, InvalidArgumentError, SluiceError
 from .experts.fused import canonical_layout
 from .models import quantized_spine
@@ -312,7 +313,8 @@ def _install(tmp: Path, dst: Path) -> None:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | None = None,
-            spine: str | None = None, progress: bool = True, force: bool = False) -> Path:
+            spine: str | None = None, progress: bool = True, force: bool = False,
+            allow_unversioned_remote: bool = False) -> Path:
     """Convert ``src`` (a Hugging Face directory, ``demo``, a cached repo id, or the ``s3://`` or
     ``http(s)://`` URL of a directory) into a container at ``dst``; returns ``dst``.
 
@@ -322,6 +324,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
 
     An existing container at ``dst`` is replaced only with ``force``; any other existing path,
     and an output that is, lies inside or contains ``src``, is refused (``ConvertError``).
+
+    ``allow_unversioned_remote``: a source at a URL whose server sends neither ETag nor
+    Last-Modified is read anyway (refused by default, as for ``sluice.load``).
     """
     src, dst = resolve_model(src)[0], Path(dst)  # 'demo' or a cached repo id: its directory; a URL: a str
     if not dst.name or dst.name == "..":
@@ -329,7 +334,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     if is_container(src):
         raise CheckpointError(f"{src}: is already a Sluice container")
     check_destination(src, dst, force)
-    info = ModelInfo(src)
+    info = ModelInfo(src, Options(progress=False, allow_unversioned_remote=allow_unversioned_remote))
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
     fmt = experts or source.format
     spine = spine or "stored"

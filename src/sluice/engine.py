@@ -53,7 +53,7 @@ from .storage import is_url, open_store
 from .storage.disk_tier import open_tier
 from .storage.urls import mask
 from .sysmem import current_rss, default_budget
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, has_tokenizer
 from . import prompt_fit
 from .outputs import model_inputs
 from .trace import TraceWriter
@@ -141,7 +141,9 @@ class ModelInfo:
         self.raw_config = self.checkpoint.config
         self.family = get_family(self.raw_config.get("model_type"))
         self.config = self.family.parse_config(self.raw_config)
-        check_layer_count(self.config.num_hidden_layers, self.checkpoint.tensors, getattr(self.config, "mtp_layers", 0))
+        wrapped = isinstance(self.raw_config.get("text_config"), dict)  # a multimodal wrapper's text model
+        check_layer_count(self.config.num_hidden_layers, self.checkpoint.tensors, getattr(self.config, "mtp_layers", 0),
+                          "config.json text_config" if wrapped else "config.json")
         self.desc = self.family.describe(self.config)
         aliases = getattr(self.family, "tensor_aliases", None)
         if aliases is not None:  # a tensor some checkpoints store under another name
@@ -170,7 +172,7 @@ class ModelInfo:
             self.experts = CheckpointExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
                                              self.desc.expert_tensors, self.desc.expert_format, self.desc.expert)
         self.tokenizer: Tokenizer | None = None
-        if store.exists("tokenizer.json"):
+        if has_tokenizer(store):
             self.tokenizer = Tokenizer(store)
         self.meta_progress.close()
         self.eos_token_ids = eos_ids(self.raw_config, self.checkpoint.generation_config)

@@ -25,10 +25,19 @@ def _json_kind(v) -> str:
 TOKENIZER_MAX_BYTES = 256 << 20
 
 
+def has_tokenizer(store: Store) -> bool:
+    """The directory has a ``tokenizer.json``: a file, or something else under its name (which
+    ``Tokenizer`` refuses by name rather than reading the model as having no tokenizer)."""
+    return store.exists("tokenizer.json") or store.not_regular("tokenizer.json") is not None
+
+
 class Tokenizer:
     def __init__(self, directory: str | Path | Store):
         store = directory if isinstance(directory, Store) else open_store(directory)
         path = store.locate("tokenizer.json")
+        what = store.not_regular("tokenizer.json")
+        if what is not None:  # never opened: a FIFO would block the tokenizer library until a writer came
+            raise CheckpointError(f"{path}: cannot load the tokenizer: tokenizer.json is {what}, not a regular file")
         if not store.exists("tokenizer.json"):
             raise CheckpointError(f"{path}: tokenizer.json not found (pass token ids instead of text)")
         try:

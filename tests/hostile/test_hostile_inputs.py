@@ -153,6 +153,8 @@ FAMILY_KEYS = {  # family -> (tiny config overrides, its top-k key)
     "hy_v3": ({}, "num_experts_per_tok"),
     "deepseek_v4": ({"num_key_value_heads": 1, "o_groups": 2, "head_dim": 32, "partial_rotary_factor": 0.25},
                     "num_experts_per_tok"),
+    "deepseek_v32": ({"num_key_value_heads": 4, "n_group": 1, "topk_group": 1, "index_topk": 8}, "num_experts_per_tok"),
+    "glm_moe_dsa": ({"num_key_value_heads": 4, "index_topk": 8}, "num_experts_per_tok"),
 }
 FAMILY_EDITS = {
     "top_k_zero": lambda raw, k: ({k: 0}, f"{k}=0"),

@@ -160,6 +160,25 @@ def test_directory_spine_and_fifo_config_are_named(box, text_dir, tmp_path, caps
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_tokenizer_that_is_not_a_file_is_named(text_dir, box, tmp_path, kind):
+    """tokenizer.json a FIFO or a directory, in a model directory and in a container: run,
+    convert and check end at once with one error naming the tokenizer and what the file is
+    (not "no tokenizer.json", and never a tokenizer library blocked on the FIFO)."""
+    hf = tmp_path / "hf"
+    shutil.copytree(text_dir, hf)
+    what = "a FIFO (named pipe)" if kind == "fifo" else "a directory"
+    for model in (hf, box):
+        (model / "tokenizer.json").unlink()
+        os.mkfifo(model / "tokenizer.json") if kind == "fifo" else (model / "tokenizer.json").mkdir()
+    for argv in (["run", hf, "-p", "hello", *RUN], ["run", box, "-p", "hello", *RUN],
+                 ["convert", hf, tmp_path / "out", "--no-progress"], ["check", box, "--no-progress"]):
+        r = sub(*argv)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        one_error(r.stderr, "tokenizer.json: cannot load the tokenizer", f"is {what}, not a regular file")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_disk_tier_entry_that_is_not_a_file_is_a_miss(remote_servers, text_model, tmp_path, kind):
     from sluice.storage import open_source
     from sluice.storage.disk_tier import DiskTier

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import sluice
 from sluice.errors import CheckpointError
@@ -76,6 +77,34 @@ def test_an_unversioned_model_is_refused_at_open_unless_allowed(plain, model_dir
     assert "neither ETag nor Last-Modified" in r.stderr and "--allow-unversioned-remote" in r.stderr
     r = _cli("inspect", url, "--json", "--allow-unversioned-remote")
     assert r.returncode == 0, r.stderr
+
+
+def test_convert_reads_an_unversioned_model_only_when_allowed(plain, model_dir, tmp_path):
+    """``sluice convert`` of an unversioned URL: refused naming the flag (one error line, status
+    1, nothing written); with ``--allow-unversioned-remote`` the container is written and runs
+    as the local checkpoint's conversion does (the Python API's ``allow_unversioned_remote``)."""
+    from sluice.convert import convert
+
+    path = model_dir("qwen3_moe")
+    server = plain()
+    shutil.copytree(path, server.docroot / "m")
+    url = f"{server.url}/m"
+    r = _cli("convert", url, tmp_path / "refused", "--no-progress")
+    assert r.returncode == 1 and r.stderr.startswith("sluice: error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert "neither ETag nor Last-Modified" in r.stderr and "--allow-unversioned-remote" in r.stderr
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "refused.partial").exists()
+    r = _cli("convert", url, tmp_path / "box", "--no-progress", "--allow-unversioned-remote")
+    assert r.returncode == 0, r.stderr
+    with pytest.raises(CheckpointError, match="--allow-unversioned-remote"):
+        convert(url, tmp_path / "api", progress=False)
+    convert(url, tmp_path / "api", progress=False, allow_unversioned_remote=True)
+    local = convert(path, tmp_path / "local", progress=False)
+    ids = list(range(3, 11))
+    outs = []
+    for box in (tmp_path / "box", tmp_path / "api", local):
+        with sluice.load(box, memory="2GiB", progress=False) as eng:
+            outs.append((eng.forward(ids), eng.generate(ids, max_new_tokens=3, ignore_eos=True).token_ids))
+    assert all(torch.equal(o[0], outs[2][0]) and o[1] == outs[2][1] for o in outs[:2])
 
 
 def test_an_unversioned_object_replaced_mid_run_by_another_size_is_an_error(plain):

@@ -207,10 +207,7 @@ class MLA:
         kv_b_proj rows when it is not stored in fp32) absorbs, attends and projects out in turn.
         A few tokens over an FP8 kv_b_proj use fused per-head kernels instead (no fp32 copy)."""
         t = q_nope.shape[0]
-        invariant = cpu.batch_invariant()
-        if isinstance(self.wkv_b, BlockFP8) and (t <= FUSED_TOKENS or invariant):
-            return self._absorbed_fused(q_nope, q_pe, ckv, start)
-        if invariant:
+        if self._fused(t) or cpu.batch_invariant():
             return self._absorbed_rows(q_nope, q_pe, ckv, start)
         r, dn = self.rank, self.dn
         out = torch.empty(t, self.h, self.dv)
@@ -230,25 +227,46 @@ class MLA:
         return out
 
     def _absorbed_rows(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, start: int) -> torch.Tensor:
-        """The absorbed form on batch-invariant kernels: per head, ``q_nope @ W_uk[h]`` (input-major
-        [Dn, R]) and ``o_lat @ W_uv[h]^T`` (output-major [Dv, R]) row by row in a fixed order."""
+        """The absorbed form on batch-invariant kernels or fused FP8 kernels: per head, ``q_nope @ W_uk[h]``
+        (input-major [Dn, R]) and ``o_lat @ W_uv[h]^T`` (output-major [Dv, R]), each row on its own."""
+        q = self.latent_queries(q_nope, q_pe)
+        o_lat = attend(q, ckv[None], ckv[None, :, : self.rank], start, self.scale)  # [T, H, R]
+        return self.latent_out(o_lat)
+
+    def _fused(self, t: int) -> bool:
+        return isinstance(self.wkv_b, BlockFP8) and (t <= FUSED_TOKENS or cpu.batch_invariant())
+
+    def latent_queries(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """The absorbed queries [T, H, R + Dr]: ``q_nope[t, h] @ W_uk[h]`` then the rope query. Fused
+        per-head kernels over an FP8 kv_b_proj, per-head rows on batch-invariant kernels, else one
+        product per block of heads (each row's result independent of the other rows on the first two)."""
         t, r, dn = q_nope.shape[0], self.rank, self.dn
         q = torch.empty(t, self.h, r + self.dr)
         q[..., r:] = q_pe
+        if self._fused(t):
+            q[..., :r] = self.wkv_b.heads_t(q_nope, 0, self.dn + self.dv)
+            return q
+        invariant = cpu.batch_invariant()
         for h0, h1, w in self._head_blocks():
-            for h in range(h0, h1):
-                q[:, h, :r] = linear_t(q_nope[:, h], w[h - h0, :dn])
-        o_lat = attend(q, ckv[None], ckv[None, :, :r], start, self.scale)  # [T, H, R]
-        out = torch.empty(t, self.h, self.dv)
-        for h0, h1, w in self._head_blocks():
-            for h in range(h0, h1):
-                out[:, h] = linear(o_lat[:, h], w[h - h0, dn:])
-        return out
+            if invariant:
+                for h in range(h0, h1):
+                    q[:, h, :r] = linear_t(q_nope[:, h], w[h - h0, :dn])
+            else:
+                q[:, h0:h1, :r] = torch.matmul(q_nope[:, h0:h1].transpose(0, 1), w[:, :dn]).transpose(0, 1)
+        return q
 
-    def _absorbed_fused(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, start: int) -> torch.Tensor:
-        t, r, stride = q_nope.shape[0], self.rank, self.dn + self.dv
-        q = torch.empty(t, self.h, r + self.dr)
-        q[..., :r] = self.wkv_b.heads_t(q_nope, 0, stride)  # q_nope[t, h] @ W_uk[h]
-        q[..., r:] = q_pe
-        o_lat = attend(q, ckv[None], ckv[None, :, :r], start, self.scale)  # [T, H, R]
-        return self.wkv_b.heads(o_lat, self.dn, stride, self.dv)  # o_lat[t, h] @ W_uv[h]^T
+    def latent_out(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """Each head's value output [T, H, Dv] from its latent output [T, H, R]: ``o_lat[t, h] @ W_uv[h]^T``
+        (the same three ways as ``latent_queries``)."""
+        t, dn = o_lat.shape[0], self.dn
+        if self._fused(t):
+            return self.wkv_b.heads(o_lat, dn, dn + self.dv, self.dv)
+        out = torch.empty(t, self.h, self.dv)
+        invariant = cpu.batch_invariant()
+        for h0, h1, w in self._head_blocks():
+            if invariant:
+                for h in range(h0, h1):
+                    out[:, h] = linear(o_lat[:, h], w[h - h0, dn:])
+            else:
+                out[:, h0:h1] = torch.matmul(o_lat[:, h0:h1].transpose(0, 1), w[:, dn:].transpose(1, 2)).transpose(0, 1)
+        return out

@@ -264,7 +264,13 @@ class CausalLM:
         return ids, probs
 
     def new_state(self, max_ctx: int) -> State:
-        return State([layer.attn.new_cache(max_ctx) for layer in self.layers], max_ctx)
+        """One sequence's state; a layer state with ``link(states)`` is then given the whole list (one
+        that reads an earlier layer's state of the same sequence: GLM-5's shared DSA selection)."""
+        states = [layer.attn.new_cache(max_ctx) for layer in self.layers]
+        for s in states:
+            if hasattr(s, "link"):
+                s.link(states)
+        return State(states, max_ctx)
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Run one forward of the step ``ctx`` (one or several sequences' rows); final hidden [T, H],

@@ -187,27 +187,31 @@ def check_rope(params: dict, where: str = "config.json") -> dict:
     return params
 
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# a decoder layer's tensor names: a text model's (``model.layers.N.``) or inside a multimodal
+# wrapper (Qwen3.5's ``model.language_model.layers.N.``, Kimi K2.5's ``language_model.model.layers.N.``)
+_LAYER = re.compile(r"((?:model\.(?:language_model\.)?|language_model\.model\.)layers\.)(\d+)\.")
 
 
 def check_layer_count(n_layers: int, names, extra: int = 0, where: str = "config.json") -> None:
     """The checkpoint holds tensors for exactly layers ``0 .. n_layers + extra - 1`` (``extra``:
-    multi-token-prediction layers stored after the decoder's). Runs before anything is sized by
-    the layer count, so an absurd ``num_hidden_layers`` costs nothing."""
-    present = set()
+    multi-token-prediction layers stored after the decoder's), under a text model's or a
+    multimodal wrapper's layer prefix. Runs before anything is sized by the layer count, so an
+    absurd ``num_hidden_layers`` costs nothing."""
+    present: dict[int, str] = {}
     for name in names:
         m = _LAYER.match(name)
         if m:
-            present.add(int(m.group(1)))
+            present.setdefault(int(m.group(2)), m.group(1))
     if not present:
         return  # a layout without model.layers.N (the family's own checks name what is missing)
     top = max(present)
+    layers = present[top]
     if top + 1 < n_layers:
         raise ConfigError(f"{where}: num_hidden_layers={n_layers} but the checkpoint has tensors for only "
-                          f"{top + 1} layers (model.layers.0 .. model.layers.{top}): config and weights disagree")
+                          f"{top + 1} layers ({layers}0 .. {layers}{top}): config and weights disagree")
     if top >= n_layers + extra:
         raise ConfigError(f"{where}: num_hidden_layers={n_layers} but the checkpoint has tensors for layer "
-                          f"{top} (model.layers.{top}.*): config and weights disagree")
+                          f"{top} ({layers}{top}.*): config and weights disagree")
 
 
 def _int_range(lo, hi, bare: bool = False) -> str:

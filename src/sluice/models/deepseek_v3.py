@@ -238,13 +238,18 @@ def parse_mla_config(raw: dict, defaults: dict, family: str, name: str, moe_laye
     )
 
 
-def declare(cfg: Config) -> Model:
-    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+def mla_args(cfg: Config) -> dict:
+    """``parts.mla``'s arguments for ``cfg``'s attention (DeepSeek-V3.2's sparse attention adds its own)."""
     # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps, not rms_norm_eps
-    attn = mla(h, cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-               qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-               v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias, scale=cfg.softmax_scale,
-               interleave=cfg.rope_interleave, norm_eps=1e-6)
+    return dict(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias,
+                scale=cfg.softmax_scale, interleave=cfg.rope_interleave, norm_eps=1e-6)
+
+
+def declare(cfg: Config, attention=None) -> Model:
+    """The model; ``attention(i)``: layer i's attention part (default: MLA on every layer)."""
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+    attn = mla(h, cfg.num_attention_heads, **mla_args(cfg))
 
     def mlp(i: int):
         if i in cfg.moe_layers:
@@ -256,16 +261,18 @@ def declare(cfg: Config) -> Model:
             return moe(router, shared=shared)
         return gated_mlp(h, cfg.intermediate_size, cfg.hidden_act)
 
-    layers = [Layer(i, rms_norm(h, eps), rms_norm(h, eps), attn, mlp(i)) for i in range(cfg.num_hidden_layers)]
+    layers = [Layer(i, rms_norm(h, eps), rms_norm(h, eps), attn if attention is None else attention(i), mlp(i))
+              for i in range(cfg.num_hidden_layers)]
     return Model(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
                  lambda: Rotary(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings),
                  weights=cfg.weights, prefix=cfg.prefix)
 
 
-def describe(cfg: Config) -> ModelDescription:
+def describe(cfg: Config, model: Model | None = None, more_notes: tuple[str, ...] = ()) -> ModelDescription:
+    """``model``: the declaration, when a family declares its own (DeepSeek-V3.2); ``more_notes``: its notes."""
     h, dr, rank = cfg.hidden_size, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     spec = ExpertSpec(hidden=h, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act)
-    model = declare(cfg)
+    model = model or declare(cfg)
     notes = []
     if cfg.mtp_layers:
         n = cfg.num_hidden_layers
@@ -273,6 +280,7 @@ def describe(cfg: Config) -> ModelDescription:
                      f"{'..' + str(n + cfg.mtp_layers - 1) if cfg.mtp_layers > 1 else ''}.*) are not used: "
                      "generation predicts one token per step")
     notes.append(f"MLA latent cache: {rank} + {dr} floats per position per layer (not full K/V)")
+    notes.extend(more_notes)
     if cfg.model_type != cfg.family:
         notes.append(f"model_type {cfg.model_type!r} read as {cfg.family}")
     if cfg.prefix:

@@ -3,6 +3,7 @@
 
 One function per kind: ``rms_norm``, ``attention`` (GQA, optional window, sinks, clipping, q/k
 norms), ``gated_attention`` (Qwen3-Next, Qwen3.5), ``mla`` (DeepSeek-V3, Kimi Linear),
+``dsa_mla`` (MLA with DeepSeek sparse attention's indexer: DeepSeek-V3.2, GLM-5),
 ``gated_delta`` (Gated DeltaNet, fused or split projections), ``kimi_delta`` (KDA),
 ``gated_mlp``, the routers (``softmax_router``, ``grouped_router``, ``topk_softmax_router``)
 and ``moe`` (a router, optional shared experts and their gate, the routed experts through the
@@ -12,9 +13,11 @@ expert interface).
 from __future__ import annotations
 
 from ..layers.attention import Attention, KVCache, WindowKVCache
+from ..layers.dsa import SparseMLA
 from ..layers.gated_attention import GatedAttention
 from ..layers.gated_delta import (DECAY_BLOCK_BYTES, SNAPSHOTS, GatedDeltaNet, KimiDeltaAttention, LinearState,
                                   SplitGatedDeltaNet)
+from ..layers.indexer import IndexKeys, LightningIndexer
 from ..layers.mla import MLA, LatentCache
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
@@ -119,10 +122,11 @@ def gated_attention(hidden: int, n_heads: int, n_kv: int, head_dim: int, eps: fl
 
 def mla(hidden: int, n_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
         qk_rope_head_dim: int, v_head_dim: int, bias: bool, scale: float, interleave: bool, norm_eps: float,
-        cls=MLA, bias_inline: bool = True) -> Part:
+        cls=MLA, bias_inline: bool = True, extra=None) -> Part:
     """Multi-head latent attention (``layers.mla.MLA`` or a subclass ``cls``), a latent cache of
     ``kv_lora_rank + qk_rope_head_dim`` floats per position. ``bias_inline``: each bias listed
-    right after its weight (DeepSeek-V3), else after the query tensors / at the end (Kimi Linear)."""
+    right after its weight (DeepSeek-V3), else after the query tensors / at the end (Kimi Linear);
+    ``extra(t)``: more keyword arguments of ``cls`` built from the part's tensors (``dsa_mla``)."""
     p, dn, dr, dv, r = "self_attn.", qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank
     tensors: dict = {}
 
@@ -153,9 +157,35 @@ def mla(hidden: int, n_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int
         return cls(**q, wkv_a=t.lin(p + "kv_a_proj_with_mqa"), bkv_a=t.opt(p + "kv_a_proj_with_mqa.bias"),
                    kv_a_norm=t(p + "kv_a_layernorm.weight"), wkv_b=t.lin(p + "kv_b_proj"), wo=t.lin(p + "o_proj"),
                    bo=t.opt(p + "o_proj.bias"), n_heads=n_heads, kv_lora_rank=r, qk_nope_head_dim=dn,
-                   qk_rope_head_dim=dr, v_head_dim=dv, scale=scale, interleave=interleave, norm_eps=norm_eps)
+                   qk_rope_head_dim=dr, v_head_dim=dv, scale=scale, interleave=interleave, norm_eps=norm_eps,
+                   **(extra(t) if extra is not None else {}))
 
     return Part(tensors, make, kv_per_token=LatentCache.nbytes(1, r, dr))
+
+
+def dsa_mla(hidden: int, n_heads: int, *, topk: int, index_heads: int, index_head_dim: int, index_interleave: bool,
+            source: int | None = None, **mla_args) -> Part:
+    """MLA with DeepSeek sparse attention (``layers.dsa.SparseMLA``): ``mla``'s tensors, then the
+    lightning indexer's at ``self_attn.indexer.`` (``wq_b``, ``wk``, the LayerNorm ``k_norm`` with
+    its bias, ``weights_proj``, which transformers keeps unquantized: a plain tensor) and its keys,
+    ``index_head_dim`` floats per position more. ``source``: no indexer, the selection of that
+    earlier layer reused (GLM-5's ``"shared"`` layers; the latent cache only)."""
+    base = mla(hidden, n_heads, cls=SparseMLA, extra=lambda t: extra(t), **mla_args)
+    p, d, q_rank = "self_attn.indexer.", index_head_dim, mla_args["q_lora_rank"]
+    tensors = {} if source is not None else {
+        p + "wq_b": Lin((index_heads * d, q_rank)), p + "wk": Lin((d, hidden)), p + "k_norm.weight": (d,),
+        p + "k_norm.bias": (d,), p + "weights_proj.weight": (index_heads, hidden)}
+
+    def extra(t):
+        if source is not None:
+            return dict(source=source)
+        return dict(indexer=LightningIndexer(
+            wq_b=t.lin(p + "wq_b"), wk=t.lin(p + "wk"), weights_proj=t(p + "weights_proj.weight"),
+            k_norm_weight=t(p + "k_norm.weight"), k_norm_bias=t(p + "k_norm.bias"), n_heads=index_heads,
+            head_dim=d, topk=topk, interleave=index_interleave))
+
+    keys = 0 if source is not None else IndexKeys.nbytes(1, d)
+    return Part({**base.tensors, **tensors}, base.make, kv_per_token=base.kv_per_token + keys)
 
 
 def _recurrent(one: int) -> dict[str, int]:

@@ -11,10 +11,11 @@ implementation; ``location.open_store`` opens a store from a path or a URL.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from .file import LocalFile
-from .regular import read_regular
+from .regular import kind, read_regular
 from .source import ByteSource, ReadStats
 
 
@@ -69,6 +70,11 @@ class Store:
         through its metadata cache, the one local copy Sluice keeps of them)."""
         return None
 
+    def not_regular(self, name: str) -> str | None:
+        """What member ``name`` is, in words, when it is there but no regular file (a FIFO, a
+        directory, ...); None for a regular file, a missing one, or a store without local files."""
+        return None
+
 
 class LocalDir(Store):
     """A local directory: members are its files; ``local_path`` is the file itself."""
@@ -97,6 +103,13 @@ class LocalDir(Store):
 
     def local_path(self, name: str) -> Path:
         return self.path / name
+
+    def not_regular(self, name: str) -> str | None:
+        try:
+            mode = os.stat(self.path / name).st_mode  # through a symlink, as a library would open it
+        except OSError:
+            return None
+        return None if stat.S_ISREG(mode) else kind(mode)
 
     def __repr__(self) -> str:
         return f"<LocalDir {self.location}>"

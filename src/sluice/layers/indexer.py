@@ -1,0 +1,144 @@
+"""The lightning indexer of DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5) and its key cache.
+
+Per token the indexer keeps one key ``k = rope(LayerNorm(wk(x)))`` [D] (``index_head_dim``
+floats: the whole per-position state it adds to a layer). A query at position p scores every
+visible position j <= p::
+
+    I[p, j] = sum_h w[p, h] * relu(q[p, h] . k[j] / sqrt(D)),   w[p] = weights_proj(x_p) / sqrt(Hi)
+
+with ``q[p] = wq_b(q_resid_p)`` [Hi, D] (``q_resid``: the attention's normalised low-rank query,
+``q_a_layernorm(q_a_proj(x))``), RoPE on the first ``qk_rope_head_dim`` dims of queries and keys
+(rotate-half for DeepSeek-V3.2, interleaved pairs for GLM-5), and keeps the ``topk`` best. A query
+that sees ``topk`` positions or fewer keeps them all (attention is then plain causal MLA).
+
+Selection ties. transformers 5.24 takes ``torch.topk`` over a row of scores; which of several
+equal scores at the k-th place it keeps is decided by that sort on that row. Sluice takes the
+same ``torch.topk`` over each query's own visible positions, exactly the row transformers scores
+when it decodes token by token, so ties resolve as in its decoding. transformers' one-pass
+forward scores a longer row (the causally masked positions at the end), where an exact tie at
+the k-th place may resolve otherwise: the tests' models are checked to have no such tie (the
+k-th and (k+1)-th scores apart by far more than rounding), so both of its paths agree with Sluice.
+
+Every product runs on the batch-invariant kernels and the selection of a query depends only on
+its own row of scores, so a query selects the same positions whatever the chunk, the batch or
+the speculative draft it is computed in.
+
+Shape legend: T query tokens, L visible positions, Hi indexer heads, D ``index_head_dim``,
+Dr ``qk_rope_head_dim``, K ``topk``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import linear
+from .rotary import apply_rotary
+
+# Bound on the fp32 score block [L, Tb * Hi] computed at once while prefilling.
+SCORE_BLOCK_BYTES = 32 << 20
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim of x [T, D] (fp32), with each row's two sums in one fixed order
+    (the dense kernel's), so a row's result depends on nothing else."""
+    d = x.shape[-1]
+    ones = torch.ones(1, d)
+    mean = linear(x, ones) / d  # [T, 1]
+    c = x - mean
+    var = linear(c * c, ones) / d
+    return c * torch.rsqrt(var + eps) * weight + bias
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair RoPE on the first ``cos.shape[-1]`` dims of x [T, H, D] (the layout MLA
+    uses: rotated even elements then rotated odd ones), the rest unchanged."""
+    from .mla import apply_rotary_interleaved
+
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return apply_rotary_interleaved(x, cos, sin)
+    return torch.cat([apply_rotary_interleaved(x[..., :d], cos, sin), x[..., d:]], dim=-1)
+
+
+class IndexKeys:
+    """``keys`` [max_ctx, D] fp32: the indexer's key of every position of one sequence.
+
+    Allocated once with ``torch.empty`` (pages become resident as positions are written); the
+    length lives in the model state, as for a KV cache, so truncating (rewind, prefix reuse,
+    a rejected speculative draft) is free and a snapshot needs nothing."""
+
+    def __init__(self, max_ctx: int, dim: int):
+        self.keys = torch.empty(max_ctx, dim)
+
+    @staticmethod
+    def nbytes(max_ctx: int, dim: int) -> int:
+        return 4 * max_ctx * dim
+
+    def write(self, start: int, k: torch.Tensor) -> None:
+        """k [T, D] for positions start .. start+T-1."""
+        self.keys[start : start + k.shape[0]] = k
+
+
+class LightningIndexer:
+    """DSA's indexer: its projections, key norm and RoPE, and the per-query selection.
+
+    Weights ``wq_b`` [Hi * D, q_lora_rank], ``wk`` [D, H] and ``weights_proj`` [Hi, H] may be
+    tensors or format wrappers (used as stored, every call); ``k_norm`` weight and bias [D] are
+    resident. ``interleave``: GLM-5's interleaved-pair RoPE, else DeepSeek-V3.2's rotate-half.
+    """
+
+    def __init__(self, *, wq_b, wk, weights_proj, k_norm_weight: torch.Tensor, k_norm_bias: torch.Tensor,
+                 n_heads: int, head_dim: int, topk: int, interleave: bool, eps: float = 1e-6):
+        self.wq_b, self.wk, self.weights_proj = wq_b, wk, weights_proj
+        self.k_norm_weight, self.k_norm_bias = k_norm_weight.float(), k_norm_bias.float()
+        self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
+        self.interleave, self.eps = interleave, eps
+        self.scale = head_dim**-0.5
+
+    def new_keys(self, max_ctx: int) -> IndexKeys:
+        return IndexKeys(max_ctx, self.head_dim)
+
+    def keys_bytes(self, max_ctx: int) -> int:
+        return IndexKeys.nbytes(max_ctx, self.head_dim)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rope_interleaved(x, cos, sin) if self.interleave else apply_rotary(x, cos, sin)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The keys [T, D] of the rows x [T, H] (cos/sin: each row's own)."""
+        k = layer_norm(linear(x, self.wk), self.k_norm_weight, self.k_norm_bias, self.eps)
+        return self._rope(k[:, None], cos, sin)[:, 0]
+
+    def queries(self, q_resid: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [T, Hi, D], head weights [T, Hi]) of the rows (q_resid [T, q_lora_rank], x [T, H])."""
+        t = x.shape[0]
+        q = self._rope(linear(q_resid, self.wq_b).view(t, self.n_heads, self.head_dim), cos, sin)
+        return q, linear(x, self.weights_proj) * self.n_heads**-0.5
+
+    def needs(self, start: int, t: int) -> bool:
+        """Whether some of T queries from position ``start`` on sees more than ``topk`` positions."""
+        return start + t > self.topk
+
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """I[j] [L] of one query (q [Hi, D], w [Hi]) over keys [L, D]."""
+        s = linear(keys, q).mul_(self.scale).relu_()  # [L, Hi]
+        return linear(s, w[None])[:, 0]
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, start: int) -> list:
+        """Per query (q [T, Hi, D], w [T, Hi], at positions start..; keys [start + T, D] of every
+        visible position): None where it sees ``topk`` positions or fewer (it keeps them all), else
+        the positions it keeps, ascending (a long tensor [K])."""
+        t, hi, d = q.shape
+        out: list = [None] * t
+        first = max(0, self.topk - start)  # the first row that sees more than topk positions
+        block = max(1, SCORE_BLOCK_BYTES // (4 * hi * (start + t)))
+        for b0 in range(first, t, block):
+            b1 = min(t, b0 + block)
+            # s[j, (i, h)] = q[i, h] . k[j], one fixed-order dot per element whatever the block
+            s = linear(keys[: start + b1], q[b0:b1].reshape(-1, d)).mul_(self.scale).relu_()
+            for i in range(b0, b1):
+                n = start + i + 1
+                scores = linear(s[:n, (i - b0) * hi : (i - b0 + 1) * hi], w[i : i + 1])[:, 0]
+                out[i] = scores.topk(self.topk).indices.sort().values
+        return out
