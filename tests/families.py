@@ -74,6 +74,8 @@ SOFTMAX_BIASED = ("ernie4_5_moe",)  # a correction bias added to softmax probabi
 def _biased_scores(cfg, router_logits: torch.Tensor) -> torch.Tensor:
     """[T, E] the scores a router with a correction bias adds its bias to."""
     rl = router_logits.float().reshape(-1, router_logits.shape[-1])
+    if cfg.model_type == "deepseek_v4":  # sqrtsoftplus scores
+        return torch.nn.functional.softplus(rl).sqrt()
     return torch.softmax(rl, -1) if cfg.model_type in SOFTMAX_BIASED else torch.sigmoid(rl)
 
 
@@ -84,6 +86,27 @@ def _norms_biases_and_correction_bias(model) -> None:
         for name, p in model.named_parameters():
             if name.endswith("proj.bias") or name == "lm_head.bias":
                 p.copy_(0.1 * torch.randn_like(p))
+
+
+def _v4_weights(model) -> None:
+    """DeepSeek-V4: random norm weights and correction biases, and what transformers initializes
+    trivially (sinks, the compressors' position biases, the hyper-connections' biases and scales)
+    or degenerately (``tid2eid`` all zeros: every token to expert 0 twice): each token's hash
+    experts distinct and random."""
+    _norms_and_correction_bias(model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("position_bias", "sinks", "base")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("scale"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):
+                n = gate.tid2eid.shape[0]
+                gate.tid2eid.copy_(torch.stack([torch.randperm(gate.num_experts, generator=g)[:gate.top_k]
+                                                for _ in range(n)]))
 
 
 def _correction_bias(model) -> None:
@@ -223,6 +246,19 @@ REGISTRY: dict[str, Family] = {
     # shared experts' width; random norm weights and correction bias; block-FP8 linears
     "hy_v3": Family("hy_v3", dict(num_experts_per_tok=4, num_shared_experts=2, attention_bias=True),
                     seed=0, post=_norms_and_correction_bias, native="fp8"),
+    # sliding, CSA, HCA, CSA attention (window 6; CSA one entry per 4 positions, the indexer keeping
+    # 3 of them; HCA one per 10): the suite's 16 + 32 positions pass the window, 4 HCA and 12 CSA
+    # entries; shared-KV MQA of 32 dims, 8 rope dims; grouped output projection (2 x 16); 4
+    # hyper-connection streams; MoE layers 0 and 3 sqrtsoftplus + correction bias top-4 of 8, 1
+    # and 2 hash-routed; clamped SwiGLU (limit 1.5, reached); random norms, sinks, biases, tables
+    "deepseek_v4": Family("deepseek_v4", dict(
+        num_key_value_heads=1, head_dim=32, q_lora_rank=24, partial_rotary_factor=0.25, o_groups=2, o_lora_rank=16,
+        moe_intermediate_size=32, intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4,
+        index_n_heads=8, index_head_dim=16, index_topk=3, sliding_window=6, swiglu_limit=1.5,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 10},
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"], mlp_layer_types=["moe", "hash_moe", "hash_moe", "moe"],
+        num_hidden_layers=4), seed=0, post=_v4_weights),
     # DeepSeek sparse attention (MLA over the index_topk=8 positions a 16-head indexer selects: the
     # 16-token prompt crosses it, prompt + generation is 6 times it); layer 0 dense; 16 experts in 4
     # groups, 2 kept, top-4; random norm weights (the indexer's LayerNorm weight and bias too)

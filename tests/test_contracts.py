@@ -63,6 +63,13 @@ CONFIGS = {
                           mlp_layer_types=["dense", "sparse", "sparse"], kv_lora_rank=40, q_lora_rank=48, head_dim=8,
                           qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, routed_scaling_factor=1.8),
     "hy_v3": dict(num_experts_per_tok=4, num_shared_experts=2, attention_bias=True),
+    # its hash layers need a real tid2eid (transformers initializes zeros): they run in the fidelity matrix
+    "deepseek_v4": dict(num_experts_per_tok=4, num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
+                        o_groups=2, o_lora_rank=16, q_lora_rank=24, index_n_heads=8, index_head_dim=16, index_topk=3,
+                        sliding_window=6, compress_rates={"compressed_sparse_attention": 4,
+                                                          "heavily_compressed_attention": 8},
+                        layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
+                                     "sliding_attention"], mlp_layer_types=["moe"] * 3),
     "deepseek_v32": dict(n_routed_experts=16, num_experts=16, num_local_experts=16, num_experts_per_tok=4, n_group=4,
                          topk_group=2,
                          first_k_dense_replace=1, num_key_value_heads=4, kv_lora_rank=40, q_lora_rank=48,

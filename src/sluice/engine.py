@@ -79,9 +79,18 @@ SPINE_DTYPES = ("F32", "BF16", "F16")
 FP8_SCALES = ("_scale_inv", "_scale")  # block FP8's weight_scale_inv, compressed-tensors' weight_scale
 
 
-def check_spine_dtype(name: str, info, spine: dict) -> None:
+TABLE_DTYPES = ("I64", "I32")  # integer lookup tables (``ModelDescription.tables``)
+
+
+def check_spine_dtype(name: str, info, spine: dict, tables=()) -> None:
     """Spine tensors are float32/bfloat16/float16; FP8 (e4m3) only for a weight whose scales
-    (``_scale_inv`` or ``_scale``) the family reads too."""
+    (``_scale_inv`` or ``_scale``) the family reads too; the family's integer ``tables`` I64 / I32
+    (and nothing else)."""
+    if name in tables:
+        if info.dtype in TABLE_DTYPES:
+            return
+        raise CheckpointError(f"{info.file}: tensor {name!r} is a lookup table of expert ids, stored as "
+                              f"{info.dtype}; expected integers ({' or '.join(TABLE_DTYPES)})")
     if info.dtype in SPINE_DTYPES or (info.dtype == "F8_E4M3" and any(name + s in spine for s in FP8_SCALES)):
         return
     if info.dtype == "F8_E4M3":
@@ -155,7 +164,7 @@ class ModelInfo:
                                       self.checkpoint.manifest_path)
                 continue
             check_tensor(name, info, shape)
-            check_spine_dtype(name, info, self.desc.spine)
+            check_spine_dtype(name, info, self.desc.spine, self.desc.tables)
         if self.is_container:
             self.experts = ContainerExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
                                             self.desc.expert)

@@ -47,11 +47,13 @@ def layer_of(name: str) -> int | None:
 
 
 def streamable(desc) -> dict[int, list[str]]:
-    """Per layer, the spine matrices that may be streamed (2-D and larger)."""
+    """Per layer, the spine matrices that may be streamed (2-D and larger; not the integer lookup
+    tables, ``ModelDescription.tables``, read by token id before their layer runs)."""
     out: dict[int, list[str]] = {}
+    tables = set(getattr(desc, "tables", ()))
     for name, shape in desc.spine.items():
         layer = layer_of(name)
-        if layer is not None and len(shape) >= 2:
+        if layer is not None and len(shape) >= 2 and name not in tables:
             out.setdefault(layer, []).append(name)
     return out
 

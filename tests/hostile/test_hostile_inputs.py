@@ -151,6 +151,8 @@ FAMILY_KEYS = {  # family -> (tiny config overrides, its top-k key)
     "qwen3_5_moe_text": ({}, "num_experts_per_tok"),  # the wrapper: tests/hostile/test_hostile_configs_qwen3_5_moe.py
     "glm4_moe_lite": ({"num_key_value_heads": 4, "head_dim": 8, "qk_rope_head_dim": 8}, "num_experts_per_tok"),
     "hy_v3": ({}, "num_experts_per_tok"),
+    "deepseek_v4": ({"num_key_value_heads": 1, "o_groups": 2, "head_dim": 32, "partial_rotary_factor": 0.25},
+                    "num_experts_per_tok"),
     "deepseek_v32": ({"num_key_value_heads": 4, "n_group": 1, "topk_group": 1, "index_topk": 8}, "num_experts_per_tok"),
     "glm_moe_dsa": ({"num_key_value_heads": 4, "index_topk": 8}, "num_experts_per_tok"),
 }

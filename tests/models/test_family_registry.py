@@ -72,7 +72,7 @@ def test_declared_state_matches_the_built_layers(family):
     model = mod.build(cfg, lambda n: torch.zeros(desc.spine[n]), experts=None)
     n = 1000
     built = sum(layer.attn.cache_bytes(n) for layer in model.layers if hasattr(layer.attn, "cache_bytes"))
-    declared = desc.state_bytes_per_token * n + desc.window_bytes_per_token * min(n, desc.window_positions)
+    declared = desc.state_bytes(n) - desc.state_bytes_fixed
     assert built == declared
 
 

@@ -66,4 +66,8 @@ def expert_forward(spec: ExpertSpec, w: ExpertWeights, x: torch.Tensor) -> torch
         g = g.clamp(max=spec.limit)
         u = u.clamp(-spec.limit, spec.limit)
         return w.down((u + 1) * (g * pointwise(torch.sigmoid, g * spec.alpha)))
+    if spec.variant == "clamped_silu":
+        # transformers' DeepseekV4Experts._apply_gate: gate clamped above, up both sides, act(gate) * up
+        g, u = w.gate_up(x)
+        return w.down(activation(spec.act)(g.clamp(max=spec.limit)) * u.clamp(-spec.limit, spec.limit))
     raise ValueError(f"unknown expert variant {spec.variant!r}")

@@ -15,6 +15,9 @@ class ExpertSpec:
       - ``"clamped_swiglu"``: GPT-OSS: gate clamped above at ``limit``, up clamped to
         [-limit, limit], ``(up + 1) * (gate * sigmoid(gate * alpha))`` (transformers'
         ``GptOssExperts._apply_gate``, same order of operations), with biases.
+      - ``"clamped_silu"``: DeepSeek-V4: gate clamped above at ``limit``, up clamped to
+        [-limit, limit], then ``act(gate) * up`` (transformers' ``DeepseekV4Experts._apply_gate``;
+        not GPT-OSS's ``(up + 1)`` and ``alpha``, so it is a variant of its own).
 
     ``block``: the (rows, cols) weight block of block-scaled matrices (FP8 checkpoints: a
     role's record holds ``<role>`` and ``<role>_scale_inv``), None for plain dtypes.

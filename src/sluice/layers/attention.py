@@ -109,20 +109,26 @@ class WindowKVCache:
                 n = start - base
                 a = base - self.base
                 self.k[:, :n] = self.k[:, a : a + n].clone()
-                self.v[:, :n] = self.v[:, a : a + n].clone()
+                if self.v is not self.k:  # (a cache whose values are its keys moves them once)
+                    self.v[:, :n] = self.v[:, a : a + n].clone()
                 self.base = base
         self.end = end
         if end - self.base <= self.cap:
             o = start - self.base
             self.k[:, o : o + t] = k.transpose(0, 1)
-            self.v[:, o : o + t] = v.transpose(0, 1)
+            if self.v is not self.k:
+                self.v[:, o : o + t] = v.transpose(0, 1)
             return self.k[:, lo - self.base : end - self.base], self.v[:, lo - self.base : end - self.base], start - lo
         # a chunk longer than the free room: attend over a joined copy, keep its last positions
         keys = torch.cat([self.k[:, lo - self.base : start - self.base], k.transpose(0, 1)], dim=1)
-        values = torch.cat([self.v[:, lo - self.base : start - self.base], v.transpose(0, 1)], dim=1)
+        if self.v is self.k:
+            values = keys
+        else:
+            values = torch.cat([self.v[:, lo - self.base : start - self.base], v.transpose(0, 1)], dim=1)
         n = min(self.cap, end - lo)
         self.k[:, :n] = keys[:, -n:]
-        self.v[:, :n] = values[:, -n:]
+        if self.v is not self.k:
+            self.v[:, :n] = values[:, -n:]
         self.base = end - n
         return keys, values, start - lo
 

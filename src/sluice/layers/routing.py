@@ -17,8 +17,10 @@ the same order as the ids; the expert fold sums in ascending expert id (see
 Kinds: ``SoftmaxRouter`` (Mixtral, Qwen3-MoE, OLMoE, Qwen3-Next; ERNIE-4.5 with a correction
 bias and a clamped renormalisation), ``GroupedRouter``
 (DeepSeek-V3, Kimi K2, Kimi Linear: sigmoid scores, ``e_score_correction_bias``, expert
-groups, ``routed_scaling_factor``), ``TopKSoftmaxRouter`` (GPT-OSS: a biased linear,
-top-k of the logits, softmax over those k).
+groups, ``routed_scaling_factor``; DeepSeek-V4: ``sqrtsoftplus`` scores), ``TopKSoftmaxRouter``
+(GPT-OSS: a biased linear, top-k of the logits, softmax over those k), ``HashRouter``
+(DeepSeek-V4's first layers: the token id chooses the experts through a fixed table, the
+scores only weigh them).
 
 Shape legend: T tokens, H hidden, E experts, K experts per token.
 """
@@ -26,7 +28,9 @@ Shape legend: T tokens, H hidden, E experts, K experts per token.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from ..errors import CheckpointError
 from ..quant import linear
 from .pointwise import pointwise
 
@@ -91,6 +95,22 @@ def topk_softmax(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None)
     return descending(ids, selection, torch.softmax(values, dim=-1), presorted=True)
 
 
+SCORINGS = ("sigmoid", "softmax", "sqrtsoftplus")
+
+
+def scores_of(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Router scores [T, E] (fp32) from logits: ``sigmoid``, ``softmax`` over E, or ``sqrtsoftplus``
+    (``sqrt(softplus(x))``, DeepSeek-V4)."""
+    logits = logits.float()
+    if scoring == "sigmoid":
+        return pointwise(torch.sigmoid, logits)
+    if scoring == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if scoring == "sqrtsoftplus":
+        return pointwise(torch.sqrt, pointwise(F.softplus, logits))
+    raise ValueError(f"unknown scoring function {scoring!r}")
+
+
 def margin(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Gap between the k-th and (k+1)-th router score per token (tie detection in tests)."""
     top = torch.topk(logits.float(), min(k + 1, logits.shape[-1]), dim=-1).values
@@ -111,7 +131,7 @@ def grouped_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-limited top-k routing (DeepSeek-V3 style), all in fp32.
 
-    ``scores = sigmoid(logits)`` (or softmax); the selection uses ``scores + bias`` (the
+    ``scores = sigmoid(logits)`` (or softmax, or sqrtsoftplus); the selection uses ``scores + bias`` (the
     ``e_score_correction_bias``, plus any cache bias; never part of the weights): experts
     are split into ``n_group`` equal groups, each group is scored (``"top2_sum"``: sum of its
     two best experts; ``"max"``: its best expert), only the ``topk_group`` best groups stay
@@ -121,13 +141,7 @@ def grouped_topk(
     weights are summed in that order (transformers sums in its unsorted top-k's order, which
     changes with the number of rows: the same weights up to rounding).
     """
-    logits = logits.float()
-    if scoring == "sigmoid":
-        scores = pointwise(torch.sigmoid, logits)
-    elif scoring == "softmax":
-        scores = torch.softmax(logits, dim=-1)
-    else:
-        raise ValueError(f"unknown scoring function {scoring!r}")
+    scores = scores_of(logits, scoring)
     choice = scores if bias is None else scores + bias.float()
     t, e = choice.shape
     if n_group > 1 and topk_group < n_group:
@@ -222,7 +236,7 @@ class GroupedRouter(Router):
                  scoring: str = "sigmoid", n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
                  normalize: bool = True, scale: float = 1.0):
         super().__init__(weight, top_k)
-        if scoring not in ("sigmoid", "softmax"):
+        if scoring not in SCORINGS:
             raise ValueError(f"unknown scoring function {scoring!r}")
         if group_score not in ("top2_sum", "max"):
             raise ValueError(f"unknown group score {group_score!r}")
@@ -251,3 +265,65 @@ class TopKSoftmaxRouter(Router):
 
     def select(self, logits, bias=None):
         return topk_softmax(logits, self.top_k, bias)
+
+
+class HashRouter(Router):
+    """Hash routing (DeepSeek-V4's ``hash_moe`` layers): token ``t`` goes to the experts
+    ``tid2eid[t]`` [K], a fixed table; the router's scores (``scoring`` of ``x @ weight.T``) only
+    weigh them: gathered at those experts, renormalised (+1e-20) and times ``scale``.
+
+    ``tid2eid`` [V, K] (integers) is kept resident (``ModelDescription.tables``), so ``experts_for``
+    can answer before the layer runs: it is a pure function of the token ids, the hook for reads
+    that are certain before the model computes anything. ``select`` needs the step's token ids;
+    the ids come back by descending weight (ties: ascending id), as every router's. A row that
+    names an expert out of range, or one expert twice, is refused when a token reads it
+    (``CheckpointError`` naming the table ``name`` and the token).
+    """
+
+    kind = "hash"
+    keyed = True  # the token ids choose: ``MoEBlock`` passes them (``select(..., token_ids=)``)
+
+    def __init__(self, weight: torch.Tensor, top_k: int, tid2eid: torch.Tensor, *, scoring: str = "sqrtsoftplus",
+                 normalize: bool = True, scale: float = 1.0, name: str = "tid2eid"):
+        super().__init__(weight, top_k)
+        if scoring not in SCORINGS:
+            raise ValueError(f"unknown scoring function {scoring!r}")
+        if len(tid2eid.shape) != 2 or tid2eid.shape[1] != top_k:
+            raise ValueError(f"hash table of shape {list(tid2eid.shape)} for {top_k} experts per token")
+        self.tid2eid, self.scoring, self.normalize, self.scale = tid2eid, scoring, bool(normalize), float(scale)
+        self.name = name
+
+    @property
+    def vocab(self) -> int:
+        return self.tid2eid.shape[0]
+
+    def experts_for(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The experts [T, K] (long) of tokens ``token_ids`` [T]: the table's rows, nothing else."""
+        tokens = token_ids.reshape(-1).long()
+        ids = self.tid2eid[tokens].long()
+        if ids.numel():
+            bad = (ids < 0) | (ids >= self.n_experts)
+            if ids.shape[1] > 1:
+                s = ids.sort(dim=1).values
+                bad[:, 1:] |= s[:, 1:] == s[:, :-1]
+            if bool(bad.any()):
+                row = int(bad.any(dim=1).nonzero()[0, 0])
+                raise CheckpointError(f"{self.name}: token {int(tokens[row])} is routed to experts "
+                                      f"{ids[row].tolist()}: expected {ids.shape[1]} distinct ids below "
+                                      f"{self.n_experts}")
+        return ids
+
+    def select(self, logits, bias=None, token_ids: torch.Tensor | None = None):
+        if token_ids is None:
+            raise ValueError("hash routing needs the step's token ids")
+        scores = scores_of(logits, self.scoring)
+        ids = self.experts_for(token_ids)
+        weights = scores.gather(1, ids)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # in the table's order
+        ids, weights = descending(ids, weights, weights)
+        return ids, weights * self.scale
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                 token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.select(self.logits(x), bias, token_ids=token_ids)

@@ -61,6 +61,12 @@ class ModelDescription:
     # positions each keeps at most (fewer when max_context is shorter)
     window_bytes_per_token: int = 0
     window_positions: int = 0
+    # compressed caches (DeepSeek-V4's CSA / HCA entries): one entry per m positions, so m -> the
+    # bytes of one entry, all such layers (a context of n positions holds n // m entries)
+    entry_bytes: dict[int, int] = field(default_factory=dict)
+    # bounded buffers of the last positions (DeepSeek-V4's windows and compressor rings), by size:
+    # positions kept at most -> bytes per position, all such buffers
+    rings: dict[int, int] = field(default_factory=dict)
     max_position_embeddings: int = 4096
     attn_heads: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
@@ -68,11 +74,20 @@ class ModelDescription:
     # a quant format (``sluice.quant.FORMATS``) the checkpoint stores routed experts in natively,
     # as parts named "<role>.<part>" in ``expert_tensors``; None: plain f32/bf16/f16 tensors
     expert_format: str | None = None
+    # integer lookup tables among the spine tensors (hash routing's ``tid2eid``): read by token id,
+    # possibly before their layer runs, so always resident (never streamed nor quantized), stored
+    # as integers (I64 / I32)
+    tables: list[str] = field(default_factory=list)
+    # the spine matrices multiplied whole through ``quant.linear`` (what ``--spine int8`` may
+    # quantize), when the family lists them; None: ``quantized_spine.quantizable``'s naming rule
+    spine_linears: list[str] | None = None
 
     def state_bytes(self, max_ctx: int) -> int:
         """KV caches and recurrent states of one sequence of up to ``max_ctx`` positions."""
         return (self.state_bytes_per_token * max_ctx + self.state_bytes_fixed
-                + self.window_bytes_per_token * min(max_ctx, self.window_positions))
+                + self.window_bytes_per_token * min(max_ctx, self.window_positions)
+                + sum(b * (max_ctx // m) for m, b in self.entry_bytes.items())
+                + sum(b * min(max_ctx, n) for n, b in self.rings.items()))
 
     @property
     def working_set(self) -> int:
@@ -179,12 +194,16 @@ class MoEBlock:
         self.top_k: int | None = None  # lossy: fewer experts than trained
         self.prefer_cached = 0.0  # lossy: selection bias toward resident experts
 
-    def route(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, logits: torch.Tensor | None = None,
+              token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, weights) for ``x``; ``logits``: the router's logits for ``x`` if already computed
-        (``router(x)`` is ``router.select(router.logits(x))``, so the result is the same)."""
+        (``router(x)`` is ``router.select(router.logits(x))``, so the result is the same);
+        ``token_ids`` [T]: the rows' tokens, which a keyed router (hash routing) selects by."""
         if logits is None:
             logits = self.router.logits(x)
-        if self.prefer_cached:
+        if getattr(self.router, "keyed", False):  # the token ids choose; no cache bias can change that
+            ids, weights = self.router.select(logits, token_ids=token_ids)
+        elif self.prefer_cached:
             ids, weights = self.router.select(logits, self.experts.resident_mask(self.layer) * self.prefer_cached)
         else:
             ids, weights = self.router.select(logits)
@@ -196,7 +215,7 @@ class MoEBlock:
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         logits = self.router.logits(x)
-        ids, weights = self.route(x, logits)
+        ids, weights = self.route(x, logits, ctx.token_ids)
         # the logits: the cache policy's and the trace's view of the experts just below the top-k
         y = self.experts.moe(self.layer, x, ids, weights, ctx, logits=logits)
         if self.shared is not None:

@@ -84,13 +84,16 @@ class Part:
     transient: int = 0  # what one forward of this kind builds besides (the model needs the largest once)
     tail: dict[str, Shape | Lin] = field(default_factory=dict)  # listed after the layer's other parts
     routed: bool = False  # an MoE block (its layer is one of ``ModelDescription.moe_layers``)
+    entries: dict[int, int] = field(default_factory=dict)  # compressed caches: m -> bytes per entry (m positions)
+    rings: dict[int, int] = field(default_factory=dict)  # bounded buffers: positions kept -> bytes per position
 
     def nested(self, prefix: str) -> Part:
         """This part under ``prefix`` inside another part (built with ``t.sub(prefix)``)."""
         make = self.make
         return Part({prefix + k: v for k, v in self.tensors.items()}, lambda t: make(t.sub(prefix)),
                     self.kv_per_token, self.window_per_token, self.window_positions, self.fixed, self.transient,
-                    {prefix + k: v for k, v in self.tail.items()}, self.routed)
+                    {prefix + k: v for k, v in self.tail.items()}, self.routed, dict(self.entries),
+                    dict(self.rings))
 
 
 @dataclass
@@ -154,9 +157,17 @@ class Model:
         parts = self._all_parts()
         fixed = sum(p.fixed for p in parts)
         fixed += max((p.transient for p in parts), default=0)
+        entries: dict[int, int] = {}
+        rings: dict[int, int] = {}
+        for p in parts:
+            for m, b in p.entries.items():
+                entries[m] = entries.get(m, 0) + b
+            for n, b in p.rings.items():
+                rings[n] = rings.get(n, 0) + b
         return dict(state_bytes_per_token=sum(p.kv_per_token for p in parts), state_bytes_fixed=fixed,
                     window_bytes_per_token=sum(p.window_per_token for p in parts),
-                    window_positions=max((p.window_positions for p in parts), default=0))
+                    window_positions=max((p.window_positions for p in parts), default=0), entry_bytes=entries,
+                    rings=rings)
 
     @property
     def moe_layers(self) -> list[int]:

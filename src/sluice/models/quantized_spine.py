@@ -30,7 +30,10 @@ def quantizable(desc: ModelDescription) -> list[str]:
     ``quant.linear``), the embedding and the head. Norms, biases, sinks, routers and gates
     (their choices are the model's routing), convolution kernels and MLA's ``kv_b_proj``
     (its heads are used as views) stay as stored, as do weights stored in FP8 (already one
-    byte per weight; the converter skips them)."""
+    byte per weight; the converter skips them). A family whose names follow no such rule lists
+    its whole-matrix linears itself (``ModelDescription.spine_linears``)."""
+    if desc.spine_linears is not None:
+        return [n for n in desc.spine_linears if len(desc.spine.get(n, ())) == 2]
     out = []
     for name, shape in desc.spine.items():
         parts = name.split(".")
