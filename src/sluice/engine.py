@@ -41,9 +41,10 @@ from .models import quantized_spine
 from .models.base import MoEBlock, check_tensor
 from .models.config import check_layer_count, eos_ids
 from .options import DEFAULT_MAX_CONTEXT, DebugOptions, Options
-from .plan import Plan, activation_bytes, below_working_set_warning, make_plan
+from .plan import Plan, activation_bytes, below_working_set_warning, make_plan, rows_for
 from .progress import Activity, Progress
 from .resolve import resolve_model
+from .rows import RowStore, row_table
 from .runner import ModelRunner, SeqState
 from .scheduler import Scheduler
 from .spine import LayerReads, SpineStreamer, layer_reads, streamable
@@ -156,6 +157,12 @@ class ModelInfo:
                 continue
             check_tensor(name, info, shape)
             check_spine_dtype(name, info, self.desc.spine)
+        # tables read by row (rows/): where each row's bytes are; refused by name if absent or mis-shaped
+        self.row_tables = {name: row_table(self.checkpoint.tensors, name, rows, dim)
+                           for name, (rows, dim) in self.desc.row_tables.items()}
+        check_rows = getattr(self.family, "check_row_tables", None)
+        if check_rows is not None and self.row_tables:
+            check_rows(self.config, self.checkpoint)
         if self.is_container:
             self.experts = ContainerExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
                                             self.desc.expert)
@@ -227,8 +234,20 @@ class ModelInfo:
         return spine + per_expert * self.desc.total_experts, spine + per_expert * self.desc.working_set
 
     def plan(self, memory: int | str | None, options: Options, baseline: int | None = None) -> Plan:
-        """The memory plan of ``memory`` for ``options.parallel`` sequences (None: the default rule)."""
-        return make_plan(parallel=options.parallel, **self.plan_args(memory, options, baseline))
+        """The memory plan of ``memory`` for ``options.parallel`` sequences (None: the default rule);
+        with row tables, they are resident when they fit in a tenth of the budget above the floor
+        (``plan.rows_for``), else a row cache (``options.row_cache``, or that tenth)."""
+        args = self.plan_args(memory, options, baseline)
+        if not self.row_tables:
+            return make_plan(parallel=options.parallel, **args)
+        tables = sum(t.nbytes for t in self.row_tables.values())
+        one_each = sum(t.row_bytes for t in self.row_tables.values())
+        floor = make_plan(parallel=options.parallel, **{**args, "budget": 1 << 50}).floor
+        cache = parse_size(options.row_cache, "row_cache") if options.row_cache is not None else None
+        resident, nbytes = rows_for(tables, one_each, args["budget"], floor, cache)
+        plan = make_plan(parallel=options.parallel, row_bytes=nbytes, **args)
+        plan.rows_resident, plan.row_table_bytes = resident, tables
+        return plan
 
     def plan_args(self, memory: int | str | None, options: Options, baseline: int | None = None) -> dict:
         """``make_plan``'s arguments but ``parallel`` (one sequence's state in ``state_bytes``)."""
@@ -307,6 +326,12 @@ class Engine:
                           f"{info.spine_format}): lossy, outputs differ from the model's", stacklevel=3)
         self.model = self.family.build(self.config, spine.__getitem__, self.experts)
         self.model.spine = self.spine
+        self.rows: RowStore | None = None
+        if info.row_tables:  # token-keyed tables: resident or read by row on the experts' reader pool
+            pool = getattr(self.experts, "pool", None)
+            self.rows = RowStore(info.row_tables, self.checkpoint.file, resident=self.plan.rows_resident,
+                                 cache_bytes=self.plan.row_bytes, pool=pool)
+            self.model.attach_rows(self.rows)
         del spine
         # the router lookahead (the expert side's): prefetch, and the predictions a routing trace records
         self.lookahead = (Lookahead(self.experts, self.model, options.prefetch)
@@ -387,7 +412,7 @@ class Engine:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        for part in ("scheduler", "trace", "spine", "experts", "info"):
+        for part in ("scheduler", "trace", "spine", "rows", "experts", "info"):
             obj = getattr(self, part, None)
             if obj is not None:
                 obj.close()

@@ -68,6 +68,8 @@ class ModelDescription:
     # a quant format (``sluice.quant.FORMATS``) the checkpoint stores routed experts in natively,
     # as parts named "<role>.<part>" in ``expert_tensors``; None: plain f32/bf16/f16 tensors
     expert_format: str | None = None
+    # tables read by row index (``rows/``: Qwen4-Exp's PLE n-gram tables), not spine tensors: name -> (rows, dim)
+    row_tables: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def state_bytes(self, max_ctx: int) -> int:
         """KV caches and recurrent states of one sequence of up to ``max_ctx`` positions."""
