@@ -41,7 +41,7 @@ import torch
 
 import sluice
 from conftest import UNLISTED_SKIPS
-from families import FAMILY_NAMES, N_NEW, kinds, recurrent, selection_scores
+from families import FAMILY_NAMES, N_NEW, describe, kinds, recurrent, selection_scores
 from families import PROMPT as IDS  # 8 tokens twice: n-gram speculation drafts from the first generated tokens on
 
 MEMORY = "4GiB"
@@ -50,7 +50,7 @@ MEMORY = "4GiB"
 AXES: dict[str, tuple] = {
     "source": ("hf", "container"),
     "spine": ("resident", "streamed"),  # streamed: max_resident_layers=1
-    "cache": ("all", "working_set"),  # working_set: cache_experts = one token's working set
+    "cache": ("all", "working_set"),  # working_set: cache_experts = one token's working set (and row_cache=1)
     "io": ("direct", "buffered"),  # direct: O_DIRECT (asserted), buffered: direct_io=False
     "readers": (4, 1),
     "prefetch": (True, False),
@@ -67,6 +67,8 @@ CODE_SHARING = [("spine", "source"), ("speculate", "prefill"), ("cache", "prefet
 SKIP_REASONS = {
     "no_o_direct": "the filesystem of the test checkpoints cannot do O_DIRECT (e.g. tmpfs); the cell ran "
                    "buffered and passed, only the O_DIRECT assertion is skipped",
+    "no_row_containers": "containers do not pack row tables (qwen4_exp's PLE n-gram tables) yet: convert refuses "
+                         "such models by name",
 }
 
 # Known bugs: each cell or switch that hits one is expected to fail (strict: it must fail).
@@ -213,8 +215,8 @@ def _options(row: dict, base: dict) -> dict:
                 prefill_chunk=1 if row["prefill"] == "stepwise" else 512)
     if row["spine"] == "streamed":  # NaN in the stream buffers until their first fill: nothing derives early
         opts.update(max_resident_layers=1, debug=sluice.DebugOptions(poison_stream_buffers=True))
-    if row["cache"] == "working_set":
-        opts["cache_experts"] = base["working_set"]
+    if row["cache"] == "working_set":  # the smallest caches: experts, and a row cache of one row per table
+        opts.update(cache_experts=base["working_set"], row_cache=1)
     return opts
 
 
@@ -240,6 +242,8 @@ def _skip(key: str):
 
 @pytest.mark.parametrize("family,kind,row", CELLS)
 def test_cell(family_models, baselines, family, kind, row):
+    if row["source"] == "container" and describe(family).row_tables:
+        _skip("no_row_containers")
     base = baselines.get(family, kind)
     path = family_models.hf(family, kind) if row["source"] == "hf" else family_models.container(family, kind)
     with sluice.load(path, memory=MEMORY, progress=False, **_options(row, base)) as eng:
@@ -326,7 +330,7 @@ def _check_top1_routing(ref, seq: list[int], trace: Path) -> None:
 QUANT_MIN_AGREEMENT = {"int8": 0.9, "q4": 0.75, "mxfp4": 0.75}
 QUANT_FORMATS = tuple(QUANT_MIN_AGREEMENT)
 # (family, format) -> the words convert's refusal must contain; none today
-QUANT_REFUSED: dict[tuple[str, str], str] = {}
+QUANT_REFUSED: dict[tuple[str, str], str] = {("qwen4_exp", fmt): "row table" for fmt in QUANT_FORMATS}
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -360,6 +364,10 @@ def test_int8_spine(family_models, baselines, family):
     """The lossy int8 spine on every family: it runs (resident, and streamed one layer at a time
     from poisoned buffers: bit-identical), changes the output, every result says it is lossy, the
     resident spine shrinks, and teacher-forced top-1 agrees with the bf16 container."""
+    if describe(family).row_tables:  # convert refuses row tables by name (no container packs them yet)
+        with pytest.raises(sluice.SluiceError, match="row table"):
+            family_models.container(family, "bf16-std", spine="int8")
+        return
     ref = baselines.bf16_container(family)
     seq, want, spine_bytes = ref["seq"], ref["want"], ref["spine_bytes"]
     box = family_models.container(family, "bf16-std", spine="int8")

@@ -45,7 +45,7 @@ from .container import (
 )
 from .engine import ModelInfo
 from .options import Options
-from .errors import CheckpointError, ConvertError, InvalidArgumentError, SluiceError
+from .errors import CheckpointError, ConvertError, InvalidArgumentError, SluiceError, UnsupportedModelError
 from .experts.fused import canonical_layout
 from .models import quantized_spine
 from .progress import Progress
@@ -336,6 +336,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     check_destination(src, dst, force)
     info = ModelInfo(src, Options(progress=False, allow_unversioned_remote=allow_unversioned_remote))
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
+    if desc.row_tables:
+        info.close()
+        raise UnsupportedModelError(f"{src}: {desc.model_type}'s {len(desc.row_tables)} row table(s) (PLE n-gram "
+                                    "tables) are not packed into containers yet: run the Hugging Face directory")
     fmt = experts or source.format
     spine = spine or "stored"
     if spine != "stored" and spine not in quantized_spine.SPINE_FORMATS:
