@@ -123,7 +123,7 @@ def parse_config(raw: dict) -> Config:
     text, where, prefix, notes = _text_config(raw)
     quantization = text_quantization(raw, text) if text is not raw else raw.get("quantization_config")
     if quantization is not None:
-        raise UnsupportedModelError(f"{where}: quantization_config is not supported for {MODEL_TYPE} yet (its FP8 "
+        raise UnsupportedModelError(f"config.json: quantization_config is not supported for {MODEL_TYPE} yet (its FP8 "
                                     "checkpoints are not read)")
     c = RawConfig(text, where)
     for key, allowed in _IGNORED.items():
