@@ -41,7 +41,7 @@ import torch
 
 import sluice
 from conftest import UNLISTED_SKIPS
-from families import FAMILY_NAMES, N_NEW, describe, kinds, recurrent, selection_scores
+from families import FAMILY_NAMES, N_NEW, kinds, recurrent, selection_scores
 from families import PROMPT as IDS  # 8 tokens twice: n-gram speculation drafts from the first generated tokens on
 
 MEMORY = "4GiB"
@@ -67,8 +67,6 @@ CODE_SHARING = [("spine", "source"), ("speculate", "prefill"), ("cache", "prefet
 SKIP_REASONS = {
     "no_o_direct": "the filesystem of the test checkpoints cannot do O_DIRECT (e.g. tmpfs); the cell ran "
                    "buffered and passed, only the O_DIRECT assertion is skipped",
-    "no_row_containers": "containers do not pack row tables (qwen4_exp's PLE n-gram tables) yet: convert refuses "
-                         "such models by name",
 }
 
 # Known bugs: each cell or switch that hits one is expected to fail (strict: it must fail).
@@ -242,8 +240,6 @@ def _skip(key: str):
 
 @pytest.mark.parametrize("family,kind,row", CELLS)
 def test_cell(family_models, baselines, family, kind, row):
-    if row["source"] == "container" and describe(family).row_tables:
-        _skip("no_row_containers")
     base = baselines.get(family, kind)
     path = family_models.hf(family, kind) if row["source"] == "hf" else family_models.container(family, kind)
     with sluice.load(path, memory=MEMORY, progress=False, **_options(row, base)) as eng:
@@ -330,7 +326,7 @@ def _check_top1_routing(ref, seq: list[int], trace: Path) -> None:
 QUANT_MIN_AGREEMENT = {"int8": 0.9, "q4": 0.75, "mxfp4": 0.75}
 QUANT_FORMATS = tuple(QUANT_MIN_AGREEMENT)
 # (family, format) -> the words convert's refusal must contain; none today
-QUANT_REFUSED: dict[tuple[str, str], str] = {("qwen4_exp", fmt): "row table" for fmt in QUANT_FORMATS}
+QUANT_REFUSED: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -364,10 +360,6 @@ def test_int8_spine(family_models, baselines, family):
     """The lossy int8 spine on every family: it runs (resident, and streamed one layer at a time
     from poisoned buffers: bit-identical), changes the output, every result says it is lossy, the
     resident spine shrinks, and teacher-forced top-1 agrees with the bf16 container."""
-    if describe(family).row_tables:  # convert refuses row tables by name (no container packs them yet)
-        with pytest.raises(sluice.SluiceError, match="row table"):
-            family_models.container(family, "bf16-std", spine="int8")
-        return
     ref = baselines.bf16_container(family)
     seq, want, spine_bytes = ref["seq"], ref["want"], ref["spine_bytes"]
     box = family_models.container(family, "bf16-std", spine="int8")

@@ -139,11 +139,34 @@ def test_hostile_row_tables(family_models, tmp_path, case, edit, expected, capsy
     assert_refused_at_cli(tmp_path / "q4-weights", expected, capsys)
 
 
-def test_convert_refuses_row_tables(family_models, tmp_path):
-    from sluice.convert import convert
+def test_damaged_container_pages(family_models, tmp_path):
+    """A byte flipped in a container's row page: the page's CRC fails where the row is read (at load
+    for resident tables, at the step for streamed ones), naming the table and the file; with
+    verify_reads=False the bytes are used as they are."""
+    import shutil
 
-    with pytest.raises(UnsupportedModelError, match="row table"):
-        convert(family_models.hf("qwen4_exp", "f32"), tmp_path / "box", progress=False)
+    import sluice
+    import torch
+
+    from sluice.convert import convert
+    from sluice.rows.store import RowReadError
+
+    box = convert(family_models.hf("qwen4_exp", "f32"), tmp_path / "box", progress=False)
+    bad = tmp_path / "bad"
+    shutil.copytree(box, bad)
+    data = bytearray((bad / "rows.bin").read_bytes())
+    data[100] ^= 0x40  # in the first table's first page
+    (bad / "rows.bin").write_bytes(bytes(data))
+    with pytest.raises(RowReadError, match="CRC mismatch .*layers.0.ple.ple_embedding.ngram_embedding"):
+        sluice.load(bad, memory="2GiB", progress=False)
+    with sluice.load(bad, memory="2GiB", progress=False, row_cache=1) as eng:  # streamed: loads, fails at the row
+        first = eng.model.layers[0].ple.table
+        last_page = eng.rows.tables[first].rows - 1
+        assert eng.rows.gather(first, torch.tensor([last_page])).shape == (1, 8)  # another page: fine
+        with pytest.raises(RowReadError, match="CRC mismatch in the page of row 0 "):
+            eng.rows.gather(first, torch.tensor([0]))
+    with sluice.load(bad, memory="2GiB", progress=False, verify_reads=False) as eng:
+        assert eng.plan.rows_resident
 
 
 def test_config_json_roundtrip(raw):

@@ -211,3 +211,31 @@ def test_planner_keeps_small_tables_resident():
     assert rows_for(10_000, 8, budget=1001, floor=1000) == (False, 8)
     assert rows_for(100, 8, budget=2000, floor=1000, cache=1) == (False, 8)
     assert rows_for(100, 8, budget=2000, floor=1000, cache=64) == (False, 64)
+
+
+def test_inspect_shows_the_row_tables(family_models):
+    """``sluice inspect``: the tables' bytes, and per budget whether they are resident or streamed."""
+    from sluice.model_report import inspect_model, render_inspect
+
+    r = inspect_model(family_models.hf("qwen4_exp", "f32"), memory=1 << 30)
+    assert r["row_table_bytes"] == (416 + 480) * 8 * 4 and len(r["row_tables"]) == 2
+    assert r["plan"]["rows_resident"] and r["plan"]["row_bytes"] == r["row_table_bytes"]
+    floor = [b for b in r["budgets"] if b["ok"]][0]
+    assert not floor["rows_resident"] and floor["row_bytes"] == 2 * 8 * 4  # one row per table at the floor
+    text = render_inspect(r)
+    assert "row tables        2 token-keyed table(s), 28.00 KiB" in text and "row tables resident" in text
+    assert "row cache 64 B" in text
+
+
+def test_container_pages_are_bit_identical(family_models):
+    """The container packs the tables into CRC-checked pages; resident or through a one-row cache,
+    its logits are the directory's, bit for bit."""
+    seq = _teacher_sequence()
+    with sluice.load(family_models.hf("qwen4_exp", "f32"), memory="2GiB", progress=False) as eng:
+        want = eng.forward(seq)
+    box = family_models.container("qwen4_exp", "f32")
+    for opts in ({}, {"row_cache": 1}):
+        with sluice.load(box, memory="2GiB", progress=False, **opts) as eng:
+            t = next(iter(eng.rows.tables.values()))
+            assert t.page_bytes == 4096 and t.rows_per_page == (4096 - 4) // 32
+            assert torch.equal(eng.forward(seq), want)

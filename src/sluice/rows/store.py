@@ -16,7 +16,9 @@ A ``RowStore`` serves ``gather(table, ids) -> [..., dim]`` fp32 rows for any int
   mechanism plugs into.
 
 A Hugging Face directory has no checksums, so rows read from it are not CRC-checked (as experts
-read from one are not).
+read from one are not). A container's tables are paged (``table.paged_table``): each row is read
+with its page, whose CRC32 is checked (``verify``, the ``verify_reads`` option) before the row is
+used; a mismatch is a ``RowReadError`` naming the table, the row and the file.
 
 Counters (``stats``): rows looked up (one per distinct row per gather), rows read, bytes read.
 """
@@ -35,7 +37,7 @@ from ..checkpoint import DTYPES
 from ..errors import ExpertReadError
 from ..storage import ByteSource
 from ..storage.priority import DEMAND, PriorityPool, Ticket
-from .table import RowTable
+from .table import RowTable, page_ok
 
 
 class RowReadError(ExpertReadError):
@@ -59,8 +61,9 @@ class RowStore:
     pool row reads run on (None: read on the calling thread)."""
 
     def __init__(self, tables: dict[str, RowTable], source: Callable[[str], ByteSource], *, resident: bool,
-                 cache_bytes: int = 0, pool: PriorityPool | None = None):
+                 cache_bytes: int = 0, pool: PriorityPool | None = None, verify: bool = True):
         self.tables, self.source, self.resident, self.pool = dict(tables), source, resident, pool
+        self.verify = verify
         self.stats = RowStats()
         self._lock = threading.Lock()
         self._whole: dict[str, torch.Tensor] = {}
@@ -84,9 +87,26 @@ class RowStore:
     def resident_bytes(self) -> int:
         return sum(t.nbytes for t in self.tables.values()) if self.resident else 0
 
+    def _page(self, t: RowTable, offset: int, what: str) -> memoryview:
+        """One page of a paged table, CRC-checked (``verify``)."""
+        page = memoryview(bytearray(t.page_bytes))
+        self._read_range(t, t.pieces[0].file, page, offset, what)
+        if self.verify and not page_ok(page):
+            raise RowReadError(f"{t.pieces[0].file}: CRC mismatch in the page of {what} of row table {t.name!r} at "
+                               f"offset {offset} (the container is damaged; convert the model again)")
+        return page
+
     def _read_all(self, t: RowTable) -> torch.Tensor:
         out = torch.empty(t.rows, t.dim, dtype=DTYPES[t.dtype][0])
         flat = out.view(-1).view(torch.uint8).numpy()
+        if t.page_bytes:
+            per, rb = t.rows_per_page, t.row_bytes
+            for i in range(t.pages):
+                r0 = i * per
+                n = min(per, t.rows - r0)
+                page = self._page(t, t.pieces[0].offset + i * t.page_bytes, f"rows {r0}..{r0 + n - 1}")
+                flat[r0 * rb : (r0 + n) * rb] = page[: n * rb]
+            return out
         pos = 0
         for p in t.pieces:
             n = p.rows * t.row_bytes
@@ -104,9 +124,16 @@ class RowStore:
 
     def _read_row(self, name: str, row: int) -> torch.Tensor:
         t = self.tables[name]
-        piece, offset = t.locate(row)
         out = torch.empty(t.dim, dtype=DTYPES[t.dtype][0])
-        self._read_range(t, piece.file, memoryview(out.view(torch.uint8).numpy()), offset, f"row {row}")
+        if t.page_bytes:
+            if not 0 <= row < t.rows:
+                raise IndexError(f"row {row} outside table {t.name!r} of {t.rows} rows")
+            page_at, within = t.page_of(row)
+            page = self._page(t, page_at, f"row {row}")
+            out.view(torch.uint8).numpy()[:] = page[within : within + t.row_bytes]
+        else:
+            piece, offset = t.locate(row)
+            self._read_range(t, piece.file, memoryview(out.view(torch.uint8).numpy()), offset, f"row {row}")
         with self._lock:
             self.stats.read += 1
         return out
