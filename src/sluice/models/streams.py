@@ -148,6 +148,9 @@ class StreamCausalLM(CausalLM):
         super().__init__(embed_w, layers, None, lm_head, rotary)
         self.mixer, self.streams = mixer, streams
         self.rows = None  # the RowStore of the PLE tables (attach_rows)
+        # issue the step's row reads at its start (True), or read each layer's rows when it runs
+        # (False: benchmarks/rows_decode.py compares the two)
+        self.early_rows = True
 
     def attach_rows(self, rows) -> None:
         self.rows = rows
@@ -201,7 +204,8 @@ class StreamCausalLM(CausalLM):
         if ids:
             if self.rows is None:
                 raise RuntimeError("the PLE row tables are not attached (StreamCausalLM.attach_rows)")
-            self.issue_rows(ids)
+            if self.early_rows:
+                self.issue_rows(ids)
         spine, lookahead = self.spine, ctx.lookahead
         if spine is not None:
             spine.start()
