@@ -107,6 +107,13 @@ def _v4_weights(model) -> None:
                 n = gate.tid2eid.shape[0]
                 gate.tid2eid.copy_(torch.stack([torch.randperm(gate.num_experts, generator=g)[:gate.top_k]
                                                 for _ in range(n)]))
+def _norms_and_ple_conv(model) -> None:
+    """Random norm weights and PLE convolutions (transformers zeroes the latter)."""
+    _norms_and_correction_bias(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("ple.conv1d.weight"):
+                p.copy_(0.5 * torch.randn_like(p))
 
 
 def _correction_bias(model) -> None:
@@ -276,6 +283,20 @@ REGISTRY: dict[str, Family] = {
         qk_rope_head_dim=4, qk_nope_head_dim=12, v_head_dim=16, routed_scaling_factor=1.8, index_topk=18,
         index_n_heads=16, index_head_dim=16, indexer_types=["full", "shared", "full"]), seed=2,
         post=_norms_and_correction_bias),
+    # Qwen3.8-Flash-Next, the published wrapper: GDN with PLE, QSA attention (budget 8 = 2 blocks of
+    # 4, crossed from position 11), GDN with PLE; 3 gated residual streams of rank 8; EOS = the
+    # prompt's 4th token (its 16 tokens are 4 EOS-separated segments); PLE tables of 416 rows in 12 pieces
+    "qwen4_exp": Family("qwen4_exp", dict(
+        layer_types=["linear_attention", "indexed_attention", "linear_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, shared_expert_intermediate_size=48,
+        num_experts_per_tok=4, eos_token_id=157, hc_count=3, hc_lowrank=8, ple_layer_ids=[1, 3], ple_embed_dim=32,
+        heads_per_ngram=2, ngram_vocab_size_base=97, make_ngram_vocab_size_divisible_by=16, split_ngram_parts=12,
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+        seed=0, post=_norms_and_ple_conv, wrapper=dict(vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64, patch_size=4,
+            num_position_embeddings=16))),
 }
 FAMILY_NAMES = list(REGISTRY)
 

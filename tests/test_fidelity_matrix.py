@@ -50,7 +50,7 @@ MEMORY = "4GiB"
 AXES: dict[str, tuple] = {
     "source": ("hf", "container"),
     "spine": ("resident", "streamed"),  # streamed: max_resident_layers=1
-    "cache": ("all", "working_set"),  # working_set: cache_experts = one token's working set
+    "cache": ("all", "working_set"),  # working_set: cache_experts = one token's working set (and row_cache=1)
     "io": ("direct", "buffered"),  # direct: O_DIRECT (asserted), buffered: direct_io=False
     "readers": (4, 1),
     "prefetch": (True, False),
@@ -213,8 +213,8 @@ def _options(row: dict, base: dict) -> dict:
                 prefill_chunk=1 if row["prefill"] == "stepwise" else 512)
     if row["spine"] == "streamed":  # NaN in the stream buffers until their first fill: nothing derives early
         opts.update(max_resident_layers=1, debug=sluice.DebugOptions(poison_stream_buffers=True))
-    if row["cache"] == "working_set":
-        opts["cache_experts"] = base["working_set"]
+    if row["cache"] == "working_set":  # the smallest caches: experts, and a row cache of one row per table
+        opts.update(cache_experts=base["working_set"], row_cache=1)
     return opts
 
 

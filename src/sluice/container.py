@@ -215,6 +215,27 @@ class Container:
                                       f"outside its group {g!r} ({n} bytes at {off})")
             self.group_of[name] = g
         self.banks = _obj(m, "experts", mpath)
+        # token-keyed tables packed into CRC-checked pages (rows/table.py): name -> (dtype, [rows, dim],
+        # offset, page bytes, pages) in ``rows_file``; the row store reads them (nothing here knows rows)
+        self.row_tables: dict[str, tuple[str, list[int], int, int, int]] = {}
+        self.rows_file: str | None = None
+        rows = m.get("rows")
+        if rows is not None:
+            rows = _obj(m, "rows", mpath)
+            self.rows_file = store.locate(member_file(rows.get("file"), mpath))
+            size = self.file(self.rows_file).size
+            for name, t in _obj(rows, "tables", mpath).items():
+                try:
+                    dtype, shape, off, page = str(t["dtype"]), [int(x) for x in t["shape"]], int(t["offset"]), \
+                        int(t["page_bytes"])
+                    pages = int(t["pages"])
+                except (KeyError, TypeError, ValueError):
+                    raise CheckpointError(f"{mpath}: row table {name!r} entry is malformed") from None
+                if (len(shape) != 2 or min(shape) <= 0 or page <= 0 or page % FORMAT_ALIGN or off < 0
+                        or off % FORMAT_ALIGN or pages <= 0 or off + pages * page > size):
+                    raise CheckpointError(f"{self.rows_file}: row table {name!r} lies outside the file or is "
+                                          "unaligned")
+                self.row_tables[name] = (dtype, shape, off, page, pages)
         tok_files = m.get("tokenizer_files", [])
         if not isinstance(tok_files, list):
             raise CheckpointError(f"{mpath}: tokenizer_files must be a list of file names")

@@ -32,9 +32,10 @@ def own_names(path: Path, mark: str) -> set[str]:
     if not isinstance(m, dict):
         return names
     candidates = []
-    spine = m.get("spine")
-    if isinstance(spine, dict):
-        candidates.append(spine.get("file"))
+    for section in ("spine", "rows"):
+        part = m.get(section)
+        if isinstance(part, dict):
+            candidates.append(part.get("file"))
     layers = (m.get("experts") or {}).get("layers") if isinstance(m.get("experts"), dict) else None
     if isinstance(layers, dict):
         candidates += [b.get("file") for b in layers.values() if isinstance(b, dict)]

@@ -50,6 +50,7 @@ from .experts.fused import canonical_layout
 from .models import quantized_spine
 from .progress import Progress
 from .resolve import resolve_model
+from .rows.table import pack_page, page_bytes_for
 from .quant.fp8 import FORMAT as FP8_FORMAT
 from .quant import FORMATS, QuantMatrix, assemble
 from .quant.fp8 import SCALE_SUFFIX, BlockFP8
@@ -356,7 +357,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
     parts, payload = plan_parts(specs)
     rec = record_bytes_for(payload)
     spine_total = sum(align_up(ckpt.info(n).nbytes, FORMAT_ALIGN) for n in desc.spine)
-    total = spine_total + rec * desc.total_experts
+    total = spine_total + rec * desc.total_experts + sum(2 * t.nbytes + FORMAT_ALIGN for t in info.row_tables.values())
     dst.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(dst.parent).free
     if free < total + (64 << 20):
@@ -455,6 +456,46 @@ def _quantize_tensor(ckpt, name: str, spine: str, f, off: int, crc: int, chunk: 
     return entries, off, crc
 
 
+def _write_rows(tmp: Path, info, bar) -> dict:
+    """rows.bin: every row table packed into CRC-checked pages (``rows.table.pack_page``), each table
+    4096-aligned; returns the manifest's ``rows`` entry."""
+    tables = {}
+    f = _writer(tmp / "rows.bin")
+    with _Naming(tmp / "rows.bin"), closing(f):
+        off = 0
+        for name, t in info.row_tables.items():
+            page = page_bytes_for(t.row_bytes)
+            per = (page - 4) // t.row_bytes
+            start = align_up(off, FORMAT_ALIGN)
+            f.write(b"\0" * (start - off))
+            off, pages = start, 0
+            buf = bytearray()
+            for p in t.pieces:  # the rows in order, a bounded number of pages at a time
+                file = info.checkpoint.file(p.file)
+                step = max(per, (SPINE_CHUNK // t.row_bytes) // per * per)
+                for r0 in range(0, p.rows, step):
+                    n = min(step, p.rows - r0)
+                    data = bytearray(n * t.row_bytes)
+                    try:
+                        file.read_into(memoryview(data), p.offset + r0 * t.row_bytes)
+                    except OSError as e:
+                        raise CheckpointError(f"{p.file}: reading row table {name!r} failed: {e}") from None
+                    buf += data
+                    while len(buf) >= per * t.row_bytes:
+                        f.write(pack_page(buf[: per * t.row_bytes], page))
+                        del buf[: per * t.row_bytes]
+                        pages += 1
+                    bar.update(len(data))
+            if buf:
+                f.write(pack_page(buf, page))
+                pages += 1
+            tables[name] = {"dtype": t.dtype, "shape": [t.rows, t.dim], "offset": start, "page_bytes": page,
+                            "pages": pages}
+            off = start + pages * page
+        _sync_close(f)
+    return {"file": "rows.bin", "tables": tables}
+
+
 def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec: int,
            progress: bool, label: str, spine: str = "stored") -> Path:
     ckpt, desc, source = info.checkpoint, info.desc, info.experts
@@ -462,7 +503,8 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
     if spine != "stored":  # float matrices only: FP8 weights stay as stored (one byte already)
         quantize = {n for n in quantized_spine.quantizable(desc) if ckpt.info(n).dtype in ("F32", "BF16", "F16")}
     # counts the bytes it writes as data (not alignment padding), so it ends at 100%
-    written = sum(ckpt.info(n).nbytes for n in desc.spine) + rec * desc.total_experts
+    written = (sum(ckpt.info(n).nbytes for n in desc.spine) + rec * desc.total_experts
+               + sum(t.nbytes for t in info.row_tables.values()))
     bar = Progress(written, f"converting to {label}", enabled=progress)
 
     # spine: grouped per layer, each group 4096-aligned, tensors 64-aligned inside
@@ -496,6 +538,8 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
             group_table[g] = [start, off - start, crc]
         f.write(b"\0" * (align_up(off, FORMAT_ALIGN) - off))
         _sync_close(f)
+
+    rows_entry = _write_rows(tmp, info, bar) if info.row_tables else None
 
     # expert banks: one record per expert. A reader thread reads the next expert while this one is
     # encoded, and a writer thread writes the previous record (two buffers each; the quantizers
@@ -566,6 +610,8 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
         "experts": {"record_bytes": rec, "layers": bank_table},
         "tokenizer_files": copied,
     }
+    if rows_entry is not None:
+        manifest["rows"] = rows_entry
     f = _writer(tmp / "manifest.json")
     with _Naming(tmp / "manifest.json"), closing(f):
         f.write(json.dumps(seal_manifest(manifest), indent=1).encode("utf-8"))

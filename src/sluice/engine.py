@@ -41,9 +41,11 @@ from .models import quantized_spine
 from .models.base import MoEBlock, check_tensor
 from .models.config import check_layer_count, eos_ids
 from .options import DEFAULT_MAX_CONTEXT, DebugOptions, Options
-from .plan import Plan, activation_bytes, below_working_set_warning, make_plan
+from .plan import Plan, activation_bytes, below_working_set_warning, make_plan, rows_for
 from .progress import Activity, Progress
 from .resolve import resolve_model
+from .rows import RowStore, RowTable, row_table
+from .rows.table import paged_table
 from .runner import ModelRunner, SeqState
 from .scheduler import Scheduler
 from .spine import LayerReads, SpineStreamer, layer_reads, streamable
@@ -165,6 +167,11 @@ class ModelInfo:
                 continue
             check_tensor(name, info, shape)
             check_spine_dtype(name, info, self.desc.spine, self.desc.tables)
+        # tables read by row (rows/): where each row's bytes are; refused by name if absent or mis-shaped
+        self.row_tables = {name: self._row_table(name, rows, dim) for name, (rows, dim) in self.desc.row_tables.items()}
+        check_rows = getattr(self.family, "check_row_tables", None)
+        if check_rows is not None and self.row_tables:
+            check_rows(self.config, self.checkpoint)
         if self.is_container:
             self.experts = ContainerExperts(self.checkpoint, self.desc.moe_layers, self.desc.n_experts,
                                             self.desc.expert)
@@ -178,6 +185,23 @@ class ModelInfo:
         self.eos_token_ids = eos_ids(self.raw_config, self.checkpoint.generation_config)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
+
+    def _row_table(self, name: str, rows: int, dim: int) -> RowTable:
+        """Where table ``name``'s rows are: a container's pages, or a directory's safetensors pieces."""
+        if not self.is_container:
+            return row_table(self.checkpoint.tensors, name, rows, dim)
+        entry = self.checkpoint.row_tables.get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.checkpoint.manifest_path}: row table {name!r} is missing from the rows table")
+        dtype, shape, off, page, pages = entry
+        if shape != [rows, dim]:
+            raise CheckpointError(f"{self.checkpoint.manifest_path}: row table {name!r} has shape {shape}, config.json "
+                                  f"implies {[rows, dim]}")
+        t = paged_table(name, rows, dim, dtype, self.checkpoint.rows_file, off, page)
+        if t.pages != pages:
+            raise CheckpointError(f"{self.checkpoint.manifest_path}: row table {name!r} lists {pages} pages, its rows "
+                                  f"fill {t.pages}")
+        return t
 
     @property
     def spine_format(self) -> str:
@@ -236,8 +260,23 @@ class ModelInfo:
         return spine + per_expert * self.desc.total_experts, spine + per_expert * self.desc.working_set
 
     def plan(self, memory: int | str | None, options: Options, baseline: int | None = None) -> Plan:
-        """The memory plan of ``memory`` for ``options.parallel`` sequences (None: the default rule)."""
-        return make_plan(parallel=options.parallel, **self.plan_args(memory, options, baseline))
+        """The memory plan of ``memory`` for ``options.parallel`` sequences (None: the default rule);
+        with row tables, they are resident when they fit in a tenth of the budget above the floor
+        (``plan.rows_for``), else a row cache (``options.row_cache``, or that tenth)."""
+        args = self.plan_args(memory, options, baseline)
+        if not self.row_tables:
+            return make_plan(parallel=options.parallel, **args)
+        tables = sum(t.nbytes for t in self.row_tables.values())
+        one_each = sum(t.row_bytes for t in self.row_tables.values())
+        floor = make_plan(parallel=options.parallel, **{**args, "budget": 1 << 50}).floor
+        cache = parse_size(options.row_cache, "row_cache") if options.row_cache is not None else None
+        resident, nbytes = rows_for(tables, one_each, args["budget"], floor, cache)
+        plan = make_plan(parallel=options.parallel, row_bytes=nbytes, **args)
+        # the floors say what runs at all: with the smallest row store (one row per table)
+        least = make_plan(parallel=options.parallel, row_bytes=one_each, **{**args, "budget": 1 << 50})
+        plan.floor, plan.floor_resident = least.floor, least.floor_resident
+        plan.rows_resident, plan.row_table_bytes = resident, tables
+        return plan
 
     def plan_args(self, memory: int | str | None, options: Options, baseline: int | None = None) -> dict:
         """``make_plan``'s arguments but ``parallel`` (one sequence's state in ``state_bytes``)."""
@@ -316,6 +355,12 @@ class Engine:
                           f"{info.spine_format}): lossy, outputs differ from the model's", stacklevel=3)
         self.model = self.family.build(self.config, spine.__getitem__, self.experts)
         self.model.spine = self.spine
+        self.rows: RowStore | None = None
+        if info.row_tables:  # token-keyed tables: resident or read by row on the experts' reader pool
+            pool = getattr(self.experts, "pool", None)
+            self.rows = RowStore(info.row_tables, self.checkpoint.file, resident=self.plan.rows_resident,
+                                 cache_bytes=self.plan.row_bytes, pool=pool, verify=options.verify_reads)
+            self.model.attach_rows(self.rows)
         del spine
         # the router lookahead (the expert side's): prefetch, and the predictions a routing trace records
         self.lookahead = (Lookahead(self.experts, self.model, options.prefetch)
@@ -396,7 +441,7 @@ class Engine:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        for part in ("scheduler", "trace", "spine", "experts", "info"):
+        for part in ("scheduler", "trace", "spine", "rows", "experts", "info"):
             obj = getattr(self, part, None)
             if obj is not None:
                 obj.close()

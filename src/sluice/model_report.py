@@ -57,11 +57,13 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
                           "cache_share": p.cache_slots / max(d.total_experts, 1),
                           "streamed_layers": len(p.streamed_layers), "spine_read_per_token": p.spine_streamed_bytes,
                           "parallel": p.parallel,
-                          "parallel_max": max_parallel(**info.plan_args(b, opts, baseline=baseline))})
+                          "parallel_max": max_parallel(**info.plan_args(b, opts, baseline=baseline)),
+                          "rows_resident": p.rows_resident, "row_bytes": p.row_bytes})
         except BudgetError:
             table.append({"budget_bytes": b, "cache_experts": 0, "ok": False, "cache_share": 0.0,
                           "below_working_set": False, "prefill_chunk": 0,
-                          "streamed_layers": 0, "spine_read_per_token": 0, "parallel": 0, "parallel_max": 0})
+                          "streamed_layers": 0, "spine_read_per_token": 0, "parallel": 0, "parallel_max": 0,
+                          "rows_resident": False, "row_bytes": 0})
     report = {
         "path": mask(str(info.path)),  # a URL's password is never shown
         "model_id": info.model_id,
@@ -96,6 +98,10 @@ def _report(info: ModelInfo, memory: int | None, max_context: int | None, parall
         "working_set_budget_bytes": base.working_set_budget,  # the smallest budget keeping one token's experts
         "budgets": table,
         "notes": list(d.notes),
+        # token-keyed tables (rows/): their bytes, and what the planner does with them at each budget
+        "row_tables": {name: {"rows": t.rows, "dim": t.dim, "dtype": t.dtype, "bytes": t.nbytes}
+                       for name, t in info.row_tables.items()},
+        "row_table_bytes": sum(t.nbytes for t in info.row_tables.values()),
     }
     if memory:
         try:
@@ -130,6 +136,9 @@ def render_inspect(r: dict) -> str:
         f"  one token reads   {r['working_set_experts']} experts = {format_size(r['working_set_bytes'])} (cold)",
         f"  KV/state          {format_size(r['kv_state_bytes'])} for {r['max_context']} tokens, per sequence that "
         "runs at once (--parallel)",
+        *([f"  row tables        {len(r['row_tables'])} token-keyed table(s), {format_size(r['row_table_bytes'])}: "
+           "resident when they fit in a tenth of the budget above the floor, else read by row through a row "
+           "cache of that tenth"] if r.get("row_tables") else []),
         f"  memory floor      {format_size(r['floor_resident_bytes'])} with the whole spine resident "
         f"(baseline {format_size(r['baseline_bytes'])} + spine + one step of one layer's experts: "
         f"{r['floor_slots']} slots + KV + buffers)",
@@ -147,14 +156,19 @@ def render_inspect(r: dict) -> str:
                   if b["streamed_layers"] else "")
         below = (f", below the working set (prefill chunk {b['prefill_chunk']})"
                  if b["below_working_set"] else "")
+        rows = ("" if not r.get("row_tables") else ", row tables resident" if b["rows_resident"] else
+                f", row cache {format_size(b['row_bytes'])}")
         lines.append(f"    {format_size(b['budget_bytes']):>12}  {b['cache_experts']:6d} experts "
                      f"({100 * b['cache_share']:5.1f}% of all), parallel {b['parallel']} (at most "
-                     f"{b['parallel_max']}){stream}{below}")
+                     f"{b['parallel_max']}){stream}{below}{rows}")
     if "plan" in r:
         p = r["plan"]
         lines.append(f"  --memory plan: cache {p['cache_slots']} experts, "
                      f"{p['parallel']} sequences at once (--parallel), "
-                     f"{len(p['streamed_layers'])} layers streamed")
+                     f"{len(p['streamed_layers'])} layers streamed"
+                     + ((", row tables resident" if p["rows_resident"] else
+                         f", row tables streamed through a row cache of {format_size(p['row_bytes'])}")
+                        if p.get("row_table_bytes") else ""))
     if "plan_error" in r:
         lines.append(f"  --memory: {r['plan_error']}")
     if "disk_tier" in r:

@@ -45,6 +45,9 @@ class Options:
     parallel: int | None = None
     progress: bool = True
     trace_routing: str | None = None  # write each decode token's routing to this JSONL file
+    # the row store's cache of streamed table rows (bytes or a size string); None: the planner's
+    # choice (tables resident when they fit in a tenth of the budget above the floor). Setting it streams.
+    row_cache: int | str | None = None
     max_resident_layers: int | None = None  # stream the spine of the other layers (None: the planner decides)
     moe_top_k: int | None = None  # lossy
     prefer_cached: float = 0.0  # lossy

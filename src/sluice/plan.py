@@ -64,6 +64,11 @@ class Plan:
     # and the expert slots placed there (beside the host cache, which reads still land in). 0 on CPU.
     device_bytes: int = 0
     device_slots: int = 0
+    # the row store (rows/: token-keyed tables): the bytes it holds (the tables resident, or its row
+    # cache), whether the tables are resident, and the tables' bytes
+    row_bytes: int = 0
+    rows_resident: bool = False
+    row_table_bytes: int = 0
 
     @property
     def below_working_set(self) -> bool:
@@ -82,7 +87,7 @@ class Plan:
     @property
     def fixed_bytes(self) -> int:
         """Everything but the expert cache and the safety margin."""
-        return self.baseline + self.spine_bytes + self.state_bytes + self.activation_bytes
+        return self.baseline + self.spine_bytes + self.state_bytes + self.activation_bytes + self.row_bytes
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -163,7 +168,8 @@ def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: di
               cache_experts: int | None = None, stream_buffers: int = 2,
               max_resident_layers: int | None = None, parallel: int | None = 1,
               lookahead_slots: int = 0, layer_experts: int | None = None,
-              activations_for: Callable[[int], int] | None = None, device_bytes: int = 0) -> Plan:
+              activations_for: Callable[[int], int] | None = None, device_bytes: int = 0,
+              row_bytes: int = 0) -> Plan:
     """Split ``budget`` between spine, per-sequence state, buffers and the expert cache.
 
     ``state_bytes`` is one sequence's state; ``parallel`` sequences get one each. ``parallel=None``
@@ -176,6 +182,7 @@ def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: di
     so that a chunk shrunk to fit a small cache also frees its buffers.
     ``device_bytes``: the device pool (0 on CPU), filled with up to that many bytes of expert
     slots (``Plan.device_slots``); it changes nothing of the host plan.
+    ``row_bytes``: what the row store holds (``rows_for``), fixed like the baseline.
     """
     if device_bytes < 0:
         raise InvalidArgumentError(f"device memory for experts must be at least 0 bytes, got {device_bytes}")
@@ -185,7 +192,7 @@ def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: di
                 max_context=max_context, prefill_chunk=prefill_chunk, cache_experts=cache_experts,
                 stream_buffers=stream_buffers, max_resident_layers=max_resident_layers,
                 lookahead_slots=lookahead_slots, layer_experts=layer_experts, activations_for=activations_for,
-                device_bytes=device_bytes)
+                device_bytes=device_bytes, row_bytes=row_bytes)
     if parallel is not None:
         if parallel < 1:
             raise InvalidArgumentError(f"parallel (--parallel) must be at least 1, got {parallel}")
@@ -199,6 +206,21 @@ def make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: di
         if p.streamed_layers == one.streamed_layers and not p.below_working_set:
             return p
     return one
+
+
+ROW_SHARE = 10  # row tables stay resident when they fit in 1/ROW_SHARE of the budget above the floor
+
+
+def rows_for(table_bytes: int, min_cache: int, budget: int, floor: int, cache: int | None = None) -> tuple[bool, int]:
+    """(resident, bytes) of the row store: the tables resident when they fit in a tenth of what the
+    budget leaves above the floor (``floor``: the plan's without the row store) and no row cache
+    size is asked for (``cache``); else a row cache of ``cache`` bytes, or that tenth (at least
+    ``min_cache``: one row per table; at most the tables)."""
+    room = max(0, budget - floor) // ROW_SHARE
+    if cache is None and table_bytes <= room:
+        return True, table_bytes
+    want = room if cache is None else cache
+    return False, max(min_cache, min(table_bytes, want))
 
 
 def max_parallel(limit: int = 1 << 16, **plan_args) -> int:
@@ -227,7 +249,8 @@ def _make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: d
                total_experts: int, top_k: int, max_context: int, prefill_chunk: int,
                cache_experts: int | None, stream_buffers: int, max_resident_layers: int | None,
                parallel: int, lookahead_slots: int, layer_experts: int | None,
-               activations_for: Callable[[int], int] | None, device_bytes: int = 0) -> Plan:
+               activations_for: Callable[[int], int] | None, device_bytes: int = 0,
+               row_bytes: int = 0) -> Plan:
     """``make_plan`` for a given number of sequences.
 
     Rule when the spine does not fit: keep the expert cache at one token's working set and
@@ -258,7 +281,7 @@ def _make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: d
             f"use at least {top_k} (one token's working set is {working_set})"
         )
     buffers = stream_buffers * stream_buffer if all_layers else 0
-    fixed0 = baseline + state_bytes  # what every plan holds besides spine, buffers and cache
+    fixed0 = baseline + state_bytes + row_bytes  # what every plan holds besides spine, buffers and cache
     ws_resident = budget_for(fixed0 + activations + spine_all, working_set * slot_bytes)
     ws_budget = min(ws_resident, budget_for(fixed0 + activations + spine_global + buffers, working_set * slot_bytes))
     floor_slots = step_slots(top_k, lookahead_slots, working_set)
@@ -340,4 +363,5 @@ def _make_plan(*, budget: int, baseline: int, spine_global: int, spine_layers: d
                 spine_streamed_bytes=sum(spine_layers[i] for i in streamed),
                 stream_buffer_bytes=buffers if streamed else 0, parallel=parallel, seq_state_bytes=seq_state,
                 floor_slots=floor_slots, working_set_budget=ws_budget, requested_chunk=prefill_chunk, reduced=reduced,
-                device_bytes=device_bytes, device_slots=min(total_experts, device_bytes // slot_bytes))
+                device_bytes=device_bytes, device_slots=min(total_experts, device_bytes // slot_bytes),
+                row_bytes=row_bytes)

@@ -328,7 +328,8 @@ class ModelRunner:
         spine = self._spine.stats if self._spine is not None else None
         io = self._checkpoint.stats
         return EngineCounters.collect(
-            {"experts": self._experts.counters, "spine": spine, "io": io},
+            {"experts": self._experts.counters, "spine": spine, "io": io,
+             "rows": rows.stats if (rows := getattr(self._model, "rows", None)) is not None else None},
             evictions=self._experts.evictions, bytes_read=io.bytes_read + self._experts.bytes_read_elsewhere,
             forwards=self._forwards, tokens_forwarded=self._tokens)
 

@@ -56,6 +56,11 @@ class EngineCounters:
     expert_compute_calls: int = _from("experts", "compute_calls")
     expert_union: int = _from("experts", "union")
     expert_seq_union: int = _from("experts", "seq_union")
+    # the row store (rows/: token-keyed tables): distinct rows looked up per gather, rows read from
+    # storage (the rest from its cache or resident tables), their bytes (also counted in bytes_read)
+    row_lookups: int = _from("rows", "looked_up")
+    rows_read: int = _from("rows", "read")
+    row_bytes_read: int = _from("rows", "bytes_read")
 
     @classmethod
     def collect(cls, sources: dict[str, object | None], **own) -> EngineCounters:
@@ -140,6 +145,15 @@ class GenerationStats(dict):
     disk_tier_hits: int = 0
     disk_tier_misses: int = 0
     disk_tier_bytes_read: int = 0  # of bytes_read: from the local disk tier
+    # the row store's (token-keyed tables; 0 for models without): counts, then per token of the
+    # generation (prompt positions computed plus generated tokens), beside the experts' bytes
+    row_lookups: int = 0
+    rows_read: int = 0
+    row_bytes_read: int = 0  # of bytes_read: table rows
+    row_hit_rate: float = 0.0  # rows served without a read (cache or resident) / rows looked up
+    rows_read_per_token: float = 0.0
+    row_bytes_per_token: float = 0.0
+    expert_bytes_per_token: float = 0.0  # bytes_read less spine and row bytes, per token
 
     # the attributes and the dict entries are kept equal: every write goes through __setattr__
     def __setattr__(self, name, value) -> None:
@@ -182,6 +196,8 @@ class GenerationStats(dict):
         steady = forwards[1:]  # the first decode step is excluded (it pays for warm-up)
         steady_t = sum(t for _, t in steady)
         lookups = delta.expert_lookups
+        tokens = max(1, prompt_tokens - reused + generated)
+        expert_bytes = delta.bytes_read - delta.spine_bytes_read - delta.row_bytes_read
         counted = {f.name: getattr(delta, f.name) for f in fields(delta) if f.name not in NOT_PER_GENERATION}
         return cls(
             **counted,
@@ -201,6 +217,10 @@ class GenerationStats(dict):
             accepted=accepted,
             tokens_per_forward=sum(n for n, _ in forwards) / len(forwards) if forwards else 0.0,
             peak_rss_bytes=peak_rss_bytes,
+            row_hit_rate=1.0 - delta.rows_read / delta.row_lookups if delta.row_lookups else 0.0,
+            rows_read_per_token=delta.rows_read / tokens,
+            row_bytes_per_token=delta.row_bytes_read / tokens,
+            expert_bytes_per_token=max(0, expert_bytes) / tokens,
         )
 
 

@@ -97,6 +97,8 @@ def model_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
                 if ref.index is not None or ref.row0:
                     raise ValueError("the synthetic writer handles per-expert tensors only")
                 by_layer.setdefault(layer, []).append((ref.name, tuple(ref.shape)))
+    for name, (rows, dim) in desc.row_tables.items():  # token-keyed tables (rows/): one tensor each
+        by_layer.setdefault(_layer_of(name), []).append((name + ".weight", (rows, dim)))
     out = []
     for layer in sorted(by_layer):
         out.extend(by_layer[layer])

@@ -155,6 +155,7 @@ FAMILY_KEYS = {  # family -> (tiny config overrides, its top-k key)
                     "num_experts_per_tok"),
     "deepseek_v32": ({"num_key_value_heads": 4, "n_group": 1, "topk_group": 1, "index_topk": 8}, "num_experts_per_tok"),
     "glm_moe_dsa": ({"num_key_value_heads": 4, "index_topk": 8}, "num_experts_per_tok"),
+    "qwen4_exp_text": ({}, "num_experts_per_tok"),  # the wrapper: tests/hostile/test_hostile_configs_qwen4_exp.py
 }
 FAMILY_EDITS = {
     "top_k_zero": lambda raw, k: ({k: 0}, f"{k}=0"),

@@ -272,8 +272,10 @@ class GatedDeltaNet(_LinearAttention):
     gated RMSNorm with SiLU(z), output projection."""
 
     def __init__(self, *, w_qkvz, w_ba, conv_weight, a_log, dt_bias, norm_weight, w_out,
-                 n_k: int, n_v: int, dk: int, dv: int, act: str, eps: float):
+                 n_k: int, n_v: int, dk: int, dv: int, act: str, eps: float, gate: str = "silu"):
         self.w_qkvz, self.w_ba, self.w_out = w_qkvz, w_ba, w_out
+        # the output gate's activation: SiLU (Qwen3-Next, Qwen3.5) or sigmoid (Qwen4-Exp's output_gate_type)
+        self.gate_fn = torch.sigmoid if gate == "sigmoid" else F.silu
         self.conv = conv_weight  # [C, 1, K], possibly streamed: used as stored
         self.neg_a = -a_log.float().exp()  # a_log is 1-D [H]: resident
         self.dt_bias = dt_bias.float()
@@ -317,7 +319,7 @@ class GatedDeltaNet(_LinearAttention):
         beta = pointwise(torch.sigmoid, b)
         g = self.neg_a * pointwise(F.softplus, a + self.dt_bias)
         o = self._recur(q, k, v, g, beta, segs, windows)
-        o = gated_rms_norm(o, z, self.norm_weight, self.eps, F.silu)
+        o = gated_rms_norm(o, z, self.norm_weight, self.eps, self.gate_fn)
         return linear(o.reshape(t, -1), self.w_out)
 
 
@@ -327,9 +329,10 @@ class SplitGatedDeltaNet(GatedDeltaNet):
     b [H] and a [H] (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``)."""
 
     def __init__(self, *, w_qkv, w_z, w_b, w_a, conv_weight, a_log, dt_bias, norm_weight, w_out,
-                 n_k: int, n_v: int, dk: int, dv: int, act: str, eps: float):
+                 n_k: int, n_v: int, dk: int, dv: int, act: str, eps: float, gate: str = "silu"):
         super().__init__(w_qkvz=None, w_ba=None, conv_weight=conv_weight, a_log=a_log, dt_bias=dt_bias,
-                         norm_weight=norm_weight, w_out=w_out, n_k=n_k, n_v=n_v, dk=dk, dv=dv, act=act, eps=eps)
+                         norm_weight=norm_weight, w_out=w_out, n_k=n_k, n_v=n_v, dk=dk, dv=dv, act=act, eps=eps,
+                         gate=gate)
         self.w_qkv, self.w_z, self.w_b, self.w_a = w_qkv, w_z, w_b, w_a
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -81,6 +81,8 @@ class ModelDescription:
     # the spine matrices multiplied whole through ``quant.linear`` (what ``--spine int8`` may
     # quantize), when the family lists them; None: ``quantized_spine.quantizable``'s naming rule
     spine_linears: list[str] | None = None
+    # tables read by row index (``rows/``: Qwen4-Exp's PLE n-gram tables), not spine tensors: name -> (rows, dim)
+    row_tables: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def state_bytes(self, max_ctx: int) -> int:
         """KV caches and recurrent states of one sequence of up to ``max_ctx`` positions."""

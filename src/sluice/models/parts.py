@@ -195,7 +195,7 @@ def _recurrent(one: int) -> dict[str, int]:
 
 
 def gated_delta(hidden: int, *, n_k: int, n_v: int, dk: int, dv: int, kernel: int, act: str, eps: float,
-                split: bool = False) -> Part:
+                split: bool = False, gate: str = "silu") -> Part:
     """Gated DeltaNet (``layers.gated_delta.GatedDeltaNet``) at ``linear_attn.``: the fused
     ``in_proj_qkvz`` / ``in_proj_ba`` (Qwen3-Next), or with ``split`` Qwen3.5's ``in_proj_qkv``,
     ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (``SplitGatedDeltaNet``)."""
@@ -212,7 +212,7 @@ def gated_delta(hidden: int, *, n_k: int, n_v: int, dk: int, dv: int, kernel: in
     def make(t):
         common = dict(conv_weight=t(p + "conv1d.weight"), a_log=t(p + "A_log"), dt_bias=t(p + "dt_bias"),
                       norm_weight=t(p + "norm.weight"), w_out=t.lin(p + "out_proj"),
-                      n_k=n_k, n_v=n_v, dk=dk, dv=dv, act=act, eps=eps)
+                      n_k=n_k, n_v=n_v, dk=dk, dv=dv, act=act, eps=eps, gate=gate)
         if split:
             return SplitGatedDeltaNet(w_qkv=t.lin(p + "in_proj_qkv"), w_z=t.lin(p + "in_proj_z"),
                                       w_b=t.lin(p + "in_proj_b"), w_a=t.lin(p + "in_proj_a"), **common)

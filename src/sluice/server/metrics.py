@@ -31,6 +31,11 @@ ENGINE_METRICS: tuple[tuple[str, str, tuple[tuple[dict, str], ...]], ...] = (
     ("sluice_engine_expert_reads_total", "Expert reads the engine made since load, by kind.",
      (({"kind": "demand"}, "demand_reads"), ({"kind": "prefetch"}, "prefetch_reads"))),
     ("sluice_engine_forwards_total", "Model forwards the engine ran since load.", (({}, "forwards"),)),
+    ("sluice_engine_table_rows_total", "Rows of token-keyed tables (PLE n-gram tables) since load: looked up, and "
+     "read from storage (the rest from the row cache or resident tables).",
+     (({"kind": "looked_up"}, "row_lookups"), ({"kind": "read"}, "rows_read"))),
+    ("sluice_engine_table_bytes_read_total", "Of the bytes read, bytes of table rows, since load.",
+     (({}, "row_bytes_read"),)),
     ("sluice_engine_tokens_forwarded_total", "Positions those forwards computed.", (({}, "tokens_forwarded"),)),
 )
 

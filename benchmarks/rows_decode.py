@@ -1,0 +1,121 @@
+"""Decode with token-keyed tables larger than the memory budget: a synthetic qwen4_exp-shaped model.
+
+A Qwen3.8-Flash-Next-shaped model (``qwen4_exp_text``, Gated DeltaNet + QSA, 4 gated residual
+streams, every layer MoE) with PLE n-gram tables on its linear-attention layers, written by
+``sluice.synthetic`` with random bf16 weights; the tables are sized to ``--table-gb`` (2 GB by
+default) and the model runs under ``--memory`` (768 MiB by default: this process alone takes
+~370 MiB before loading), so the tables stream by row
+through the row store's cache while the experts stream through theirs.
+
+Measured in one run, alternating so background load hits both alike: decode tok/s cold (O_DIRECT
+where the filesystem allows it, a fresh engine per run) with each step's row reads issued at the
+step's start (``early``, the default) and with each PLE layer reading its rows when it runs
+(``at_layer``); per token the table bytes and expert bytes read, rows read, the row-cache hit
+rate; the peak RSS of the process against the budget, and the logits of both modes equal.
+
+    PYTHONPATH=src python benchmarks/rows_decode.py [--dir /path/for/model] [--table-gb 2]
+        [--memory 768MiB] [--tokens 24] [--rounds 3] [--json benchmarks/results/rows-decode.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import sluice  # noqa: F401  (before torch: it sets OpenMP's wait policy)
+import torch
+
+from sluice.models import get_family
+from sluice.synthetic import write_model
+from sluice.units import format_size
+
+LAYERS = ["linear_attention", "linear_attention", "linear_attention", "indexed_attention"] * 2
+PLE = [1, 2, 3, 5, 6, 7]  # the linear-attention layers (one-indexed)
+
+
+def config(table_bytes: float) -> dict:
+    """The model, with ``ngram_vocab_size_base`` chosen so the tables hold about ``table_bytes``
+    (16 heads of 16 bf16 values per PLE layer: 32 bytes a row)."""
+    heads, row = 16, 32
+    base = max(1000, int(table_bytes / len(PLE) / heads / row))
+    return dict(
+        model_type="qwen4_exp_text", vocab_size=32000, hidden_size=256, num_hidden_layers=len(LAYERS),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, layer_types=LAYERS, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=64,
+        num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=256, hc_count=4,
+        hc_lowrank=32, ple_layer_ids=PLE, ple_embed_dim=256, ngram_size=3, heads_per_ngram=8,
+        ngram_vocab_size_base=base, make_ngram_vocab_size_divisible_by=128, indexer_n_heads=4,
+        indexer_kv_heads=1, indexer_head_dim=64, indexer_budget=64, indexer_compress_ratio=4,
+        max_position_embeddings=4096, rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False, hidden_act="silu")
+
+
+def run(path: Path, memory: str, tokens: int, early: bool) -> dict:
+    prompt = torch.randint(3, 32000, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    with sluice.load(path, memory=memory, progress=False, max_context=512) as eng:
+        eng.model.early_rows = early
+        plan = eng.plan
+        r = eng.generate(prompt, max_new_tokens=tokens, ignore_eos=True, speculate=False)
+        s = r.stats
+        logits = eng.forward(torch.tensor(prompt + r.token_ids[:4]))
+        return dict(mode="early" if early else "at_layer", decode_tok_s=s["decode_tok_s"],
+                    row_bytes_per_token=s["row_bytes_per_token"], expert_bytes_per_token=s["expert_bytes_per_token"],
+                    rows_read_per_token=s["rows_read_per_token"], row_hit_rate=s["row_hit_rate"],
+                    direct_io=s["direct_io"], rows_resident=plan.rows_resident, row_cache_bytes=plan.row_bytes,
+                    table_bytes=plan.row_table_bytes, tokens=r.token_ids, logits=logits)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default=None, help="where to write the model (default: a temporary directory)")
+    ap.add_argument("--table-gb", type=float, default=2.0)
+    ap.add_argument("--memory", default="768MiB")
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="rows-bench-"))
+    path = root / "qwen4-exp-synthetic"
+    cfg = config(a.table_gb * 1e9)
+    if not (path / "config.json").exists():
+        write_model(path, cfg, dtype=torch.bfloat16, progress=False)
+    fam = get_family("qwen4_exp_text")
+    desc = fam.describe(fam.parse_config(cfg))
+    runs = {"early": [], "at_layer": []}
+    for _ in range(a.rounds):
+        for mode in ("early", "at_layer"):
+            runs[mode].append(run(path, a.memory, a.tokens, mode == "early"))
+    first = runs["early"][0]
+    same = all(r["tokens"] == first["tokens"] and torch.equal(r["logits"], first["logits"])
+               for rs in runs.values() for r in rs)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out = {"machine": platform.processor() or platform.machine(), "memory": a.memory, "tokens": a.tokens,
+           "rounds": a.rounds, "table_bytes": first["table_bytes"], "row_cache_bytes": first["row_cache_bytes"],
+           "rows_resident": first["rows_resident"], "row_tables": len(desc.row_tables),
+           "peak_rss_bytes": peak, "bit_identical": same, "direct_io": first["direct_io"], "modes": {}}
+    for mode, rs in runs.items():
+        out["modes"][mode] = {k: statistics.median(r[k] for r in rs) for k in
+                              ("decode_tok_s", "row_bytes_per_token", "expert_bytes_per_token", "rows_read_per_token",
+                               "row_hit_rate")}
+        out["modes"][mode]["decode_tok_s_all"] = [round(r["decode_tok_s"], 3) for r in rs]
+    print(f"tables {format_size(out['table_bytes'])} under --memory {a.memory} (row cache "
+          f"{format_size(out['row_cache_bytes'])}, resident={out['rows_resident']}), peak RSS {format_size(peak)}, "
+          f"O_DIRECT={out['direct_io']}, bit-identical={same}")
+    for mode, m in out["modes"].items():
+        print(f"  {mode:9s} {m['decode_tok_s']:.2f} tok/s  table {format_size(m['row_bytes_per_token'])}/token  "
+              f"experts {format_size(m['expert_bytes_per_token'])}/token  rows {m['rows_read_per_token']:.1f}/token  "
+              f"row hit rate {m['row_hit_rate']:.3f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
