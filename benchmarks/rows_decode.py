@@ -3,7 +3,7 @@
 A Qwen3.8-Flash-Next-shaped model (``qwen4_exp_text``, Gated DeltaNet + QSA, 4 gated residual
 streams, every layer MoE) with PLE n-gram tables on its linear-attention layers, written by
 ``sluice.synthetic`` with random bf16 weights; the tables are sized to ``--table-gb`` (2 GB by
-default) and the model runs under ``--memory`` (768 MiB by default: this process alone takes
+default) and the model runs under ``--memory`` (800 MiB by default: this process alone takes
 ~370 MiB before loading), so the tables stream by row
 through the row store's cache while the experts stream through theirs.
 
@@ -14,7 +14,7 @@ step's start (``early``, the default) and with each PLE layer reading its rows w
 rate; the peak RSS of the process against the budget, and the logits of both modes equal.
 
     PYTHONPATH=src python benchmarks/rows_decode.py [--dir /path/for/model] [--table-gb 2]
-        [--memory 768MiB] [--tokens 24] [--rounds 3] [--json benchmarks/results/rows-decode.json]
+        [--memory 800MiB] [--tokens 24] [--rounds 3] [--json benchmarks/results/rows-decode.json]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=None, help="where to write the model (default: a temporary directory)")
     ap.add_argument("--table-gb", type=float, default=2.0)
-    ap.add_argument("--memory", default="768MiB")
+    ap.add_argument("--memory", default="800MiB")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)

@@ -12,12 +12,13 @@ import pytest
 import sluice
 from conftest import prompt_ids
 from sluice.experts.provider import ExpertCounters
+from sluice.rows import RowStats
 from sluice.scheduler import SchedulerStats
 from sluice.spine import SpineStats
 from sluice.stats import NOT_PER_GENERATION, STATS_KEYS, EngineCounters, EngineInfo, GenerationStats
 from sluice.storage.source import ReadStats
 
-SOURCES = {"experts": ExpertCounters, "spine": SpineStats, "io": ReadStats}
+SOURCES = {"experts": ExpertCounters, "spine": SpineStats, "io": ReadStats, "rows": RowStats}
 # the expert provider's own counters the engine does not report (tests/experts checks them)
 EXPERT_ONLY = {"prefetch_aborted", "predicted_far", "predicted_far_hits"}
 
@@ -59,18 +60,19 @@ def test_every_collected_counter_names_a_real_source_field():
 
 def test_collect_reads_each_source_field_and_needs_the_rest():
     experts, spine, io = distinct(ExpertCounters), distinct(SpineStats, 100), distinct(ReadStats, 1000)
+    rows = distinct(RowStats, 10000)
     own = dict(evictions=7, bytes_read=8, forwards=9, tokens_forwarded=10)
-    c = EngineCounters.collect({"experts": experts, "spine": spine, "io": io}, **own)
+    c = EngineCounters.collect({"experts": experts, "spine": spine, "io": io, "rows": rows}, **own)
     for f in dataclasses.fields(EngineCounters):
         if "from" in f.metadata:
             source, name = f.metadata["from"]
-            obj = {"experts": experts, "spine": spine, "io": io}[source]
+            obj = {"experts": experts, "spine": spine, "io": io, "rows": rows}[source]
             assert getattr(c, f.name) == getattr(obj, name), f.name
         else:
             assert getattr(c, f.name) == own[f.name], f.name
     # an absent source counts nothing; a field with no source must be given
-    none = EngineCounters.collect({"experts": experts, "spine": None, "io": io}, **own)
-    assert (none.spine_bytes_read, none.spine_read_wait_s) == (0, 0.0)
+    none = EngineCounters.collect({"experts": experts, "spine": None, "io": io, "rows": None}, **own)
+    assert (none.spine_bytes_read, none.spine_read_wait_s, none.rows_read) == (0, 0.0, 0)
     with pytest.raises(TypeError, match="forwards"):
         EngineCounters.collect({"experts": experts, "spine": None, "io": io}, evictions=1, bytes_read=2,
                                tokens_forwarded=3)

@@ -20,7 +20,9 @@ read from one are not). A container's tables are paged (``table.paged_table``): 
 with its page, whose CRC32 is checked (``verify``, the ``verify_reads`` option) before the row is
 used; a mismatch is a ``RowReadError`` naming the table, the row and the file.
 
-Counters (``stats``): rows looked up (one per distinct row per gather), rows read, bytes read.
+Counters (``stats``): rows looked up (one per distinct row per gather), rows read, bytes read
+(what the byte sources read for them: the aligned span around a row with O_DIRECT, its page
+in a container).
 """
 
 from __future__ import annotations
@@ -115,12 +117,14 @@ class RowStore:
         return out
 
     def _read_range(self, t: RowTable, file: str, dest: memoryview, offset: int, what: str) -> None:
+        src = self.source(file)
         try:
-            self.source(file).read_into(dest, offset)
+            src.read_into(dest, offset)
         except OSError as e:
             raise RowReadError(f"{file}: reading {what} of row table {t.name!r} failed: {e}") from None
+        a = max(1, src.alignment)  # what the source read: the aligned span around the range (O_DIRECT)
         with self._lock:
-            self.stats.bytes_read += len(dest)
+            self.stats.bytes_read += -(-(offset + len(dest)) // a) * a - offset // a * a
 
     def _read_row(self, name: str, row: int) -> torch.Tensor:
         t = self.tables[name]
