@@ -449,7 +449,14 @@ class Pinned(Policy):
         return self.inner.speculative_victim(evictable, prob)
 
 
-POLICIES: dict[str, Callable[..., Policy]] = {"lru": LRU, "lfru": LFRU}
+def _ulfru(**params) -> Policy:
+    """``ulfru`` (experts/layer_share.py, which builds on ``LFRU``: imported on use)."""
+    from .layer_share import LayerUtilityLFRU
+
+    return LayerUtilityLFRU(**params)
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {"lru": LRU, "lfru": LFRU, "ulfru": _ulfru}
 
 
 def _value(text: str):
