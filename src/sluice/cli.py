@@ -27,8 +27,9 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                         "(cgroup limits respected). Below the model's floor Sluice refuses to start and says why.")
     g.add_argument("--cache-experts", type=int_arg(1), default=None, metavar="N",
                    help="expert cache size in experts (overrides the size derived from --memory)")
-    g.add_argument("--cache-policy", choices=["lfru", "lru"], default="lfru",
-                   help="expert cache eviction: lfru (decayed hotness, default) or lru")
+    g.add_argument("--cache-policy", choices=["lfru", "lru", "ulfru"], default="lfru",
+                   help="expert cache eviction: lfru (decayed hotness, default), lru, or ulfru (lfru that "
+                        "learns which layers' slots pay; docs/cache-policy.md)")
     g.add_argument("--max-context", type=int_arg(1), default=None, metavar="N",
                    help="longest sequence (prompt + output); the KV cache is reserved for it "
                         "(default: min(model limit, 4096))")

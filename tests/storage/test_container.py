@@ -53,6 +53,7 @@ def test_scheduling_never_changes_results(packed):
         dict(cache_experts=3, prefetch=True, reader_threads=4),
         dict(cache_experts=2, prefetch=False, reader_threads=4, direct_io=False),
         dict(cache_experts=5, prefetch=True, reader_threads=4, cache_policy="lru"),
+        dict(cache_experts=3, prefetch=True, reader_threads=4, cache_policy="ulfru"),
     ]
     for v in variants:
         logits, tokens, eng = _run(box, ids, **v)
