@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..layers.context import ForwardContext
-from ..layers.hyper import HyperConnection, HyperHead, expand, mix
+from ..layers.hyper import HyperConnection, HyperHead, MeanHead, expand, mix
 from ..layers.rotary import LayerRotary
 from ..quant import embed
 from .base import CausalLM, MoEBlock, ModelDescription
@@ -42,6 +42,11 @@ def hyper_head(n: int, hidden: int, *, eps: float, norm_eps: float) -> Part:
     """A ``layers.hyper.HyperHead``: ``fn`` [n, n * H], ``base`` [n], ``scale`` [1]."""
     return Part({"fn": (n, n * hidden), "base": (n,), "scale": (1,)},
                 lambda t: HyperHead(t("fn"), t("base"), t("scale"), n, eps, norm_eps))
+
+
+def mean_head(n: int) -> Part:
+    """A ``layers.hyper.MeanHead`` (GLM-5.3-Flash): the streams' mean, no tensors."""
+    return Part({}, lambda t: MeanHead(n))
 
 
 ROLES = ("input_norm", "post_norm", "attn_hc", "ffn_hc", "attn", "mlp")
@@ -162,6 +167,8 @@ class HyperCausalLM(CausalLM):
         positions = ctx.positions()
         if isinstance(self.rotary, LayerRotary):
             rope = self.rotary.cos_sin_layers(positions)
+        elif self.rotary is None:  # no positional encoding (GLM-5.3-Flash)
+            rope = [(None, None)] * len(self.layers)
         else:
             rope = [self.rotary.cos_sin(positions)] * len(self.layers)
         spine, lookahead = self.spine, ctx.lookahead
@@ -183,4 +190,5 @@ class HyperCausalLM(CausalLM):
         return self.norm(self.head(h))
 
 
-__all__ = ["HyperCausalLM", "HyperDecoderLayer", "HyperLayer", "HyperModel", "hyper_connection", "hyper_head"]
+__all__ = ["HyperCausalLM", "HyperDecoderLayer", "HyperLayer", "HyperModel", "hyper_connection", "hyper_head",
+           "mean_head"]
