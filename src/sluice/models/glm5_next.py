@@ -40,6 +40,7 @@ from .parts import dsa_mla, gated_mlp, grouped_router, kimi_delta, moe, rms_norm
 from .weight_format import text_quantization
 
 MODEL_TYPE = "glm5_next"
+ALIASES = ("glm5_next_text",)  # a text_config on its own (the checkpoint is still the wrapper's)
 TEXT_MODEL_TYPE = "glm5_next_text"
 PREFIX = "model.language_model."  # the text model's tensors in the checkpoint
 LAYER_TYPES = ("linear_attention", "indexed_attention")
@@ -101,6 +102,8 @@ class Config:
 
 def _text_config(raw: dict) -> tuple[dict, str, list[str]]:
     """(the text model's config, where its errors point, notes)."""
+    if raw.get("model_type") == TEXT_MODEL_TYPE:
+        return raw, "config.json", []
     notes = ["multimodal checkpoint: the text model only (the vision tower, model.visual.*, is not read; "
              "requests with images or video are refused)"]
     text = raw.get("text_config")
