@@ -170,8 +170,8 @@ class PooledIndexer(LightningIndexer):
             raise ValueError(f"index_topk={self.topk} is not a multiple of the pool size {pool}")
         if tuple(ape.shape) != (pool, self.head_dim):
             raise ValueError(f"pool position bias of shape {list(ape.shape)} for pools of {pool} x {self.head_dim}")
-        self.gate = compress_gate  # [D, H], used as given (possibly a stream buffer's view)
-        self.ape = ape.float()
+        # [D, H] and [P, D]: possibly a stream buffer's views (refilled before the layer), used as given
+        self.gate, self.ape = compress_gate, ape
         self.pool, self.pools_kept = pool, self.topk // pool
         self.key_dim = 2 * self.head_dim
 
@@ -194,7 +194,7 @@ class PooledIndexer(LightningIndexer):
         d, p = self.head_dim, self.pool
         m = keys.shape[0] // p
         grouped = keys[: m * p].reshape(m, p, 2 * d)
-        k, logits = grouped[..., :d], grouped[..., d:] + self.ape
+        k, logits = grouped[..., :d], grouped[..., d:] + self.ape.float()
         e = pointwise(torch.exp, logits - logits.amax(dim=1, keepdim=True))
         prob = e / sum_ascending(e, 1).unsqueeze(1)
         return sum_ascending(prob * k, 1)

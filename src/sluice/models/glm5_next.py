@@ -169,7 +169,7 @@ def _linear_attn(c: RawConfig, text: dict) -> dict:
     if lin is not None:
         if not isinstance(lin, dict):
             raise c.bad("linear_attn_config", lin, "an object")
-        lc = RawConfig(lin, f"{c.where} linear_attn_config")
+        lc = RawConfig(lin, f"{c.where}: linear_attn_config")
         out.update(head_dim=lc.pos_int("head_dim", out["head_dim"], hi=MAX_HEAD_DIM),
                    heads=lc.pos_int("num_heads", out["heads"], hi=MAX_HEADS),
                    kernel=lc.pos_int("short_conv_kernel_size", out["kernel"], hi=MAX_HEAD_DIM))

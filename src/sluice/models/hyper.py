@@ -99,14 +99,15 @@ class HyperModel(Model):
 
     def linears(self) -> list[str]:
         """The spine tensors of every part's ``Lin`` declarations, the embedding and the head: the
-        matrices the layers multiply whole through ``quant.linear`` (``ModelDescription.spine_linears``)."""
+        matrices the layers multiply whole through ``quant.linear`` (``ModelDescription.spine_linears``;
+        not MLA's ``kv_b_proj``, whose heads are used as views)."""
         out = [self.embed_name] + ([] if self.tied else [self.head_name])
         for layer in self.layers:
             for sub, part in layer.parts():
                 for name, shape in {**part.tensors, **part.tail}.items():
                     if isinstance(shape, Lin):
                         out.extend(self.weights.tensors(layer.prefix + sub + name, shape.shape))
-        return [n for n in out if n.endswith(".weight")]
+        return [n for n in out if n.endswith(".weight") and ".kv_b_proj." not in n]  # MLA's: used as head views
 
     def describe(self, **fields) -> ModelDescription:
         return super().describe(tables=list(self.tables), spine_linears=self.linears(), **fields)
