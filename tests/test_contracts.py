@@ -80,6 +80,7 @@ CONFIGS = {
                         mlp_layer_types=["dense", "sparse", "sparse"], kv_lora_rank=40, q_lora_rank=48,
                         qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, index_topk=6, index_n_heads=8,
                         index_head_dim=16, indexer_types=["full", "shared", "full"]),
+    "glm5_next": dict(num_experts_per_tok=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_kpool=4, index_n_heads=4, index_head_dim=16, linear_head_dim=16, linear_num_heads=4, swiglu_limit=1.5, layer_types=["linear_attention", "indexed_attention", "indexed_attention"], indexer_types=["full", "full", "shared"], mlp_layer_types=["dense", "sparse", "sparse"], vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64, patch_size=4)),  # noqa: E501
     "qwen4_exp_text": dict(num_experts_per_tok=4, layer_types=["linear_attention", "indexed_attention", "linear_attention"], linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, shared_expert_intermediate_size=48, eos_token_id=5, hc_count=2, hc_lowrank=8, ple_layer_ids=[1, 3], ple_embed_dim=16, heads_per_ngram=2, ngram_vocab_size_base=53, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=3, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4, indexer_compress_ratio=2),  # noqa: E501
 }
 FAMILIES = list(CONFIGS)

@@ -155,8 +155,10 @@ FAMILY_KEYS = {  # family -> (tiny config overrides, its top-k key)
                     "num_experts_per_tok"),
     "deepseek_v32": ({"num_key_value_heads": 4, "n_group": 1, "topk_group": 1, "index_topk": 8}, "num_experts_per_tok"),
     "glm_moe_dsa": ({"num_key_value_heads": 4, "index_topk": 8}, "num_experts_per_tok"),
+    "glm5_next_text": ({"num_key_value_heads": 4, "mlp_layer_types": ["dense", "sparse", "sparse"]}, "num_experts_per_tok"),  # noqa: E501
     "qwen4_exp_text": ({}, "num_experts_per_tok"),  # the wrapper: tests/hostile/test_hostile_configs_qwen4_exp.py
 }
+NOPE = ("kimi_linear", "glm5_next_text")  # no RoPE: no rope_theta to refuse
 FAMILY_EDITS = {
     "top_k_zero": lambda raw, k: ({k: 0}, f"{k}=0"),
     "top_k_above_experts": lambda raw, k: ({k: 9}, f"{k}=9"),
@@ -177,7 +179,7 @@ def family_configs():
 
 
 @pytest.mark.parametrize("family,edit", [(f, e) for f in FAMILY_KEYS for e in FAMILY_EDITS
-                                         if not (f == "kimi_linear" and e == "rope_theta_negative")])  # NoPE
+                                         if not (f in NOPE and e == "rope_theta_negative")])
 def test_hostile_config_every_family(family, edit, family_configs):
     raw = json.loads(json.dumps(family_configs[family]))
     fam = get_family(raw["model_type"])
