@@ -37,10 +37,13 @@ def tiny_config(model_type: str, **overrides):
 
 
 def save_tiny(path: Path, model_type: str, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()
+    cfg = tiny_config(model_type, **overrides)
+    # a wrapper transformers has no causal LM for (GLM-5.3-Flash): its image-text model
+    cls = AutoModelForCausalLM if type(cfg) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
+    model = cls.from_config(cfg).eval()
     model.to(dtype).save_pretrained(path)
     return path
 

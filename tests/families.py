@@ -107,6 +107,22 @@ def _v4_weights(model) -> None:
                 n = gate.tid2eid.shape[0]
                 gate.tid2eid.copy_(torch.stack([torch.randperm(gate.num_experts, generator=g)[:gate.top_k]
                                                 for _ in range(n)]))
+def _glm5_next_weights(model) -> None:
+    """GLM-5.3-Flash: random norm weights (the indexer's LayerNorm bias too) and correction bias, and
+    what transformers initializes trivially: the hyper-connections' biases and scales, the KDA decay
+    rates (``A_log`` zeros), the indexer's pool position bias (zeros) and pooling gate (ones)."""
+    _norms_and_correction_bias(model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.model.language_model.named_parameters():
+            if name.endswith(("hc.base", "A_log", "index_kpool_compress_ape")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("hc.scale"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("index_kpool_compress_gate"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
 def _norms_and_ple_conv(model) -> None:
     """Random norm weights and PLE convolutions (transformers zeroes the latter)."""
     _norms_and_correction_bias(model)
@@ -297,6 +313,17 @@ REGISTRY: dict[str, Family] = {
         seed=0, post=_norms_and_ple_conv, wrapper=dict(vision_config=dict(
             depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64, patch_size=4,
             num_position_embeddings=16))),
+    # GLM-5.3-Flash, the published wrapper: KDA (bounded forget gate), MLA without RoPE with DSA over pools
+    # of 4 (index_topk 8: 2 pools kept, crossed from position 11; prompt + generation 6 times it), MLA
+    # reusing that selection, KDA; layer 0 dense; top-4 of 8; 4 hyper-connection streams; clamped SwiGLU
+    "glm5_next": Family("glm5_next", dict(
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=4, kv_lora_rank=32, q_lora_rank=48,
+        qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_kpool=4, index_n_heads=8,
+        index_head_dim=16, linear_head_dim=16, linear_num_heads=4, swiglu_limit=1.5, num_hidden_layers=4,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
+        seed=0, post=_glm5_next_weights, wrapper=dict(vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64, patch_size=4))),
 }
 FAMILY_NAMES = list(REGISTRY)
 
@@ -330,19 +357,27 @@ def save_family(path: Path, family: str, dtype=torch.float32, seed: int | None =
 
 
 def reference(path: Path):
-    """transformers model on the checkpoint's weights upcast to fp32."""
-    from transformers import AutoModelForCausalLM
+    """transformers model on the checkpoint's weights upcast to fp32 (the image-text model of a
+    wrapper transformers has no causal LM for: GLM-5.3-Flash)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    known = type(AutoConfig.from_pretrained(path)) in AutoModelForCausalLM._model_mapping
+    cls = AutoModelForCausalLM if known else AutoModelForImageTextToText
+    return cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def text_layers(ref):
+    """The decoder layers of a transformers model (a multimodal wrapper's text model's)."""
+    return getattr(ref.model, "language_model", ref.model).layers
 
 
 def selection_scores(ref, router_logits: torch.Tensor, moe_layer: int) -> torch.Tensor:
     """[T, E] scores transformers selects the experts of its ``moe_layer``-th MoE layer by:
     softmax probabilities, or (grouped routers, with a correction bias) the biased sigmoid
     scores with the experts of groups not kept at -inf."""
-    cfg = ref.config
+    cfg = ref.config.get_text_config()  # a wrapper: its text model's
     rl = router_logits.float().reshape(-1, router_logits.shape[-1])
-    biases = [b for b in (correction_bias(layer.mlp) for layer in ref.model.layers) if b is not None]
+    biases = [b for b in (correction_bias(layer.mlp) for layer in text_layers(ref)) if b is not None]
     if not biases:
         return torch.softmax(rl, -1)
     s = _biased_scores(cfg, rl) + biases[moe_layer].float().reshape(-1)
@@ -359,19 +394,19 @@ def assert_decisive_model(ref, ids: torch.Tensor, first: int) -> None:
     """A clear top-1 logit from ``first`` on, and clear router choices at every position under
     the model's own selection rule (``selection_scores``): the k-th and (k+1)-th scores apart,
     and for grouped routers the kept groups and the rank of every selected expert too."""
-    cfg = ref.config
+    cfg = ref.config.get_text_config()  # a wrapper: its text model's
     k = cfg.num_experts_per_tok
     with torch.no_grad():
         out = ref(ids[None], output_router_logits=True)
     top = out.logits[0, first:].topk(2, dim=-1).values
     margin = (top[:, 0] - top[:, 1]).min().item()
     assert margin > LOGIT_MARGIN, f"top-1/top-2 logit margin {margin:.2e} is a near-tie: pick another seed"
-    grouped = correction_bias(ref.model.layers[-1].mlp) is not None  # scores + bias (groups or not)
+    grouped = correction_bias(text_layers(ref)[-1].mlp) is not None  # scores + bias (groups or not)
     n_group, topk_group = getattr(cfg, "n_group", None) or 1, getattr(cfg, "topk_group", None) or 1
     for layer, rl in enumerate(out.router_logits or ()):
         if grouped and topk_group < n_group:
             s = torch.sigmoid(rl.float().reshape(-1, rl.shape[-1]))
-            biases = [b for b in (correction_bias(x.mlp) for x in ref.model.layers) if b is not None]
+            biases = [b for b in (correction_bias(x.mlp) for x in text_layers(ref)) if b is not None]
             s = s + biases[layer].float()
             t, e = s.shape
             gs = s.view(t, n_group, -1).topk(2, dim=-1).values.sum(-1).topk(topk_group + 1, dim=-1).values

@@ -18,71 +18,13 @@ import pytest
 import torch
 
 import sluice
-from conftest import prompt_ids, save_tiny
+from conftest import prompt_ids
+from families import REGISTRY
 from sluice.layers.routing import GroupedRouter, Router, SoftmaxRouter, TopKSoftmaxRouter
 from sluice.models.base import CausalLM, DecoderLayer, MoEBlock
 
-# Tiny configs (tests/conftest.py ``tiny_config`` plus these overrides): top-k 4 everywhere,
-# the grouped routers with 16 experts in 4 groups of which 2 are kept.
-HYBRID = ["linear_attention", "full_attention", "linear_attention"]
-CONFIGS = {
-    "mixtral": dict(num_experts_per_tok=4),
-    "qwen3_moe": dict(num_experts_per_tok=4),
-    "olmoe": dict(num_experts_per_tok=4),
-    "qwen3_next": dict(num_experts_per_tok=4, layer_types=HYBRID, linear_num_key_heads=2, linear_num_value_heads=4,
-                       linear_key_head_dim=16, linear_value_head_dim=16, shared_expert_intermediate_size=48,
-                       mlp_only_layers=[2]),
-    "kimi_linear": dict(num_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, layer_types=HYBRID,
-                        linear_num_heads=4, linear_head_dim=16, kv_lora_rank=32, qk_rope_head_dim=8,
-                        qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4),
-    "deepseek_v3": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
-                        num_key_value_heads=4, kv_lora_rank=40, q_lora_rank=48, qk_rope_head_dim=8,
-                        qk_nope_head_dim=16, v_head_dim=16, n_shared_experts=1, routed_scaling_factor=2.5),
-    "gpt_oss": dict(num_experts_per_tok=4, intermediate_size=32, sliding_window=4, max_position_embeddings=2048,
-                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
-    "minimax_m2": dict(num_experts_per_tok=4, intermediate_size=32, rotary_dim=8),
-    "mimo_v2_flash": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, intermediate_size=48,
-                          v_head_dim=8, sliding_window=5, routed_scaling_factor=2.0),
-    "glm4_moe": dict(n_routed_experts=16, num_local_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-                     first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True,
-                     use_qk_norm=True),
-    "ernie4_5_moe": dict(num_experts_per_tok=4, num_hidden_layers=4, moe_layer_start_index=1, moe_layer_interval=2,
-                         moe_num_shared_experts=1, moe_norm_min=0.8, use_bias=True),
-    "dots1": dict(n_routed_experts=16, num_local_experts=16, num_experts=16, num_experts_per_tok=4, n_group=4,
-                  topk_group=2, first_k_dense_replace=1, n_shared_experts=2, norm_topk_prob=True,
-                  routed_scaling_factor=2.5, sliding_window=8, max_window_layers=2),
-    "hunyuan_v1_moe": dict(num_experts_per_tok=4, intermediate_size=32, moe_intermediate_size=32, attention_bias=True,
-                           rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
-                                            "rope_theta": 10000.0}),
-    # Qwen3.5's text model alone (its wrapper runs in the fidelity matrix)
-    "qwen3_5_moe_text": dict(num_experts_per_tok=4, layer_types=HYBRID, linear_num_key_heads=2,
-                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                             shared_expert_intermediate_size=48),
-    "glm4_moe_lite": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_key_value_heads=4,
-                          mlp_layer_types=["dense", "sparse", "sparse"], kv_lora_rank=40, q_lora_rank=48, head_dim=8,
-                          qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, routed_scaling_factor=1.8),
-    "hy_v3": dict(num_experts_per_tok=4, num_shared_experts=2, attention_bias=True),
-    # its hash layers need a real tid2eid (transformers initializes zeros): they run in the fidelity matrix
-    "deepseek_v4": dict(num_experts_per_tok=4, num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
-                        o_groups=2, o_lora_rank=16, q_lora_rank=24, index_n_heads=8, index_head_dim=16, index_topk=3,
-                        sliding_window=6, compress_rates={"compressed_sparse_attention": 4,
-                                                          "heavily_compressed_attention": 8},
-                        layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
-                                     "sliding_attention"], mlp_layer_types=["moe"] * 3),
-    "deepseek_v32": dict(n_routed_experts=16, num_experts=16, num_local_experts=16, num_experts_per_tok=4, n_group=4,
-                         topk_group=2,
-                         first_k_dense_replace=1, num_key_value_heads=4, kv_lora_rank=40, q_lora_rank=48,
-                         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=6, index_n_heads=8,
-                         index_head_dim=16),
-    "glm_moe_dsa": dict(n_routed_experts=16, num_experts=16, num_local_experts=16, num_experts_per_tok=4,
-                        num_key_value_heads=4,
-                        mlp_layer_types=["dense", "sparse", "sparse"], kv_lora_rank=40, q_lora_rank=48,
-                        qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, index_topk=6, index_n_heads=8,
-                        index_head_dim=16, indexer_types=["full", "shared", "full"]),
-    "qwen4_exp_text": dict(num_experts_per_tok=4, layer_types=["linear_attention", "indexed_attention", "linear_attention"], linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, shared_expert_intermediate_size=48, eos_token_id=5, hc_count=2, hc_lowrank=8, ple_layer_ids=[1, 3], ple_embed_dim=16, heads_per_ngram=2, ngram_vocab_size_base=53, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=3, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4, indexer_compress_ratio=2),  # noqa: E501
-}
-FAMILIES = list(CONFIGS)
+# The registry's tiny checkpoints (tests/families.py): every family, as the fidelity matrix runs them
+FAMILIES = list(REGISTRY)
 N_NEW = 8
 
 
@@ -104,18 +46,9 @@ def _run(path, **opts):
 
 
 @pytest.fixture(scope="module")
-def family_model(tmp_path_factory):
-    """``family_model(family, dtype="float32")`` -> a tiny checkpoint of CONFIGS[family], built once."""
-    root = tmp_path_factory.mktemp("contracts")
-    made: dict = {}
-
-    def make(family: str, dtype: str = "float32"):
-        if (family, dtype) not in made:
-            made[family, dtype] = save_tiny(root / f"{family}-{dtype}", family, dtype=getattr(torch, dtype),
-                                            **CONFIGS[family])
-        return made[family, dtype]
-
-    return make
+def family_model(family_models):
+    """``family_model(family, dtype="float32")`` -> the registry's tiny checkpoint, built once per session."""
+    return lambda family, dtype="float32": family_models.hf(family, {"float32": "f32", "bfloat16": "bf16"}[dtype])
 
 
 # -- Router ------------------------------------------------------------------------------------
@@ -262,15 +195,15 @@ def default_runs(family_model):
 def test_lossy_switches_run_and_are_exact_at_identity(family_model, default_runs, family):
     path = family_model(family)
     logits, tokens = default_runs[family]
-    k = CONFIGS[family]["num_experts_per_tok"]
     for opts in (dict(prefer_cached=1.0), dict(moe_top_k=1), dict(moe_top_k=1, prefer_cached=0.5)):
         lossy_logits, lossy_tokens = _run(path, **opts)
         assert torch.isfinite(lossy_logits).all(), opts
         assert len(lossy_tokens) == N_NEW
     top1_logits, _ = _run(path, moe_top_k=1)
-    assert not torch.equal(top1_logits, logits)  # one expert instead of four changes the output
+    assert not torch.equal(top1_logits, logits)  # one expert instead of the model's top-k changes the output
     eng = _load(path)
     routers = [layer.mlp.router for layer in eng.model.layers if isinstance(layer.mlp, MoEBlock)]
+    k = eng.desc.top_k
     eng.close()
     assert routers and all(type(r).__module__ == "sluice.layers.routing" for r in routers)
     same_logits, same_tokens = _run(path, moe_top_k=k, prefer_cached=0.0)
@@ -284,7 +217,7 @@ def test_model_top_k_is_not_lossy(family_model):
     eng = _load(family_model("qwen3_moe"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        eng.set_lossy(moe_top_k=CONFIGS["qwen3_moe"]["num_experts_per_tok"])
+        eng.set_lossy(moe_top_k=eng.desc.top_k)
     assert eng.lossy == {}
     with pytest.warns(UserWarning, match="lossy"):
         eng.set_lossy(moe_top_k=1)

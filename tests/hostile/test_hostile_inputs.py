@@ -22,7 +22,7 @@ import sluice
 from sluice.cli import main
 from sluice.errors import ChatTemplateError, CheckpointError, ConfigError, InvalidArgumentError, UnknownOptionError
 from sluice.models import get_family
-from conftest import tiny_config
+from families import REGISTRY
 
 RUN = ["--memory", "2GiB", "--threads", "1", "--max-context", "64", "--no-progress", "--max-new-tokens", "4",
        "--ignore-eos", "--no-speculate"]
@@ -134,32 +134,23 @@ def test_debug_shows_the_traceback(text_model, tmp_path):
 
 # -- config.json of every family, at parse time ----------------------------------------------------------
 
-FAMILY_KEYS = {  # family -> (tiny config overrides, its top-k key)
-    "qwen3_moe": ({}, "num_experts_per_tok"),
-    "mixtral": ({}, "num_experts_per_tok"),
-    "olmoe": ({}, "num_experts_per_tok"),
-    "qwen3_next": ({}, "num_experts_per_tok"),
-    "kimi_linear": ({"num_key_value_heads": 4}, "num_experts_per_token"),
-    "deepseek_v3": ({"num_key_value_heads": 4, "n_group": 1, "topk_group": 1}, "num_experts_per_tok"),
-    "gpt_oss": ({}, "num_experts_per_tok"),
-    "minimax_m2": ({"rotary_dim": 8}, "num_experts_per_tok"),
-    "mimo_v2_flash": ({"v_head_dim": 8}, "num_experts_per_tok"),
-    "glm4_moe": ({"n_routed_experts": 8, "n_group": 1, "topk_group": 1}, "num_experts_per_tok"),
-    "ernie4_5_moe": ({}, "moe_k"),
-    "dots1": ({"n_shared_experts": 1}, "num_experts_per_tok"),
-    "hunyuan_v1_moe": ({"intermediate_size": 32, "moe_intermediate_size": 32}, "moe_topk"),
-    "qwen3_5_moe_text": ({}, "num_experts_per_tok"),  # the wrapper: tests/hostile/test_hostile_configs_qwen3_5_moe.py
-    "glm4_moe_lite": ({"num_key_value_heads": 4, "head_dim": 8, "qk_rope_head_dim": 8}, "num_experts_per_tok"),
-    "hy_v3": ({}, "num_experts_per_tok"),
-    "deepseek_v4": ({"num_key_value_heads": 1, "o_groups": 2, "head_dim": 32, "partial_rotary_factor": 0.25},
-                    "num_experts_per_tok"),
-    "deepseek_v32": ({"num_key_value_heads": 4, "n_group": 1, "topk_group": 1, "index_topk": 8}, "num_experts_per_tok"),
-    "glm_moe_dsa": ({"num_key_value_heads": 4, "index_topk": 8}, "num_experts_per_tok"),
-    "qwen4_exp_text": ({}, "num_experts_per_tok"),  # the wrapper: tests/hostile/test_hostile_configs_qwen4_exp.py
-}
+TOP_K_KEYS = ("moe_k", "moe_topk", "num_experts_per_token", "num_experts_per_tok")  # the name each family reads
+
+
+def _family_config(family: str) -> dict:
+    """The registry's tiny config.json of ``family`` (a wrapper's text config: the wrappers' own keys are
+    in their family's hostile file)."""
+    cfg = REGISTRY[family].config()
+    return (cfg if REGISTRY[family].wrapper is None else cfg.text_config).to_dict()
+
+
+def _top_k_key(raw: dict) -> str:
+    return next(k for k in TOP_K_KEYS if k in raw)
+
+
 FAMILY_EDITS = {
     "top_k_zero": lambda raw, k: ({k: 0}, f"{k}=0"),
-    "top_k_above_experts": lambda raw, k: ({k: 9}, f"{k}=9"),
+    "top_k_above_experts": lambda raw, k: ({k: 10_000}, f"{k}=10000"),
     "heads_zero": lambda raw, k: ({"num_attention_heads": 0}, "num_attention_heads=0"),
     "eps_nan": lambda raw, k: ({"rms_norm_eps": math.nan}, "rms_norm_eps=nan"),
     "eps_string": lambda raw, k: ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6'"),
@@ -173,16 +164,19 @@ FAMILY_EDITS = {
 def family_configs():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {f: tiny_config(f, **over).to_dict() for f, (over, _) in FAMILY_KEYS.items()}
+        return {f: _family_config(f) for f in REGISTRY}
 
 
-@pytest.mark.parametrize("family,edit", [(f, e) for f in FAMILY_KEYS for e in FAMILY_EDITS
-                                         if not (f == "kimi_linear" and e == "rope_theta_negative")])  # NoPE
+NOPE = ("kimi_linear", "glm5_next")  # no RoPE: no rope_theta to refuse
+
+
+@pytest.mark.parametrize("family,edit", [(f, e) for f in REGISTRY for e in FAMILY_EDITS
+                                         if not (f in NOPE and e == "rope_theta_negative")])
 def test_hostile_config_every_family(family, edit, family_configs):
     raw = json.loads(json.dumps(family_configs[family]))
     fam = get_family(raw["model_type"])
     fam.parse_config(raw)  # the clean config parses
-    change, expected = FAMILY_EDITS[edit](raw, FAMILY_KEYS[family][1])
+    change, expected = FAMILY_EDITS[edit](raw, _top_k_key(raw))
     with pytest.raises(ConfigError) as e:
         fam.parse_config({**raw, **change})
     assert expected in str(e.value) and str(e.value).startswith("config.json: ")

@@ -15,7 +15,8 @@ from sluice.errors import UnsupportedModelError
 from sluice.models import families, get_family
 from sluice.models.declare import Lin, Part, Tensors
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "families.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "families.md"
 
 
 def _modules() -> set[str]:
@@ -33,6 +34,16 @@ def test_every_family_has_a_docs_row():
     table = text[text.index("## Families at a glance"):]
     rows = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9_]+)` \|", table, re.M)}
     assert set(families()) <= rows, f"docs/families.md lacks a row for {sorted(set(families()) - rows)}"
+
+
+def test_every_registry_family_is_in_the_readme_table():
+    """README's supported-families table names every family of the registry in its first column."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("| `model_type` | what is covered")
+    table = text[start:text.index("\n\n", start)]
+    named = {n for m in re.finditer(r"^\| ([^|]+) \|", table, re.M) for n in re.findall(r"`([a-z0-9_]+)`", m.group(1))}
+    missing = {e.model_type for e in REGISTRY.values()} - named
+    assert not missing, f"README's families table lacks {sorted(missing)}"
 
 
 def test_unknown_model_type_names_the_supported_ones():

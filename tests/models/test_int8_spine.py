@@ -15,6 +15,7 @@ import torch
 
 import sluice
 from conftest import prompt_ids
+from families import REGISTRY
 from sluice import convert as convert_mod
 from sluice.cli import main
 from sluice.container import Container, seal_manifest
@@ -78,9 +79,7 @@ def test_embedding_rows_and_linear(boxes):
     eng.close()
 
 
-@pytest.mark.parametrize("family,kind", [("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4"), ("minimax_m2", "fp8"),
-                                         ("mimo_v2_flash", "fp8"), ("glm4_moe", "fp8"), ("glm4_moe_lite", "fp8"),
-                                         ("hy_v3", "fp8")])
+@pytest.mark.parametrize("family,kind", [(f, e.native) for f, e in REGISTRY.items() if e.native])
 def test_native_formats_stay_as_stored(family_models, family, kind):
     """FP8 spine weights are one byte already and stay FP8 with their scales; MXFP4 experts stay
     MXFP4; the float matrices around them become int8. The result runs and is finite."""

@@ -37,7 +37,8 @@ PROMPT_SEEDS = range(1, 9)
 # families whose quantized checkpoints are refused, and what the refusal names
 REFUSED = {"gpt_oss": "transformers' FP8 experts carry no biases",
            "deepseek_v4": "its FP8 spine with ue8m0 scales and FP4 experts",  # not built yet
-           "qwen4_exp": "quantization_config is not supported for qwen4_exp"}
+           "qwen4_exp": "quantization_config is not supported for qwen4_exp",
+           "glm5_next": "quantization_config is not supported for glm5_next"}
 SUPPORTED = [f for f in FAMILY_NAMES if f not in REFUSED]
 CT_FAMILIES = ("glm4_moe", "dots1")  # the families whose FP8 checkpoints are compressed-tensors ones
 

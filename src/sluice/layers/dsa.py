@@ -85,7 +85,7 @@ class SparseMLA(MLA):
     def new_cache(self, max_ctx: int) -> LatentCache:
         if self.indexer is None:
             return SharedLatentCache(max_ctx, self.rank, self.dr, self.source)
-        return IndexedLatentCache(max_ctx, self.rank, self.dr, self.indexer.head_dim)
+        return IndexedLatentCache(max_ctx, self.rank, self.dr, self.indexer.key_dim)
 
     def cache_bytes(self, max_ctx: int) -> int:
         extra = self.indexer.keys_bytes(max_ctx) if self.indexer is not None else 0

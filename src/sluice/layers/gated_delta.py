@@ -343,11 +343,14 @@ class SplitGatedDeltaNet(GatedDeltaNet):
 
 class KimiDeltaAttention(_LinearAttention):
     """Kimi Delta Attention: separate q/k/v projections with their own causal convs,
-    per-channel decay ``g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)``,
-    ``beta = sigmoid(b(x))``, gated RMSNorm with sigmoid(g_b(g_a(x))), output projection."""
+    per-channel decay ``g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)``, or with
+    ``lower_bound`` (GLM-5.3-Flash's bounded forget gate, ``linear_lower_bound``)
+    ``g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))``, ``beta = sigmoid(b(x))``,
+    gated RMSNorm with sigmoid(g_b(g_a(x))), output projection. ``A_log`` has one value per head
+    ([H], or Kimi's [1, 1, H, 1])."""
 
     def __init__(self, *, wq, wk, wv, q_conv, k_conv, v_conv, f_a, f_b, a_log, dt_bias, w_b, g_a, g_b, norm_weight,
-                 w_out, n_heads: int, head_dim: int, act: str, eps: float):
+                 w_out, n_heads: int, head_dim: int, act: str, eps: float, lower_bound: float | None = None):
         self.wq, self.wk, self.wv, self.w_out = wq, wk, wv, w_out
         self.convs = (q_conv, k_conv, v_conv)  # each [C, 1, K], possibly streamed: used as stored
         self.f_a, self.f_b, self.w_b, self.g_a, self.g_b = f_a, f_b, w_b, g_a, g_b
@@ -357,6 +360,7 @@ class KimiDeltaAttention(_LinearAttention):
         self.n_heads, self.head_dim = n_heads, head_dim
         self.act = activation(act)
         self.eps = eps
+        self.lower_bound = lower_bound
 
     def conv_weight(self) -> torch.Tensor:
         w = torch.cat(self.convs, dim=0)
@@ -373,7 +377,11 @@ class KimiDeltaAttention(_LinearAttention):
         k = l2norm(mixed[:, 1])
         v = mixed[:, 2]
         f = linear(linear(x, self.f_a), self.f_b).view(t, h, d) + self.dt_bias
-        g = -self.a_log.float().exp().reshape(h, 1) * pointwise(F.softplus, f)  # [T, H, D]
+        rate = self.a_log.float().exp().reshape(h, 1)
+        if self.lower_bound is None:
+            g = -rate * pointwise(F.softplus, f)  # [T, H, D]
+        else:
+            g = self.lower_bound * pointwise(torch.sigmoid, rate * f)
         beta = pointwise(torch.sigmoid, linear(x, self.w_b))  # [T, H]
         o = self._recur(q, k, v, g, beta, segs, windows)
         gate = linear(linear(x, self.g_a), self.g_b).view(t, h, d)

@@ -11,7 +11,8 @@ linear map over the flattened, RMS-normalised streams:
 
 After the block, ``mix`` gives the new streams ``post_k * y + sum_j comb[j, k] h_j``. A
 ``HyperHead`` collapses the streams once more before the final norm. DeepSeek-V4 uses it with
-n = ``hc_mult`` = 4 (transformers' ``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead``).
+n = ``hc_mult`` = 4 (transformers' ``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead``);
+GLM-5.3-Flash the same connections and a ``MeanHead`` (the streams' mean).
 
 Batch invariance: every step is per row. The one matrix product goes through ``quant.linear``
 (the C kernel's fixed order), sigmoids and exponentials through ``pointwise``, and every sum
@@ -129,9 +130,19 @@ class HyperHead:
         return collapse(h, pre)
 
 
+class MeanHead:
+    """The final collapse of GLM-5.3-Flash: the streams' plain mean, ``sum_j h_j / n`` (no weights)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return sum_ascending(h, 1) / self.n
+
+
 def expand(x: torch.Tensor, n: int) -> torch.Tensor:
     """The first streams: the embedding copied n times, [T, H] -> [T, n, H]."""
     return x.unsqueeze(1).expand(x.shape[0], n, x.shape[1]).contiguous()
 
 
-__all__ = ["HyperConnection", "HyperHead", "collapse", "expand", "mix"]
+__all__ = ["HyperConnection", "HyperHead", "MeanHead", "collapse", "expand", "mix"]

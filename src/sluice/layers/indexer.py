@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import linear
+from .pointwise import pointwise
 from .rotary import apply_rotary
 
 # Bound on the fp32 score block [L, Tb * Hi] computed at once while prefilling.
@@ -94,12 +95,13 @@ class LightningIndexer:
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
         self.interleave, self.eps = interleave, eps
         self.scale = head_dim**-0.5
+        self.key_dim = head_dim  # floats kept per position (``IndexKeys`` width)
 
     def new_keys(self, max_ctx: int) -> IndexKeys:
-        return IndexKeys(max_ctx, self.head_dim)
+        return IndexKeys(max_ctx, self.key_dim)
 
     def keys_bytes(self, max_ctx: int) -> int:
-        return IndexKeys.nbytes(max_ctx, self.head_dim)
+        return IndexKeys.nbytes(max_ctx, self.key_dim)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rope_interleaved(x, cos, sin) if self.interleave else apply_rotary(x, cos, sin)
@@ -141,4 +143,81 @@ class LightningIndexer:
                 n = start + i + 1
                 scores = linear(s[:n, (i - b0) * hi : (i - b0 + 1) * hi], w[i : i + 1])[:, 0]
                 out[i] = scores.topk(self.topk).indices.sort().values
+        return out
+
+
+class PooledIndexer(LightningIndexer):
+    """GLM-5.3-Flash's indexer (``index_kpool``): the lightning indexer scoring pools of ``pool``
+    consecutive positions instead of single ones, without RoPE.
+
+    Per position it keeps its key ``k`` = LayerNorm(wk(x)) and its pooling logits ``g`` =
+    ``index_kpool_compress_gate`` x (D floats each: ``key_dim`` = 2 D). Pool m covers positions
+    m P .. m P + P - 1; once complete its key is ``sum_j softmax_j(g_j + ape_j) * k_j`` per channel
+    (``ape`` [P, D]: a learned bias per place in the pool). A query at position p sees the
+    complete pools that end at or before p, scores them as ``LightningIndexer.scores`` scores
+    positions, keeps the best ``topk / P`` (all of them when it sees that many or fewer), attends
+    over their positions and always over the incomplete pool it is in (positions P floor((p+1)/P)
+    .. p, the "tail"). As transformers 5.24 computes it (``Glm5NextTextIndexer``, sequences
+    without padding: pools start at position 0).
+
+    Selection ties: the same rule as ``LightningIndexer`` (``torch.topk`` over the pools the query
+    sees; the tests' models are checked to have no exact tie at the boundary).
+    """
+
+    def __init__(self, *, compress_gate: torch.Tensor, ape: torch.Tensor, pool: int, **indexer):
+        super().__init__(interleave=False, **indexer)
+        if pool < 1 or self.topk % pool:
+            raise ValueError(f"index_topk={self.topk} is not a multiple of the pool size {pool}")
+        if tuple(ape.shape) != (pool, self.head_dim):
+            raise ValueError(f"pool position bias of shape {list(ape.shape)} for pools of {pool} x {self.head_dim}")
+        # [D, H] and [P, D]: possibly a stream buffer's views (refilled before the layer), used as given
+        self.gate, self.ape = compress_gate, ape
+        self.pool, self.pools_kept = pool, self.topk // pool
+        self.key_dim = 2 * self.head_dim
+
+    def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        return x  # no positional encoding (qk_rope_head_dim = 0)
+
+    def keys(self, x: torch.Tensor, cos=None, sin=None) -> torch.Tensor:
+        """[T, 2 D]: each row's key then its pooling logits."""
+        k = layer_norm(linear(x, self.wk), self.k_norm_weight, self.k_norm_bias, self.eps)
+        return torch.cat([k, linear(x, self.gate)], dim=-1)
+
+    def needs(self, start: int, t: int) -> bool:
+        return (start + t) // self.pool > self.pools_kept
+
+    def pool_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """[M, D] the keys of the complete pools of keys [L, 2 D] (M = L // P), each from its own
+        positions only (elementwise steps, sums over the pool in ascending order)."""
+        from .hyper import sum_ascending
+
+        d, p = self.head_dim, self.pool
+        m = keys.shape[0] // p
+        grouped = keys[: m * p].reshape(m, p, 2 * d)
+        k, logits = grouped[..., :d], grouped[..., d:] + self.ape.float()
+        e = pointwise(torch.exp, logits - logits.amax(dim=1, keepdim=True))
+        prob = e / sum_ascending(e, 1).unsqueeze(1)
+        return sum_ascending(prob * k, 1)
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, start: int) -> list:
+        """As ``LightningIndexer.select`` over pools: per query None where it sees ``topk / P`` pools or
+        fewer (every position it sees is kept), else its kept pools' positions and its tail, ascending."""
+        t, hi, d = q.shape
+        p, kept = self.pool, self.pools_kept
+        out: list = [None] * t
+        first = next((i for i in range(t) if (start + i + 1) // p > kept), t)
+        if first == t:
+            return out
+        pooled = self.pool_keys(keys[: start + t])  # [M, D]
+        offsets = torch.arange(p)
+        block = max(1, SCORE_BLOCK_BYTES // (4 * hi * max(1, pooled.shape[0])))
+        for b0 in range(first, t, block):
+            b1 = min(t, b0 + block)
+            s = linear(pooled, q[b0:b1].reshape(-1, d)).mul_(self.scale).relu_()  # [M, Tb * Hi]
+            for i in range(b0, b1):
+                n = (start + i + 1) // p  # the complete pools this query sees
+                scores = linear(s[:n, (i - b0) * hi : (i - b0 + 1) * hi], w[i : i + 1])[:, 0]
+                picked = scores.topk(kept).indices.sort().values
+                tail = torch.arange(n * p, start + i + 1)
+                out[i] = torch.cat([(picked[:, None] * p + offsets).reshape(-1), tail])
         return out

@@ -131,6 +131,8 @@ class MLA:
         return LatentCache.nbytes(max_ctx, self.rank, self.dr)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.dr == 0:  # no rope sub-head (GLM-5.3-Flash): nothing to rotate
+            return x
         return apply_rotary_interleaved(x, cos, sin) if self.interleave else apply_rotary(x, cos, sin)
 
     def use_absorbed(self, t: int, end: int) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..layers.context import ForwardContext
-from ..layers.hyper import HyperConnection, HyperHead, expand, mix
+from ..layers.hyper import HyperConnection, HyperHead, MeanHead, expand, mix
 from ..layers.rotary import LayerRotary
 from ..quant import embed
 from .base import CausalLM, MoEBlock, ModelDescription
@@ -42,6 +42,11 @@ def hyper_head(n: int, hidden: int, *, eps: float, norm_eps: float) -> Part:
     """A ``layers.hyper.HyperHead``: ``fn`` [n, n * H], ``base`` [n], ``scale`` [1]."""
     return Part({"fn": (n, n * hidden), "base": (n,), "scale": (1,)},
                 lambda t: HyperHead(t("fn"), t("base"), t("scale"), n, eps, norm_eps))
+
+
+def mean_head(n: int) -> Part:
+    """A ``layers.hyper.MeanHead`` (GLM-5.3-Flash): the streams' mean, no tensors."""
+    return Part({}, lambda t: MeanHead(n))
 
 
 ROLES = ("input_norm", "post_norm", "attn_hc", "ffn_hc", "attn", "mlp")
@@ -94,14 +99,15 @@ class HyperModel(Model):
 
     def linears(self) -> list[str]:
         """The spine tensors of every part's ``Lin`` declarations, the embedding and the head: the
-        matrices the layers multiply whole through ``quant.linear`` (``ModelDescription.spine_linears``)."""
+        matrices the layers multiply whole through ``quant.linear`` (``ModelDescription.spine_linears``;
+        not MLA's ``kv_b_proj``, whose heads are used as views)."""
         out = [self.embed_name] + ([] if self.tied else [self.head_name])
         for layer in self.layers:
             for sub, part in layer.parts():
                 for name, shape in {**part.tensors, **part.tail}.items():
                     if isinstance(shape, Lin):
                         out.extend(self.weights.tensors(layer.prefix + sub + name, shape.shape))
-        return [n for n in out if n.endswith(".weight")]
+        return [n for n in out if n.endswith(".weight") and ".kv_b_proj." not in n]  # MLA's: used as head views
 
     def describe(self, **fields) -> ModelDescription:
         return super().describe(tables=list(self.tables), spine_linears=self.linears(), **fields)
@@ -162,6 +168,8 @@ class HyperCausalLM(CausalLM):
         positions = ctx.positions()
         if isinstance(self.rotary, LayerRotary):
             rope = self.rotary.cos_sin_layers(positions)
+        elif self.rotary is None:  # no positional encoding (GLM-5.3-Flash)
+            rope = [(None, None)] * len(self.layers)
         else:
             rope = [self.rotary.cos_sin(positions)] * len(self.layers)
         spine, lookahead = self.spine, ctx.lookahead
@@ -183,4 +191,5 @@ class HyperCausalLM(CausalLM):
         return self.norm(self.head(h))
 
 
-__all__ = ["HyperCausalLM", "HyperDecoderLayer", "HyperLayer", "HyperModel", "hyper_connection", "hyper_head"]
+__all__ = ["HyperCausalLM", "HyperDecoderLayer", "HyperLayer", "HyperModel", "hyper_connection", "hyper_head",
+           "mean_head"]

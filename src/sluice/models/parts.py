@@ -17,7 +17,7 @@ from ..layers.dsa import SparseMLA
 from ..layers.gated_attention import GatedAttention
 from ..layers.gated_delta import (DECAY_BLOCK_BYTES, SNAPSHOTS, GatedDeltaNet, KimiDeltaAttention, LinearState,
                                   SplitGatedDeltaNet)
-from ..layers.indexer import IndexKeys, LightningIndexer
+from ..layers.indexer import IndexKeys, LightningIndexer, PooledIndexer
 from ..layers.mla import MLA, LatentCache
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
@@ -164,27 +164,38 @@ def mla(hidden: int, n_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int
 
 
 def dsa_mla(hidden: int, n_heads: int, *, topk: int, index_heads: int, index_head_dim: int, index_interleave: bool,
-            source: int | None = None, **mla_args) -> Part:
+            source: int | None = None, kpool: int | None = None, **mla_args) -> Part:
     """MLA with DeepSeek sparse attention (``layers.dsa.SparseMLA``): ``mla``'s tensors, then the
     lightning indexer's at ``self_attn.indexer.`` (``wq_b``, ``wk``, the LayerNorm ``k_norm`` with
     its bias, ``weights_proj``, which transformers keeps unquantized: a plain tensor) and its keys,
     ``index_head_dim`` floats per position more. ``source``: no indexer, the selection of that
-    earlier layer reused (GLM-5's ``"shared"`` layers; the latent cache only)."""
+    earlier layer reused (GLM-5's ``"shared"`` layers; the latent cache only). ``kpool``: the indexer
+    scores pools of that many positions (``layers.indexer.PooledIndexer``, GLM-5.3-Flash: with
+    ``index_kpool_compress_ape`` [P, D] and ``index_kpool_compress_gate`` [D, H], and 2 D floats per
+    position)."""
     base = mla(hidden, n_heads, cls=SparseMLA, extra=lambda t: extra(t), **mla_args)
     p, d, q_rank = "self_attn.indexer.", index_head_dim, mla_args["q_lora_rank"]
     tensors = {} if source is not None else {
         p + "wq_b": Lin((index_heads * d, q_rank)), p + "wk": Lin((d, hidden)), p + "k_norm.weight": (d,),
         p + "k_norm.bias": (d,), p + "weights_proj.weight": (index_heads, hidden)}
+    if kpool is not None and source is None:
+        tensors.update({p + "index_kpool_compress_ape": (kpool, d), p + "index_kpool_compress_gate": (d, hidden)})
 
     def extra(t):
         if source is not None:
             return dict(source=source)
+        if kpool is not None:
+            return dict(indexer=PooledIndexer(
+                wq_b=t.lin(p + "wq_b"), wk=t.lin(p + "wk"), weights_proj=t(p + "weights_proj.weight"),
+                k_norm_weight=t(p + "k_norm.weight"), k_norm_bias=t(p + "k_norm.bias"), n_heads=index_heads,
+                head_dim=d, topk=topk, compress_gate=t(p + "index_kpool_compress_gate"),
+                ape=t(p + "index_kpool_compress_ape"), pool=kpool))
         return dict(indexer=LightningIndexer(
             wq_b=t.lin(p + "wq_b"), wk=t.lin(p + "wk"), weights_proj=t(p + "weights_proj.weight"),
             k_norm_weight=t(p + "k_norm.weight"), k_norm_bias=t(p + "k_norm.bias"), n_heads=index_heads,
             head_dim=d, topk=topk, interleave=index_interleave))
 
-    keys = 0 if source is not None else IndexKeys.nbytes(1, d)
+    keys = 0 if source is not None else IndexKeys.nbytes(1, d if kpool is None else 2 * d)
     return Part({**base.tensors, **tensors}, base.make, kv_per_token=base.kv_per_token + keys)
 
 
@@ -221,16 +232,19 @@ def gated_delta(hidden: int, *, n_k: int, n_v: int, dk: int, dv: int, kernel: in
     return Part(tensors, make, **_recurrent(LinearState.nbytes(channels, kernel, n_v, dk, dv)))
 
 
-def kimi_delta(hidden: int, *, heads: int, head_dim: int, kernel: int, act: str, eps: float) -> Part:
+def kimi_delta(hidden: int, *, heads: int, head_dim: int, kernel: int, act: str, eps: float,
+               lower_bound: float | None = None, a_log_shape: tuple[int, ...] | None = None) -> Part:
     """Kimi Delta Attention (``layers.gated_delta.KimiDeltaAttention``) at ``self_attn.``; its
-    forward also builds bounded per-channel decay blocks."""
+    forward also builds bounded per-channel decay blocks. ``lower_bound``: GLM-5.3-Flash's bounded
+    forget gate; ``a_log_shape``: ``A_log``'s stored shape (Kimi's [1, 1, H, 1] by default)."""
     p, d = "self_attn.", head_dim
     qkv = heads * d
     tensors = {p + "q_proj": Lin((qkv, hidden)), p + "k_proj": Lin((qkv, hidden)),
                p + "v_proj": Lin((qkv, hidden)), p + "q_conv1d.weight": (qkv, 1, kernel),
                p + "k_conv1d.weight": (qkv, 1, kernel), p + "v_conv1d.weight": (qkv, 1, kernel),
                p + "f_a_proj": Lin((d, hidden)), p + "f_b_proj": Lin((qkv, d)), p + "dt_bias": (qkv,),
-               p + "A_log": (1, 1, heads, 1), p + "b_proj": Lin((heads, hidden)), p + "g_a_proj": Lin((d, hidden)),
+               p + "A_log": a_log_shape or (1, 1, heads, 1), p + "b_proj": Lin((heads, hidden)),
+               p + "g_a_proj": Lin((d, hidden)),
                p + "g_b_proj": Lin((qkv, d)), p + "o_norm.weight": (d,), p + "o_proj": Lin((hidden, qkv))}
 
     def make(t):
@@ -240,7 +254,7 @@ def kimi_delta(hidden: int, *, heads: int, head_dim: int, kernel: int, act: str,
             f_a=t.lin(p + "f_a_proj"), f_b=t.lin(p + "f_b_proj"), a_log=t(p + "A_log"),
             dt_bias=t(p + "dt_bias"), w_b=t.lin(p + "b_proj"), g_a=t.lin(p + "g_a_proj"),
             g_b=t.lin(p + "g_b_proj"), norm_weight=t(p + "o_norm.weight"), w_out=t.lin(p + "o_proj"),
-            n_heads=heads, head_dim=head_dim, act=act, eps=eps)
+            n_heads=heads, head_dim=head_dim, act=act, eps=eps, lower_bound=lower_bound)
 
     one = LinearState.nbytes(3 * qkv, kernel, heads, d, d)
     state = _recurrent(one)
@@ -248,9 +262,11 @@ def kimi_delta(hidden: int, *, heads: int, head_dim: int, kernel: int, act: str,
     return Part(tensors, make, **state)
 
 
-def gated_mlp(hidden: int, intermediate: int, act: str, prefix: str = "mlp.", bias: bool = False) -> Part:
+def gated_mlp(hidden: int, intermediate: int, act: str, prefix: str = "mlp.", bias: bool = False,
+              limit: float | None = None) -> Part:
     """``layers.mlp.GatedMLP``: gate_proj, up_proj [I, H], down_proj [H, I] under ``prefix``;
-    ``bias``: each with its ``.bias`` right after its weight (ERNIE-4.5's ``use_bias``)."""
+    ``bias``: each with its ``.bias`` right after its weight (ERNIE-4.5's ``use_bias``); ``limit``:
+    the clamped SwiGLU (``swiglu_limit``: GLM-5.3-Flash)."""
     p, names = prefix, ("gate_proj", "up_proj", "down_proj")
     shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden),
               "down_proj": (hidden, intermediate)}
@@ -261,7 +277,8 @@ def gated_mlp(hidden: int, intermediate: int, act: str, prefix: str = "mlp.", bi
             tensors[p + n + ".bias"] = (shapes[n][0],)
 
     def make(t):
-        return GatedMLP(*(t.lin(p + n) for n in names), act, biases=tuple(t.opt(p + n + ".bias") for n in names))
+        return GatedMLP(*(t.lin(p + n) for n in names), act, biases=tuple(t.opt(p + n + ".bias") for n in names),
+                        limit=limit)
 
     return Part(tensors, make)
 
