@@ -29,7 +29,7 @@ from pathlib import Path
 
 import sluice
 from sluice.demo import SHIPPED_MODEL
-from sluice.experts.policy import make_policy
+from sluice.experts.policy_spec import make_policy
 from sluice.replay import CacheSim, replay
 from sluice.trace import Trace, read_trace
 

@@ -38,7 +38,7 @@ if str(_SRC) not in sys.path:
 
 import sluice  # noqa: E402
 from sluice.bench import drop_cache, raw_read_bandwidth  # noqa: E402
-from sluice.experts.policy import make_policy, parse_policy_spec  # noqa: E402
+from sluice.experts.policy_spec import make_policy, parse_policy_spec  # noqa: E402
 from sluice.storage import file as file_io  # noqa: E402
 
 READER_CAP = 0

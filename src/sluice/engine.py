@@ -30,7 +30,7 @@ from .cluster.model import signature as cluster_signature
 from .cluster.provider import RayExperts
 from .experts.cache import ExpertCache
 from .experts.lookahead import Lookahead, PrefetchOptions
-from .experts.policy import make_policy
+from .experts.policy_spec import make_policy
 from .experts.provider import ExpertProvider
 from .experts.source import CheckpointExperts, ContainerExperts
 from .generation import Request, Result, Step

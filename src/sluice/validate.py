@@ -143,7 +143,7 @@ def _size(v, n):
 
 
 def _policy(v, n):
-    from .experts.policy import make_policy
+    from .experts.policy_spec import make_policy
 
     if not isinstance(v, str):
         raise InvalidArgumentError(f"{n} must be a policy name such as 'lfru' or 'lru', got {shown(v)}")

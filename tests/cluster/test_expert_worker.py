@@ -22,7 +22,7 @@ from sluice.cluster.worker import ExpertWorker, cache_slots
 from sluice.errors import BudgetError, ExpertReadError
 from sluice.experts.cache import ExpertCache
 from sluice.experts.fold import Fold, Groups
-from sluice.experts.policy import make_policy
+from sluice.experts.policy_spec import make_policy
 from sluice.experts.provider import ExpertProvider
 from sluice.plan import budget_for, margin_for
 from sluice.storage.faults import FaultPlan, inject_faults

@@ -15,7 +15,8 @@ from families import FAMILY_NAMES
 from sluice.experts.cache import LOADING, READY, ExpertCache
 from sluice.experts.layout import ExpertLayout
 from sluice.experts.lookahead import rank_guesses
-from sluice.experts.policy import LRU, make_policy
+from sluice.experts.policy import LRU
+from sluice.experts.policy_spec import make_policy
 from sluice.experts.provider import ExpertProvider
 from sluice.experts.spec import ExpertSpec
 from sluice.layers.context import ForwardContext

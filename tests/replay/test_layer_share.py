@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from sluice.experts.layer_share import LayerUtilityLFRU
-from sluice.experts.policy import LFRU, make_policy
+from sluice.experts.policy import LFRU
+from sluice.experts.policy_spec import make_policy
 from sluice.replay import CacheSim, replay
 from sluice.trace import Trace, read_trace
 

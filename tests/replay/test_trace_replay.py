@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice.experts.policy import LFRU, LRU, Pinned, make_policy
+from sluice.experts.policy import LFRU, LRU, Pinned
+from sluice.experts.policy_spec import make_policy
 from sluice.replay import (
     STUDY_POLICIES,
     SyntheticSpec,

@@ -22,7 +22,7 @@ import torch
 from ..kernels.backend import cpu
 from ..errors import BudgetError
 from ..experts.cache import ExpertCache
-from ..experts.policy import make_policy
+from ..experts.policy_spec import make_policy
 from ..experts.provider import ExpertProvider
 from ..experts.reader import ReaderPool
 from ..plan import budget_for, make_plan

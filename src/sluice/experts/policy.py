@@ -9,7 +9,8 @@ routing is known, before its lookups (the layer's pass starts),
 and, for a policy with ``ranks > 0``, ``ranked(layer, ranked, routed)``: the layer's experts in
 descending router probability at this pass.
 
-``make_policy("lfru:half_life=16,history=true")`` builds one from a spec string;
+``experts/policy_spec.make_policy("lfru:half_life=16,history=true")`` builds one from a spec
+string;
 ``Pinned(policy, pins)`` keeps a fixed set of keys from ever being evicted once resident.
 How the default was chosen, with hit rates against Belady's optimum: docs/cache-policy.md
 (``sluice trace-replay``).
@@ -447,51 +448,3 @@ class Pinned(Policy):
 
     def speculative_victim(self, evictable, prob=None):
         return self.inner.speculative_victim(evictable, prob)
-
-
-def _ulfru(**params) -> Policy:
-    """``ulfru`` (experts/layer_share.py, which builds on ``LFRU``: imported on use)."""
-    from .layer_share import LayerUtilityLFRU
-
-    return LayerUtilityLFRU(**params)
-
-
-POLICIES: dict[str, Callable[..., Policy]] = {"lru": LRU, "lfru": LFRU, "ulfru": _ulfru}
-
-
-def _value(text: str):
-    low = text.strip().lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    try:
-        return float(low)
-    except ValueError:
-        raise ValueError(f"cache policy parameter value {text!r} is not a number or true/false") from None
-
-
-def parse_policy_spec(spec: str) -> tuple[str, dict]:
-    """``"lfru:half_life=8,history=true"`` -> ``("lfru", {"half_life": 8.0, "history": True})``."""
-    name, _, rest = spec.partition(":")
-    params = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"cache policy {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE], got {part!r}")
-        params[key.strip()] = _value(value)
-    return name.strip(), params
-
-
-def make_policy(spec: str, registry: dict[str, Callable[..., Policy]] | None = None) -> Policy:
-    """A fresh policy from ``"name"`` or ``"name:key=value,..."`` (e.g. ``"lfru:half_life=8"``)."""
-    table = POLICIES if registry is None else registry
-    name, params = parse_policy_spec(spec)
-    try:
-        cls = table[name]
-    except KeyError:
-        raise ValueError(f"unknown cache policy {name!r} (choose from: {', '.join(table)})") from None
-    try:
-        return cls(**params)
-    except TypeError as e:
-        raise ValueError(f"cache policy {spec!r}: {e}") from None

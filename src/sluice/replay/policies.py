@@ -8,7 +8,8 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 
-from ..experts.policy import LFRU, POLICIES, Policy
+from ..experts.policy import LFRU, Policy
+from ..experts.policy_spec import POLICIES
 from ..trace import Trace
 
 NEVER = math.inf

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
-from ..experts.policy import make_policy
+from ..experts.policy_spec import make_policy
 from ..trace import Trace
 from .policies import STUDY_POLICIES
 from .sim import SCOPES, ReplayResult, capacities_for, sweep

@@ -10,7 +10,8 @@ import torch
 from ..errors import InvalidArgumentError
 from ..experts.cache import ExpertCache
 from ..experts.layout import ExpertLayout
-from ..experts.policy import Pinned, Policy, make_policy
+from ..experts.policy import Pinned, Policy
+from ..experts.policy_spec import make_policy
 from ..experts.provider import ExpertProvider
 from ..experts.source import ExpertSource
 from ..experts.spec import ExpertSpec
