@@ -58,11 +58,12 @@ AXES: dict[str, tuple] = {
     "speculate": (True, False),
     "prefill": ("chunked", "stepwise"),  # stepwise: prefill_chunk=1
     "policy": ("lfru", "ulfru"),  # the expert cache's eviction policy (--cache-policy)
+    "certain": (True, False),  # certain_reads: experts the token ids decide read before their layer (hash layers)
 }
 DEFAULT = {axis: values[0] for axis, values in AXES.items()}
 # pairs of axes whose values meet in the same code: both non-default values run together
 CODE_SHARING = [("spine", "source"), ("speculate", "prefill"), ("cache", "prefetch"), ("spine", "prefill"),
-                ("cache", "source"), ("cache", "policy")]
+                ("cache", "source"), ("cache", "policy"), ("certain", "cache"), ("certain", "prefill")]
 
 # The only reasons a cell may be skipped.
 SKIP_REASONS = {
@@ -94,7 +95,7 @@ def pairwise_rows(axes: dict[str, tuple]) -> list[dict]:
     fewest rows that have as many such subsets as axes: distinct subsets of one size contain
     neither each other (both mixed pairs appear), two subsets of more than half of ``range(k)``
     meet (both non-default values appear together) and the all-default row holds both defaults.
-    Ten axes: 5 rows, 6 with the all-default one (the fewest any all-pairs array of ten
+    Eleven axes: 6 rows, 7 with the all-default one (the fewest any all-pairs array of eleven
     two-valued axes has)."""
     assert all(len(v) == 2 for v in axes.values()), "pairwise_rows covers two-valued axes"
     k = 1
@@ -104,7 +105,7 @@ def pairwise_rows(axes: dict[str, tuple]) -> list[dict]:
     return [{a: v[1] if i in subset else v[0] for (a, v), subset in zip(axes.items(), subsets)} for i in range(k)]
 
 
-# SLUICE_MATRIX_ROWS=single runs every non-default value alone instead (10 rows a checkpoint): which
+# SLUICE_MATRIX_ROWS=single runs every non-default value alone instead (11 rows a checkpoint): which
 # axis of a failing row breaks it (docs/testing.md)
 SINGLE = os.environ.get("SLUICE_MATRIX_ROWS") == "single"
 ROWS = [{**DEFAULT, a: v} for a, vals in AXES.items() for v in vals[1:]] if SINGLE else pairwise_rows(AXES)
@@ -211,7 +212,8 @@ def baselines(family_models):
 def _options(row: dict, base: dict) -> dict:
     opts = dict(reader_threads=row["readers"], prefetch=row["prefetch"], threads=row["threads"],
                 direct_io=None if row["io"] == "direct" else False,
-                prefill_chunk=1 if row["prefill"] == "stepwise" else 512, cache_policy=row["policy"])
+                prefill_chunk=1 if row["prefill"] == "stepwise" else 512, cache_policy=row["policy"],
+                certain_reads=row["certain"])
     if row["spine"] == "streamed":  # NaN in the stream buffers until their first fill: nothing derives early
         opts.update(max_resident_layers=1, debug=sluice.DebugOptions(poison_stream_buffers=True))
     if row["cache"] == "working_set":  # the smallest caches: experts, and a row cache of one row per table

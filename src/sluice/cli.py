@@ -45,6 +45,9 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="parallel expert reads (default 4)")
     g.add_argument("--no-prefetch", action="store_true",
                    help="disable router lookahead (reading the next layer's predicted experts early)")
+    g.add_argument("--no-certain-reads", action="store_true",
+                   help="do not read the experts the token ids decide (hash-routed layers, DeepSeek-V4) before "
+                        "their layers run; they are then read when their layer asks (results are the same)")
     g.add_argument("--verify-reads", dest="verify_reads", action="store_true", default=True,
                    help="check the CRC32 of every expert record and streamed spine layer read from a container "
                         "(the default)")
@@ -109,6 +112,7 @@ def _add_disk_cache_args(g) -> None:
 def _engine_options(args) -> dict:
     return dict(cache_experts=args.cache_experts, cache_policy=args.cache_policy, max_context=args.max_context,
                 threads=args.threads, reader_threads=args.reader_threads, prefetch=not args.no_prefetch,
+                certain_reads=not args.no_certain_reads,
                 verify_reads=args.verify_reads, moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached,
                 trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
                 direct_io=False if args.buffered_io else None, progress=not args.no_progress,

@@ -363,7 +363,7 @@ class Engine:
             self.model.attach_rows(self.rows)
         del spine
         # the router lookahead (the expert side's): prefetch, and the predictions a routing trace records
-        self.lookahead = (Lookahead(self.experts, self.model, options.prefetch)
+        self.lookahead = (Lookahead(self.experts, self.model, options.prefetch, certain=options.certain_reads)
                           if options.prefetch.enabled or options.trace_routing else None)
         self.set_lossy(moe_top_k=options.moe_top_k, prefer_cached=options.prefer_cached)
         # the routing trace never overwrites a model file
@@ -374,7 +374,8 @@ class Engine:
                                   max_context=self.plan.max_context, prefill_chunk=self.plan.prefill_chunk,
                                   threads=self.threads, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
                                   moe_layers=self.desc.moe_layers, trace=self.trace, info=self._info,
-                                  slots=self.plan.parallel, lookahead=self.lookahead)
+                                  slots=self.plan.parallel, lookahead=self.lookahead,
+                                  certain_reads=options.certain_reads)
         # every generation runs as a sequence of the scheduler, on one of the runner's state slots
         self.scheduler = Scheduler(self.runner, step_tokens=self.plan.prefill_chunk)
         self.load_s = time.perf_counter() - t_load

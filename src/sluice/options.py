@@ -33,6 +33,9 @@ class Options:
     cache_policy: str = "lfru"
     # the router lookahead's prefetch: True/False (on/off with the defaults) or its settings
     prefetch: bool | PrefetchOptions = True
+    # read the experts the token ids decide (hash-routed layers: DeepSeek-V4) as soon as a step's
+    # ids are known, before their layers run (experts/certain.py); results never depend on it
+    certain_reads: bool = True
     huge_pages: bool = True  # transparent huge pages for read buffers: ~1.7-2x O_DIRECT throughput here
     direct_io: bool | None = None  # None: probe O_DIRECT, fall back to buffered
     ca_bundle: str | None = None  # a model at an https:// URL: PEM file of extra CA certificates to trust

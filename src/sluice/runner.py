@@ -16,6 +16,11 @@ an expert two sequences route to is read and computed once. An item longer than
 ``prefill_chunk`` is split into the chunks it gets alone (``SeqWork.pieces``; forward k of the step holds chunk k
 of every item), so with batch-invariant kernels each item's logits are bit-identical to its
 solo run (docs/architecture.md, "Engine: scheduler and model runner").
+
+Ids known early: a forward's token ids decide some experts outright (hash-routed layers,
+``Model.certain_experts``). The runner puts them in the forward's context and, with
+``certain_reads``, has the expert side read them before the embedding runs, and the next
+forward's (the step's next prefill chunk) while this one computes (``ExpertInterface.read_certain``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class Experts(Protocol):
     counters: object
 
     def begin(self, ctx: ForwardContext) -> None: ...
+
+    def read_certain(self, certain: dict[int, torch.Tensor], rows: int, ahead: bool = False) -> None: ...
 
     @property
     def evictions(self) -> int: ...
@@ -144,8 +151,11 @@ class ModelRunner:
 
     def __init__(self, model: Model, experts: Experts, checkpoint, spine, *, max_context: int, prefill_chunk: int,
                  threads: int, tokenizer, eos_token_ids: list[int], moe_layers: list[int], trace=None,
-                 info: Callable[[], EngineInfo], slots: int = 1, lookahead=None):
+                 info: Callable[[], EngineInfo], slots: int = 1, lookahead=None, certain_reads: bool = True):
         self._model, self._experts, self._lookahead = model, experts, lookahead
+        # the experts the token ids decide (None: a model that cannot tell), read early if asked
+        self._certain_of = getattr(model, "certain_experts", None)
+        self.certain_reads = certain_reads
         self._checkpoint, self._spine, self._trace = checkpoint, spine, trace
         self._info = info
         self.prefill_chunk = prefill_chunk
@@ -233,6 +243,7 @@ class ModelRunner:
         self._steps += 1
         chunks = [0] * len(work)
         offsets = [0] * len(work)
+        certain_of, upcoming = self._certain_of, None
         for k in range(n_forwards):
             segments: list[Segment] = []
             rows: list[tuple[int, int, int, int]] = []  # (item, first row, end row, its token offset)
@@ -256,7 +267,16 @@ class ModelRunner:
             # another process holds the other core (measured: index_add_ on [15, 1024] took 76 ms);
             # the C kernels split the large matrix products with their own work-claiming pool.
             torch.set_num_threads(1 if r <= TORCH_SERIAL_TOKENS else self.threads)
+            if certain_of is not None:
+                ctx.certain = upcoming if upcoming is not None else certain_of(ctx.token_ids)
+                upcoming = None
             self._experts.begin(ctx)
+            if ctx.certain and self.certain_reads:
+                self._experts.read_certain(ctx.certain, r)
+                if k + 1 < n_forwards:  # the next chunk's, read as this forward leaves their layers
+                    nxt = [t for p in pieces if k + 1 < len(p) for t in p[k + 1].tokens]
+                    upcoming = certain_of(torch.tensor(nxt, dtype=torch.long))
+                    self._experts.read_certain(upcoming, len(nxt), ahead=True)
             h = self._model.forward(ctx)
             for (_i, r0, r1, _off), part in zip(rows, parts):
                 state = part.seq.model_state

@@ -61,6 +61,14 @@ class EngineCounters:
     row_lookups: int = _from("rows", "looked_up")
     rows_read: int = _from("rows", "read")
     row_bytes_read: int = _from("rows", "bytes_read")
+    # ids known early (experts/certain.py): the experts the token ids decide (hash-routed layers), read
+    # before their layer runs (of demand_reads), their bytes; the hash layers' decode lookups, misses
+    # and read wait (of expert_lookups, expert_misses, read_wait_s: the rest are the router layers')
+    certain_reads: int = _from("experts", "certain_reads")
+    certain_bytes: int = _from("experts", "certain_bytes")
+    hash_lookups: int = _from("experts", "hash_lookups")
+    hash_misses: int = _from("experts", "hash_misses")
+    hash_read_wait_s: float = _from("experts", "hash_read_wait_s", 0.0)
 
     @classmethod
     def collect(cls, sources: dict[str, object | None], **own) -> EngineCounters:
@@ -154,6 +162,13 @@ class GenerationStats(dict):
     rows_read_per_token: float = 0.0
     row_bytes_per_token: float = 0.0
     expert_bytes_per_token: float = 0.0  # bytes_read less spine and row bytes, per token
+    # the experts the token ids decide (hash-routed layers, DeepSeek-V4): read before their layer
+    # runs, their bytes, and the hash layers' share of the decode lookups, misses and read wait
+    certain_reads: int = 0
+    certain_bytes: int = 0
+    hash_lookups: int = 0
+    hash_misses: int = 0
+    hash_read_wait_s: float = 0.0
 
     # the attributes and the dict entries are kept equal: every write goes through __setattr__
     def __setattr__(self, name, value) -> None:

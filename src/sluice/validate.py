@@ -160,6 +160,7 @@ _OPTION_CHECKS = {
     "reader_threads": _opt_int(1, MAX_THREADS, none=False),
     "cache_policy": _policy,
     "prefetch": lambda v, n: prefetch_options(v, n),
+    "certain_reads": _opt_bool(),
     "huge_pages": _opt_bool(),
     "direct_io": _opt_bool(none=True),
     "verify_reads": _opt_bool(none=True),

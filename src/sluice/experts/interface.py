@@ -4,8 +4,9 @@ Two implementations: ``experts.provider.ExpertProvider`` (this process: cache, r
 compute) and ``cluster.provider.RayExperts`` (experts sharded over Ray actors, the driver
 holding no expert cache). A family sees only ``moe`` (and ``resident_mask`` for the lossy
 ``prefer_cached``); the runner (``begin``, counters) and the lookahead (``prefetch``,
-``after_reads``, ``lookahead_more``, ``holds_all``) use the rest. Both fold the expert outputs
-in ascending expert order, so logits are bit-identical whichever runs them.
+``after_reads``, ``lookahead_more``, ``holds_all``) use the rest; the runner hands it the
+experts the token ids decide (``read_certain``). Both fold the expert outputs in ascending
+expert order, so logits are bit-identical whichever runs them.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ class ExpertInterface(ABC):
         if far is not None:
             c.predicted_far += len(used)
             c.predicted_far_hits += len(used.intersection(far))
+
+    def read_certain(self, certain: dict[int, torch.Tensor], rows: int, ahead: bool = False) -> None:  # noqa: B027
+        """Experts the step's token ids decide (layer -> experts [T, K], hash-routed layers; ``rows``:
+        the forward's rows), known before the model runs: read them for this forward (after
+        ``begin``, before the embedding) at demand priority, or, ``ahead``, for the step's next
+        forward (the next prefill chunk) as this forward leaves each of those layers. The layer's
+        ``moe`` then finds them in memory or joins their reads; results never depend on it. By
+        default nothing (an implementation that reads only when asked by ``moe``)."""
 
     def after_reads(self, layer: int, fn) -> None:
         """Run the lookahead ``fn()`` for ``layer`` once that layer's demand reads are issued; by

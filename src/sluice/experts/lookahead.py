@@ -94,10 +94,12 @@ class Lookahead:
     """After layer ``i``'s attention, start reads for the experts the next layers are predicted to
     use (and, when the step records routing, record the next layer's prediction for every row).
     With several rows (sequences batched in one forward, a verified draft), the union of the
-    rows' guesses, by predicted weight mass (``weigh_guesses``)."""
+    rows' guesses, by predicted weight mass (``weigh_guesses``). With ``certain`` (the
+    ``certain_reads`` option), a hash-routed layer is predicted from the step's token ids
+    (``ForwardContext.certain``) with probability 1; without, it has no guess."""
 
-    def __init__(self, experts, model: Predictor, options: PrefetchOptions):
-        self.experts, self.model, self.options = experts, model, options
+    def __init__(self, experts, model: Predictor, options: PrefetchOptions, certain: bool = False):
+        self.experts, self.model, self.options, self.certain = experts, model, options, certain
 
     def after_attention(self, layer: int, h: torch.Tensor, ctx: ForwardContext) -> None:
         o = self.options
@@ -107,17 +109,18 @@ class Lookahead:
             return
         if self.model.is_moe(layer):
             # guess once this layer's own demand reads are issued (inside its MoE call)
-            self.experts.after_reads(layer, lambda: self._ahead(layer, h, prefetch, record))
+            self.experts.after_reads(layer, lambda: self._ahead(layer, h, prefetch, record, ctx))
         else:
-            self._ahead(layer, h, prefetch, record)
+            self._ahead(layer, h, prefetch, record, ctx)
 
     def _holds_all(self) -> bool:
         """Every expert READY (``ExpertInterface.holds_all``): a guess could read nothing and, with
         no eviction ever needed, inform no choice (the ``predicted`` counters then count nothing)."""
         return self.experts.holds_all()
 
-    def _ahead(self, layer: int, h: torch.Tensor, prefetch: bool, record) -> None:
+    def _ahead(self, layer: int, h: torch.Tensor, prefetch: bool, record, ctx: ForwardContext) -> None:
         o, experts, model = self.options, self.experts, self.model
+        certain = ctx.certain if self.certain else None
         depth = max(o.depth, o.max_depth) if prefetch else 1
         for distance in range(1, depth + 1):
             if distance > o.depth and not experts.lookahead_more(distance - 1, latency=o.latency):
@@ -125,7 +128,11 @@ class Lookahead:
             target = layer + distance
             if model.spine is not None and not model.spine.ready(target):
                 return  # its router is still being read
-            got = model.predict_weights(target, h)
+            if certain and target in certain:  # decided by the token ids: no guess
+                ids = certain[target]
+                got = ids, torch.ones(ids.shape)
+            else:
+                got = model.predict_weights(target, h)
             if got is None:
                 continue  # a dense layer (or past the last one)
             ids, probs = got

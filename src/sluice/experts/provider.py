@@ -23,6 +23,7 @@ import torch
 from ..errors import ExpertReadError
 from ..storage.file import PIECE_BYTES, PIECE_THREADS
 from .cache import LOADING, READY, ExpertCache, Slot
+from .certain import CertainReads
 from .reader import DEMAND, PREFETCH, ReaderPool, Ticket
 from .compute import expert_forward, expert_output, expert_outputs
 from .fold import Fold, Groups, weigh
@@ -63,6 +64,15 @@ class ExpertCounters:
     compute_calls: int = 0  # expert computations: one per expert of a layer's union per forward
     union: int = 0  # per forward and MoE layer, the distinct experts its rows routed to (summed)
     seq_union: int = 0  # ... counted per sequence of the forward: what the sequences would look up alone
+    # certain reads (``experts/certain.py``): experts of hash-routed layers read from the step's
+    # token ids before their layer runs (also counted in ``demand_reads``), and their bytes
+    certain_reads: int = 0
+    certain_bytes: int = 0
+    # the decode-time lookups, misses and read wait of hash-routed layers (of ``lookups``,
+    # ``misses`` and ``read_wait_s``; the rest are the router layers')
+    hash_lookups: int = 0
+    hash_misses: int = 0
+    hash_read_wait_s: float = 0.0
 
 
 class ExpertProvider(ExpertInterface):
@@ -95,6 +105,7 @@ class ExpertProvider(ExpertInterface):
         self.read_s: float | None = None
         self.layer_s: float | None = None
         self._last_moe: tuple[int, float, float] | None = None  # (layer, time, read_wait_s) at its entry
+        self.certain = CertainReads(self)  # reads of experts the token ids decide (``read_certain``)
         # reads in flight that keep the readers busy, in units of what runs in parallel: a record
         # of two pieces or more is read in 4 MiB pieces by the piece threads (``storage/file.py``),
         # a smaller one by one reader thread
@@ -141,6 +152,13 @@ class ExpertProvider(ExpertInterface):
     def begin(self, ctx) -> None:
         self.cache.policy.tick()
         self._backlog = []  # guesses of the previous forward
+        if self.certain.pins or self.certain.ahead_pins or self.certain.ahead:
+            self.certain.begin()
+
+    def read_certain(self, certain: dict[int, torch.Tensor], rows: int, ahead: bool = False) -> None:
+        """Read the experts the token ids decide (``experts/certain.py``): this forward's now, at
+        demand priority, or (``ahead``) the next forward's as this one leaves each of their layers."""
+        self.certain.issue(certain, rows, ahead)
 
     @property
     def evictions(self) -> int:
@@ -156,7 +174,9 @@ class ExpertProvider(ExpertInterface):
         self.read_s = dt if self.read_s is None else 0.8 * self.read_s + 0.2 * dt
 
     def _start_read(self, key: tuple[int, int], speculative: bool, priority: int = PREFETCH,
-                    prob: float | None = None) -> Slot | None:
+                    prob: float | None = None, certain: bool = False) -> Slot | None:
+        """Allocate a slot for ``key`` and submit its read: a guess (``speculative``) at ``priority``,
+        else at demand priority, or at ``priority`` for a ``certain`` read of a later forward."""
         layout = self.source.layout(*key)
         slot = self.cache.allocate(key, layout, speculative, prob)
         if slot is None:
@@ -165,7 +185,7 @@ class ExpertProvider(ExpertInterface):
         if slot is None:
             return None
         slot.speculative = speculative
-        slot.ticket = Ticket(priority if speculative else DEMAND)
+        slot.ticket = Ticket(priority if speculative or certain else DEMAND)
         slot.future = self.pool.submit(self._read, self.cache.base(slot), key[0], key[1],
                                        priority=slot.ticket.priority, ticket=slot.ticket)
         self._inflight.append(slot.future)  # each counts ``_units``
@@ -364,15 +384,20 @@ class ExpertProvider(ExpertInterface):
         record = ctx.record
         if logits is not None and record is None and not self._wants_logits(t):
             logits = None
-        probs = self.run_experts(layer, x, groups, fold.add, decode_experts, out_of_order, decoding=ctx.decoding,
-                                 logits=logits, trace=record is not None)
+        certain = self.certain
+        try:
+            probs = self.run_experts(layer, x, groups, fold.add, decode_experts, out_of_order, decoding=ctx.decoding,
+                                     logits=logits, trace=record is not None, keyed=layer in ctx.certain)
+        finally:
+            if certain.pins or certain.ahead:
+                certain.layer_done(layer)  # its pins go; the next forward's reads of this layer start
         if record is not None:
             record.routing[layer] = (ids, weights, probs)
         return fold.result()
 
     def run_experts(self, layer: int, x: torch.Tensor, work, sink, decode_experts: set[int],
                     out_of_order: bool = True, *, decoding: bool = False, logits: torch.Tensor | None = None,
-                    trace: bool = False) -> torch.Tensor | None:
+                    trace: bool = False, keyed: bool = False) -> torch.Tensor | None:
         """The grouping-free part of ``moe`` (also the Ray worker's entry: its driver groups and folds).
 
         ``work``: the layer's rows grouped by expert, as ``fold.Groups`` gives them: ``experts``
@@ -384,8 +409,9 @@ class ExpertProvider(ExpertInterface):
         that count as decode lookups (the others count as prefill lookups); ``decoding``: some row
         decodes (read waits and compute time are counted). ``logits``: the rows' router logits
         (the policy's ranking, ``_router_probs``; None: no ranking). Returns the router
-        probabilities [T, E] when ``trace`` (else None). When every expert is already READY
-        (warm decode), ``_run_ready`` does the same with less bookkeeping."""
+        probabilities [T, E] when ``trace`` (else None). ``keyed``: a hash-routed layer (its lookups,
+        misses and waits also count as ``hash_*``). When every expert is already READY (warm
+        decode), ``_run_ready`` does the same with less bookkeeping."""
         experts = work.experts
         if self._deferred is not None and self._deferred[0] != layer:
             self._deferred = None  # a lookahead left over from a forward that did not reach it
@@ -399,7 +425,7 @@ class ExpertProvider(ExpertInterface):
         keys = [(layer, e) for e in experts]
         ready = self.cache.ready_slots(keys)
         if ready is not None:
-            self._run_ready(layer, x, work, sink, decode_experts, keys, ready, tell, decoding)
+            self._run_ready(layer, x, work, sink, decode_experts, keys, ready, tell, decoding, keyed)
             return probs
         c = self.counters
 
@@ -414,6 +440,10 @@ class ExpertProvider(ExpertInterface):
                     c.hits += 1
                 else:
                     c.misses += 1
+                    if keyed:
+                        c.hash_misses += 1
+                if keyed:
+                    c.hash_lookups += 1
             else:
                 c.prefill_lookups += 1
             if slot is None:
@@ -445,7 +475,7 @@ class ExpertProvider(ExpertInterface):
                     self._top_up(layer)
                 pick = self._pick(experts, first, slots, done, out_of_order)
                 if pick is None:
-                    self._wait(experts, first, slots, done, out_of_order, missing, decoding)
+                    self._wait(experts, first, slots, done, out_of_order, missing, decoding, keyed)
                     if self._backlog:
                         self._top_up(layer)  # a read finished: keep the readers busy with guesses
                     continue
@@ -483,7 +513,8 @@ class ExpertProvider(ExpertInterface):
         return probs
 
     def _run_ready(self, layer: int, x: torch.Tensor, work, sink, decode_experts: set[int],
-                   keys: list[tuple[int, int]], slots: list[Slot], tell: bool = True, decoding: bool = False) -> None:
+                   keys: list[tuple[int, int]], slots: list[Slot], tell: bool = True, decoding: bool = False,
+                   keyed: bool = False) -> None:
         """``run_experts`` when every expert of the layer is READY (warm decode): the same counters,
         policy events (``tell``: the cache does not hold every expert, see ``holds_all``), pins
         and lookahead, and the outputs handed to ``sink`` in ascending expert order (what the
@@ -495,6 +526,8 @@ class ExpertProvider(ExpertInterface):
         decode = sum(1 for e in experts if e in decode_experts)
         c.lookups += decode
         c.hits += decode
+        if keyed:
+            c.hash_lookups += decode
         c.prefill_lookups += n - decode
         access = self.cache.policy.access if tell else None
         for key, slot in zip(keys, slots):
@@ -547,7 +580,8 @@ class ExpertProvider(ExpertInterface):
                 return e
         return None
 
-    def _wait(self, experts, next_fold, slots, done, out_of_order, missing, decoding: bool) -> None:
+    def _wait(self, experts, next_fold, slots, done, out_of_order, missing, decoding: bool,
+              keyed: bool = False) -> None:
         t0 = time.perf_counter()
         mine = [s.future for e, s in slots.items() if e not in done and s.state == LOADING]
         if not out_of_order:
@@ -566,7 +600,10 @@ class ExpertProvider(ExpertInterface):
         elif mine:
             wait(mine, return_when=FIRST_COMPLETED)
         if decoding:
-            self.counters.read_wait_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.counters.read_wait_s += dt
+            if keyed:
+                self.counters.hash_read_wait_s += dt
 
     def _quiesce(self, slots: dict[int, Slot]) -> None:
         """After an error: let every read in flight finish, keep good ones, drop failed ones."""

@@ -47,12 +47,15 @@ class Recording:
 class ForwardContext:
     """One forward: its token ids [T] (every segment's, in row order) and segments; ``record``
     (None: record nothing) and ``lookahead``: the expert side's ``Lookahead`` (or None), called
-    after each layer's attention."""
+    after each layer's attention. ``certain``: per hash-routed layer, the experts [T, K] the token
+    ids decide (``CausalLM.certain_experts``; empty for a family without such layers): known
+    before any layer runs, the runner has them read early (``ExpertInterface.read_certain``)."""
 
     token_ids: torch.Tensor
     segments: list[Segment]
     record: Recording | None = None
     lookahead: object = None
+    certain: dict[int, torch.Tensor] = field(default_factory=dict)
     _positions: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod

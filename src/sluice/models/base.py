@@ -241,6 +241,23 @@ class CausalLM:
         """Layer ``layer`` exists and routes its MLP through the experts."""
         return 0 <= layer < len(self.layers) and isinstance(self.layers[layer].mlp, MoEBlock)
 
+    def certain_experts(self, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Per hash-routed MoE layer (a keyed router: ``HashRouter``), the experts [T, K] of tokens
+        ``token_ids`` [T]: decided by the token ids alone, so known before any layer runs (the
+        runner reads them early, ``ExpertInterface.read_certain``). Empty for a family without
+        such layers (found once), and for a layer whose experts the lossy ``moe_top_k`` cuts (its
+        experts then depend on the weights)."""
+        keyed = self.__dict__.get("_keyed_layers")
+        if keyed is None:
+            keyed = self._keyed_layers = [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoEBlock)
+                                          and getattr(layer.mlp.router, "keyed", False)]
+        out = {}
+        for i in keyed:
+            block = self.layers[i].mlp
+            if block.top_k is None or block.top_k >= block.router.top_k:
+                out[i] = block.router.experts_for(token_ids)
+        return out
+
     def predict(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
         """Router lookahead: the experts layer ``layer`` would pick for residual stream ``h``.
 

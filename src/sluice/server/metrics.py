@@ -55,7 +55,8 @@ BATCH_METRICS: tuple[tuple[str, str, str, str], ...] = (
 # the EngineCounters fields no metric carries (neither above nor through a SchedulerStats field)
 NOT_EXPORTED = ("expert_misses", "prefill_lookups", "prefetch_used", "prefetch_cancelled", "lookahead_predictions",
                 "lookahead_hits", "read_wait_s", "expert_compute_s", "evictions", "spine_bytes_read",
-                "spine_read_wait_s", "expert_compute_calls")
+                "spine_read_wait_s", "expert_compute_calls", "certain_reads", "certain_bytes", "hash_lookups",
+                "hash_misses", "hash_read_wait_s")
 
 _WORKER_METRICS = (
     ("calls_total", "counter", "Calls (one per MoE layer it had experts in) answered by each Ray expert worker."),
