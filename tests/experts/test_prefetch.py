@@ -378,7 +378,9 @@ def test_two_ahead_reads_start_before_the_layers_router(family_models):
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_gate_and_two_ahead_leave_logits_bit_identical(family_models, family):
     """Every family: prefetch with the gate and two layers ahead (and the gate off) at a cache of
-    about one token's working set gives the same logits and tokens as no prefetch."""
+    about one token's working set gives the same logits and tokens as no prefetch. (Without
+    certain reads: with them, DeepSeek-V4's hash layers are read from the token ids, and at this
+    cache the few guesses left for its router layers are all in memory already.)"""
     path = family_models.hf(family)
     ids = prompt_ids(n=10, seed=5)
     off = sluice.load(path, memory="2GiB", prefetch=False, progress=False)
@@ -389,7 +391,7 @@ def test_gate_and_two_ahead_leave_logits_bit_identical(family_models, family):
     off.close()
     for gate in (True, False):
         on = sluice.load(path, memory="2GiB", cache_experts=slots, prefetch=sluice.PrefetchOptions(depth=2, gate=gate),
-                         progress=False)
+                         certain_reads=False, progress=False)
         assert torch.equal(on.forward(ids), ref)
         assert on.generate(ids.tolist(), max_new_tokens=6, ignore_eos=True).token_ids == want
         assert on.experts.counters.prefetch_reads > 0

@@ -24,15 +24,10 @@ when. ``ExpertCounters`` count the reads (``certain_reads``, ``certain_bytes``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .cache import READY, Slot
 from .reader import DEMAND, PREFETCH
-
-if TYPE_CHECKING:
-    from .provider import ExpertProvider
 
 
 def distinct(ids: torch.Tensor) -> list[int]:
@@ -45,7 +40,7 @@ def distinct(ids: torch.Tensor) -> list[int]:
 class CertainReads:
     """The provider's certain reads and the pins that hold them until their layer runs."""
 
-    def __init__(self, provider: ExpertProvider):
+    def __init__(self, provider):  # the ``ExpertProvider`` (not imported: it imports this module)
         self.provider = provider
         self.pins: dict[int, list[tuple[Slot, tuple[int, int]]]] = {}  # this forward's, by layer
         self.ahead_pins: dict[int, list[tuple[Slot, tuple[int, int]]]] = {}  # the next forward's
