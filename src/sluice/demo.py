@@ -9,7 +9,7 @@ from pathlib import Path
 from .engine import ModelInfo, Options, load
 from .resolve import DEMO_DIR
 from .storage.store import user_cache_dir
-from .synthetic import DEMO_CONFIG, model_bytes, scaled_config, write_model
+from .synthetic import BASE_CONFIGS, DEMO_CONFIG, model_bytes, scaled_config, write_model
 from .units import format_size
 
 DEMO_VERSION = 1
@@ -29,9 +29,20 @@ SMALL_DEMO = {
 }
 
 
-def demo_config(size: int) -> dict:
-    """The demo's Qwen3-MoE shape for a target size: a narrower one below 1 GB."""
-    return scaled_config(size, DEMO_CONFIG if size >= 1e9 else SMALL_DEMO)
+# ``--family``: the synthetic model's shape (``synthetic.BASE_CONFIGS``), by name
+FAMILY_NAMES = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "deepseek_v4": "DeepSeek-V4"}
+
+
+def demo_config(size: int, family: str = "qwen3_moe") -> dict:
+    """The demo's shape of ``family`` for a target size (its expert count scaled); Qwen3-MoE's is
+    a narrower one below 1 GB."""
+    if family not in FAMILY_NAMES:
+        from .errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"--family {family!r}: expected one of {', '.join(FAMILY_NAMES)}")
+    if family == "qwen3_moe":
+        return scaled_config(size, DEMO_CONFIG if size >= 1e9 else SMALL_DEMO)
+    return scaled_config(size, BASE_CONFIGS[family])
 
 
 def shipped_model() -> Path:
@@ -44,12 +55,14 @@ def shipped_model() -> Path:
     return SHIPPED_MODEL
 
 
-def ensure_synthetic(size: int, cache_dir: str | None = None, progress: bool = True) -> Path:
-    """The synthetic demo checkpoint of about ``size`` bytes, written once into the cache dir."""
-    cfg = demo_config(size)
-    path = cache_root(cache_dir) / f"synthetic-qwen3_moe-{size / 1e9:.1f}GB-v{DEMO_VERSION}"
+def ensure_synthetic(size: int, cache_dir: str | None = None, progress: bool = True,
+                     family: str = "qwen3_moe") -> Path:
+    """The synthetic demo checkpoint of ``family``'s shape of about ``size`` bytes, written once
+    into the cache dir."""
+    cfg = demo_config(size, family)
+    path = cache_root(cache_dir) / f"synthetic-{family}-{size / 1e9:.1f}GB-v{DEMO_VERSION}"
     if not (path / "config.json").exists():
-        print(f"[sluice demo] writing a {model_bytes(cfg) / 1e9:.2f} GB synthetic Qwen3-MoE checkpoint "
+        print(f"[sluice demo] writing a {model_bytes(cfg) / 1e9:.2f} GB synthetic {FAMILY_NAMES[family]} checkpoint "
               f"(random weights) to {path} (once)", file=sys.stderr)
         write_model(path, cfg, progress=progress)
     return path
@@ -87,7 +100,8 @@ def run_demo(args, options: dict, generate_and_print) -> int:
                  f"{engine.plan.total_experts} experts: the others are read from disk when a token is routed to them.")
         echo = None if args.json else prompt
     else:
-        path = ensure_synthetic(args.synthetic, args.cache_dir, progress=not args.no_progress)
+        path = ensure_synthetic(args.synthetic, args.cache_dir, progress=not args.no_progress,
+                                family=getattr(args, "family", "qwen3_moe"))
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         budget = args.memory or demo_cache(path, parallel=options["parallel"])[1]
         prompt = args.prompt if args.prompt is not None else SYNTHETIC_PROMPT

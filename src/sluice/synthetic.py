@@ -80,7 +80,52 @@ MIXTRAL_CONFIG = {
     "pad_token_id": 0,
 }
 
-BASE_CONFIGS = {"qwen3_moe": DEMO_CONFIG, "mixtral": MIXTRAL_CONFIG}
+DEEPSEEK_V4_CONFIG = {
+    # ~1.8 GB in bf16 at 64 experts: a DeepSeek-V4-Flash shape scaled down (8 layers: 2 sliding, then
+    # CSA and HCA at the real rates; the first 3 hash-routed, top-6; 3 MiB experts; 4 hyper-connection
+    # streams); the hash tables (tid2eid) are written as valid integer rows (``model_tables``)
+    "model_type": "deepseek_v4",
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "vocab_size": 32000,
+    "hidden_size": 1024,
+    "moe_intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "qk_rope_head_dim": 32,
+    "q_lora_rank": 256,
+    "o_groups": 4,
+    "o_lora_rank": 128,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "sliding_attention"]
+    + ["compressed_sparse_attention", "heavily_compressed_attention"] * 3,
+    "mlp_layer_types": ["hash_moe"] * 3 + ["moe"] * 5,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "index_n_heads": 8,
+    "index_head_dim": 64,
+    "index_topk": 64,
+    "hc_mult": 4,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+BASE_CONFIGS = {"qwen3_moe": DEMO_CONFIG, "mixtral": MIXTRAL_CONFIG, "deepseek_v4": DEEPSEEK_V4_CONFIG}
+# the config key of each base's routed-expert count (``scaled_config``)
+_EXPERT_KEYS = {"mixtral": "num_local_experts", "deepseek_v4": "n_routed_experts"}
 
 
 def model_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -105,6 +150,14 @@ def model_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def model_tables(config: dict) -> dict[str, tuple[int, int]]:
+    """The integer lookup tables among a config's tensors (hash routing's ``tid2eid`` [V, K]):
+    name -> (experts, K). The writer fills each row with K distinct experts below ``experts``."""
+    fam = get_family(config.get("model_type"))
+    desc = fam.describe(fam.parse_config(config))
+    return {name: (desc.n_experts, desc.spine[name][1]) for name in desc.tables}
+
+
 def _layer_of(name: str) -> int:
     parts = name.split(".")
     if "layers" in parts:
@@ -115,19 +168,20 @@ def _layer_of(name: str) -> int:
 
 
 def model_bytes(config: dict, dtype: torch.dtype = torch.bfloat16) -> int:
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(s) * size for _, s in model_tensors(config))
+    size, tables = torch.empty((), dtype=dtype).element_size(), model_tables(config)
+    return sum(math.prod(s) * (8 if n in tables else size) for n, s in model_tensors(config))
 
 
 def scaled_config(target_bytes: float, base: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> dict:
     """``base`` (default: the demo config) with the expert count chosen to reach ``target_bytes``."""
     cfg = json.loads(json.dumps(base or DEMO_CONFIG))
-    key = "num_local_experts" if cfg.get("model_type") == "mixtral" else "num_experts"
-    cfg[key] = 4
+    key = _EXPERT_KEYS.get(cfg.get("model_type"), "num_experts")
+    n0 = max(4, cfg.get("num_experts_per_tok", 2))  # a valid expert count to measure from
+    cfg[key] = n0
     small = model_bytes(cfg, dtype)
-    cfg[key] = 5
+    cfg[key] = n0 + 1
     per_expert_all_layers = model_bytes(cfg, dtype) - small
-    cfg[key] = max(cfg.get("num_experts_per_tok", 2) * 2, 4 + int((target_bytes - small) // per_expert_all_layers))
+    cfg[key] = max(cfg.get("num_experts_per_tok", 2) * 2, n0 + int((target_bytes - small) // per_expert_all_layers))
     return cfg
 
 
@@ -143,13 +197,28 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, std: float, o
         out.uniform_(-a, a, generator=gen)
 
 
+def _table(shape: tuple[int, ...], experts: int, gen: torch.Generator) -> torch.Tensor:
+    """A hash table [V, K] (int64): each row K distinct experts below ``experts``, drawn at random."""
+    rows, k = shape
+    out = torch.empty(rows, k, dtype=torch.int64)
+    for r0 in range(0, rows, 4096):
+        n = min(4096, rows - r0)
+        out[r0 : r0 + n] = torch.rand(n, experts, generator=gen).argsort(dim=1)[:, :k]
+    return out
+
+
 def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, seed: int,
-                      std: float, bar: Progress | None = None) -> None:
+                      std: float, bar: Progress | None = None, tables: dict[str, tuple[int, int]] | None = None
+                      ) -> None:
+    """``tensors`` in ``dtype`` with random values, except ``tables`` (``model_tables``: int64
+    hash tables of valid rows)."""
     size = torch.empty((), dtype=dtype).element_size()
+    tables = tables or {}
     header, off = {}, 0
     for name, shape in tensors:
-        n = math.prod(shape) * size
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        n = math.prod(shape) * (8 if name in tables else size)
+        kind = DTYPE_NAMES[torch.int64 if name in tables else dtype]
+        header[name] = {"dtype": kind, "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -160,6 +229,11 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dt
         buf = torch.empty(_CHUNK_ELEMS, dtype=torch.float32)
         for name, shape in tensors:
             gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & ((1 << 63) - 1))
+            if name in tables:
+                f.write(memoryview(_table(shape, tables[name][0], gen).view(torch.uint8).numpy().reshape(-1)))
+                if bar is not None:
+                    bar.update(math.prod(shape) * 8)
+                continue
             total = math.prod(shape)
             for c0 in range(0, total, _CHUNK_ELEMS):
                 n = min(_CHUNK_ELEMS, total - c0)
@@ -174,9 +248,9 @@ def write_model(path: str | os.PathLike, config: dict, *, dtype: torch.dtype = t
                 std: float = 0.02, shard_bytes: int = 2 << 30, tokenizer: bool = True, progress: bool = True) -> Path:
     """Write a complete Hugging Face model directory for ``config`` at ``path`` (atomically)."""
     path = Path(path)
-    tensors = model_tensors(config)
+    tensors, tables = model_tensors(config), model_tables(config)
     size = torch.empty((), dtype=dtype).element_size()
-    total = sum(math.prod(s) * size for _, s in tensors)
+    total = sum(math.prod(s) * (8 if n in tables else size) for n, s in tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(path.parent).free
     if free < total * 1.05 + (64 << 20):
@@ -189,7 +263,7 @@ def write_model(path: str | os.PathLike, config: dict, *, dtype: torch.dtype = t
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     cur = 0
     for name, shape in tensors:
-        n = math.prod(shape) * size
+        n = math.prod(shape) * (8 if name in tables else size)
         if shards[-1] and cur + n > shard_bytes:
             shards.append([])
             cur = 0
@@ -197,12 +271,12 @@ def write_model(path: str | os.PathLike, config: dict, *, dtype: torch.dtype = t
         cur += n
     bar = Progress(total, f"writing {path.name}", enabled=progress)
     if len(shards) == 1:
-        write_safetensors(tmp / "model.safetensors", shards[0], dtype, seed, std, bar)
+        write_safetensors(tmp / "model.safetensors", shards[0], dtype, seed, std, bar, tables)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(tmp / fname, shard, dtype, seed, std, bar)
+            write_safetensors(tmp / fname, shard, dtype, seed, std, bar, tables)
             weight_map.update({name: fname for name, _ in shard})
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
