@@ -1,11 +1,13 @@
 """Certain reads (``experts/certain.py``): the experts of DeepSeek-V4's hash layers are read from
-the step's token ids before their layer runs. The provider's rules on a weightless cache (read
-at demand priority and pinned until the layer runs, found there by ``moe``, the pins bounded by
-the room the running layer needs, the next chunk's read at prefetch priority as the current
-forward leaves each layer and raised when its forward begins), then the tiny V4 end to end:
-every hash layer finds all its experts in memory or in flight on entry, nothing is read twice,
-and tokens and logits are bit-identical with the reads on and off (greedy, chunked prefill,
-speculative drafts); a family without hash layers asks for nothing."""
+the step's token ids before their layer runs. The provider's rules on a weightless cache (the
+first hash layer's read at demand priority, a later one's behind every demand read until the
+layer before it has run; pinned until their layer runs and found there by ``moe``; the pins
+bounded by the room the running layer needs; the next chunk's read at prefetch priority as the
+current forward leaves each layer and raised when its forward begins), then the tiny V4 end to
+end: every hash layer finds all its experts in memory or in flight on entry, nothing is read
+twice, and tokens and logits are bit-identical with the reads on and off (greedy, chunked
+prefill, speculative drafts); a family without hash layers asks for nothing; the synthetic
+writer's valid hash tables."""
 
 from __future__ import annotations
 
@@ -76,13 +78,14 @@ def test_read_at_demand_pinned_then_found_by_the_layer():
     assert [(lay, e, t.priority) for lay, e, t in pool.reads] == [
         (1, 2, DEMAND),
         (1, 5, DEMAND),
-        (2, 2, DEMAND),
-        (2, 7, DEMAND),
+        (2, 2, PREFETCH),  # the later hash layer's queue behind every demand read ...
+        (2, 7, PREFETCH),
     ]
     assert all(p.cache.lookup((lay, e)).pins == 1 for lay, e, _ in pool.reads)
     c = p.counters
     assert (c.certain_reads, c.demand_reads, c.certain_bytes) == (4, 4, 4 * WeightlessExperts().layout(1, 2).read_bytes)
     _moe(p, 1, [5, 2], ctx)
+    assert [t.priority for _, _, t in pool.reads[2:]] == [DEMAND, DEMAND]  # ... until the layer before has run
     _moe(p, 2, [7, 2], ctx)
     assert len(pool.reads) == 4 and c.demand_reads == 4  # the layers found them: nothing read twice
     assert (c.hash_lookups, c.hash_misses) == (4, 0)
