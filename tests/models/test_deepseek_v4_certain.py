@@ -224,3 +224,24 @@ def test_synthetic_v4_writes_valid_hash_tables(tmp_path):
             assert all(len(set(row)) == 6 for row in t.tolist())
     with sluice.load(path, memory="2GiB", progress=False) as eng:
         assert torch.isfinite(eng.forward(prompt_ids(6))).all()
+
+
+def test_lookahead_predicts_hash_layers_with_certainty(family_models):
+    """With certain reads the lookahead's prediction for a hash layer is its routing (the table's
+    experts); without, it has no guess for it."""
+    from sluice.runner import SeqWork
+
+    for on in (True, False):
+        with sluice.load(
+            family_models.hf("deepseek_v4", "f32"), memory="4GiB", progress=False, certain_reads=on
+        ) as eng:
+            ids = PROMPT[:6].tolist()
+            seq = eng.runner.slots[0]
+            res = eng.runner.step([SeqWork(seq, ids, 0, 1, decoding=True, record_routing=True)])[0]
+            for layer in (1, 2):
+                if on:
+                    got = [sorted(r) for r in res.predicted[layer].tolist()]
+                    assert got == [sorted(r) for r in res.routing[layer].tolist()]
+                else:
+                    assert layer not in res.predicted
+            assert 3 in res.predicted  # a router layer is guessed either way
