@@ -78,3 +78,17 @@ def test_demo_small(tmp_path):
     again = sluice_cmd("demo", "--synthetic", "100MB", "--cache-dir", tmp_path, "--max-new-tokens", "2",
                        "--no-progress")
     assert again.returncode == 0 and "writing" not in again.stderr  # built once, reused
+
+
+def test_demo_synthetic_deepseek_v4_certain_reads_on_and_off(tmp_path):
+    """``--family deepseek_v4`` writes a V4 shape (valid hash tables); ``--no-certain-reads`` reaches
+    the engine: no certain reads, the same tokens."""
+    runs = []
+    for extra in ((), ("--no-certain-reads",)):
+        out = sluice_cmd("demo", "--synthetic", "100MB", "--family", "deepseek_v4", "--cache-dir", tmp_path,
+                         "--max-new-tokens", "4", "--no-progress", "--json", *extra)
+        assert out.returncode == 0, out.stderr
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert (tmp_path / "synthetic-deepseek_v4-0.1GB-v1" / "config.json").is_file()
+    assert runs[0]["stats"]["certain_reads"] > 0 and runs[1]["stats"]["certain_reads"] == 0
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]

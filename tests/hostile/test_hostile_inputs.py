@@ -349,6 +349,7 @@ LOAD_CASES = {
     "reader_threads_string": (dict(reader_threads="4"), InvalidArgumentError, "reader_threads must be an integer"),
     "cache_policy_unknown": (dict(cache_policy="mru"), InvalidArgumentError, "cache_policy: unknown cache policy"),
     "prefetch_string": (dict(prefetch="no"), InvalidArgumentError, "prefetch must be True or False, got 'no'"),
+    "certain_reads_number": (dict(certain_reads=1), InvalidArgumentError, "certain_reads must be True or False, got 1"),
     "prefer_cached_negative": (dict(prefer_cached=-1), InvalidArgumentError, "prefer_cached must be a finite"),
     "disk_cache_word": (dict(disk_cache="lots"), InvalidArgumentError, "disk_cache: cannot parse size 'lots'"),
     "disk_cache_zero": (dict(disk_cache=0), InvalidArgumentError, "disk_cache must be a size above 0 bytes"),
