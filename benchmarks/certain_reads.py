@@ -1,23 +1,26 @@
 """Certain reads on DeepSeek-V4-shaped models: hash layers' read wait vs router layers', on and off.
 
 A hash-routed layer's experts are ``tid2eid[token]``: with ``certain_reads`` (the default) the
-engine reads them at demand priority as soon as a step's token ids are known, before the
-embedding runs (``experts/certain.py``); without, the layer reads them when it runs (the router
-lookahead has no guess for it). Two synthetic V4 shapes (``sluice.synthetic``, random bf16
-weights, valid integer hash tables): ``tiny`` (the test suite's size: every expert fits in the
-cache) and ``stream`` (``DEEPSEEK_V4_CONFIG``, ~1.8 GB, run under ``--memory`` so its experts
+engine reads them as soon as a step's token ids are known, before the embedding runs
+(``experts/certain.py``); without (arm ``off``), the layer reads them when it runs (the router
+lookahead has no guess for it). Arm ``staggered``: certain reads with the later hash layers'
+queued behind every demand read until the MoE layer before them has run
+(``CertainReads.staggered``), against ``on``'s all at demand priority at once. Two synthetic
+V4 shapes (``sluice.synthetic``, random bf16 weights, valid integer hash tables): ``tiny`` (the
+test suite's size: every expert fits in the cache) and ``stream`` (``DEEPSEEK_V4_CONFIG``, ~1.8 GB, run under ``--memory`` so its experts
 stream through a cache that holds a fraction of them).
 
-Cold, both arms in one run, interleaved (the order alternating per round): a fresh engine per
+Cold, the arms in one run, interleaved (the order rotating per round): a fresh process per
 run (an empty expert cache), O_DIRECT where the filesystem allows it, the page cache dropped
 first when this process may (recorded). Per arm, medians over the rounds: decode tok/s, read
 wait per token in a hash layer and in a router layer (``hash_read_wait_s`` and the rest of
 ``read_wait_s``, each over decode forwards x that kind's layers), the hash layers' decode
 lookups and misses, certain reads and bytes, demand and prefetch reads, bytes read; the load
-average before and after each run; the generated tokens of both arms equal.
+average before and after each run; the generated tokens of every arm equal.
 
     PYTHONPATH=src python benchmarks/certain_reads.py [--dir /path/for/models] [--memory 1.5GiB]
-        [--tokens 32] [--prompt-tokens 4] [--rounds 3] [--json benchmarks/results/certain-reads.json]
+        [--tokens 32] [--prompt-tokens 4] [--rounds 3] [--arms on,off|on,staggered,off]
+        [--json benchmarks/results/certain-reads.json]
 """
 
 from __future__ import annotations
@@ -71,11 +74,13 @@ KEYS = (
 )
 
 
-def child(path: Path, memory: str, tokens: int, on: bool, n_hash: int, n_router: int, prompt_len: int) -> dict:
+def child(path: Path, memory: str, tokens: int, arm: str, n_hash: int, n_router: int, prompt_len: int) -> dict:
     """One cold run in this (fresh) process: the generation's stats, and the decode read wait of
     each MoE layer (ms per token)."""
     prompt = torch.randint(3, 4000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    with sluice.load(path, memory=memory, progress=False, max_context=512, certain_reads=on) as eng:
+    with sluice.load(path, memory=memory, progress=False, max_context=512, certain_reads=arm != "off") as eng:
+        if arm == "staggered":  # the later hash layers' reads behind the demand reads
+            eng.experts.certain.staggered = True
         provider, per_layer = eng.experts, {}
         run_experts = provider.run_experts
 
@@ -93,7 +98,7 @@ def child(path: Path, memory: str, tokens: int, on: bool, n_hash: int, n_router:
     router_wait = s["read_wait_s"] - s["hash_read_wait_s"]
     out = {k: s[k] for k in KEYS if k in s}
     out.update(
-        arm="on" if on else "off",
+        arm=arm,
         tokens=r.token_ids,
         direct_io=s["direct_io"],
         cache_slots=plan.cache_slots,
@@ -106,7 +111,7 @@ def child(path: Path, memory: str, tokens: int, on: bool, n_hash: int, n_router:
     return out
 
 
-def run(path: Path, memory: str, tokens: int, on: bool, n_hash: int, n_router: int, prompt_len: int) -> dict:
+def run(path: Path, memory: str, tokens: int, arm: str, n_hash: int, n_router: int, prompt_len: int) -> dict:
     """One cold run in a fresh process (the same baseline, so the same cache, for both arms)."""
     dropped, why = drop_caches()
     before = loadavg()
@@ -114,7 +119,7 @@ def run(path: Path, memory: str, tokens: int, on: bool, n_hash: int, n_router: i
         sys.executable,
         __file__,
         "--child",
-        json.dumps([str(path), memory, tokens, on, n_hash, n_router, prompt_len]),
+        json.dumps([str(path), memory, tokens, arm, n_hash, n_router, prompt_len]),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -130,12 +135,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=4, help="a short prompt: decode meets cold experts")
     ap.add_argument("--models", default="tiny,stream")
+    ap.add_argument(
+        "--arms",
+        default="on,off",
+        help="on, off, and staggered (certain reads, the later hash layers' behind the demand reads)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run: its arguments as JSON
     a = ap.parse_args()
     if a.child:
-        path, memory, tokens, on, n_hash, n_router, prompt_len = json.loads(a.child)
-        print(json.dumps(child(Path(path), memory, tokens, on, n_hash, n_router, prompt_len)))
+        path, memory, tokens, arm, n_hash, n_router, prompt_len = json.loads(a.child)
+        print(json.dumps(child(Path(path), memory, tokens, arm, n_hash, n_router, prompt_len)))
         return 0
     root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="certain-bench-"))
     out = {
@@ -155,10 +165,11 @@ def main() -> int:
             write_model(path, cfg, dtype=torch.bfloat16, progress=False)
         n_hash = cfg["mlp_layer_types"].count("hash_moe")
         n_router = len(cfg["mlp_layer_types"]) - n_hash
-        runs = {"on": [], "off": []}
+        arms = a.arms.split(",")
+        runs = {arm: [] for arm in arms}
         for i in range(a.rounds):
-            for on in (True, False) if i % 2 == 0 else (False, True):
-                rec = run(path, memory, a.tokens, on, n_hash, n_router, a.prompt_tokens)
+            for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:  # the order rotating per round
+                rec = run(path, memory, a.tokens, arm, n_hash, n_router, a.prompt_tokens)
                 runs[rec["arm"]].append(rec)
                 print(
                     f"  {name} {rec['arm']:3s} {rec['decode_tok_s']:.2f} tok/s  hash wait "
@@ -166,7 +177,7 @@ def main() -> int:
                     f"{rec['router_wait_ms_per_token_layer']:.2f}  load {rec['load_before']}",
                     flush=True,
                 )
-        first = runs["on"][0]["tokens"]
+        first = runs[arms[0]][0]["tokens"]
         equal = all(r["tokens"] == first for rs in runs.values() for r in rs)
         same &= equal
         m = {
@@ -174,10 +185,10 @@ def main() -> int:
             "memory": memory,
             "hash_layers": n_hash,
             "router_layers": n_router,
-            "cache_slots": runs["on"][0]["cache_slots"],
-            "total_experts": runs["on"][0]["total_experts"],
-            "direct_io": runs["on"][0]["direct_io"],
-            "page_cache_dropped": runs["on"][0]["page_cache_dropped"],
+            "cache_slots": runs[arms[0]][0]["cache_slots"],
+            "total_experts": runs[arms[0]][0]["total_experts"],
+            "direct_io": runs[arms[0]][0]["direct_io"],
+            "page_cache_dropped": runs[arms[0]][0]["page_cache_dropped"],
             "tokens_equal": equal,
             "arms": {},
         }

@@ -1,6 +1,6 @@
 """Certain reads (``experts/certain.py``): the experts of DeepSeek-V4's hash layers are read from
-the step's token ids before their layer runs. The provider's rules on a weightless cache (the
-first hash layer's read at demand priority, a later one's behind every demand read until the
+the step's token ids before their layer runs. The provider's rules on a weightless cache (read
+at demand priority, or, ``staggered``, a later hash layer's behind every demand read until the
 layer before it has run; pinned until their layer runs and found there by ``moe``; the pins
 bounded by the room the running layer needs; the next chunk's read at prefetch priority as the
 current forward leaves each layer and raised when its forward begins), then the tiny V4 end to
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import pytest
 import torch
 
 import sluice
@@ -69,17 +70,20 @@ def _moe(p, layer, experts, ctx):
     return p.moe(layer, torch.zeros(1, 1), ids, torch.ones(ids.shape), ctx)
 
 
-def test_read_at_demand_pinned_then_found_by_the_layer():
+@pytest.mark.parametrize("staggered", [False, True])
+def test_read_at_demand_pinned_then_found_by_the_layer(staggered):
     p, pool = _provider(slots=16)
+    p.certain.staggered = staggered
     certain = {1: torch.tensor([[5, 2]]), 2: torch.tensor([[7, 2]])}
     ctx = _decode(certain)
     p.begin(ctx)
     p.read_certain(certain, rows=1)
+    later = PREFETCH if staggered else DEMAND  # staggered: the later hash layer's behind every demand read ...
     assert [(lay, e, t.priority) for lay, e, t in pool.reads] == [
         (1, 2, DEMAND),
         (1, 5, DEMAND),
-        (2, 2, PREFETCH),  # the later hash layer's queue behind every demand read ...
-        (2, 7, PREFETCH),
+        (2, 2, later),
+        (2, 7, later),
     ]
     assert all(p.cache.lookup((lay, e)).pins == 1 for lay, e, _ in pool.reads)
     c = p.counters

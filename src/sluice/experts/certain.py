@@ -6,17 +6,18 @@ too: nothing is a guess. The runner asks the model (``CausalLM.certain_experts``
 answer to the expert interface (``ExpertInterface.read_certain``), which the local provider
 serves here:
 
-- a forward's own certain experts are read right after ``begin``, before the embedding runs,
-  in layer order: the first hash layer's at demand priority, the later ones' queued behind every
-  demand read (prefetch priority: at most the pool's ``low_cap`` of them at once) and raised to
-  demand as soon as the MoE layer before them has run. Measured (docs/families.md): submitted
-  all at demand priority, the later layers' reads shared the disk with the first one's and
-  made it wait longer than with no certain reads at all. Each slot is pinned until its layer's
-  ``moe`` has run, so it is never evicted before use and never read twice (the layer finds it
-  READY, or joins the read in flight);
+- a forward's own certain experts are read at demand priority right after ``begin``, before
+  the embedding runs, in layer order (the first hash layer's are the first in the queue). Each
+  slot is pinned until its layer's ``moe`` has run, so it is never evicted before use and never
+  read twice (the layer finds it READY, or joins the read in flight). ``staggered`` (off) queues
+  the later hash layers' behind every demand read (prefetch priority: at most the pool's
+  ``low_cap`` of them at once) until the MoE layer before them has run, so they do not share the
+  disk with the first layer's; measured side by side (``benchmarks/certain_reads.py --arms
+  on,staggered,off``, docs/families.md) it made no difference beyond the noise, so the simpler
+  rule is the default;
 - the next prefill chunk's (the step's next forward) are issued as the current forward leaves
-  each of those layers, at prefetch priority (the current chunk's demand reads go first); when
-  their forward begins, the first layer's are raised to demand, the others as above;
+  each of those layers, at prefetch priority (the current chunk's demand reads go first), and
+  raised to demand when their forward begins (only the first layer's, ``staggered``);
 - the pins never take the room the running layer needs: at most ``capacity - reserve`` slots
   are pinned by certain reads at once, ``reserve`` being the union one layer of the forward
   can route to (``min(experts per layer, rows x top-k)``); what does not fit is read by its
@@ -50,6 +51,9 @@ class CertainReads:
         self.ahead_pins: dict[int, list[tuple[Slot, tuple[int, int]]]] = {}  # the next forward's
         self.ahead: dict[int, list[int]] = {}  # the next forward's experts, issued as layers finish
         self.reserve = 0
+        # True: the later hash layers' reads queued behind every demand read until the MoE layer
+        # before them has run (benchmarks/certain_reads.py's ``staggered`` arm); False: all at demand
+        self.staggered = False
 
     @property
     def pinned(self) -> int:
@@ -63,19 +67,27 @@ class CertainReads:
 
     def begin(self) -> None:
         """A forward begins: pins left by one that did not reach their layer are dropped, the next
-        forward's (issued ahead) become this one's, the first layer's reads raised to demand."""
+        forward's (issued ahead) become this one's, their reads raised to demand (the first
+        layer's only, ``staggered``)."""
         for held in self.pins.values():
             self._unpin(held)
         self.pins, self.ahead_pins, self.ahead = self.ahead_pins, {}, {}
-        self._raise_after(-1)
+        if self.staggered:
+            self._raise_after(-1)
+        else:
+            for layer in list(self.pins):
+                self._raise(layer)
+
+    def _raise(self, layer: int) -> None:
+        for slot, key in self.pins[layer]:
+            if slot.key == key and slot.ticket is not None:
+                slot.ticket.raise_to(DEMAND)
 
     def _raise_after(self, layer: int) -> None:
         """Raise the reads of the first layer after ``layer`` that holds certain pins to demand."""
         later = [lay for lay in self.pins if lay > layer]
         if later:
-            for slot, key in self.pins[min(later)]:
-                if slot.key == key and slot.ticket is not None:
-                    slot.ticket.raise_to(DEMAND)
+            self._raise(min(later))
 
     def issue(self, certain: dict[int, torch.Tensor], rows: int, ahead: bool) -> None:
         """Read (and pin) ``certain`` (layer -> experts [T, K]) for this forward, or, ``ahead``, keep
@@ -89,7 +101,9 @@ class CertainReads:
             self.ahead = {layer: distinct(ids) for layer, ids in certain.items()}
             return
         for i, layer in enumerate(sorted(certain)):
-            if not self._pin(layer, distinct(certain[layer]), DEMAND if i == 0 else PREFETCH, self.pins):
+            if not self._pin(
+                layer, distinct(certain[layer]), DEMAND if i == 0 or not self.staggered else PREFETCH, self.pins
+            ):
                 return
 
     def layer_done(self, layer: int) -> None:
@@ -97,7 +111,7 @@ class CertainReads:
         held = self.pins.pop(layer, None)
         if held:
             self._unpin(held)
-        if self.pins:
+        if self.pins and self.staggered:
             self._raise_after(layer)  # the next hash layer's reads: now the most urgent
         experts = self.ahead.pop(layer, None) if self.ahead else None
         if experts and not self.provider.holds_all():
