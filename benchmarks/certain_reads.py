@@ -7,8 +7,9 @@ lookahead has no guess for it). Arm ``staggered``: certain reads with the later 
 queued behind every demand read until the MoE layer before them has run
 (``CertainReads.staggered``), against ``on``'s all at demand priority at once. Two synthetic
 V4 shapes (``sluice.synthetic``, random bf16 weights, valid integer hash tables): ``tiny`` (the
-test suite's size: every expert fits in the cache) and ``stream`` (``DEEPSEEK_V4_CONFIG``, ~1.8 GB, run under ``--memory`` so its experts
-stream through a cache that holds a fraction of them).
+test suite's size: every expert fits in the cache) and ``stream`` (``DEEPSEEK_V4_CONFIG``,
+~1.8 GB, run under ``--memory`` so its experts stream through a cache that holds a fraction of
+them).
 
 Cold, the arms in one run, interleaved (the order rotating per round): a fresh process per
 run (an empty expert cache), O_DIRECT where the filesystem allows it, the page cache dropped
