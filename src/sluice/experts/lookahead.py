@@ -126,11 +126,11 @@ class Lookahead:
             if distance > o.depth and not experts.lookahead_more(distance - 1, latency=o.latency):
                 return
             target = layer + distance
-            if model.spine is not None and not model.spine.ready(target):
-                return  # its router is still being read
-            if certain and target in certain:  # decided by the token ids: no guess
+            if certain and target in certain:  # decided by the token ids: no guess, no router needed
                 ids = certain[target]
                 got = ids, torch.ones(ids.shape)
+            elif model.spine is not None and not model.spine.ready(target):
+                return  # its router is still being read
             else:
                 got = model.predict_weights(target, h)
             if got is None:
