@@ -64,6 +64,7 @@ class RayExperts(ExpertInterface):
         self.lost = 0  # worker calls that failed
         self._down: set[int] = set()  # workers lost by an earlier call: waited for before the next
         self.compiled = compiled  # a layer's requests through one compiled graph of all workers
+        self.pack_decoding = True  # decoding layers on as few workers as the placement allows (benchmarks: off)
         self._graph = None  # built on first use, dropped when a worker is lost
         self.worker_calls = 0  # requests sent to workers (computing or prefetch only), all layers
         self.graph_builds = 0
@@ -175,7 +176,7 @@ class RayExperts(ExpertInterface):
         # per expert: (global row index tensor or None, weight)
         work = {e: groups.work(e) for e in experts}
         # decoding rows only: as few workers as the placement allows (a round trip per worker called)
-        pack = all(seg.decoding for seg in ctx.segments)
+        pack = self.pack_decoding and all(seg.decoding for seg in ctx.segments)
         assign = self.placement.assign(layer, {e: groups.count(e) for e in experts}, pack=pack)
         results = self._run(layer, x, groups.one_row, work, assign, decode, decoding)
         fold = Fold(x, experts)
