@@ -9,13 +9,21 @@ the single process (``experts.fold.Fold``: ``acc += y`` for one row, ``acc.index
 more). The outputs are computed by the same functions on the same rows (the driver checks each
 worker's kernel signature), so logits are bit-identical to one process.
 
+The requests go through one Ray compiled graph of all workers (``ExpertWorker.step`` per
+worker, built on first use: one ``execute`` per layer over shared-memory channels, each worker
+getting its request or None), or with ``compiled=False`` (``--ray-plain-calls``) as one plain
+actor call per worker with something to do; the requests, and so the bits, are the same. A
+layer of decoding rows puts replicated experts on the fewest workers (``Placement.assign(pack=)``).
+
 The driver holds no expert cache. The lookahead's prediction for the next layer travels with
 this layer's request (a worker that gets no rows this layer gets it alone, not waited for).
 
 Failure: a worker that dies fails its call (Ray notices a dead process at once); the driver
 retries the call's experts on their replicas if every one has a live replica, otherwise the
 forward fails with ``WorkerLostError`` (an ``ExpertReadError``) naming the worker and layer.
-Ray restarts the actor (``max_restarts``); calls made while it restarts wait for it.
+Ray restarts the actor (``max_restarts``); calls made while it restarts wait for it. A lost
+worker breaks the compiled graph: the answers already in are kept, the graph is dropped and the
+rest of the layer re-sent as plain calls; the graph is built again once every worker is back.
 """
 
 from __future__ import annotations
