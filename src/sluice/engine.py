@@ -424,7 +424,7 @@ class Engine:
         experts = RayExperts(
             location, cluster_signature(self.checkpoint), self.desc.moe_layers, self.desc.n_experts,
             workers=o.expert_workers, worker_memory=worker_memory, replicate_hot=int(o.replicate_hot),
-            timeout=float(o.ray_timeout),
+            timeout=float(o.ray_timeout), compiled=o.ray_compiled,
             worker_opts=dict(reader_threads=o.reader_threads, cache_policy=o.cache_policy,
                              verify_reads=o.verify_reads, huge_pages=o.huge_pages, direct_io=o.direct_io,
                              ca_bundle=o.ca_bundle, allow_unversioned_remote=o.allow_unversioned_remote,
