@@ -188,7 +188,8 @@ class PooledIndexer(LightningIndexer):
     positions, keeps the best ``topk / P`` (all of them when it sees that many or fewer), attends
     over their positions and always over the incomplete pool it is in (positions P floor((p+1)/P)
     .. p, the "tail"). As transformers 5.24 computes it (``Glm5NextTextIndexer``, sequences
-    without padding: pools start at position 0).
+    without padding: pools start at position 0). A layer's ``PooledKeys`` caches the complete pools'
+    keys, so a decode step computes at most the pool it completes, not all of them (O(P), not O(L)).
 
     Selection ties: the same rule as ``LightningIndexer`` (``torch.topk`` over the pools the query
     sees; the tests' models are checked to have no exact tie at the boundary).
