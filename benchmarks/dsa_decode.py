@@ -18,8 +18,9 @@ its key), the same two with every pool's key recomputed from all L positions' ke
 code's work at every step: ``cache.index.done = 0`` before the step; the indexer alone through
 ``select`` over the keys tensor), and the pools computed per step (a deterministic count).
 
-The contexts and arms are measured interleaved, so background load hits them alike; the 1-minute
-load average is recorded before and after.
+The contexts and arms are measured interleaved, each rep in an order rotated by one (so neither
+background load nor what ran just before favours an arm); the 1-minute load average is recorded
+before and after.
 
     PYTHONPATH=src python benchmarks/dsa_decode.py [--model deepseek_v32|glm5_next] [--contexts 4096 32768]
         [--reps 7] [--threads 2] [--format fp8|bf16] [--json benchmarks/results/dsa-decode.json]
@@ -143,10 +144,11 @@ def measure(contexts: list[int], reps: int, fmt: str = "fp8", seed: int = 0, s: 
     for fns in steps.values():  # warm
         for fn in fns.values():
             fn()
-    for _ in range(reps):  # interleaved: each rep measures every context and arm once
-        for n in contexts:
-            for name, fn in steps[n].items():
-                out[n][name].append(_seconds(fn))
+    runs = [(n, name) for n in contexts for name in steps[n]]
+    for r in range(reps):  # interleaved: each rep measures every context and arm once, the order rotated
+        k = r % len(runs)
+        for n, name in runs[k:] + runs[:k]:
+            out[n][name].append(_seconds(steps[n][name]))
     res = {n: {f"{k}_ms": 1e3 * statistics.median(v) for k, v in d.items()} for n, d in out.items()}
     for n, c in counts.items():
         res[n].update({f"{k}_pools_computed": v for k, v in c.items()})

@@ -22,7 +22,7 @@ from families import REGISTRY, assert_decisive_model, reference, save_family
 from sluice.layers.dsa import IndexedLatentCache, SharedLatentCache, SparseMLA
 from sluice.layers.gated_delta import KimiDeltaAttention
 from sluice.layers.hyper import MeanHead
-from sluice.layers.indexer import PooledIndexer, PooledKeys
+from sluice.layers.indexer import IndexKeys, PooledIndexer, PooledKeys
 from sluice.models import get_family
 
 g5 = get_family("glm5_next")
@@ -192,6 +192,9 @@ def test_cached_pool_keys_are_recomputed_bits():
     run(20, 45, keys)  # prefix reuse: rewound to 20, the rest prefilled again
     alone = torch.cat([ours.pool_keys(keys[4 * m : 4 * m + 4]) for m in range(11)])
     assert torch.equal(ours.pool_keys(keys[:44]), alone) and torch.equal(index.pools[:11], alone)
+    for wrong in (IndexKeys(64, 32), PooledKeys(64, 16, 2)):  # not this indexer's pools: refused
+        with pytest.raises(TypeError, match="needs its own PooledKeys"):
+            ours.select_cached(q[:20], w[:20], wrong, 0)
 
 
 class _Margins:

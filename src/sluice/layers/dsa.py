@@ -9,11 +9,12 @@ gathers the selected latents instead, so a decode step costs O(topk) in attentio
 indexer's O(L) scoring over D-float keys) whatever the context length.
 
 A layer with its own indexer keeps ``IndexedLatentCache``: the latent cache plus the indexer's
-keys (R + Dr + D floats per position; a pooled indexer's 2 D, plus D per complete pool); GLM-5's ``"shared"`` layers have no indexer and reuse the
-selection of the previous ``"full"`` layer for the same rows (``SharedLatentCache``: a latent
-cache linked to that layer's state of the same sequence, ``link``). Both truncate for free, as
-a KV cache: rewinding, prefix reuse and rejected drafts need nothing, and each sequence of a
-batch has its own.
+keys (R + Dr + D floats per position; a pooled indexer's 2 D, and D per complete pool); GLM-5's
+``"shared"`` layers have no indexer and reuse the selection of the previous ``"full"`` layer for
+the same rows (``SharedLatentCache``: a latent cache linked to that layer's state of the same
+sequence, ``link``). Both truncate for free, as a KV cache: rewinding, prefix reuse and rejected
+drafts need nothing (a pooled indexer's cached pools are dropped by the next write past the cut:
+``PooledKeys``), and each sequence of a batch has its own.
 
 With batch-invariant kernels every step of a query (its absorbed latent query, its scores and
 selection, its attention over the gathered latents, its output) is computed on its own, so its

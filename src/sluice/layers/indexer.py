@@ -224,8 +224,9 @@ class PooledIndexer(LightningIndexer):
         return (start + t) // self.pool > self.pools_kept
 
     def select_cached(self, q: torch.Tensor, w: torch.Tensor, index: IndexKeys, start: int) -> list:
-        if not isinstance(index, PooledKeys):
-            raise TypeError(f"a pooled indexer needs its PooledKeys (new_keys), got {type(index).__name__}")
+        if not isinstance(index, PooledKeys) or index.pool != self.pool or index.pools.shape[1] != self.head_dim:
+            raise TypeError(f"a pooled indexer (pools of {self.pool} x {self.head_dim}) needs its own PooledKeys "
+                            f"(new_keys), got {type(index).__name__}")
         return self.select(q, w, index, start)
 
     def pooled(self, index: PooledKeys, end: int) -> torch.Tensor:
