@@ -81,6 +81,7 @@ def test_checkpoint_tensor_names():
     # every 4th layer MLA (11 of 45), 3 dense layers: latent 512 + indexer keys 2 x 128 floats per position
     assert desc.moe_layers == list(range(3, 45))
     assert desc.state_bytes_per_token == 11 * 4 * (512 + 2 * 128)
+    assert desc.entry_bytes == {16: 11 * 4 * 128}  # and each complete pool's key of 128 floats (cached)
 
 
 def test_flat_config_is_the_text_config():
