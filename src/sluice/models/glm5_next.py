@@ -345,7 +345,8 @@ def describe(cfg: Config) -> ModelDescription:
         f"DeepSeek sparse attention over pools: a query attends over the index_topk / index_kpool = "
         f"{cfg.index_topk // cfg.index_kpool} pools of {cfg.index_kpool} positions its indexer selects "
         f"({cfg.index_n_heads} heads x {cfg.index_head_dim}) and its own incomplete pool; indexer keys: "
-        f"{2 * cfg.index_head_dim} floats per position per indexer layer"
+        f"{2 * cfg.index_head_dim} floats per position and the key of each complete pool ({cfg.index_head_dim} "
+        "floats, computed once) per indexer layer"
         + (f"; {shared} layer(s) reuse the previous layer's selection" if shared else ""),
         f"residual: {cfg.hc_mult} hyper-connection streams (Sinkhorn-Knopp, {cfg.hc_sinkhorn_iters} iterations), "
         "collapsed by their mean",

@@ -171,8 +171,8 @@ def dsa_mla(hidden: int, n_heads: int, *, topk: int, index_heads: int, index_hea
     ``index_head_dim`` floats per position more. ``source``: no indexer, the selection of that
     earlier layer reused (GLM-5's ``"shared"`` layers; the latent cache only). ``kpool``: the indexer
     scores pools of that many positions (``layers.indexer.PooledIndexer``, GLM-5.3-Flash: with
-    ``index_kpool_compress_ape`` [P, D] and ``index_kpool_compress_gate`` [D, H], and 2 D floats per
-    position)."""
+    ``index_kpool_compress_ape`` [P, D] and ``index_kpool_compress_gate`` [D, H], 2 D floats per
+    position and D per complete pool)."""
     base = mla(hidden, n_heads, cls=SparseMLA, extra=lambda t: extra(t), **mla_args)
     p, d, q_rank = "self_attn.indexer.", index_head_dim, mla_args["q_lora_rank"]
     tensors = {} if source is not None else {
@@ -196,7 +196,9 @@ def dsa_mla(hidden: int, n_heads: int, *, topk: int, index_heads: int, index_hea
             head_dim=d, topk=topk, interleave=index_interleave))
 
     keys = 0 if source is not None else IndexKeys.nbytes(1, d if kpool is None else 2 * d)
-    return Part({**base.tensors, **tensors}, base.make, kv_per_token=base.kv_per_token + keys)
+    # a pooled indexer also keeps each complete pool's key (``PooledKeys.pools``): D floats per P positions
+    pools = {kpool: 4 * d} if kpool is not None and source is None else {}
+    return Part({**base.tensors, **tensors}, base.make, kv_per_token=base.kv_per_token + keys, entries=pools)
 
 
 def _recurrent(one: int) -> dict[str, int]:
