@@ -1,0 +1,286 @@
+"""DeepSeek-V4 as published: the FP8 spine (e4m3, ue8m0 block scales ``<module>.scale``) and the
+FP4 routed experts (e2m1 two per byte, one ue8m0 scale per 32 inputs), read, cached, converted
+and multiplied in their stored form, against transformers on the exactly dequantized twin.
+
+The quantizer and the reference dequantization here are written from the format, independently
+of ``sluice.quant``; the FP4 one is checked against both of transformers' readings of these bytes
+(``Fp8Dequantize``, what its V4 loader uses, and MXFP4's ``convert_moe_packed_tensors``) and
+against hand-computed values, nibble order first."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import sluice
+from families import N_NEW, PROMPT, assert_decisive_model, reference
+from sluice.errors import CheckpointError, UnsupportedModelError
+from sluice.models import get_family
+from sluice.quant import FORMATS, QuantMatrix
+from sluice.quant.fp8 import BlockFP8
+
+v4 = get_family("deepseek_v4")
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0 = torch.float8_e8m0fnu
+BLOCK = [16, 16]  # small blocks so the tiny matrices span several (the published: [128, 128])
+QC = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0"}
+EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+# the linears transformers' FP8 integration converts (its nn.Linear modules less the head and
+# DeepseekV4's _keep_in_fp32_modules), by their published names
+FP8_LINEAR = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$")
+
+
+# -- the format, written here ---------------------------------------------------------------
+
+
+def fp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K/2], e8m0 [N, K/32]): per 32 inputs the power of two 2^e with
+    e = ceil(log2(amax / 6)), codes the nearest E2M1 value (bit 3 the sign), element 2i in the
+    low nibble of byte i."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // 32, 32)
+    amax = g.abs().amax(-1)
+    e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax)).clamp(-127, 127)
+    q = g / torch.exp2(e)[..., None]
+    mags = torch.tensor(E2M1[:8])
+    idx = (q.abs()[..., None] - mags).abs().argmin(-1)
+    code = (idx | ((q < 0) & (idx > 0)).long() << 3).reshape(n, k).to(torch.uint8)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)
+    return packed.view(torch.int8).contiguous(), (e + 127).to(torch.uint8).view(E8M0)
+
+
+def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W[n, k] = E2M1(nibble k of row n) * 2^(e[n, k // 32] - 127), in fp32 (exact)."""
+    u8 = packed.view(torch.uint8).long()
+    codes = torch.stack((u8 & 15, u8 >> 4), dim=-1).flatten(-2)
+    exps = scale.view(torch.uint8).long() - 127
+    return torch.tensor(E2M1)[codes] * torch.exp2(exps.float()).repeat_interleave(32, dim=-1)
+
+
+def fp8_quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 [N, K], e8m0 [ceil(N/bn), ceil(K/bk)]): each block divided by the power of
+    two 2^ceil(log2(amax / 448)), as transformers' ue8m0 quantizer rounds its scales."""
+    n, k = w.shape
+    bn, bk = block
+    sn, sk = -(-n // bn), -(-k // bk)
+    pad = torch.zeros(sn * bn, sk * bk)
+    pad[:n, :k] = w.float()
+    amax = pad.view(sn, bn, sk, bk).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 448.0))), torch.ones_like(amax))
+    full = scale[torch.arange(n) // bn][:, torch.arange(k) // bk]
+    return (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn), scale.to(E8M0)
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    n, k = q.shape
+    return q.float() * scale.float()[torch.arange(n) // block[0]][:, torch.arange(k) // block[1]]
+
+
+def to_published(src: Path, dst: Path, twin: Path, block=BLOCK, expert_dtype: str = "fp4") -> tuple[Path, Path]:
+    """``src`` (a transformers-saved V4 checkpoint) in the published form and names (``dst``) and
+    its twin (``twin``, transformers' names, every quantized tensor exactly dequantized to fp32)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    published = {saved: name for name, saved in v4.tensor_aliases(v4.parse_config(cfg)).items()}
+    q, deq = {}, {}
+    for saved, t in load_file(src / "model.safetensors").items():
+        name = published.get(saved, saved)
+        module = name[: -len(".weight")]
+        if EXPERT.search(name) and expert_dtype == "fp4":
+            q[name], q[module + ".scale"] = fp4_quantize(t)
+            deq[saved] = fp4_dequantize(q[name], q[module + ".scale"])
+        elif EXPERT.search(name) or FP8_LINEAR.search(name):
+            q[name], q[module + ".scale"] = fp8_quantize(t, block)
+            deq[saved] = fp8_dequantize(q[name], q[module + ".scale"], block)
+        else:
+            q[name], deq[saved] = t, t.float()
+    for d, data, extra in ((dst, q, True), (twin, deq, False)):
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(data, d / "model.safetensors", metadata={"format": "pt"})
+        c = dict(cfg)
+        if extra:  # as the published config.json: expert_dtype beside the quantization_config
+            c.update(quantization_config={**QC, "weight_block_size": list(block)}, expert_dtype=expert_dtype)
+        (d / "config.json").write_text(json.dumps(c, indent=1))
+    return dst, twin
+
+
+@pytest.fixture(scope="module")
+def published(family_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("v4-published")
+    return to_published(family_models.hf("deepseek_v4", "bf16"), root / "fp4", root / "twin")
+
+
+# -- the FP4 bytes ------------------------------------------------------------------------------
+
+
+def test_fp4_dequantization_nibble_order_and_values():
+    """Hand-made bytes: the low nibble is the first element (transformers' V4 reading and MXFP4's
+    alike), bit 3 the sign, the scale 2^(e - 127); Sluice's reference and kernels agree."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    row = [0x21, 0xF0, 0x7E, 0x08] + [0x00] * 12  # codes 1,2 | 0,15 | 14,7 | 8,0 then zeros
+    packed = torch.tensor([row, [0x53] * 16], dtype=torch.uint8).view(torch.int8)  # 2 rows of 32 inputs
+    scale = torch.tensor([[128], [125]], dtype=torch.uint8).view(E8M0)  # 2^1, 2^-2
+    want = torch.zeros(2, 32)
+    want[0, :8] = torch.tensor([0.5, 1.0, 0.0, -6.0, -4.0, 6.0, -0.0, 0.0]) * 2
+    want[1] = torch.tensor([1.5, 3.0] * 16) * 0.25  # 0x53: low 3 -> 1.5, high 5 -> 3.0
+    assert torch.equal(fp4_dequantize(packed, scale), want)
+    hf_v4 = Fp8Dequantize(None)._dequantize_one(packed, scale, output_dtype=torch.float32)
+    hf_mx = convert_moe_packed_tensors(packed.view(torch.uint8).view(1, 2, 1, 16), scale.view(torch.uint8)[None],
+                                       dtype=torch.float32)[0].T  # GPT-OSS's [E, out, G, 16] -> [E, in, out]
+    assert torch.equal(hf_v4, want) and torch.equal(hf_mx, want)
+    assert torch.equal(torch.signbit(fp4_dequantize(packed, scale)), torch.signbit(hf_v4))  # -0.0 kept
+    fmt = FORMATS["fp4"]
+    parts = {"weight": packed, "scale": scale}
+    assert torch.equal(fmt.dequantize(parts, 2, 32), want)
+    x = torch.randn(3, 32)
+    assert torch.allclose(QuantMatrix(fmt, parts, 2, 32, exact=True).matmul(x), x @ want.T, rtol=1e-6, atol=1e-5)
+
+
+def test_fp4_matches_mxfp4_on_random_bytes():
+    """Every code and a range of exponents: Sluice's fp4 reference, its kernels (few rows and
+    many), transformers' two readings and mxfp4's on the same bytes all agree exactly."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 40, 96
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8).view(torch.int8)
+    scale = torch.randint(100, 150, (n, k // 32), generator=g, dtype=torch.uint8).view(E8M0)
+    want = fp4_dequantize(packed, scale)
+    parts = {"weight": packed, "scale": scale}
+    mx = {"blocks": packed.view(torch.uint8).view(n, k // 32, 16), "scales": scale.view(torch.uint8)}
+    assert torch.equal(FORMATS["fp4"].dequantize(parts, n, k), want)
+    assert torch.equal(FORMATS["mxfp4"].dequantize(mx, n, k), want)
+    assert torch.equal(Fp8Dequantize(None)._dequantize_one(packed, scale, output_dtype=torch.float32), want)
+    m = QuantMatrix("fp4", parts, n, k, exact=True)
+    for t in (1, 5, 70):
+        x = torch.randn(t, k, generator=g)
+        bound = 1e-5 * (x.abs() @ want.abs().T)  # fp32 summation error (the scales span 2^-27 .. 2^22)
+        assert ((m.matmul(x) - x @ want.T).abs() <= bound).all()
+    # Sluice's own quantizer writes the format too (sluice convert --experts fp4)
+    w = torch.randn(8, 64, generator=g)
+    q = FORMATS["fp4"].quantize(w)
+    assert q["weight"].dtype == torch.int8 and q["scale"].dtype == E8M0
+    assert torch.equal(FORMATS["fp4"].dequantize(q, 8, 64), fp4_dequantize(q["weight"], q["scale"]))
+
+
+# -- the model -----------------------------------------------------------------------------------
+
+
+def test_published_quantization_parses():
+    from models.test_deepseek_v4 import HUB_CONFIG, QUANT
+
+    for quant in (QUANT, {"quantization_config": {**QUANT["quantization_config"], "expert_dtype": "fp4"}}):
+        desc = v4.describe(v4.parse_config({**HUB_CONFIG, **quant}))
+        assert desc.expert_format == "fp4"
+        refs = {k: (r.name, r.shape) for k, r in desc.expert_tensors(42, 255).items()}
+        assert refs["gate.weight"] == ("layers.42.ffn.experts.255.w1.weight", (2048, 2048))
+        assert refs["gate.scale"] == ("layers.42.ffn.experts.255.w1.scale", (2048, 128))
+        assert refs["down.scale"] == ("layers.42.ffn.experts.255.w2.scale", (4096, 64))
+        sp = desc.spine
+        assert sp["layers.2.attn.wq_a.scale"] == (8, 32) and sp["layers.2.attn.wo_a.scale"] == (64, 32)
+        assert sp["layers.2.ffn.shared_experts.w2.scale"] == (32, 16)
+        assert "layers.2.attn.compressor.wkv.scale" not in sp and "layers.2.attn.indexer.weights_proj.scale" not in sp
+        assert "head.scale" not in sp and "layers.2.ffn.gate.scale" not in sp
+        assert any("FP4 e2m1" in n for n in desc.notes) and any("ue8m0" in n for n in desc.notes)
+
+
+def test_fp8_linears_are_transformers_fp8_linears(published):
+    """The published names quantized here are exactly transformers' FP8-converted linears."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dst, twin = published
+    cfg = AutoConfig.from_pretrained(twin)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    kept = model._keep_in_fp32_modules
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
+               and not any(k in n for k in kept)}
+    with safe_open(str(dst / "model.safetensors"), "pt") as f:
+        scaled = {n for n in f.keys() if n.endswith(".scale") and ".experts." not in n}
+    assert len(scaled) == len(linears) > 0
+
+
+def test_published_form_against_transformers_on_the_twin(published, tmp_path):
+    """Logits at every prompt position within 1e-4 (f32) and greedy tokens equal; the spine kept
+    in FP8 (wo_a included), the cache slots in FP4; ``sluice inspect`` names the formats; a
+    container keeps the stored bytes and gives the same bits."""
+    from sluice.convert import convert
+    from sluice.model_report import inspect_model
+
+    dst, twin = published
+    ref = reference(twin)
+    with torch.no_grad():
+        ref_logits = ref(PROMPT[None]).logits[0]
+        ref_out = ref.generate(PROMPT[None], max_new_tokens=N_NEW, do_sample=False)[0]
+    assert_decisive_model(ref, ref_out, len(PROMPT) - 1)
+    want = ref_out[len(PROMPT):].tolist()
+    eng = sluice.load(dst, memory="4GiB", cache_experts=6, progress=False)
+    logits = eng.forward(PROMPT)
+    diff = (logits - ref_logits).abs().max().item()
+    assert diff <= 1e-4, f"max |logit diff| {diff:.3e}"
+    result = eng.generate(PROMPT.tolist(), max_new_tokens=N_NEW, speculate=False)
+    assert result.token_ids == want and result.stats["evictions"] > 0
+    assert eng.experts_source.format == "fp4" and eng.experts_source.native_quant
+    attn = eng.model.layers[1].attn
+    assert isinstance(attn.wo_a, BlockFP8) and attn.wo_a.stored_scale.dtype == E8M0
+    assert isinstance(attn.wq_a, BlockFP8) and attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert attn.compressor is not None and attn.compressor.wkv.dtype == torch.bfloat16  # kept bf16, as published
+    slot = next(s for s in eng.cache.slots if s.weights is not None)
+    assert isinstance(slot.weights["down"], QuantMatrix) and slot.weights["down"].format.name == "fp4"
+    report = inspect_model(dst)
+    assert report["expert_format"] == "fp4" and any("FP4 e2m1" in n for n in report["notes"])
+    box = convert(dst, tmp_path / "v4.sluice", progress=False)
+    b = sluice.load(box, memory="4GiB", cache_experts=6, progress=False)
+    assert b.experts_source.format == "fp4"
+    assert torch.equal(b.forward(PROMPT), logits)
+    assert b.generate(PROMPT.tolist(), max_new_tokens=N_NEW, speculate=False).token_ids == want
+    assert not b.generate(PROMPT.tolist(), max_new_tokens=2).stats.get("lossy")
+
+
+def _edit(src: Path, dst: Path, tensors=None, config=None) -> Path:
+    """A copy of ``src`` with some tensors replaced (``tensors(dict) -> dict``) or its config edited."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    data = load_file(src / "model.safetensors")
+    save_file(tensors(data) if tensors else data, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config(cfg) if config else cfg))
+    return dst
+
+
+HOSTILE = {
+    # an FP4 scale grid per 16 inputs instead of 32
+    "scale_shape": (lambda d: {**d, "layers.0.ffn.experts.3.w1.scale": torch.zeros(32, 4, dtype=torch.uint8)
+                               .view(E8M0)}, None, CheckpointError, "w1.scale"),
+    # FP4 scales stored as fp32 values instead of ue8m0 bytes
+    "scale_dtype": (lambda d: {**d, "layers.0.ffn.experts.3.w2.scale": d["layers.0.ffn.experts.3.w2.scale"].float()},
+                    None, CheckpointError, "F32"),
+    # FP4 codes as uint8 (the published: int8)
+    "weight_dtype": (lambda d: {**d, "layers.1.ffn.experts.0.w3.weight": d["layers.1.ffn.experts.0.w3.weight"]
+                                .view(torch.uint8)}, None, CheckpointError, "U8"),
+    # an FP8 spine weight's scales missing a row block
+    "spine_scale_shape": (lambda d: {**d, "layers.0.attn.wq_a.scale": d["layers.0.attn.wq_a.scale"][:1]},
+                          None, CheckpointError, "wq_a"),
+    "unknown_fmt": (None, lambda c: {**c, "quantization_config": {**c["quantization_config"], "fmt": "e5m2"}},
+                    UnsupportedModelError, "fmt='e5m2'"),
+    "expert_dtype": (None, lambda c: {**c, "expert_dtype": "nvfp4"}, UnsupportedModelError, "expert_dtype='nvfp4'"),
+    "scale_fmt": (None, lambda c: {**c, "quantization_config": {**c["quantization_config"], "scale_fmt": "e4m3"}},
+                  UnsupportedModelError, "scale_fmt='e4m3'"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_published_checkpoints(case, published, tmp_path):
+    tensors, config, error, match = HOSTILE[case]
+    path = _edit(published[0], tmp_path / case, tensors, config)
+    with pytest.raises(error, match=re.escape(match)):
+        sluice.load(path, memory="4GiB", progress=False).forward(PROMPT[:4])
