@@ -284,3 +284,35 @@ def test_hostile_published_checkpoints(case, published, tmp_path):
     path = _edit(published[0], tmp_path / case, tensors, config)
     with pytest.raises(error, match=re.escape(match)):
         sluice.load(path, memory="4GiB", progress=False).forward(PROMPT[:4])
+
+
+@pytest.mark.parametrize("block, expert_dtype", [([128, 128], "fp4"), ([16, 16], "fp8")])
+def test_published_blocks_and_fp8_experts(family_models, tmp_path, block, expert_dtype):
+    """The published 128 x 128 blocks (every tiny matrix one partial block), and
+    ``expert_dtype: "fp8"`` experts (block FP8 with ``.scale``, like the spine)."""
+    dst, twin = to_published(family_models.hf("deepseek_v4", "bf16"), tmp_path / "q", tmp_path / "twin", block,
+                             expert_dtype)
+    ref = reference(twin)
+    with torch.no_grad():
+        ref_logits = ref(PROMPT[None]).logits[0]
+    eng = sluice.load(dst, memory="4GiB", progress=False)
+    assert eng.experts_source.format == expert_dtype
+    diff = (eng.forward(PROMPT) - ref_logits).abs().max().item()
+    assert diff <= 1e-4, f"max |logit diff| {diff:.3e}"
+
+
+def test_transformers_reads_the_published_form_as_the_twin(family_models, tmp_path):
+    """transformers' own loader on the published form (on a CPU-only machine it dequantizes at
+    load: ``.scale`` renamed to ``weight_scale_inv``, the FP4 experts unpacked low nibble first)
+    gives the twin's logits exactly, so the twin is what transformers makes of these bytes.
+    (It derives the block from the shapes, so it needs blocks dividing every side: 8 x 8.)"""
+    pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
+    from transformers import AutoModelForCausalLM
+
+    dst, twin = to_published(family_models.hf("deepseek_v4", "bf16"), tmp_path / "q", tmp_path / "twin", [8, 8])
+    own = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got, want = own(PROMPT[None]).logits[0].float(), reference(twin)(PROMPT[None]).logits[0]
+    assert torch.equal(got, want)
+    diff = (sluice.load(dst, memory="4GiB", progress=False).forward(PROMPT) - want).abs().max().item()
+    assert diff <= 1e-4, f"max |logit diff| {diff:.3e}"
