@@ -130,7 +130,7 @@ class CompressedAttention:
         per = self.wo_a.shape[0] // g
         grouped = o.reshape(t, g, -1)
         wo_a = self.wo_a
-        if isinstance(wo_a, BlockFP8):  # stored FP8 (the published checkpoints): its row ranges, never dequantized whole
+        if isinstance(wo_a, BlockFP8):  # stored FP8 (as published): by row ranges, never dequantized whole
             low = torch.cat([wo_a.linear(grouped[:, i].contiguous(), r0=i * per, r1=(i + 1) * per) for i in range(g)],
                             dim=-1)
         else:

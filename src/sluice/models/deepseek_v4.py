@@ -461,8 +461,8 @@ def describe(cfg: Config) -> ModelDescription:
         notes.append(f"{cfg.mtp_layers} multi-token-prediction layer(s) (mtp.*) are not used: generation predicts "
                      "one token per step")
     return model.describe(model_type=MODEL_TYPE, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
-                          **experts, max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
-                          notes=notes)
+                          **experts, max_position_embeddings=cfg.max_position_embeddings,
+                          attn_heads=cfg.num_attention_heads, notes=notes)
 
 
 def build(cfg: Config, w, experts) -> HyperCausalLM:
