@@ -15,6 +15,11 @@
   (``quant/int4.py``, read as the ``int4`` expert format); every other linear must be in
   ``ignore``, as the released checkpoints have it (an INT4 spine linear is refused by name).
 
+A family may name the scales' tensor itself (``scale_tensor``: DeepSeek-V4's ``<module>.scale``,
+ue8m0 bytes), keep linears plain whatever the config says (``keep_plain``: its
+``_keep_in_fp32_modules``) and declare FP4 routed experts (``expert_fp4``: ``quant/fp4.py``, e2m1
+two per byte with one ue8m0 scale per 32 inputs, the ``fp4`` expert format, kept in FP4).
+
 Every other ``quant_method`` is refused by name. A family builds one ``WeightFormat`` in
 ``parse_config`` and passes it to ``declare.Model`` (``weights=``), which applies it to every
 linear the declaration lists (``Lin``) and to the routed experts (``Model.routed_experts``):
