@@ -274,7 +274,8 @@ HOSTILE = {
     "spine_scale_dtype": (lambda d: {**d, "layers.2.attn.wo_a.scale": d["layers.2.attn.wo_a.scale"].view(torch.uint8)},
                           None, CheckpointError, "'layers.2.attn.wo_a.scale' is stored as U8"),
     "spine_weight_dtype": (lambda d: {**d, "layers.1.attn.wq_b.weight": d["layers.1.attn.wq_b.weight"]
-                                      .to(torch.bfloat16)}, None, CheckpointError, "layers.1.attn.wq_b.weight: expected a 2-D float8_e4m3fn weight"),
+                                      .to(torch.bfloat16)}, None, CheckpointError,
+                           "layers.1.attn.wq_b.weight: expected a 2-D float8_e4m3fn weight"),
     "unknown_fmt": (None, lambda c: {**c, "quantization_config": {**c["quantization_config"], "fmt": "e5m2"}},
                     UnsupportedModelError, "fmt='e5m2'"),
     "expert_dtype": (None, lambda c: {**c, "expert_dtype": "nvfp4"}, UnsupportedModelError, "expert_dtype='nvfp4'"),
