@@ -17,98 +17,13 @@ import pytest
 import torch
 
 import sluice
-from families import N_NEW, PROMPT, assert_decisive_model, reference
+from families import E8M0, N_NEW, PROMPT, assert_decisive_model, fp4_dequantize, reference, to_published
 from sluice.errors import CheckpointError, UnsupportedModelError
 from sluice.models import get_family
 from sluice.quant import FORMATS, QuantMatrix
 from sluice.quant.fp8 import BlockFP8
 
 v4 = get_family("deepseek_v4")
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-E8M0 = torch.float8_e8m0fnu
-BLOCK = [16, 16]  # small blocks so the tiny matrices span several (the published: [128, 128])
-QC = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0"}
-EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
-# the linears transformers' FP8 integration converts (its nn.Linear modules less the head and
-# DeepseekV4's _keep_in_fp32_modules), by their published names
-FP8_LINEAR = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$")
-
-
-# -- the format, written here ---------------------------------------------------------------
-
-
-def fp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (int8 [N, K/2], e8m0 [N, K/32]): per 32 inputs the power of two 2^e with
-    e = ceil(log2(amax / 6)), codes the nearest E2M1 value (bit 3 the sign), element 2i in the
-    low nibble of byte i."""
-    n, k = w.shape
-    g = w.float().reshape(n, k // 32, 32)
-    amax = g.abs().amax(-1)
-    e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax)).clamp(-127, 127)
-    q = g / torch.exp2(e)[..., None]
-    mags = torch.tensor(E2M1[:8])
-    idx = (q.abs()[..., None] - mags).abs().argmin(-1)
-    code = (idx | ((q < 0) & (idx > 0)).long() << 3).reshape(n, k).to(torch.uint8)
-    packed = code[:, 0::2] | (code[:, 1::2] << 4)
-    return packed.view(torch.int8).contiguous(), (e + 127).to(torch.uint8).view(E8M0)
-
-
-def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W[n, k] = E2M1(nibble k of row n) * 2^(e[n, k // 32] - 127), in fp32 (exact)."""
-    u8 = packed.view(torch.uint8).long()
-    codes = torch.stack((u8 & 15, u8 >> 4), dim=-1).flatten(-2)
-    exps = scale.view(torch.uint8).long() - 127
-    return torch.tensor(E2M1)[codes] * torch.exp2(exps.float()).repeat_interleave(32, dim=-1)
-
-
-def fp8_quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (e4m3 [N, K], e8m0 [ceil(N/bn), ceil(K/bk)]): each block divided by the power of
-    two 2^ceil(log2(amax / 448)), as transformers' ue8m0 quantizer rounds its scales."""
-    n, k = w.shape
-    bn, bk = block
-    sn, sk = -(-n // bn), -(-k // bk)
-    pad = torch.zeros(sn * bn, sk * bk)
-    pad[:n, :k] = w.float()
-    amax = pad.view(sn, bn, sk, bk).abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 448.0))), torch.ones_like(amax))
-    full = scale[torch.arange(n) // bn][:, torch.arange(k) // bk]
-    return (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn), scale.to(E8M0)
-
-
-def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
-    n, k = q.shape
-    return q.float() * scale.float()[torch.arange(n) // block[0]][:, torch.arange(k) // block[1]]
-
-
-def to_published(src: Path, dst: Path, twin: Path, block=BLOCK, expert_dtype: str = "fp4") -> tuple[Path, Path]:
-    """``src`` (a transformers-saved V4 checkpoint) in the published form and names (``dst``) and
-    its twin (``twin``, transformers' names, every quantized tensor exactly dequantized to fp32)."""
-    from safetensors.torch import load_file, save_file
-
-    cfg = json.loads((src / "config.json").read_text())
-    published = {saved: name for name, saved in v4.tensor_aliases(v4.parse_config(cfg)).items()}
-    q, deq = {}, {}
-    for saved, t in load_file(src / "model.safetensors").items():
-        name = published.get(saved, saved)
-        module = name[: -len(".weight")]
-        if EXPERT.search(name) and expert_dtype == "fp4":
-            q[name], q[module + ".scale"] = fp4_quantize(t)
-            deq[saved] = fp4_dequantize(q[name], q[module + ".scale"])
-        elif EXPERT.search(name) or FP8_LINEAR.search(name):
-            q[name], q[module + ".scale"] = fp8_quantize(t, block)
-            deq[saved] = fp8_dequantize(q[name], q[module + ".scale"], block)
-        else:
-            q[name], deq[saved] = t, t.float()
-    for d, data, extra in ((dst, q, True), (twin, deq, False)):
-        d.mkdir(parents=True, exist_ok=True)
-        save_file(data, d / "model.safetensors", metadata={"format": "pt"})
-        c = dict(cfg)
-        if extra:  # as the published config.json: expert_dtype beside the quantization_config
-            c.update(quantization_config={**QC, "weight_block_size": list(block)}, expert_dtype=expert_dtype)
-        (d / "config.json").write_text(json.dumps(c, indent=1))
-    return dst, twin
-
-
 @pytest.fixture(scope="module")
 def published(family_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("v4-published")
