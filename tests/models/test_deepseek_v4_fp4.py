@@ -237,3 +237,10 @@ def test_transformers_reads_the_published_form_as_the_twin(family_models, tmp_pa
     assert torch.equal(got, want)
     diff = (sluice.load(dst, memory="4GiB", progress=False).forward(PROMPT) - want).abs().max().item()
     assert diff <= 1e-4, f"max |logit diff| {diff:.3e}"
+
+
+def test_fp4_experts_need_groups_of_32():
+    from models.test_deepseek_v4 import HUB_CONFIG, QUANT
+
+    with pytest.raises(UnsupportedModelError, match="must be multiples of 32 for FP4 experts"):
+        v4.describe(v4.parse_config({**HUB_CONFIG, **QUANT, "moe_intermediate_size": 2040}))
