@@ -414,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert format (default: the checkpoint's own, exact): f32, bf16, f16 (casts); "
                         "LOSSY quantized formats: int8 (8 bits/weight, per-row scales), q4 (4.5 bits, groups "
                         "of 32), mxfp4 (4.25 bits, OCP microscaling FP4), rvq3 (3 bits, residual vector "
-                        "quantization); fp8 keeps block-scaled FP8 checkpoints as they are. Measured quality "
+                        "quantization), fp4 (mxfp4's bytes in DeepSeek-V4's layout); fp8 keeps block-scaled "
+                        "FP8 checkpoints as they are. Measured quality "
                         "and speed: docs/quantization.md")
     c.add_argument("--spine", default=None, metavar="FORMAT",
                    help="spine format (default: stored, as the checkpoint has it, exact); LOSSY: int8 stores the "
