@@ -249,8 +249,12 @@ class ModelRunner:
                     r += n
             self._rows = rows
             ids = [t for part in parts for t in part.tokens]
+            # each segment's next chunk (the step's next forward), for what is read ahead by token ids
+            nxt = ([list(pieces[i][k + 1].tokens) if k + 1 < len(pieces[i]) else [] for i, *_ in rows]
+                   if k + 1 < n_forwards else None)
             ctx = ForwardContext(torch.tensor(ids, dtype=torch.long), segments,
-                                 record=Recording() if record else None, lookahead=self._lookahead)
+                                 record=Recording() if record else None, lookahead=self._lookahead,
+                                 next_tokens=nxt)
             # steps of up to 64 tokens (decode, speculation, short prompts) run torch single-threaded:
             # their ops are too small to share, and an OpenMP barrier stalls the whole step whenever
             # another process holds the other core (measured: index_add_ on [15, 1024] took 76 ms);

@@ -204,6 +204,47 @@ def test_row_store_counters(family_models):
         assert "expert_bytes_per_token" in s
 
 
+def test_next_chunks_rows_read_ahead(family_models):
+    """Prefill in chunks with the tables streamed: each chunk's rows are issued while the chunk
+    before it runs (``rows_read_ahead``), exactly the rows that chunk then gathers (every read
+    issued ahead is used: the same rows read as when each layer reads its own, nothing left in
+    flight), and the logits are bit-identical to one chunk."""
+    path = family_models.hf("qwen4_exp", "f32")
+    seq = _teacher_sequence()
+    with sluice.load(path, memory="2GiB", progress=False) as eng:
+        want = eng.forward(seq)
+    opts = dict(memory="2GiB", progress=False, prefill_chunk=5, row_cache="64MiB")
+    with sluice.load(path, **opts) as eng:
+        assert not eng.plan.rows_resident
+        assert torch.equal(eng.forward(seq), want)
+        ahead = eng.rows.stats.ahead
+        read = eng.rows.stats.read
+        assert ahead > 0 and not eng.rows._pending
+    with sluice.load(path, **opts) as eng:
+        eng.model.early_rows = False  # each layer reads its rows when it runs
+        assert torch.equal(eng.forward(seq), want)
+        assert eng.rows.stats.ahead == 0 and eng.rows.stats.read == read
+
+
+def test_rows_issued_ahead_for_a_forward_that_never_comes_are_dropped():
+    """A read issued ahead that no gather takes (a step cut short) is cancelled once the forward
+    it was for has passed: nothing issued ahead is held for good."""
+    from concurrent.futures import Future
+
+    from sluice.rows.store import RowStore
+    from sluice.storage.priority import PREFETCH, Ticket
+
+    store = RowStore({}, lambda f: None, resident=False)
+    fut, ticket = Future(), Ticket(PREFETCH)
+    store._pending[("t", 3)] = (fut, ticket)  # as issue(..., ahead=True) leaves it
+    store._ahead_keys.add(("t", 3))
+    store.begin()  # the forward it was issued for begins: still wanted
+    assert ("t", 3) in store._pending and not ticket.cancelled
+    store.begin()  # and has passed without gathering it
+    assert ("t", 3) not in store._pending and ticket.cancelled and fut.cancelled()
+    store.close()
+
+
 def test_planner_keeps_small_tables_resident():
     """Resident when the tables fit in a tenth of the budget above the floor; else a row cache of
     that tenth (at least one row per table), or the size asked for."""
