@@ -204,9 +204,9 @@ class StreamCausalLM(CausalLM):
         for i, layer in enumerate(self.layers):
             if layer.ple is None:
                 continue
-            back = layer.ple.hasher.ngram - 1
-            parts = [layer.ple.hasher.row_ids((layer.ple.context(s.state.layers[i].ple) + tokens[s.first:s.end])[-back:],
-                                              nxt) for s, nxt in keep]
+            back, ple = layer.ple.hasher.ngram - 1, layer.ple
+            parts = [ple.hasher.row_ids((ple.context(s.state.layers[i].ple) + tokens[s.first:s.end])[-back:], nxt)
+                     for s, nxt in keep]
             out[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out
 
