@@ -1,5 +1,6 @@
 """Hostile GLM-5.3-Flash config.json fields (the wrapper's text_config, the wrapper itself): each
-refused with one message naming the field, never misread."""
+refused with one message naming the field, never misread; quantized checkpoints whose scales of
+the parts this family adds are missing or misshapen, refused naming the tensor."""
 
 from __future__ import annotations
 

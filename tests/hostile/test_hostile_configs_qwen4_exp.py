@@ -1,6 +1,7 @@
 """Hostile Qwen3.8-Flash-Next config.json fields (the wrapper's text_config) and checkpoints whose
-row tables or hash constants disagree with the config: each refused with one message naming
-the field, never misread."""
+row tables or hash constants disagree with the config, and quantized checkpoints whose scales or
+packed words are missing or misshapen: each refused with one message naming the field or the
+tensor, never misread."""
 
 from __future__ import annotations
 
