@@ -357,14 +357,15 @@ def save_family(path: Path, family: str, dtype=torch.float32, seed: int | None =
     return path
 
 
-def reference(path: Path):
-    """transformers model on the checkpoint's weights upcast to fp32 (the image-text model of a
-    wrapper transformers has no causal LM for: GLM-5.3-Flash)."""
+def reference(path: Path, dtype=torch.float32, **kwargs):
+    """transformers model on the checkpoint's weights upcast to fp32 (or ``dtype``; ``kwargs`` to
+    ``from_pretrained``; the image-text model of a wrapper transformers has no causal LM for:
+    GLM-5.3-Flash)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     known = type(AutoConfig.from_pretrained(path)) in AutoModelForCausalLM._model_mapping
     cls = AutoModelForCausalLM if known else AutoModelForImageTextToText
-    return cls.from_pretrained(path, dtype=torch.float32).eval()
+    return cls.from_pretrained(path, dtype=dtype, **kwargs).eval()
 
 
 def text_layers(ref):
@@ -430,6 +431,9 @@ E4M3_MAX = 448.0
 EXPERT_MATRIX = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")  # a routed expert's matrix, one per expert
 ROUTER = re.compile(r"\.gate(\.wg)?\.weight$")  # routers stay plain in every released quantized checkpoint
 STORED = ("fp8", "ct-fp8", "ct-fp8-block", "int4")  # block FP8; compressed-tensors FP8 per channel / block; INT4
+# linears outside the decoder layers that transformers' FP8 integration converts (the head aside):
+# qwen4_exp's final stream mixer; no other family of the registry has one
+OUTSIDE_LAYERS = re.compile(r"\.hyper_connection_mixer\.")
 
 
 def _linear_leaves(src: Path) -> set[str]:
@@ -511,10 +515,12 @@ def _stored_config(kind: str, block, routers: list[str]) -> dict:
     return {**ct, "format": "float-quantized", "config_groups": {"group_0": group}}
 
 
-def to_stored(src: Path, dst: Path, ref: Path, kind: str, block=FP8_BLOCK) -> tuple[Path, Path]:
+def to_stored(src: Path, dst: Path, ref: Path, kind: str, block=FP8_BLOCK,
+              plain: re.Pattern | None = None) -> tuple[Path, Path]:
     """``src`` (an f32 checkpoint) stored as ``kind`` (one of ``STORED``) in ``dst``, and its twin
     ``ref``: the FP8 kinds quantize every linear transformers' FP8 integration converts (the
-    routers aside, listed as kept plain) and every routed expert; ``int4`` the routed experts."""
+    routers aside, listed as kept plain, and the modules ``plain`` finds, listed as well) and every
+    routed expert; ``int4`` the routed experts."""
     from safetensors.torch import load_file, save_file
 
     block = tuple(block)
@@ -522,9 +528,9 @@ def to_stored(src: Path, dst: Path, ref: Path, kind: str, block=FP8_BLOCK) -> tu
     q, deq, routers = {}, {}, []
     for name, t in load_file(src / "model.safetensors").items():
         module = name[: -len(".weight")]
-        linear = name.endswith(".weight") and t.dim() == 2 and ".layers." in name and "visual" not in name \
-            and module.rsplit(".", 1)[-1] in leaves
-        if linear and ROUTER.search(name):
+        linear = name.endswith(".weight") and t.dim() == 2 and (".layers." in name or OUTSIDE_LAYERS.search(name)) \
+            and "visual" not in name and module.rsplit(".", 1)[-1] in leaves
+        if linear and (ROUTER.search(name) or (plain is not None and plain.search(module))):
             routers.append(module)
             linear = False
         expert = EXPERT_MATRIX.search(name) is not None and t.dim() == 2
