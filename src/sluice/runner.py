@@ -106,6 +106,9 @@ class SeqWork:
     last_n: int = 1  # return the logits of the last n positions (0: none)
     decoding: bool = False  # the sequence is past its prefill: its lookups count toward hit_rate etc.
     record_routing: bool = False  # return each MoE layer's routed expert ids, weights and lookahead predictions
+    # the tokens the sequence runs in its next step, when known now (the scheduler: the rest of a
+    # prompt cut by the step's token budget); what is keyed by token ids is read for them ahead
+    next_tokens: list[int] | None = None
 
     def piece(self, start: int, stop: int) -> "SeqWork":
         """Tokens ``start..stop`` of this work as work of their own: at positions ``self.start +
@@ -249,9 +252,11 @@ class ModelRunner:
                     r += n
             self._rows = rows
             ids = [t for part in parts for t in part.tokens]
-            # each segment's next chunk (the step's next forward), for what is read ahead by token ids
-            nxt = ([list(pieces[i][k + 1].tokens) if k + 1 < len(pieces[i]) else [] for i, *_ in rows]
-                   if k + 1 < n_forwards else None)
+            # each segment's next chunk (the step's next forward, or for its last piece the next
+            # step's, when the scheduler knows it), for what is read ahead by token ids
+            nxt = [list(pieces[i][k + 1].tokens) if k + 1 < len(pieces[i]) else list(work[i].next_tokens or [])
+                   for i, *_ in rows]
+            nxt = nxt if any(nxt) else None
             ctx = ForwardContext(torch.tensor(ids, dtype=torch.long), segments,
                                  record=Recording() if record else None, lookahead=self._lookahead,
                                  next_tokens=nxt)

@@ -224,11 +224,20 @@ def test_next_chunks_rows_read_ahead(family_models):
         eng.model.early_rows = False  # each layer reads its rows when it runs
         assert torch.equal(eng.forward(seq), want)
         assert eng.rows.stats.ahead == 0 and eng.rows.stats.read == read
+    # a generation's prompt is prefilled one chunk per step (the scheduler's budget): each step
+    # is handed its sequence's next chunk, so its rows are read ahead across steps too
+    ids = PROMPT.tolist()
+    with sluice.load(path, memory="2GiB", progress=False) as eng:
+        plain = eng.generate(ids, max_new_tokens=4, ignore_eos=True, speculate=False).token_ids
+    with sluice.load(path, **opts) as eng:
+        r = eng.generate(ids, max_new_tokens=4, ignore_eos=True, speculate=False)
+        assert r.token_ids == plain and r.stats["rows_read_ahead"] > 0 and not eng.rows._pending
 
 
 def test_rows_issued_ahead_for_a_forward_that_never_comes_are_dropped():
     """A read issued ahead that no gather takes (a step cut short) is cancelled once the forward
     it was for has passed: nothing issued ahead is held for good."""
+    from collections import OrderedDict
     from concurrent.futures import Future
 
     from sluice.rows.store import RowStore
@@ -242,6 +251,16 @@ def test_rows_issued_ahead_for_a_forward_that_never_comes_are_dropped():
     assert ("t", 3) in store._pending and not ticket.cancelled
     store.begin()  # and has passed without gathering it
     assert ("t", 3) not in store._pending and ticket.cancelled and fut.cancelled()
+    # one already read by then goes into the table's row cache instead (LRU, its capacity kept)
+    store._cache["t"], store.capacity["t"] = OrderedDict([(1, torch.zeros(2))]), 1
+    for row in (4, 5):
+        done = Future()
+        done.set_result(torch.full((2,), float(row)))
+        store._pending[("t", row)] = (done, Ticket(PREFETCH))
+        store._ahead_keys.add(("t", row))
+    store.begin()
+    store.begin()
+    assert not store._pending and list(store._cache["t"]) == [5]
     store.close()
 
 

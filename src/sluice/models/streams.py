@@ -151,6 +151,9 @@ class StreamCausalLM(CausalLM):
         # issue the step's row reads at its start (True), or read each layer's rows when it runs
         # (False: benchmarks/rows_decode.py compares the two)
         self.early_rows = True
+        # with early_rows, also issue the step's next prefill chunk's rows while this one runs
+        # (False: benchmarks/rows_decode.py --prefill compares the two)
+        self.ahead_rows = True
 
     def attach_rows(self, rows) -> None:
         self.rows = rows
@@ -226,7 +229,7 @@ class StreamCausalLM(CausalLM):
             if self.early_rows:
                 self.rows.begin()
                 self.issue_rows(ids)
-                if ctx.next_tokens:  # the next prefill chunk's, while this one computes
+                if ctx.next_tokens and self.ahead_rows:  # the next prefill chunk's, while this one computes
                     self.issue_rows(self.next_row_ids(ctx), ahead=True)
         spine, lookahead = self.spine, ctx.lookahead
         if spine is not None:

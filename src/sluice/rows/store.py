@@ -151,12 +151,23 @@ class RowStore:
 
     def begin(self) -> None:
         """A forward begins: reads issued ahead for a forward that has passed without gathering them
-        (a step cut short) are cancelled and dropped, so nothing issued ahead is held for good."""
+        (its step ran fewer tokens than foreseen, or was cut short) go into the row cache if they
+        are done (LRU: the cache stays bounded), else are cancelled: nothing issued ahead is held
+        outside the cache for good."""
         for key in self._stale:
             held = self._pending.pop(key, None)
-            if held is not None:
-                held[1].cancel()
-                held[0].cancel()
+            if held is None:
+                continue
+            fut, ticket = held
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                name, row = key
+                cache = self._cache[name]
+                cache[row] = fut.result()
+                while len(cache) > self.capacity[name]:
+                    cache.popitem(last=False)
+            else:
+                ticket.cancel()
+                fut.cancel()
         self._stale, self._ahead_keys = self._ahead_keys, set()
 
     def issue(self, name: str, ids: torch.Tensor, ahead: bool = False) -> None:
