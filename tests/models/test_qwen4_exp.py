@@ -246,7 +246,7 @@ def test_rows_issued_ahead_for_a_forward_that_never_comes_are_dropped():
     store = RowStore({}, lambda f: None, resident=False)
     fut, ticket = Future(), Ticket(PREFETCH)
     store._pending[("t", 3)] = (fut, ticket)  # as issue(..., ahead=True) leaves it
-    store._ahead_keys.add(("t", 3))
+    store._ahead_keys[("t", 3)] = None
     store.begin()  # the forward it was issued for begins: still wanted
     assert ("t", 3) in store._pending and not ticket.cancelled
     store.begin()  # and has passed without gathering it
@@ -257,7 +257,7 @@ def test_rows_issued_ahead_for_a_forward_that_never_comes_are_dropped():
         done = Future()
         done.set_result(torch.full((2,), float(row)))
         store._pending[("t", row)] = (done, Ticket(PREFETCH))
-        store._ahead_keys.add(("t", row))
+        store._ahead_keys[("t", row)] = None
     store.begin()
     store.begin()
     assert not store._pending and list(store._cache["t"]) == [5]

@@ -76,8 +76,8 @@ class RowStore:
         self._pending: dict[tuple[str, int], tuple[Future, Ticket]] = {}
         # reads issued ahead by the last forward (for this one), and by the one before (for the last:
         # still pending now, nobody will gather them)
-        self._ahead_keys: set[tuple[str, int]] = set()
-        self._stale: set[tuple[str, int]] = set()
+        self._ahead_keys: dict[tuple[str, int], None] = {}  # in issue order (so the cache's LRU order is)
+        self._stale: dict[tuple[str, int], None] = {}
         total = sum(t.nbytes for t in tables.values()) or 1
         self.capacity = {name: max(1, int(cache_bytes * t.nbytes / total) // t.row_bytes) for name, t in
                          tables.items()}
@@ -168,7 +168,7 @@ class RowStore:
             else:
                 ticket.cancel()
                 fut.cancel()
-        self._stale, self._ahead_keys = self._ahead_keys, set()
+        self._stale, self._ahead_keys = self._ahead_keys, {}
 
     def issue(self, name: str, ids: torch.Tensor, ahead: bool = False) -> None:
         """Start reading the rows of ``ids`` that are neither cached nor in flight: at demand
@@ -177,20 +177,22 @@ class RowStore:
         if self.resident or self.pool is None:
             return
         cache = self._cache[name]
+        # one ticket for the call's reads (raising it wakes the reader pools once, not per row)
+        ticket, raised = Ticket(PREFETCH if ahead else DEMAND), set()
         for row in torch.unique(ids).tolist():
             key = (name, row)
             if row in cache:
                 continue
             held = self._pending.get(key)
             if held is not None:
-                if not ahead:
+                if not ahead and held[1].priority > DEMAND and id(held[1]) not in raised:
+                    raised.add(id(held[1]))
                     held[1].raise_to(DEMAND)
                 continue
-            ticket = Ticket(PREFETCH if ahead else DEMAND)
             self._pending[key] = (self.pool.submit(self._read_row, name, row, ticket=ticket), ticket)
             if ahead:
                 self.stats.ahead += 1
-                self._ahead_keys.add(key)
+                self._ahead_keys[key] = None
 
     def gather(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids`` (any shape) as fp32 [*ids.shape, dim]."""
@@ -208,7 +210,7 @@ class RowStore:
                 cache.move_to_end(row)
             else:
                 held = self._pending.pop((name, row), None)
-                if held is not None:
+                if held is not None and held[1].priority > DEMAND:
                     held[1].raise_to(DEMAND)
                 r = held[0].result() if held is not None else self._read_row(name, row)
                 cache[row] = r
