@@ -15,6 +15,14 @@ rate; the peak RSS of the process against the budget, and the logits of both mod
 
     PYTHONPATH=src python benchmarks/rows_decode.py [--dir /path/for/model] [--table-gb 2]
         [--memory 800MiB] [--tokens 24] [--rounds 3] [--json benchmarks/results/rows-decode.json]
+
+``--prefill``: a prompt of ``--prompt`` tokens prefilled in chunks of ``--chunk``, cold, with the
+next chunk's rows issued while the current chunk runs (``ahead``, the default) and without
+(``own_step``: each chunk issues its rows at its start): prefill seconds, rows read and read
+ahead, logits equal.
+
+    PYTHONPATH=src python benchmarks/rows_decode.py --prefill [--prompt 256] [--chunk 32] [--rounds 5]
+        [--json benchmarks/results/rows-prefill.json]
 """
 
 from __future__ import annotations
@@ -72,6 +80,49 @@ def run(path: Path, memory: str, tokens: int, early: bool) -> dict:
                     table_bytes=plan.row_table_bytes, tokens=r.token_ids, logits=logits)
 
 
+def run_prefill(path: Path, memory: str, prompt_len: int, chunk: int, ahead: bool) -> dict:
+    prompt = torch.randint(3, 32000, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    with sluice.load(path, memory=memory, progress=False, max_context=prompt_len + 8, prefill_chunk=chunk) as eng:
+        eng.model.ahead_rows = ahead
+        r = eng.generate(prompt, max_new_tokens=1, ignore_eos=True, speculate=False)
+        s = r.stats
+        return dict(mode="ahead" if ahead else "own_step", prefill_s=s["ttft_s"], rows_read=s["rows_read"],
+                    rows_read_ahead=s["rows_read_ahead"], row_bytes_read=s["row_bytes_read"],
+                    bytes_read=s["bytes_read"], tokens=r.token_ids)
+
+
+def prefill_main(a, path: Path) -> int:
+    import os
+
+    runs = {"ahead": [], "own_step": []}
+    loads = []
+    for i in range(a.rounds):
+        order = ("ahead", "own_step") if i % 2 == 0 else ("own_step", "ahead")
+        for mode in order:
+            loads.append(os.getloadavg()[0])
+            runs[mode].append(run_prefill(path, a.memory, a.prompt, a.chunk, mode == "ahead"))
+    same = all(r["tokens"] == runs["ahead"][0]["tokens"] for rs in runs.values() for r in rs)
+    out = {"memory": a.memory, "prompt": a.prompt, "chunk": a.chunk, "rounds": a.rounds, "same_tokens": same,
+           "load": [min(loads), max(loads)], "modes": {}}
+    for mode, rs in runs.items():
+        out["modes"][mode] = {k: statistics.median(r[k] for r in rs) for k in
+                              ("prefill_s", "rows_read", "rows_read_ahead", "row_bytes_read", "bytes_read")}
+        out["modes"][mode]["prefill_s_all"] = [round(r["prefill_s"], 3) for r in rs]
+    ratios = [b["prefill_s"] / x["prefill_s"] for x, b in zip(runs["ahead"], runs["own_step"])]
+    out["own_step_over_ahead"] = [round(x, 3) for x in ratios]
+    print(f"prompt {a.prompt} tokens in chunks of {a.chunk} under --memory {a.memory}, {a.rounds} rounds, "
+          f"load {min(loads):.1f}-{max(loads):.1f}, same tokens={same}")
+    for mode, m in out["modes"].items():
+        print(f"  {mode:9s} prefill {m['prefill_s']:.2f} s  rows read {m['rows_read']:.0f} (ahead "
+              f"{m['rows_read_ahead']:.0f})  table {format_size(m['row_bytes_read'])}  "
+              f"all {format_size(m['bytes_read'])}")
+    print(f"  own_step / ahead prefill time per round: {', '.join(f'{x:.2f}' for x in ratios)} "
+          f"(median {statistics.median(ratios):.2f})")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if same else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=None, help="where to write the model (default: a temporary directory)")
@@ -80,12 +131,17 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--prefill", action="store_true", help="chunked prefill, next chunk's rows ahead or not")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=32)
     a = ap.parse_args()
     root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="rows-bench-"))
     path = root / "qwen4-exp-synthetic"
     cfg = config(a.table_gb * 1e9)
     if not (path / "config.json").exists():
         write_model(path, cfg, dtype=torch.bfloat16, progress=False)
+    if a.prefill:
+        return prefill_main(a, path)
     fam = get_family("qwen4_exp_text")
     desc = fam.describe(fam.parse_config(cfg))
     runs = {"early": [], "at_layer": []}

@@ -2,6 +2,7 @@
 what each layer's round trip to the workers costs.
 
     python benchmarks/scale_out.py [--model demo] [--tokens 48] [--cache 24] [--workers 1,2,3] [--json OUT]
+    python benchmarks/scale_out.py --dispatch [--rounds 3] [--tokens 32] [--json OUT]
 
 A local Ray cluster of three logical nodes on 127.0.0.1 (dashboard and usage reporting off).
 For one process with a cache of ``--cache`` experts, then for 1, 2, 3 expert workers with
@@ -13,6 +14,13 @@ layer (reads waited for + compute, summed over the layer's workers). Then the ba
 a [1, H] fp32 row sent to all workers at once and echoed back (``ping``), median of 200, and a
 [64, H] block, as plain actor calls and as a Ray Compiled Graph. The cache is capped by slots
 (``--cache-experts`` per worker), not by cgroups.
+
+``--dispatch``: how ``RayExperts`` sends a layer's requests, the same decode in every arm, arms
+interleaved round by round (``--rounds``), the load average beside each: plain actor calls
+(``--ray-plain-calls``) against the compiled graph (the default), with 1 and 3 workers, and with
+3 workers whose every expert has a replica (``--replicate-hot``), decoding layers packed on the
+fewest workers (the default) or not. Per arm: decode tok/s, dispatch ms per MoE layer, worker
+requests per MoE layer (deterministic for a given placement), tokens equal to one process's.
 """
 
 from __future__ import annotations
@@ -33,14 +41,17 @@ import torch  # noqa: E402
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 
 
-def decode_run(model: str, tokens: int, cache: int, **ray_opts) -> dict:
+def decode_run(model: str, tokens: int, cache: int, pack: bool = True, **ray_opts) -> dict:
     eng = sluice.load(model, "2GiB", progress=False, cache_experts=cache, **ray_opts)
     try:
+        if ray_opts:
+            eng.experts.pack_decoding = pack
         # warm the spine and the process; the cache stays as this first run leaves it, as in serving
         eng.generate(PROMPT, max_new_tokens=4, ignore_eos=True, speculate=False)
         before = eng.totals()
         ex = eng.experts
         d0, n0 = getattr(ex, "dispatch_s", 0.0), getattr(ex, "dispatch_calls", 0)
+        c0 = getattr(ex, "worker_calls", 0)
         w0 = [s.get("read_wait_s", 0) + s.get("compute_s", 0) for s in ex.worker_stats()] if ray_opts else []
         r = eng.generate(PROMPT, max_new_tokens=tokens, ignore_eos=True, speculate=False)
         after = eng.totals()
@@ -52,6 +63,8 @@ def decode_run(model: str, tokens: int, cache: int, **ray_opts) -> dict:
             layers = ex.dispatch_calls - n0
             w1 = [s.get("read_wait_s", 0) + s.get("compute_s", 0) for s in ex.worker_stats()]
             out["dispatch_ms_per_layer"] = 1e3 * (ex.dispatch_s - d0) / max(1, layers)
+            out["calls_per_layer"] = (ex.worker_calls - c0) / max(1, layers)
+            out["graph_builds"], out["graph_fallbacks"] = ex.graph_builds, ex.graph_fallbacks
             out["worker_ms_per_layer"] = 1e3 * (sum(w1) - sum(w0)) / max(1, layers)
             out["moe_layers_per_token"] = layers / max(1, tokens + len(eng.encode(PROMPT)))
             out["pooled_slots"] = sum(h["slots"] for h in ex.info)
@@ -98,12 +111,64 @@ def ping(workers: int, hidden: int, rows: int, n: int = 200) -> float:
     return plain, 1e3 * statistics.median(times)
 
 
+ARMS = [  # (label, workers, replicate_hot (-1: every expert), compiled, pack)
+    ("1 worker, plain calls", 1, 0, False, True),
+    ("1 worker, compiled graph", 1, 0, True, True),
+    ("3 workers, plain calls", 3, 0, False, True),
+    ("3 workers, compiled graph", 3, 0, True, True),
+    ("3 workers, all replicated, plain, spread", 3, -1, False, False),
+    ("3 workers, all replicated, plain, packed", 3, -1, False, True),
+    ("3 workers, all replicated, compiled, spread", 3, -1, True, False),
+    ("3 workers, all replicated, compiled, packed", 3, -1, True, True),
+]
+
+
+def dispatch(args) -> tuple[list[dict], dict]:
+    """The ARMS interleaved round by round; one process's tokens as the reference."""
+    n_experts = sluice.load(args.model, "2GiB", progress=False).desc.n_experts
+    single = decode_run(args.model, args.tokens, args.cache)
+    runs = []
+    for rnd in range(args.rounds):
+        for label, workers, hot, compiled, pack in ARMS:
+            load0 = os.getloadavg()[0]
+            r = decode_run(args.model, args.tokens, args.cache, pack=pack, ray="auto", expert_workers=workers,
+                           replicate_hot=n_experts if hot < 0 else hot, ray_compiled=compiled)
+            r.update(arm=label, round=rnd, exact=r["tokens"] == single["tokens"], load=(load0, os.getloadavg()[0]))
+            runs.append(r)
+            print(f"round {rnd}: {label}: {r['decode_tok_s']:.1f} tok/s, {r['dispatch_ms_per_layer']:.2f} ms "
+                  f"dispatch / layer, {r['calls_per_layer']:.2f} requests / layer, load {load0:.1f}", flush=True)
+    return runs, single
+
+
+def dispatch_table(runs: list[dict], single: dict) -> None:
+    print(f"one process: {single['decode_tok_s']:.1f} tok/s")
+    print("| arm | exact | decode tok/s (median) | dispatch ms / MoE layer (median) | requests / MoE layer | "
+          "ratio to plain calls (tok/s, per round) | load |")
+    print("|---|---|---|---|---|---|---|")
+    by = {}
+    for r in runs:
+        by.setdefault(r["arm"], []).append(r)
+    plain_of = {label: next(a for a, w, h, c, p in ARMS if (w, h, c, p) == (w0, h0, False, p0))
+                for label, w0, h0, _, p0 in ARMS}
+    for label, *_ in ARMS:
+        rs = by[label]
+        base = by[plain_of[label]]
+        ratios = [r["decode_tok_s"] / b["decode_tok_s"] for r, b in zip(rs, base)]
+        loads = [x for r in rs for x in r["load"]]
+        print(f"| {label} | {all(r['exact'] for r in rs)} | {statistics.median(r['decode_tok_s'] for r in rs):.1f} | "
+              f"{statistics.median(r['dispatch_ms_per_layer'] for r in rs):.2f} | "
+              f"{statistics.median(r['calls_per_layer'] for r in rs):.2f} | "
+              f"{', '.join(f'{x:.2f}' for x in ratios)} | {min(loads):.1f}-{max(loads):.1f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--cache", type=int, default=24, help="expert cache slots of the one process and of EACH worker")
     ap.add_argument("--workers", default="1,2,3")
+    ap.add_argument("--dispatch", action="store_true", help="plain calls against the compiled graph (see above)")
+    ap.add_argument("--rounds", type=int, default=3, help="--dispatch: rounds of all arms, interleaved")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import ray
@@ -114,6 +179,21 @@ def main() -> int:
     for _ in range(2):
         cluster.add_node(**node)
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    if args.dispatch:
+        try:
+            runs, single = dispatch(args)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+        print(f"model {args.model}, {args.tokens} decoded tokens, {args.cache} cache slots per process/worker, "
+              f"{os.cpu_count()} cores, {args.rounds} rounds")
+        dispatch_table(runs, single)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(args=vars(args), single={k: v for k, v in single.items() if k != "tokens"},
+                               runs=[{k: v for k, v in r.items() if k != "tokens"} for r in runs],
+                               cores=os.cpu_count()), f, indent=1)
+        return 0 if all(r["exact"] for r in runs) else 1
     rows = []
     try:
         single = decode_run(args.model, args.tokens, args.cache)

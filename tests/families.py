@@ -9,7 +9,8 @@ correction bias of grouped routers) so that the engine is proven to apply them. 
 routers use top-k >= 4, so the order in which selected experts come back matters.
 
 Native-format sources are built from an entry's f32 checkpoint: DeepSeek-V3, GLM-4.7-Flash and MiniMax-M2 with
-block-FP8 linear weights (``to_fp8``) and GPT-OSS with MXFP4 experts (``to_mxfp4``). Every family's f32
+block-FP8 linear weights (``to_fp8``), GPT-OSS with MXFP4 experts (``to_mxfp4``) and DeepSeek-V4 as
+published, an FP8 spine with ue8m0 scales and FP4 experts (``to_published``). Every family's f32
 checkpoint can be stored in the quantized forms of ``STORED`` too (``to_stored``: block FP8, compressed-
 tensors FP8 per channel or block, compressed-tensors INT4 experts), each with its dequantized fp32 twin.
 """
@@ -281,7 +282,7 @@ REGISTRY: dict[str, Family] = {
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 10},
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                      "compressed_sparse_attention"], mlp_layer_types=["moe", "hash_moe", "hash_moe", "moe"],
-        num_hidden_layers=4), seed=0, post=_v4_weights),
+        num_hidden_layers=4), seed=0, post=_v4_weights, native="fp4"),
     # DeepSeek sparse attention (MLA over the index_topk=8 positions a 16-head indexer selects: the
     # 16-token prompt crosses it, prompt + generation is 6 times it); layer 0 dense; 16 experts in 4
     # groups, 2 kept, top-4; random norm weights (the indexer's LayerNorm weight and bias too)
@@ -356,14 +357,15 @@ def save_family(path: Path, family: str, dtype=torch.float32, seed: int | None =
     return path
 
 
-def reference(path: Path):
-    """transformers model on the checkpoint's weights upcast to fp32 (the image-text model of a
-    wrapper transformers has no causal LM for: GLM-5.3-Flash)."""
+def reference(path: Path, dtype=torch.float32, **kwargs):
+    """transformers model on the checkpoint's weights upcast to fp32 (or ``dtype``; ``kwargs`` to
+    ``from_pretrained``; the image-text model of a wrapper transformers has no causal LM for:
+    GLM-5.3-Flash)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     known = type(AutoConfig.from_pretrained(path)) in AutoModelForCausalLM._model_mapping
     cls = AutoModelForCausalLM if known else AutoModelForImageTextToText
-    return cls.from_pretrained(path, dtype=torch.float32).eval()
+    return cls.from_pretrained(path, dtype=dtype, **kwargs).eval()
 
 
 def text_layers(ref):
@@ -429,6 +431,9 @@ E4M3_MAX = 448.0
 EXPERT_MATRIX = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")  # a routed expert's matrix, one per expert
 ROUTER = re.compile(r"\.gate(\.wg)?\.weight$")  # routers stay plain in every released quantized checkpoint
 STORED = ("fp8", "ct-fp8", "ct-fp8-block", "int4")  # block FP8; compressed-tensors FP8 per channel / block; INT4
+# linears outside the decoder layers that transformers' FP8 integration converts (the head aside):
+# qwen4_exp's final stream mixer; no other family of the registry has one
+OUTSIDE_LAYERS = re.compile(r"\.hyper_connection_mixer\.")
 
 
 def _linear_leaves(src: Path) -> set[str]:
@@ -510,10 +515,12 @@ def _stored_config(kind: str, block, routers: list[str]) -> dict:
     return {**ct, "format": "float-quantized", "config_groups": {"group_0": group}}
 
 
-def to_stored(src: Path, dst: Path, ref: Path, kind: str, block=FP8_BLOCK) -> tuple[Path, Path]:
+def to_stored(src: Path, dst: Path, ref: Path, kind: str, block=FP8_BLOCK,
+              plain: re.Pattern | None = None) -> tuple[Path, Path]:
     """``src`` (an f32 checkpoint) stored as ``kind`` (one of ``STORED``) in ``dst``, and its twin
     ``ref``: the FP8 kinds quantize every linear transformers' FP8 integration converts (the
-    routers aside, listed as kept plain) and every routed expert; ``int4`` the routed experts."""
+    routers aside, listed as kept plain, and the modules ``plain`` finds, listed as well) and every
+    routed expert; ``int4`` the routed experts."""
     from safetensors.torch import load_file, save_file
 
     block = tuple(block)
@@ -521,9 +528,9 @@ def to_stored(src: Path, dst: Path, ref: Path, kind: str, block=FP8_BLOCK) -> tu
     q, deq, routers = {}, {}, []
     for name, t in load_file(src / "model.safetensors").items():
         module = name[: -len(".weight")]
-        linear = name.endswith(".weight") and t.dim() == 2 and ".layers." in name and "visual" not in name \
-            and module.rsplit(".", 1)[-1] in leaves
-        if linear and ROUTER.search(name):
+        linear = name.endswith(".weight") and t.dim() == 2 and (".layers." in name or OUTSIDE_LAYERS.search(name)) \
+            and "visual" not in name and module.rsplit(".", 1)[-1] in leaves
+        if linear and (ROUTER.search(name) or (plain is not None and plain.search(module))):
             routers.append(module)
             linear = False
         expert = EXPERT_MATRIX.search(name) is not None and t.dim() == 2
@@ -595,6 +602,95 @@ def to_mxfp4(src: Path, dst: Path) -> tuple[Path, dict]:
     return dst, tensors
 
 
+# DeepSeek-V4 as published: an FP8 spine with ue8m0 (power-of-two) block scales ``<module>.scale``
+# and FP4 routed experts (e2m1 two per byte, one ue8m0 scale per 32 inputs), written here from
+# the format (tests/models/test_deepseek_v4_fp4.py checks it against transformers' readings).
+V4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0 = torch.float8_e8m0fnu
+V4_BLOCK = [16, 16]  # small blocks so the tiny matrices span several (the published: [128, 128])
+V4_QC = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0"}
+V4_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+# the linears transformers' FP8 integration converts (its nn.Linear modules less the head and
+# DeepseekV4's _keep_in_fp32_modules), by their published names
+V4_FP8_LINEAR = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$"
+                           r"|\.shared_experts\.w[123]\.weight$")
+
+
+def fp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K/2], e8m0 [N, K/32]): per 32 inputs the power of two 2^e with
+    e = ceil(log2(amax / 6)), codes the nearest V4_E2M1 value (bit 3 the sign), element 2i in the
+    low nibble of byte i."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // 32, 32)
+    amax = g.abs().amax(-1)
+    e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax)).clamp(-127, 127)
+    q = g / torch.exp2(e)[..., None]
+    mags = torch.tensor(V4_E2M1[:8])
+    idx = (q.abs()[..., None] - mags).abs().argmin(-1)
+    code = (idx | ((q < 0) & (idx > 0)).long() << 3).reshape(n, k).to(torch.uint8)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)
+    return packed.view(torch.int8).contiguous(), (e + 127).to(torch.uint8).view(E8M0)
+
+
+def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W[n, k] = V4_E2M1(nibble k of row n) * 2^(e[n, k // 32] - 127), in fp32 (exact)."""
+    u8 = packed.view(torch.uint8).long()
+    codes = torch.stack((u8 & 15, u8 >> 4), dim=-1).flatten(-2)
+    exps = scale.view(torch.uint8).long() - 127
+    return torch.tensor(V4_E2M1)[codes] * torch.exp2(exps.float()).repeat_interleave(32, dim=-1)
+
+
+def fp8_quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 [N, K], e8m0 [ceil(N/bn), ceil(K/bk)]): each block divided by the power of
+    two 2^ceil(log2(amax / 448)), as transformers' ue8m0 quantizer rounds its scales."""
+    n, k = w.shape
+    bn, bk = block
+    sn, sk = -(-n // bn), -(-k // bk)
+    pad = torch.zeros(sn * bn, sk * bk)
+    pad[:n, :k] = w.float()
+    amax = pad.view(sn, bn, sk, bk).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 448.0))), torch.ones_like(amax))
+    full = scale[torch.arange(n) // bn][:, torch.arange(k) // bk]
+    return (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn), scale.to(E8M0)
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    n, k = q.shape
+    return q.float() * scale.float()[torch.arange(n) // block[0]][:, torch.arange(k) // block[1]]
+
+
+def to_published(src: Path, dst: Path, twin: Path, block=V4_BLOCK, expert_dtype: str = "fp4") -> tuple[Path, Path]:
+    """``src`` (a transformers-saved V4 checkpoint) in the published form and names (``dst``) and
+    its twin (``twin``, transformers' names, every quantized tensor exactly dequantized to fp32)."""
+    from safetensors.torch import load_file, save_file
+
+    from sluice.models import get_family
+
+    v4 = get_family("deepseek_v4")
+    cfg = json.loads((src / "config.json").read_text())
+    published = {saved: name for name, saved in v4.tensor_aliases(v4.parse_config(cfg)).items()}
+    q, deq = {}, {}
+    for saved, t in load_file(src / "model.safetensors").items():
+        name = published.get(saved, saved)
+        module = name[: -len(".weight")]
+        if V4_EXPERT.search(name) and expert_dtype == "fp4":
+            q[name], q[module + ".scale"] = fp4_quantize(t)
+            deq[saved] = fp4_dequantize(q[name], q[module + ".scale"])
+        elif V4_EXPERT.search(name) or V4_FP8_LINEAR.search(name):
+            q[name], q[module + ".scale"] = fp8_quantize(t, block)
+            deq[saved] = fp8_dequantize(q[name], q[module + ".scale"], block)
+        else:
+            q[name], deq[saved] = t, t.float()
+    for d, data, extra in ((dst, q, True), (twin, deq, False)):
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(data, d / "model.safetensors", metadata={"format": "pt"})
+        c = dict(cfg)
+        if extra:  # as the published config.json: expert_dtype beside the quantization_config
+            c.update(quantization_config={**V4_QC, "weight_block_size": list(block)}, expert_dtype=expert_dtype)
+        (d / "config.json").write_text(json.dumps(c, indent=1))
+    return dst, twin
+
+
 # -- built once per session -----------------------------------------------------------------
 
 KINDS = ("f32", "bf16")  # every family; plus its native format, if it has one
@@ -649,6 +745,8 @@ class FamilyModels:
             src = self.hf(family, "f32")
             if kind in STORED:
                 return to_stored(src, self.root / f"{family}-{kind}", self.root / f"{family}-{kind}-dequantized", kind)
+            if kind == "fp4":  # DeepSeek-V4 as published (FP8 spine, FP4 experts) and its dequantized twin
+                return to_published(src, self.root / f"{family}-fp4", self.root / f"{family}-fp4-dequantized")
             path, _ = to_mxfp4(src, self.root / f"{family}-mxfp4")
             return path, path
 

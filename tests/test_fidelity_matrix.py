@@ -1,7 +1,8 @@
 """The fidelity matrix: every knob on every family leaves results bit-identical, or is refused.
 
 Each family of the registry (``tests/families.py``) is built as an f32 and a bf16 Hugging Face
-checkpoint, plus its native format where it has one (DeepSeek-V3 block FP8, GPT-OSS MXFP4).
+checkpoint, plus its native format where it has one (DeepSeek-V3 block FP8, GPT-OSS MXFP4,
+DeepSeek-V4's FP8 spine with FP4 experts).
 For each such checkpoint the *baseline* is the run of its HF directory with every axis of
 ``AXES`` at its default: within 1e-4 of transformers' logits at every position (f32 and FP8;
 bf16 and MXFP4: 1e-4 x max|logit| against the fp32-upcast reference) and transformers' 32
@@ -158,7 +159,7 @@ def _tolerance(family: str, kind: str, ref_logits: torch.Tensor) -> float:
     """f32 and FP8 (fp32 compute on fp32-dequantized weights): 1e-4 (2e-4 with linear attention,
     see ``LINEAR_ATTENTION``); bf16 and MXFP4 checkpoints against their fp32-upcast reference:
     1e-4 x max|logit|."""
-    if kind in ("f32", "fp8"):
+    if kind in ("f32", "fp8", "fp4"):  # fp4: DeepSeek-V4 as published, against its dequantized fp32 twin
         return 2e-4 if family in LINEAR_ATTENTION else 1e-4
     return 1e-4 * max(1.0, ref_logits.abs().max().item())
 

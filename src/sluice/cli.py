@@ -84,6 +84,10 @@ def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     ray.add_argument("--replicate-hot", type=int_arg(0), default=0, metavar="N",
                      help="per MoE layer, the N most-routed experts may also run on a second worker (load "
                           "balance and failover; exact either way)")
+    ray.add_argument("--ray-plain-calls", action="store_true",
+                     help="send each MoE layer's requests as plain Ray actor calls, one per worker, instead of "
+                          "through one compiled graph of all workers (the default; docs/scale-out.md has both "
+                          "measured; exact either way)")
     lossy = p.add_argument_group("lossy speed switches (outputs differ from the model's; off by default)")
     lossy.add_argument("--moe-top-k", type=int_arg(1), default=None, metavar="N",
                        help="LOSSY: route each token to only N experts (fewer than the model was trained with)")
@@ -120,7 +124,7 @@ def _engine_options(args) -> dict:
                 allow_unversioned_remote=args.allow_unversioned_remote,
                 disk_cache_dir=args.disk_cache_dir, ray=args.ray, expert_workers=args.expert_workers,
                 worker_memory=args.worker_memory, replicate_hot=args.replicate_hot,
-                ray_timeout=args.ray_timeout)
+                ray_timeout=args.ray_timeout, ray_compiled=not args.ray_plain_calls)
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -417,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert format (default: the checkpoint's own, exact): f32, bf16, f16 (casts); "
                         "LOSSY quantized formats: int8 (8 bits/weight, per-row scales), q4 (4.5 bits, groups "
                         "of 32), mxfp4 (4.25 bits, OCP microscaling FP4), rvq3 (3 bits, residual vector "
-                        "quantization); fp8 keeps block-scaled FP8 checkpoints as they are. Measured quality "
+                        "quantization), fp4 (mxfp4's bytes in DeepSeek-V4's layout); fp8 keeps block-scaled "
+                        "FP8 checkpoints as they are. Measured quality "
                         "and speed: docs/quantization.md")
     c.add_argument("--spine", default=None, metavar="FORMAT",
                    help="spine format (default: stored, as the checkpoint has it, exact); LOSSY: int8 stores the "

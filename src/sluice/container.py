@@ -54,7 +54,7 @@ FORMAT_ALIGN = 4096  # spine groups start, and expert records are sized, at mult
 assert HEADER.size == HEADER_BYTES
 
 # expert format name <-> id stored in record headers
-FORMAT_IDS = {"f32": 1, "bf16": 2, "f16": 3, "int8": 4, "q4": 5, "mxfp4": 6, "rvq3": 7, "fp8": 8, "int4": 9}
+FORMAT_IDS = {"f32": 1, "bf16": 2, "f16": 3, "int8": 4, "q4": 5, "mxfp4": 6, "rvq3": 7, "fp8": 8, "int4": 9, "fp4": 10}
 
 
 CHECKSUM_KEY = "manifest_sha256"

@@ -84,17 +84,32 @@ FP8_SCALES = ("_scale_inv", "_scale")  # block FP8's weight_scale_inv, compresse
 TABLE_DTYPES = ("I64", "I32")  # integer lookup tables (``ModelDescription.tables``)
 
 
+def _scales_of(weight: str) -> list[str]:
+    """Where FP8 weight ``weight``'s scales may be: ``_scale_inv`` / ``_scale`` after it, or
+    DeepSeek-V4's ``<module>.scale``."""
+    out = [weight + s for s in FP8_SCALES]
+    return out + [weight[: -len(".weight")] + ".scale"] if weight.endswith(".weight") else out
+
+
+def _weights_of(scale: str) -> list[str]:
+    """The weights whose scales ``scale`` may be (the inverse of ``_scales_of``)."""
+    out = [scale[: -len(s)] for s in FP8_SCALES if scale.endswith(s)]
+    return out + [scale[: -len(".scale")] + ".weight"] if scale.endswith(".scale") else out
+
+
 def check_spine_dtype(name: str, info, spine: dict, tables=()) -> None:
     """Spine tensors are float32/bfloat16/float16; FP8 (e4m3) only for a weight whose scales
-    (``_scale_inv`` or ``_scale``) the family reads too; the family's integer ``tables`` I64 / I32
-    (and nothing else)."""
+    (``_scale_inv``, ``_scale`` or ``<module>.scale``) the family reads too, and e8m0 only for those
+    scales; the family's integer ``tables`` I64 / I32 (and nothing else)."""
     if name in tables:
         if info.dtype in TABLE_DTYPES:
             return
         raise CheckpointError(f"{info.file}: tensor {name!r} is a lookup table of expert ids, stored as "
                               f"{info.dtype}; expected integers ({' or '.join(TABLE_DTYPES)})")
-    if info.dtype in SPINE_DTYPES or (info.dtype == "F8_E4M3" and any(name + s in spine for s in FP8_SCALES)):
+    if info.dtype in SPINE_DTYPES or (info.dtype == "F8_E4M3" and any(s in spine for s in _scales_of(name))):
         return
+    if info.dtype == "F8_E8M0" and any(name in _scales_of(w) for w in _weights_of(name) if w in spine):
+        return  # power-of-two block scales (DeepSeek-V4's ue8m0) of an FP8 weight the family reads
     if info.dtype == "F8_E4M3":
         raise CheckpointError(
             f"{info.file}: spine tensor {name!r} is F8_E4M3, but config.json declares no FP8 quantization for "
@@ -425,7 +440,7 @@ class Engine:
         experts = RayExperts(
             location, cluster_signature(self.checkpoint), self.desc.moe_layers, self.desc.n_experts,
             workers=o.expert_workers, worker_memory=worker_memory, replicate_hot=int(o.replicate_hot),
-            timeout=float(o.ray_timeout),
+            timeout=float(o.ray_timeout), compiled=o.ray_compiled,
             worker_opts=dict(reader_threads=o.reader_threads, cache_policy=o.cache_policy,
                              verify_reads=o.verify_reads, huge_pages=o.huge_pages, direct_io=o.direct_io,
                              ca_bundle=o.ca_bundle, allow_unversioned_remote=o.allow_unversioned_remote,

@@ -3,13 +3,14 @@
 Lossy means the weights computed with are not the source checkpoint's: a container whose experts
 ``sluice convert --experts`` quantized (int8, q4, mxfp4, rvq3) or narrowed (f32 to bf16/f16, bf16
 to f16), a spine stored as int8 (``--spine int8``), and the lossy routing switches. A checkpoint's
-own quantized experts (block-scaled FP8, MXFP4, compressed-tensors INT4) read as stored, or copied bit for bit into a
-container, are the model's weights: not lossy. Widening (bf16 or f16 to f32) is exact.
+own quantized experts (block-scaled FP8, MXFP4, compressed-tensors INT4, DeepSeek-V4 FP4) read as
+stored, or copied bit for bit into a container, are the model's weights: not lossy. Widening (bf16
+or f16 to f32) is exact.
 """
 
 from __future__ import annotations
 
-QUANTIZED = ("int8", "q4", "mxfp4", "rvq3", "fp8", "int4")
+QUANTIZED = ("int8", "q4", "mxfp4", "rvq3", "fp8", "int4", "fp4")
 FLOAT_BITS = {"f32": 32, "bf16": 16, "f16": 16}
 
 

@@ -61,6 +61,8 @@ class Options:
     worker_memory: int | str | None = None  # each worker's budget (None: a safe share of its machine's memory)
     replicate_hot: int = 0  # per MoE layer, the N most-routed experts may also run on a second worker
     ray_timeout: float = 60.0  # seconds to reach the cluster, and to place and start the workers
+    # each MoE layer's worker calls through one Ray compiled graph (False: one plain actor call per worker)
+    ray_compiled: bool = True
 
     def __post_init__(self):
         # a bool stands for the default settings, on or off (``load`` checks the value first)

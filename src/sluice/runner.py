@@ -113,6 +113,9 @@ class SeqWork:
     last_n: int = 1  # return the logits of the last n positions (0: none)
     decoding: bool = False  # the sequence is past its prefill: its lookups count toward hit_rate etc.
     record_routing: bool = False  # return each MoE layer's routed expert ids, weights and lookahead predictions
+    # the tokens the sequence runs in its next step, when known now (the scheduler: the rest of a
+    # prompt cut by the step's token budget); what is keyed by token ids is read for them ahead
+    next_tokens: list[int] | None = None
 
     def piece(self, start: int, stop: int) -> "SeqWork":
         """Tokens ``start..stop`` of this work as work of their own: at positions ``self.start +
@@ -260,8 +263,14 @@ class ModelRunner:
                     r += n
             self._rows = rows
             ids = [t for part in parts for t in part.tokens]
+            # each segment's next chunk (the step's next forward, or for its last piece the next
+            # step's, when the scheduler knows it), for what is read ahead by token ids
+            nxt = [list(pieces[i][k + 1].tokens) if k + 1 < len(pieces[i]) else list(work[i].next_tokens or [])
+                   for i, *_ in rows]
+            nxt = nxt if any(nxt) else None
             ctx = ForwardContext(torch.tensor(ids, dtype=torch.long), segments,
-                                 record=Recording() if record else None, lookahead=self._lookahead)
+                                 record=Recording() if record else None, lookahead=self._lookahead,
+                                 next_tokens=nxt)
             # steps of up to 64 tokens (decode, speculation, short prompts) run torch single-threaded:
             # their ops are too small to share, and an OpenMP barrier stalls the whole step whenever
             # another process holds the other core (measured: index_add_ on [15, 1024] took 76 ms);
@@ -274,9 +283,13 @@ class ModelRunner:
             if ctx.certain and self.certain_reads:
                 self._experts.read_certain(ctx.certain, r)
                 if k + 1 < n_forwards:  # the next chunk's, read as this forward leaves their layers
-                    nxt = [t for p in pieces if k + 1 < len(p) for t in p[k + 1].tokens]
-                    upcoming = certain_of(torch.tensor(nxt, dtype=torch.long))
-                    self._experts.read_certain(upcoming, len(nxt), ahead=True)
+                    following = [t for p in pieces if k + 1 < len(p) for t in p[k + 1].tokens]
+                    upcoming = certain_of(torch.tensor(following, dtype=torch.long))
+                    self._experts.read_certain(upcoming, len(following), ahead=True)
+                elif nxt:  # the step's last forward: the next step's chunks, when the scheduler knows them
+                    following = [t for toks in nxt for t in toks]
+                    self._experts.read_certain(certain_of(torch.tensor(following, dtype=torch.long)),
+                                               len(following), ahead=True)
             h = self._model.forward(ctx)
             for (_i, r0, r1, _off), part in zip(rows, parts):
                 state = part.seq.model_state

@@ -393,7 +393,10 @@ class Scheduler:
             if n == rest and seq.done == 0:
                 plan.append((seq, w, True))
                 continue
-            plan.append((seq, w.piece(seq.done, seq.done + n), seq.done + n == len(w.tokens)))
+            piece = w.piece(seq.done, seq.done + n)
+            # its next step's tokens (at most a step's budget of the prompt's rest): read ahead by id
+            piece.next_tokens = w.tokens[seq.done + n : seq.done + n + self.step_tokens] or None
+            plan.append((seq, piece, seq.done + n == len(w.tokens)))
         return plan
 
     def _step(self) -> None:

@@ -61,6 +61,7 @@ class EngineCounters:
     row_lookups: int = _from("rows", "looked_up")
     rows_read: int = _from("rows", "read")
     row_bytes_read: int = _from("rows", "bytes_read")
+    rows_read_ahead: int = _from("rows", "ahead")  # reads issued for the step's next forward (next chunk)
     # ids known early (experts/certain.py): the experts the token ids decide (hash-routed layers), read
     # before their layer runs (of demand_reads), their bytes; the hash layers' decode lookups, misses
     # and read wait (of expert_lookups, expert_misses, read_wait_s: the rest are the router layers')
@@ -158,6 +159,7 @@ class GenerationStats(dict):
     row_lookups: int = 0
     rows_read: int = 0
     row_bytes_read: int = 0  # of bytes_read: table rows
+    rows_read_ahead: int = 0  # of the row reads: issued during the previous prefill chunk
     row_hit_rate: float = 0.0  # rows served without a read (cache or resident) / rows looked up
     rows_read_per_token: float = 0.0
     row_bytes_per_token: float = 0.0

@@ -181,6 +181,7 @@ _OPTION_CHECKS = {
     "worker_memory": lambda v, n: v is None or parse_size(v, n),
     "replicate_hot": _opt_int(0, none=False),
     "ray_timeout": lambda v, n: number(v, n, lo=0.0, lo_open=True),
+    "ray_compiled": _opt_bool(),
 }
 
 

@@ -112,8 +112,13 @@ def test_bit_identical_to_one_process(family, family_models, cluster, single):
         assert eng.cache is None and eng.plan.cache_slots == 0  # the driver holds no expert cache
         before = eng.totals()
         assert torch.equal(logits_of(eng), single[family]), f"{family}: {n} workers"
+        # one compiled graph of all workers carried every layer's requests
+        assert (eng.experts.graph_builds, eng.experts.graph_fallbacks) == (1, 0)
         # the lookahead's one-layer-ahead predictions are checked as one process checks them
         assert lookahead_of(eng, before) == LOOKAHEAD[family] and LOOKAHEAD[family][0] > 0
+        eng.experts.compiled = False  # plain actor calls: the same bits
+        assert torch.equal(logits_of(eng), single[family]), f"{family}: {n} workers, plain calls"
+        eng.experts.compiled = True
         # then the same workers under other placements: the first 1..n of them, replicated hot experts
         for workers, hot in [(w, 0) for w in range(1, n)] + [(w, h) for w in range(2, n + 1)
                                                              for h in (2, eng.desc.n_experts)]:
@@ -135,6 +140,23 @@ def test_bit_identical_to_one_process(family, family_models, cluster, single):
         assert f'sluice_expert_worker_rows_computed_total{{worker="{n - 1}"}}' in text
         c = eng.totals()
         assert c.expert_lookups > 0 and c.bytes_read > 0 and c.demand_reads > 0
+
+
+def test_decoding_layers_packed_on_the_fewest_workers():
+    """A replicated expert of a decoding layer goes to a worker the layer calls anyway (fewer round
+    trips); a prefill layer balances rows as before."""
+    from sluice.cluster.placement import Placement
+
+    pl = Placement([0], 8, workers=4, replicate_hot=8)  # every expert on its home and the next worker
+    rows = {1: 1, 2: 1, 5: 1}  # candidates (home first): [1, 2], [2, 3], [1, 2]
+    assert pl.assign(0, rows, count=False) == {1: 1, 2: 2, 5: 1}  # balanced by rows: two workers
+    assert pl.assign(0, rows, count=False, pack=True) == {1: 2, 2: 2, 5: 2}  # one worker holds them all
+    pl = Placement([0], 8, workers=4, replicate_hot=2)  # experts 0 and 1 replicated
+    rows = {0: 1, 1: 1, 3: 1}  # candidates [0, 1], [1, 2], [3]
+    packed = pl.assign(0, rows, count=False, pack=True)
+    assert Placement.calls(packed) == 2 and packed[3] == 3 and packed[0] == packed[1] == 1
+    pl = Placement([0], 8, workers=4, replicate_hot=0)  # nothing replicated: packing changes nothing
+    assert pl.assign(0, rows, count=False, pack=True) == pl.assign(0, rows, count=False)
 
 
 def test_prefer_cached_refused(family_models, cluster):
@@ -174,6 +196,8 @@ def test_worker_killed_mid_generation(family_models, cluster):
         again = eng.generate(PROMPT, max_new_tokens=12, ignore_eos=True, speculate=False).token_ids
         assert again == expected
         assert eng.experts.worker_stats()[0]["pid"] != pid
+        # the graph lost with the worker, rebuilt over the restarted one
+        assert eng.experts.graph_fallbacks >= 1 and eng.experts.graph_builds >= 2
         # every expert with a replica: the lost worker's experts are retried there, the tokens unchanged
         use(eng, 2, eng.desc.n_experts)
         tokens, err, _ = _kill_during(eng, eng.experts.worker_stats()[1]["pid"], 3)

@@ -24,9 +24,16 @@ CASES = {
     "attention_bias": ({"attention_bias": True}, "attention_bias=True"),
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias=True"),
     "topk_method": ({"topk_method": "greedy"}, "topk_method='greedy'"),
-    # formats not supported yet
-    "fp8": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quantization_config"),
-    "fp4_experts": ({"expert_dtype": "fp4"}, "expert_dtype"),
+    # stored forms other than the published FP8 spine with FP4 / FP8 experts
+    "mxfp4": ({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method='mxfp4'"),
+    "fp4_experts": ({"expert_dtype": "fp4"}, "expert_dtype='fp4' without a quantization_config"),
+    "expert_dtype_unknown": ({"expert_dtype": "int4", "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}, "expert_dtype='int4'"),
+    "fp4_float_scales": ({"expert_dtype": "fp4", "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "float"}}, "scale_fmt='float' with FP4"),
+    "fp8_e5m2": ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}},
+                 "fmt='e5m2'"),
+    "fp8_no_block": ({"quantization_config": {"quant_method": "fp8", "scale_fmt": "ue8m0"}}, "weight_block_size"),
     # layer schedules
     "types_short": ({"layer_types": TYPES[:2]}, "layer_types="),
     "types_string": ({"layer_types": "sliding_attention"}, "layer_types='sliding_attention'"),

@@ -1,15 +1,19 @@
 """Hostile GLM-5.3-Flash config.json fields (the wrapper's text_config, the wrapper itself): each
-refused with one message naming the field, never misread."""
+refused with one message naming the field, never misread; quantized checkpoints whose scales of
+the parts this family adds are missing or misshapen, refused naming the tensor."""
 
 from __future__ import annotations
 
 import pytest
+from safetensors.torch import load_file, save_file
 
+from families import _stored_config
 from hostile_configs import assert_refused, assert_refused_at_cli, hostile_checkpoint, registry_config
 from sluice.errors import UnsupportedModelError
 from sluice.models import get_family
 
 g5 = get_family("glm5_next")
+FP8, INT4 = _stored_config("fp8", (128, 128), []), _stored_config("int4", (128, 128), [])
 
 TEXT_CASES = {
     # what transformers refuses too
@@ -49,7 +53,16 @@ TEXT_CASES = {
 WRAPPER_CASES = {
     "text_config_list": ({"text_config": [1]}, "text_config=[1]"),
     "tie_disagrees": ({"tie_word_embeddings": True}, "tie_word_embeddings"),
-    "fp8": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quantization_config"),
+    # a malformed quantization_config (the wrapper's top-level one applies to the text model)
+    "fp8_block_string": ({"quantization_config": {**FP8, "weight_block_size": "128"}}, "weight_block_size='128'"),
+    "quantization_list": ({"quantization_config": [FP8]}, "quantization_config must be an object"),
+    "quantization_disagrees": (lambda cfg: {**cfg, "quantization_config": FP8, "text_config": {
+        **cfg["text_config"], "quantization_config": {**FP8, "weight_block_size": [64, 64]}}},
+        "quantization_config differs from text_config.quantization_config"),
+    "fp8_embeddings": ({"quantization_config": {**FP8, "modules_to_convert": ["embed_tokens"]}},
+                       "modules_to_convert is not supported"),
+    "int4_covers_spine": ({"quantization_config": {**INT4, "config_groups": {"group_0": {
+        **INT4["config_groups"]["group_0"], "targets": ["Linear"]}}}}, "INT4 is read for routed experts only"),
 }
 
 
@@ -78,7 +91,7 @@ def test_hostile_glm5_next_text_config(case, raw):
 
 @pytest.mark.parametrize("case", list(WRAPPER_CASES))
 def test_hostile_glm5_next_wrapper(case, raw):
-    assert_refused(g5.parse_config, raw, WRAPPER_CASES[case][0], WRAPPER_CASES[case][1])
+    assert_refused(lambda r: g5.describe(g5.parse_config(r)), raw, WRAPPER_CASES[case][0], WRAPPER_CASES[case][1])
 
 
 def test_other_text_model_type_refused(raw):
@@ -91,3 +104,47 @@ def test_refused_at_the_cli_in_one_line(case, family_models, tmp_path, capsys):
     change, expected = TEXT_CASES[case]
     path = hostile_checkpoint(family_models, tmp_path, "glm5_next", _in_text_config(change))
     assert_refused_at_cli(path, expected, capsys)
+
+
+# -- quantized checkpoints: the parts GLM-5.3-Flash adds (KDA's low-rank gates, the pooled DSA
+# indexer's weights_proj, which transformers quantizes here; the routed experts' INT4 scales)
+# missing or misshapen ---------------------------------------------------------------------------
+
+P = "model.language_model."
+
+
+def _tampered(family_models, tmp_path, kind: str, name: str, change) -> str:
+    """The registry checkpoint stored as ``kind`` with tensor ``name`` changed (None: removed)."""
+    src = family_models.hf("glm5_next", kind)
+    dst = tmp_path / f"g5-{kind}"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).symlink_to(f)
+    tensors = load_file(str(src / "model.safetensors"))
+    assert name in tensors, name
+    if change is None:
+        del tensors[name]
+    else:
+        tensors[name] = change(tensors[name])
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.mark.parametrize("kind,name,change,expected", [
+    ("fp8", P + "layers.1.self_attn.indexer.weights_proj.weight_scale_inv", None, "is missing"),
+    ("fp8", P + "layers.0.self_attn.f_a_proj.weight_scale_inv", lambda t: t.flatten(), "has shape"),
+    ("fp8", P + "layers.3.self_attn.g_b_proj.weight_scale_inv", None, "is missing"),
+    ("ct-fp8", P + "layers.2.self_attn.kv_b_proj.weight_scale", lambda t: t[:1], "has shape"),
+    ("int4", P + "layers.1.mlp.experts.2.gate_proj.weight_scale", lambda t: t.float(), "the format stores BF16"),
+])
+def test_hostile_quantized_files(family_models, tmp_path, kind, name, change, expected):
+    """Each refused at load in one line naming the tensor, never read as a plain weight."""
+    import sluice
+    from sluice.errors import SluiceError
+
+    path = _tampered(family_models, tmp_path, kind, name, change)
+    with pytest.raises(SluiceError) as e:
+        sluice.load(path, memory="2GiB", progress=False)
+    msg = str(e.value)
+    assert expected in msg and repr(name) in msg and "\n" not in msg, msg

@@ -1,6 +1,7 @@
 """Hostile Qwen3.8-Flash-Next config.json fields (the wrapper's text_config) and checkpoints whose
-row tables or hash constants disagree with the config: each refused with one message naming
-the field, never misread."""
+row tables or hash constants disagree with the config, and quantized checkpoints whose scales or
+packed words are missing or misshapen: each refused with one message naming the field or the
+tensor, never misread."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import json
 import pytest
 from safetensors.torch import load_file, save_file
 
+from families import _stored_config
 from hostile_configs import assert_refused, assert_refused_at_cli, hostile_checkpoint, registry_config
 from sluice.errors import CheckpointError, UnsupportedModelError
 from sluice.models import get_family
 
 q4 = get_family("qwen4_exp")
+FP8, INT4 = _stored_config("fp8", (128, 128), []), _stored_config("int4", (128, 128), [])
 
 TEXT_CASES = {
     # keys the text model does not read, at values it would compute differently
@@ -54,7 +57,17 @@ TEXT_CASES = {
 WRAPPER_CASES = {
     "no_text_config": ({"text_config": None}, "text_config"),
     "tie_disagrees": ({"tie_word_embeddings": True}, "tie_word_embeddings"),
-    "fp8": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quantization_config"),
+    # a malformed quantization_config (the wrapper's top-level one applies to the text model)
+    "fp8_block_string": ({"quantization_config": {**FP8, "weight_block_size": "128"}}, "weight_block_size='128'"),
+    "quantization_list": ({"quantization_config": [FP8]}, "quantization_config must be an object"),
+    "quantization_disagrees": (lambda cfg: {**cfg, "quantization_config": FP8, "text_config": {
+        **cfg["text_config"], "quantization_config": {**FP8, "weight_block_size": [64, 64]}}},
+        "quantization_config differs from text_config.quantization_config"),
+    # transformers' FP8 embeddings: the PLE n-gram tables are read by row in their plain form only
+    "fp8_ngram_tables": ({"quantization_config": {**FP8, "modules_to_convert": ["ple_embedding.ngram_embedding"]}},
+                         "PLE n-gram tables"),
+    "int4_covers_spine": ({"quantization_config": {**INT4, "config_groups": {"group_0": {
+        **INT4["config_groups"]["group_0"], "targets": ["Linear"]}}}}, "INT4 is read for routed experts only"),
 }
 
 
@@ -82,7 +95,7 @@ def test_hostile_qwen4_exp_text_config(case, raw):
 
 @pytest.mark.parametrize("case", list(WRAPPER_CASES))
 def test_hostile_qwen4_exp_wrapper(case, raw):
-    assert_refused(q4.parse_config, raw, WRAPPER_CASES[case][0], WRAPPER_CASES[case][1])
+    assert_refused(lambda r: q4.describe(q4.parse_config(r)), raw, WRAPPER_CASES[case][0], WRAPPER_CASES[case][1])
 
 
 def test_other_text_model_type_refused(raw):
@@ -171,3 +184,50 @@ def test_damaged_container_pages(family_models, tmp_path):
 
 def test_config_json_roundtrip(raw):
     assert json.loads(json.dumps(raw)) == raw
+
+
+# -- quantized checkpoints: the parts Qwen4-Exp adds (scales of the gated residuals, the final
+# mixer, PLE and the QSA indexer; the routed experts' INT4 words) missing or misshapen ------------
+
+
+def _tampered(family_models, tmp_path, kind: str, name: str, change) -> str:
+    """The registry checkpoint stored as ``kind`` with tensor ``name`` changed (None: removed)."""
+    src = family_models.hf("qwen4_exp", kind)
+    dst = tmp_path / f"q4-{kind}"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).symlink_to(f)
+    tensors = load_file(str(src / "model.safetensors"))
+    assert name in tensors, name
+    if change is None:
+        del tensors[name]
+    else:
+        tensors[name] = change(tensors[name])
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+Q = "model.language_model."
+
+
+@pytest.mark.parametrize("kind,name,change,expected", [
+    ("fp8", Q + "layers.0.attn_hyper_connection.block_inject_weight.weight_scale_inv", None, "is missing"),
+    ("fp8", Q + "hyper_connection_mixer.input_mix_weight_up.weight_scale_inv", lambda t: t.flatten(), "has shape"),
+    ("fp8", Q + "layers.2.ple.key_proj.weight_scale_inv", None, "is missing"),
+    ("fp8", Q + "layers.1.self_attn.indexer.index_qk_proj.weight_scale_inv", lambda t: t[:1], "has shape"),
+    ("ct-fp8", Q + "layers.0.mlp.shared_expert_gate.weight_scale", None, "is missing"),
+    ("int4", Q + "layers.1.mlp.experts.3.down_proj.weight_packed", lambda t: t.flatten(), "has shape"),
+])
+def test_hostile_quantized_files(family_models, tmp_path, kind, name, change, expected):
+    """Each refused at load in one line naming the tensor (by its name in the file or, a spine
+    tensor, in the text model), never read as a plain weight."""
+    import sluice
+    from sluice.errors import SluiceError
+
+    path = _tampered(family_models, tmp_path, kind, name, change)
+    with pytest.raises(SluiceError) as e:
+        sluice.load(path, memory="2GiB", progress=False)
+    msg = str(e.value)
+    assert expected in msg and "\n" not in msg, msg
+    assert repr(name) in msg or repr(name.replace(Q, "model.")) in msg, msg

@@ -216,3 +216,13 @@ def test_ray_timeout_api_option_is_checked():
 
     with pytest.raises(InvalidArgumentError, match="ray_timeout"):
         sluice.load("demo", "2GiB", progress=False, ray="auto", ray_timeout=0)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_ray_compiled_api_option_is_a_bool(value):
+    """Checked before any cluster is reached."""
+    import sluice
+    from sluice.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="ray_compiled"):
+        sluice.load("demo", "2GiB", progress=False, ray="auto", ray_compiled=value)

@@ -19,7 +19,7 @@ from sluice.errors import ConfigError, SluiceError, UnsupportedModelError
 from sluice.models import get_family
 
 # GPT-OSS and DeepSeek-V4 (for now) refuse every one (test_weight_formats.py)
-SUPPORTED = [f for f in FAMILY_NAMES if f not in ("gpt_oss", "deepseek_v4", "qwen4_exp", "glm5_next")]
+SUPPORTED = [f for f in FAMILY_NAMES if f not in ("gpt_oss", "deepseek_v4")]
 FP8 = _stored_config("fp8", (128, 128), [])
 CT_FP8 = _stored_config("ct-fp8", (128, 128), [])
 INT4 = _stored_config("int4", (128, 128), [])

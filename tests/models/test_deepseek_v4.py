@@ -10,6 +10,7 @@ state bytes the planner states against the built caches.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ v4 = get_family("deepseek_v4")
 N_NEW = 32
 
 # The published DeepSeek-V4-Flash config.json (its architecture keys), without its FP8 / FP4
-# quantization (refused for now: test_published_quantization_is_refused)
+# quantization (``QUANT``: tests/models/test_deepseek_v4_fp4.py)
 HUB_CONFIG = dict(
     architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", attention_bias=False, bos_token_id=0,
     eos_token_id=1, hc_eps=1e-6, hc_mult=4, hc_sinkhorn_iters=20, head_dim=512, hidden_act="silu", hidden_size=4096,
@@ -94,9 +95,18 @@ def test_checkpoint_tensor_names():
     assert "attn.wo_a.weight" not in " ".join(desc.spine_linears)  # read by row blocks: never int8
 
 
-def test_published_quantization_is_refused():
-    with pytest.raises(UnsupportedModelError, match="quantization_config / expert_dtype"):
-        v4.parse_config({**HUB_CONFIG, **QUANT})
+def test_other_quantization_is_refused_by_name():
+    """The published FP8 / FP4 form is read (test_deepseek_v4_fp4.py); every other one is refused."""
+    qc = QUANT["quantization_config"]
+    for edit, name in (({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method='mxfp4'"),
+                       ({"quantization_config": {**qc, "quant_method": "compressed-tensors"}},
+                        "quant_method='compressed-tensors'"),
+                       ({"quantization_config": {**qc, "expert_dtype": "fp8"}}, "differs from"),
+                       ({"quantization_config": {**qc, "scale_fmt": "float"}}, "scale_fmt='float' with FP4"),
+                       ({"quantization_config": {**qc, "modules_to_not_convert": ["lm_head"]}},
+                        "modules_to_not_convert")):
+        with pytest.raises(UnsupportedModelError, match=re.escape(name)):
+            v4.parse_config({**HUB_CONFIG, **QUANT, **edit})
 
 
 def test_published_config_as_transformers_reads_it():

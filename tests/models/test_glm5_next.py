@@ -2,8 +2,10 @@
 indexer's selections against transformers' own indexer, a long run (prompt plus generation 8 times
 ``index_topk``) against transformers at every position in f32 and bf16 with its 32 greedy tokens,
 chunked prefill and speculative drafts verified across the point where the indexer starts
-selecting, the unbounded (softplus) forget gate, and the state bytes the planner states against
-the built caches.
+selecting (the cached pool keys checked against their recomputation after every selection), the
+cached pool keys bit for bit through chunks, decoding, a rejected draft across a pool boundary and
+a rewound prefix, the unbounded (softplus) forget gate, and the state bytes the planner states
+against the built caches.
 
 (Exactness on every axis runs in the fidelity matrix through the registry entry.)"""
 
@@ -20,7 +22,7 @@ from families import REGISTRY, assert_decisive_model, reference, save_family
 from sluice.layers.dsa import IndexedLatentCache, SharedLatentCache, SparseMLA
 from sluice.layers.gated_delta import KimiDeltaAttention
 from sluice.layers.hyper import MeanHead
-from sluice.layers.indexer import PooledIndexer
+from sluice.layers.indexer import IndexKeys, PooledIndexer, PooledKeys
 from sluice.models import get_family
 
 g5 = get_family("glm5_next")
@@ -79,6 +81,7 @@ def test_checkpoint_tensor_names():
     # every 4th layer MLA (11 of 45), 3 dense layers: latent 512 + indexer keys 2 x 128 floats per position
     assert desc.moe_layers == list(range(3, 45))
     assert desc.state_bytes_per_token == 11 * 4 * (512 + 2 * 128)
+    assert desc.entry_bytes == {16: 11 * 4 * 128}  # and each complete pool's key of 128 floats (cached)
 
 
 def test_flat_config_is_the_text_config():
@@ -144,15 +147,71 @@ def test_indexer_selects_what_transformers_selects():
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, chunked))
 
 
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_cached_pool_keys_are_recomputed_bits():
+    """``PooledKeys`` caches each complete pool's key once: bit for bit the recomputation from every
+    position's keys (and selections equal to the recomputing path) after a prefill in chunks of 7,
+    token-by-token decoding, a speculative draft rejected across a pool boundary (the cut pool computed
+    again from its new keys) and a prefix rewound then written again; a pool's key does not depend on
+    how many pools are computed together."""
+    ix = _hf_indexer(seed=1)
+    ours = _ours(ix)
+    g = torch.Generator().manual_seed(5)
+    x, q_resid = torch.randn(45, 32, generator=g), torch.randn(45, 24, generator=g)
+    keys = ours.keys(x)
+    q, w = ours.queries(q_resid, x, None, None)
+    index = ours.new_keys(64)
+    assert isinstance(index, PooledKeys) and index.pools.shape == (16, 16) and index.done == 0
+    assert ours.keys_bytes(64) == sum(t.numel() * t.element_size() for t in (index.keys, index.pools))
+
+    def run(s: int, e: int, k: torch.Tensor) -> None:
+        """Write k's keys for positions s..e-1, select with the cache and by recomputation."""
+        index.write(s, k[s:e])
+        got = ours.select_cached(q[s:e], w[s:e], index, s)
+        assert _same(got, ours.select(q[s:e], w[s:e], k[:e], s)), (s, e)
+        if got[-1] is not None:
+            assert index.done == e // 4
+        assert torch.equal(index.pools[: index.done], ours.pool_keys(k[: 4 * index.done])), (s, e)
+
+    for s in range(0, 30, 7):  # prefill in chunks, selection from position 15 on
+        run(s, min(30, s + 7), keys)
+    for s in range(30, 38):  # decode
+        run(s, s + 1, keys)
+    assert index.done == 9
+    before = index.pools[8].clone()  # positions 32..35
+    draft = keys.clone()
+    draft[33:41] = ours.keys(torch.randn(8, 32, generator=g))  # a rejected draft's keys from position 33 on
+    run(33, 41, draft)
+    assert index.done == 10 and not torch.equal(index.pools[8], before)
+    run(33, 34, keys)  # the draft rejected: rewound to 33 and decoded again
+    assert index.done == 8
+    for s in range(34, 45):
+        run(s, s + 1, keys)
+    run(20, 45, keys)  # prefix reuse: rewound to 20, the rest prefilled again
+    alone = torch.cat([ours.pool_keys(keys[4 * m : 4 * m + 4]) for m in range(11)])
+    assert torch.equal(ours.pool_keys(keys[:44]), alone) and torch.equal(index.pools[:11], alone)
+    for wrong in (IndexKeys(64, 32), PooledKeys(64, 16, 2)):  # not this indexer's pools: refused
+        with pytest.raises(TypeError, match="needs its own PooledKeys"):
+            ours.select_cached(q[:20], w[:20], wrong, 0)
+
+
 class _Margins:
-    """The smallest kept-th minus next pool score of every selecting query (patched in)."""
+    """The smallest kept-th minus next pool score of every selecting query (patched in), and the
+    layer's cached pool keys against their recomputation after every selection (``cached``: calls)."""
 
     def __init__(self, monkeypatch):
-        self.low, self.rows = math.inf, 0
+        self.low, self.rows, self.cached = math.inf, 0, 0
         select = PooledIndexer.select
 
         def checked(ix, q, w, keys, start):
             out = select(ix, q, w, keys, start)
+            if isinstance(keys, PooledKeys):
+                pools, keys = keys.pools[: keys.done], keys.keys
+                assert torch.equal(pools, ix.pool_keys(keys[: pools.shape[0] * ix.pool]))
+                self.cached += 1
             for i in range(q.shape[0]):
                 n = (start + i + 1) // ix.pool
                 if n > ix.pools_kept:
@@ -211,7 +270,7 @@ def test_long_run_against_transformers(kind, family_models, monkeypatch):
         tol = 1e-4 * (1 if kind == "f32" else max(1.0, ref_logits.abs().max().item()))
         diff = (logits - ref_logits).abs().max().item()
         assert diff <= tol, f"max |logit diff| {diff:.3e} > {tol:.1e}"
-        assert margins.low > SELECTION_MARGIN and margins.rows >= len(seq) - 12
+        assert margins.low > SELECTION_MARGIN and margins.rows >= len(seq) - 12 and margins.cached
         plain = eng.generate(ids.tolist(), max_new_tokens=N_NEW, ignore_eos=True, speculate=False, logprobs=0)
         assert plain.token_ids == seq[N_PROMPT:]
         monkeypatch.setattr(sluice.generation, "NgramDrafter", _oracle_drafter(seq, N_PROMPT))
@@ -220,6 +279,7 @@ def test_long_run_against_transformers(kind, family_models, monkeypatch):
     assert 0 < spec.stats["accepted"] < spec.stats["drafted"]
     with sluice.load(path, memory="4GiB", progress=False, prefill_chunk=5) as eng:
         assert torch.equal(eng.forward(seq), logits)
+    assert margins.cached > len(seq)  # the cache checked in every forward since: decoding, drafts, chunks
 
 
 def test_layers_and_state(family_models):
@@ -232,14 +292,26 @@ def test_layers_and_state(family_models):
         assert layers[1].attn.indexer is not None and layers[2].attn.indexer is None
         assert isinstance(eng.model.head, MeanHead)
         state = eng.model.new_state(64)
-        assert isinstance(state.layers[1], IndexedLatentCache) and state.layers[1].index.keys.shape == (64, 32)
-        assert isinstance(state.layers[2], SharedLatentCache) and state.layers[2].ckv.shape == (64, 32)
-        assert sum(layers[i].attn.cache_bytes(64) for i in (1, 2)) == eng.desc.state_bytes_per_token * 64
+        own, shared = state.layers[1], state.layers[2]
+        assert isinstance(own, IndexedLatentCache) and isinstance(own.index, PooledKeys)
+        assert own.index.keys.shape == (64, 32) and own.index.pools.shape == (64 // 4, 16)
+        assert isinstance(shared, SharedLatentCache) and shared.ckv.shape == (64, 32)
+        built = sum(t.numel() * t.element_size() for t in (own.ckv, own.index.keys, own.index.pools, shared.ckv))
+        assert built == sum(layers[i].attn.cache_bytes(64) for i in (1, 2))
+        assert built == eng.desc.state_bytes(64) - eng.desc.state_bytes_fixed  # the KDA layers' is fixed
         assert eng.desc.state_bytes_per_token == 4 * (32 + 2 * 16) + 4 * 32
+        assert eng.desc.entry_bytes == {4: 4 * 16}  # one pool key of 16 floats per 4 positions
         assert eng.desc.state_bytes_fixed > 0
         ids = prompt_ids(20, seed=3)
         first = eng.generate(ids.tolist(), max_new_tokens=12)
         again = eng.generate(ids.tolist() + first.token_ids[:5], max_new_tokens=7, reuse_prefix=True)
+        ix = layers[1].attn.indexer
+        used = [slot.model_state for slot in eng.runner.slots if slot.model_state.length]
+        assert used
+        for st in used:  # the cached pools are the keys' pools after prefix reuse and decoding
+            cached = st.layers[1].index
+            assert 0 < cached.done <= st.length // 4
+            assert torch.equal(cached.pools[: cached.done], ix.pool_keys(cached.keys[: 4 * cached.done]))
     assert again.stats["reused_prefix_tokens"] > 0 and again.token_ids == first.token_ids[5:]
 
 

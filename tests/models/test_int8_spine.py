@@ -81,14 +81,14 @@ def test_embedding_rows_and_linear(boxes):
 
 @pytest.mark.parametrize("family,kind", [(f, e.native) for f, e in REGISTRY.items() if e.native])
 def test_native_formats_stay_as_stored(family_models, family, kind):
-    """FP8 spine weights are one byte already and stay FP8 with their scales; MXFP4 experts stay
-    MXFP4; the float matrices around them become int8. The result runs and is finite."""
+    """FP8 spine weights are one byte already and stay FP8 with their scales; MXFP4 and FP4 experts
+    stay as stored; the float matrices around them become int8. The result runs and is finite."""
     box = family_models.container(family, kind, spine="int8")
     c = Container(box)
     kept = [n for n, t in c.tensors.items() if t.dtype == "F8_E4M3"]
-    assert (len(kept) > 0) == (kind == "fp8")
+    assert (len(kept) > 0) == (kind in ("fp8", "fp4"))  # fp4: DeepSeek-V4's FP8 spine beside FP4 experts
     assert not set(kept) & set(c.spine_quant) and c.spine_quant
-    assert c.expert_format == ("fp8" if kind == "fp8" else "mxfp4")
+    assert c.expert_format == kind
     c.close()
     with sluice.load(box, memory="4GiB", progress=False) as eng:
         assert torch.isfinite(eng.forward(prompt_ids())).all()

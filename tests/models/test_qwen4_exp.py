@@ -204,6 +204,66 @@ def test_row_store_counters(family_models):
         assert "expert_bytes_per_token" in s
 
 
+def test_next_chunks_rows_read_ahead(family_models):
+    """Prefill in chunks with the tables streamed: each chunk's rows are issued while the chunk
+    before it runs (``rows_read_ahead``), exactly the rows that chunk then gathers (every read
+    issued ahead is used: the same rows read as when each layer reads its own, nothing left in
+    flight), and the logits are bit-identical to one chunk."""
+    path = family_models.hf("qwen4_exp", "f32")
+    seq = _teacher_sequence()
+    with sluice.load(path, memory="2GiB", progress=False) as eng:
+        want = eng.forward(seq)
+    opts = dict(memory="2GiB", progress=False, prefill_chunk=5, row_cache="64MiB")
+    with sluice.load(path, **opts) as eng:
+        assert not eng.plan.rows_resident
+        assert torch.equal(eng.forward(seq), want)
+        ahead = eng.rows.stats.ahead
+        read = eng.rows.stats.read
+        assert ahead > 0 and not eng.rows._pending
+    with sluice.load(path, **opts) as eng:
+        eng.model.early_rows = False  # each layer reads its rows when it runs
+        assert torch.equal(eng.forward(seq), want)
+        assert eng.rows.stats.ahead == 0 and eng.rows.stats.read == read
+    # a generation's prompt is prefilled one chunk per step (the scheduler's budget): each step
+    # is handed its sequence's next chunk, so its rows are read ahead across steps too
+    ids = PROMPT.tolist()
+    with sluice.load(path, memory="2GiB", progress=False) as eng:
+        plain = eng.generate(ids, max_new_tokens=4, ignore_eos=True, speculate=False).token_ids
+    with sluice.load(path, **opts) as eng:
+        r = eng.generate(ids, max_new_tokens=4, ignore_eos=True, speculate=False)
+        assert r.token_ids == plain and r.stats["rows_read_ahead"] > 0 and not eng.rows._pending
+
+
+def test_rows_issued_ahead_for_a_forward_that_never_comes_are_dropped():
+    """A read issued ahead that no gather takes (a step cut short) is cancelled once the forward
+    it was for has passed: nothing issued ahead is held for good."""
+    from collections import OrderedDict
+    from concurrent.futures import Future
+
+    from sluice.rows.store import RowStore
+    from sluice.storage.priority import PREFETCH, Ticket
+
+    store = RowStore({}, lambda f: None, resident=False)
+    fut, ticket = Future(), Ticket(PREFETCH)
+    store._pending[("t", 3)] = (fut, ticket)  # as issue(..., ahead=True) leaves it
+    store._ahead_keys[("t", 3)] = None
+    store.begin()  # the forward it was issued for begins: still wanted
+    assert ("t", 3) in store._pending and not ticket.cancelled
+    store.begin()  # and has passed without gathering it
+    assert ("t", 3) not in store._pending and ticket.cancelled and fut.cancelled()
+    # one already read by then goes into the table's row cache instead (LRU, its capacity kept)
+    store._cache["t"], store.capacity["t"] = OrderedDict([(1, torch.zeros(2))]), 1
+    for row in (4, 5):
+        done = Future()
+        done.set_result(torch.full((2,), float(row)))
+        store._pending[("t", row)] = (done, Ticket(PREFETCH))
+        store._ahead_keys[("t", row)] = None
+    store.begin()
+    store.begin()
+    assert not store._pending and list(store._cache["t"]) == [5]
+    store.close()
+
+
 def test_planner_keeps_small_tables_resident():
     """Resident when the tables fit in a tenth of the budget above the floor; else a row cache of
     that tenth (at least one row per table), or the size asked for."""

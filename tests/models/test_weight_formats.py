@@ -36,17 +36,27 @@ MEMORY = "4GiB"
 PROMPT_SEEDS = range(1, 9)
 # families whose quantized checkpoints are refused, and what the refusal names
 REFUSED = {"gpt_oss": "transformers' FP8 experts carry no biases",
-           "deepseek_v4": "its FP8 spine with ue8m0 scales and FP4 experts",  # not built yet
-           "qwen4_exp": "quantization_config is not supported for qwen4_exp",
-           "glm5_next": "quantization_config is not supported for glm5_next"}
+           # reads its published block FP8 (``.scale``, FP4 / FP8 experts: test_deepseek_v4_fp4.py) only
+           "deepseek_v4": "is not supported for deepseek_v4 (only the published 'fp8'"}
 SUPPORTED = [f for f in FAMILY_NAMES if f not in REFUSED]
 CT_FAMILIES = ("glm4_moe", "dots1")  # the families whose FP8 checkpoints are compressed-tensors ones
+# linears transformers' CPU FP8 loader does not dequantize: it pairs ``<module>.weight_scale_inv``
+# with its weight by the name pattern ``weight(?!\w)``, which also matches inside the module name
+# ``block_inject_weight`` (qwen4_exp's gated residuals): their scales are left unread (UNEXPECTED)
+# and the e4m3 values are not scaled. Its loader's check keeps them plain (Sluice reads them as FP8
+# in ``test_stored_experts_match_the_dequantized_twin``, against the twin)
+TRANSFORMERS_FP8_MISREAD = {"qwen4_exp": re.compile(r"\.block_inject_weight$")}
+
+
+# hybrids whose tiny quantized twins are well conditioned: 1e-4 against the fp64 oracle (measured
+# at most 2.8e-5 for every format, and at most 2.8e-5 against transformers' fp32 run)
+STRICT = ("qwen4_exp", "glm5_next")
 
 
 def _tolerance(family: str) -> float:
     """fp32 on both sides: 1e-4; 2e-4 with linear attention (the reference's own error, see the
-    fidelity matrix's ``LINEAR_ATTENTION``)."""
-    return 2e-4 if recurrent(family) else 1e-4
+    fidelity matrix's ``LINEAR_ATTENTION``), but for ``STRICT``."""
+    return 2e-4 if recurrent(family) and family not in STRICT else 1e-4
 
 
 def _oracle_logits(family: str, twin, ref, ids: torch.Tensor) -> torch.Tensor:
@@ -57,9 +67,7 @@ def _oracle_logits(family: str, twin, ref, ids: torch.Tensor) -> torch.Tensor:
     if not recurrent(family):
         with torch.no_grad():
             return ref(ids[None]).logits[0]
-    from transformers import AutoModelForCausalLM
-
-    ref64 = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float64, experts_implementation="eager").eval()
+    ref64 = reference(twin, dtype=torch.float64, experts_implementation="eager")
     with torch.no_grad():
         return ref64(ids[None]).logits[0]
 
@@ -163,13 +171,12 @@ def test_transformers_fp8_loader_agrees(family, family_models, tmp_path):
     FP8, routers plain) into the twin's weights: the same logits, bit for bit. It derives the block
     from the weight and scale shapes, so the blocks here divide every tiny matrix (4 x 4)."""
     pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
-    from transformers import AutoModelForCausalLM
-
-    fp8, twin = to_stored(family_models.hf(family, "f32"), tmp_path / "fp8", tmp_path / "twin", "fp8", block=(4, 4))
+    fp8, twin = to_stored(family_models.hf(family, "f32"), tmp_path / "fp8", tmp_path / "twin", "fp8", block=(4, 4),
+                          plain=TRANSFORMERS_FP8_MISREAD.get(family))
     ids = prompt_ids()
     with torch.no_grad():
         want = reference(twin)(ids[None]).logits[0]
-        got = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.float32).eval()(ids[None]).logits[0]
+        got = reference(fp8)(ids[None]).logits[0]
     assert torch.equal(got.float(), want)
 
 
@@ -180,6 +187,20 @@ def test_refused_families_name_the_reason(family, kind):
 
     mod = get_family(family)
     raw = REGISTRY[family].config(quantization_config=_stored_config(kind, (16, 16), [])).to_dict()
+    if (family, kind) == ("deepseek_v4", "fp8"):  # read in its published form (``.scale``), FP8 experts
+        desc = mod.describe(mod.parse_config(raw))
+        assert desc.expert_format is None and desc.expert.block == (16, 16)
+        assert "layers.0.attn.wq_a.scale" in desc.spine
+        return
     with pytest.raises(UnsupportedModelError, match=re.escape(REFUSED[family])) as e:
         mod.describe(mod.parse_config(raw))
     assert f"not supported for {family}" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["ct-fp8", "ct-fp8-block"])
+@pytest.mark.parametrize("family", STRICT)
+def test_compressed_tensors_fp8_of_the_hybrid_streams(family_models, family, kind):
+    """compressed-tensors FP8 on the two stream-residual hybrids (gated residuals, PLE and QSA;
+    hyper-connections, KDA and the pooled DSA indexer), as ``test_compressed_tensors_fp8`` checks
+    it on the families whose FP8 releases are compressed-tensors ones."""
+    test_compressed_tensors_fp8(family_models, family, kind)

@@ -96,8 +96,8 @@ def test_registry_and_layouts():
     assert set(FORMATS) == set(FORMAT_IDS)  # every expert format a container names is registered
     for name, fmt in FORMATS.items():
         assert fmt.name == name
-        # fp8, int4: lossy from float (a checkpoint's own FP8 / INT4: as stored, not lossy)
-        assert fmt.lossy == (name in LOSSY or name in ("fp8", "int4"))
+        # fp8, int4, fp4: lossy from float (a checkpoint's own FP8 / INT4 / FP4: as stored, not lossy)
+        assert fmt.lossy == (name in LOSSY or name in ("fp8", "int4", "fp4"))
         n, k = 14336, 4096
         bits = fmt.nbytes(n, k) * 8 / (n * k)
         assert abs(bits - fmt.bits_per_weight) < 0.02, (name, bits)

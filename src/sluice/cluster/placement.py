@@ -5,7 +5,8 @@ layers) % workers``, so each layer's experts are spread over all workers and exp
 always on worker 0. With ``replicate_hot = R``, the R most-routed experts of each layer (routing
 counts measured since load, re-chosen every ``REBALANCE_EVERY`` forwards; DeepSeek's EPLB idea)
 may also run on the next worker; per layer each such expert goes to whichever of its workers has
-the fewest rows so far (ties: home first). A replica reads the expert into its own cache the first
+the fewest rows so far (ties: home first), or, for a layer of decoding rows, to one the layer calls
+anyway (fewer round trips; the rows are few). A replica reads the expert into its own cache the first
 time it computes it. Every worker computes with the same kernels (the driver checks the
 signature), so the choice never changes a bit of the output.
 """
@@ -39,21 +40,46 @@ class Placement:
         return [h]
 
     def assign(self, layer: int, rows: dict[int, int], exclude: set[int] = frozenset(),
-               count: bool = True) -> dict[int, int]:
+               count: bool = True, pack: bool = False) -> dict[int, int]:
         """expert -> worker for one layer's call, ``rows``: expert -> its row count (ascending
-        experts); balances replicated experts by rows; never a worker in ``exclude`` if another
-        candidate is left (None-free: a fully excluded expert keeps its home)."""
+        experts); never a worker in ``exclude`` if another candidate is left (None-free: a fully
+        excluded expert keeps its home). Replicated experts go to whichever candidate has the fewest
+        rows so far (ties: home first), or with ``pack`` (decoding: a few rows, where each worker
+        called costs a round trip) to a candidate the layer calls anyway when there is one."""
         load = [0] * self.workers
         out: dict[int, int] = {}
         pos = self._pos[layer]
+        cands = {e: [w for w in self.candidates(layer, e) if w not in exclude] or [self.home(layer, e)] for e in rows}
+        called = self._cover(cands) if pack else set()
         for e, n in rows.items():
             if count:
                 self.counts[pos, e] += n
-            cands = [w for w in self.candidates(layer, e) if w not in exclude] or [self.home(layer, e)]
-            w = min(cands, key=lambda c: load[c])
+            choice = [w for w in cands[e] if w in called] or cands[e]
+            w = min(choice, key=lambda c: load[c])
             load[w] += n
             out[e] = w
         return out
+
+    @staticmethod
+    def _cover(cands: dict[int, list[int]]) -> set[int]:
+        """Few workers that hold a candidate of every expert: the homes of the experts with one
+        candidate, then greedily the worker that covers most of the rest (ties: the lowest)."""
+        called = {c[0] for c in cands.values() if len(c) == 1}
+        left = [c for c in cands.values() if not called.intersection(c)]
+        while left:
+            counts: dict[int, int] = {}
+            for c in left:
+                for w in c:
+                    counts[w] = counts.get(w, 0) + 1
+            best = min(counts, key=lambda w: (-counts[w], w))
+            called.add(best)
+            left = [c for c in left if best not in c]
+        return called
+
+    @staticmethod
+    def calls(assign: dict[int, int]) -> int:
+        """Workers an assignment calls."""
+        return len(set(assign.values()))
 
     def tick(self) -> None:
         """A forward begins: every ``REBALANCE_EVERY`` forwards, re-choose the hot experts."""

@@ -9,17 +9,26 @@ the single process (``experts.fold.Fold``: ``acc += y`` for one row, ``acc.index
 more). The outputs are computed by the same functions on the same rows (the driver checks each
 worker's kernel signature), so logits are bit-identical to one process.
 
+The requests go through one Ray compiled graph of all workers (``ExpertWorker.step`` per
+worker, built on first use: one ``execute`` per layer over shared-memory channels, each worker
+getting its request or None), or with ``compiled=False`` (``--ray-plain-calls``) as one plain
+actor call per worker with something to do; the requests, and so the bits, are the same. A
+layer of decoding rows puts replicated experts on the fewest workers (``Placement.assign(pack=)``).
+
 The driver holds no expert cache. The lookahead's prediction for the next layer travels with
 this layer's request (a worker that gets no rows this layer gets it alone, not waited for).
 
 Failure: a worker that dies fails its call (Ray notices a dead process at once); the driver
 retries the call's experts on their replicas if every one has a live replica, otherwise the
 forward fails with ``WorkerLostError`` (an ``ExpertReadError``) naming the worker and layer.
-Ray restarts the actor (``max_restarts``); calls made while it restarts wait for it.
+Ray restarts the actor (``max_restarts``); calls made while it restarts wait for it. A lost
+worker breaks the compiled graph: the answers already in are kept, the graph is dropped and the
+rest of the layer re-sent as plain calls; the graph is built again once every worker is back.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -43,7 +52,7 @@ CALL_TIMEOUT_S = 600.0  # one layer's call (a cold prefill chunk reads all its e
 class RayExperts(ExpertInterface):
     def __init__(self, location: str, signature: dict, moe_layers: list[int], n_experts: int, *, workers: int | None,
                  worker_memory: int | None, replicate_hot: int = 0, worker_opts: dict | None = None,
-                 timeout: float = START_TIMEOUT_S):
+                 timeout: float = START_TIMEOUT_S, compiled: bool = True):
         ray = self._ray = require_ray()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         self.n_workers = workers or max(1, len(nodes))
@@ -62,6 +71,12 @@ class RayExperts(ExpertInterface):
         self.retries = 0  # worker calls re-sent to a replica after a worker was lost
         self.lost = 0  # worker calls that failed
         self._down: set[int] = set()  # workers lost by an earlier call: waited for before the next
+        self.compiled = compiled  # a layer's requests through one compiled graph of all workers
+        self.pack_decoding = True  # decoding layers on as few workers as the placement allows (benchmarks: off)
+        self._graph = None  # built on first use, dropped when a worker is lost
+        self.worker_calls = 0  # requests sent to workers (computing or prefetch only), all layers
+        self.graph_builds = 0
+        self.graph_fallbacks = 0  # graph executions that lost a worker (the layer re-sent as plain calls)
         # per worker, counted by the driver from the calls' answers (no call to read them: /metrics)
         self._per = [dict(index=i, calls_total=0, experts_computed_total=0, rows_computed_total=0, lookups_total=0,
                           hits_total=0, bytes_read_total=0, lost_total=0) for i in range(self.n_workers)]
@@ -168,7 +183,9 @@ class RayExperts(ExpertInterface):
         decode = self._count_union(ids, experts, ctx)  # union, seq_union; the decode lookups (as ExpertProvider)
         # per expert: (global row index tensor or None, weight)
         work = {e: groups.work(e) for e in experts}
-        assign = self.placement.assign(layer, {e: groups.count(e) for e in experts})
+        # decoding rows only: as few workers as the placement allows (a round trip per worker called)
+        pack = self.pack_decoding and all(seg.decoding for seg in ctx.segments)
+        assign = self.placement.assign(layer, {e: groups.count(e) for e in experts}, pack=pack)
         results = self._run(layer, x, groups.one_row, work, assign, decode, decoding)
         fold = Fold(x, experts)
         for e in experts:
@@ -180,12 +197,14 @@ class RayExperts(ExpertInterface):
 
     # -- dispatch ------------------------------------------------------------------------------
 
-    def _calls(self, layer: int, x: torch.Tensor, one_row: bool, work: dict, assign: dict[int, int], decode: set[int],
-               prefetch, decoding: bool):
-        """Send one call per worker with experts; returns {ref: (worker, [experts], rows)}, ``rows`` the
-        layer's rows the call sent (None: all, one row) in its order. ``decode``: the
-        experts some decoding row routed to (the worker counts them as decode lookups, the rest as
-        prefill lookups)."""
+    def _requests(self, layer: int, x: torch.Tensor, one_row: bool, work: dict, assign: dict[int, int],
+                  decode: set[int], prefetch, decoding: bool) -> tuple[dict[int, tuple], dict[int, tuple]]:
+        """Each worker's request for this layer, as ``ExpertWorker.step`` takes it: ``("compute",
+        args)`` for a worker with experts, ``("prefetch", (layer, experts))`` for one that only gets
+        the next layer's prediction; and per computing worker ``(experts, rows)``, ``rows`` the
+        layer's rows the request sent (None: all, one row) in its order. ``decode``: the experts
+        some decoding row routed to (the worker counts them as decode lookups, the rest as prefill
+        lookups)."""
         per: dict[int, list[int]] = {}
         for e, w in assign.items():
             per.setdefault(w, []).append(e)
@@ -195,7 +214,7 @@ class RayExperts(ExpertInterface):
             for e in pred:
                 by_worker.setdefault(self.placement.home(nxt, e), (nxt, []))[1].append(e)
         threads = torch.get_num_threads()
-        calls = {}
+        requests, sent = {}, {}
         for w, es in per.items():
             if one_row:
                 xs, items, used = x, [(e, None, work[e][1]) for e in es], None
@@ -204,16 +223,120 @@ class RayExperts(ExpertInterface):
                 local = {r: i for i, r in enumerate(used)}
                 xs = x[torch.tensor(used)]
                 items = [(e, torch.tensor([local[r] for r in work[e][0].tolist()]), work[e][1]) for e in es]
-            ref = self.workers[w].compute.remote(layer, one_row, xs, items, by_worker.pop(w, None), decoding,
-                                                 threads, [e for e in es if e in decode])
-            calls[ref] = (w, es, used)
+            requests[w] = ("compute", (layer, one_row, xs, items, by_worker.pop(w, None), decoding, threads,
+                                       [e for e in es if e in decode]))
+            sent[w] = (es, used)
         for w, pf in by_worker.items():  # workers with nothing this layer: the prediction alone
-            self.workers[w].prefetch.remote(*pf)
-        return calls
+            requests[w] = ("prefetch", pf)
+        self.worker_calls += len(requests)
+        return requests, sent
+
+    def _send_plain(self, requests: dict[int, tuple]) -> dict[int, object]:
+        """One plain actor call per request; returns {worker: ref} of the computing ones."""
+        refs = {}
+        for w, (kind, args) in requests.items():
+            if kind == "compute":
+                refs[w] = self.workers[w].compute.remote(*args)
+            else:
+                self.workers[w].prefetch.remote(*args)
+        return refs
+
+    def _graph_for(self):
+        """The compiled graph of all workers (built on first use and after a worker was lost and came
+        back: a graph holds the channels of the actor processes it was built with)."""
+        if self._graph is None:
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as inp:
+                dag = MultiOutputNode([w.step.bind(inp[i]) for i, w in enumerate(self.workers)])
+            self._graph = dag.experimental_compile()
+            self.graph_builds += 1
+        return self._graph
+
+    def _drop_graph(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is None:
+            return
+        quiet = logging.getLogger("ray.dag.compiled_dag_node")  # a lost actor's channels log their teardown
+        level, quiet.level = quiet.level, logging.CRITICAL
+        try:
+            graph.teardown()
+        except Exception:  # noqa: BLE001 - an actor of the graph is gone: nothing left to tear down there
+            pass
+        finally:
+            quiet.setLevel(level)
+
+    def _run_graph(self, layer: int, requests: dict[int, tuple], sent: dict[int, tuple]):
+        """The layer's requests through the compiled graph: every worker gets its request or None in
+        one execution. Returns (results, lost) as ``_run_plain``: on a lost worker the graph is
+        dropped, the answers already in are kept and the caller re-sends the rest as plain calls."""
+        ray = self._ray
+        refs = self._graph_for().execute(*[requests.get(w) for w in range(self.n_workers)])
+        results: dict[int, torch.Tensor] = {}
+        for w, ref in enumerate(refs):
+            try:
+                answer = ray.get(ref, timeout=CALL_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - Ray wraps what happened on the worker
+                err = self._classify(e)
+                if not isinstance(err, WorkerLostError):
+                    for r in refs[w + 1:]:  # the execution's other answers, so the graph stays usable
+                        try:
+                            ray.get(r, timeout=CALL_TIMEOUT_S)
+                        except Exception:  # noqa: BLE001
+                            pass
+                    raise layer_rows(err, sent[w][1] if w in sent else None) from None
+                self.graph_fallbacks += 1
+                self._drop_graph()
+                return results, {g: str(err) for g in self._gone(e)} or {w: str(err)}
+            if w in sent:
+                outs, deltas = answer
+                self._count(deltas, w, outs)
+                results.update(zip(sent[w][0], outs))
+        return results, {}
+
+    def _gone(self, e: BaseException) -> set[int]:
+        """The workers a failed graph execution lost: the actor the error names, else those that do
+        not answer."""
+        actor = getattr(e, "actor_id", None) or getattr(getattr(e, "cause", None), "actor_id", None)
+        if actor:
+            hit = {i for i, w in enumerate(self.workers) if w._actor_id.hex() == actor}
+            if hit:
+                return hit
+        gone = set()
+        for i, w in enumerate(self.workers):
+            try:
+                self._ray.get(w.hello.remote(), timeout=5.0)
+            except Exception:  # noqa: BLE001
+                gone.add(i)
+        return gone
+
+    def _run_plain(self, layer: int, requests: dict[int, tuple], sent: dict[int, tuple]):
+        """The layer's requests as plain actor calls. Returns (results, lost)."""
+        ray = self._ray
+        results: dict[int, torch.Tensor] = {}
+        lost: dict[int, str] = {}
+        for w, ref in self._send_plain(requests).items():
+            es, used = sent[w]
+            try:
+                outs, deltas = ray.get(ref, timeout=CALL_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - Ray wraps what happened on the worker
+                err = self._classify(e)
+                if not isinstance(err, WorkerLostError):
+                    raise layer_rows(err, used) from None
+                lost[w] = str(err)
+                continue
+            self._count(deltas, w, outs)
+            results.update(zip(es, outs))
+        return results, lost
+
+    def _lose(self, lost: dict[int, str]) -> None:
+        for w in lost:
+            self.lost += 1
+            self._per[w]["lost_total"] += 1
+            self._down.add(w)
 
     def _run(self, layer: int, x, one_row: bool, work: dict, assign: dict[int, int],
              decode: set[int], decoding: bool) -> dict[int, torch.Tensor]:
-        ray = self._ray
         if self._down:  # run on replicas while a lost worker restarts; wait for it if some expert has none
             self._await_restarted(block=False)
             if self._down:
@@ -221,42 +344,32 @@ class RayExperts(ExpertInterface):
                 if any(w in self._down for w in assign.values()):
                     self._await_restarted()
         prefetch, self._pending = self._pending, None
-        calls = self._calls(layer, x, one_row, work, assign, decode, prefetch, decoding)
-        results: dict[int, torch.Tensor] = {}
-        lost: dict[int, str] = {}
-        for ref, (w, es, used) in calls.items():
-            try:
-                outs, deltas = ray.get(ref, timeout=CALL_TIMEOUT_S)
-            except Exception as e:  # noqa: BLE001 - Ray wraps what happened on the worker
-                err = self._classify(e)
-                if not isinstance(err, WorkerLostError):
-                    raise layer_rows(err, used) from None
-                self.lost += 1
-                self._per[w]["lost_total"] += 1
-                self._down.add(w)
-                lost[w] = str(err)
-                continue
-            self._count(deltas, w, outs)
-            results.update(zip(es, outs))
-        if lost:
+        requests, sent = self._requests(layer, x, one_row, work, assign, decode, prefetch, decoding)
+        run = self._run_graph if self.compiled and not self._down else self._run_plain
+        results, lost = run(layer, requests, sent)
+        if lost or len(results) < len(assign):  # re-send what is missing as plain calls, on replicas of the lost
+            self._lose(lost)
             todo = {e: w for e, w in assign.items() if e not in results}
             retry = self.placement.assign(layer, {e: 1 for e in todo}, exclude=set(lost), count=False)
-            if any(retry[e] in lost for e in todo):
-                w = next(iter(lost))
-                raise WorkerLostError(
-                    f"expert worker {w} was lost while computing layer {layer} ({lost[w]}); experts "
-                    f"{sorted(e for e in todo if retry[e] in lost)} have no live replica. Ray restarts the "
-                    "worker; the next request runs on it") from None
+            self._no_replica(layer, todo, retry, lost)
             self.retries += 1
-            again = self._calls(layer, x, one_row, work, retry, decode, None, decoding)
-            for ref, (w, es, used) in again.items():
-                try:
-                    outs, deltas = ray.get(ref, timeout=CALL_TIMEOUT_S)
-                except Exception as e:  # noqa: BLE001
-                    raise layer_rows(self._classify(e), used) from None
-                self._count(deltas, w, outs)
-                results.update(zip(es, outs))
+            requests, sent = self._requests(layer, x, one_row, work, retry, decode, None, decoding)
+            more, again = self._run_plain(layer, requests, sent)
+            if again:
+                self._lose(again)
+                self._no_replica(layer, retry, retry, again)
+            results.update(more)
         return results
+
+    @staticmethod
+    def _no_replica(layer: int, todo: dict[int, int], assign: dict[int, int], lost: dict[int, str]) -> None:
+        """Fail the forward if some expert of ``todo`` is left only on a lost worker."""
+        stuck = sorted(e for e in todo if assign[e] in lost)
+        if stuck:
+            w = assign[stuck[0]]
+            raise WorkerLostError(
+                f"expert worker {w} was lost while computing layer {layer} ({lost[w]}); experts {stuck} have no "
+                "live replica. Ray restarts the worker; the next request runs on it") from None
 
     def _classify(self, e: BaseException) -> Exception:
         """A Ray error as a Sluice one: a lost worker, or the worker's own error (re-raised as it was)."""
@@ -324,6 +437,8 @@ class RayExperts(ExpertInterface):
 
     def close(self) -> None:
         ray = self._ray
+        if getattr(self, "_graph", None) is not None:
+            self._drop_graph()
         for w in getattr(self, "workers", []):
             try:
                 ray.kill(w, no_restart=True)

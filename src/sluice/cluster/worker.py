@@ -122,6 +122,20 @@ class ExpertWorker:
     def prefetch(self, layer: int, experts: list[int]) -> None:
         self.experts.prefetch(layer, experts)
 
+    def step(self, request):
+        """One layer's request through the driver's compiled graph (``provider.RayExperts``, every
+        worker gets one per layer): None (nothing for this worker), ``("compute", args)`` (the
+        arguments of ``compute``: its answer) or ``("prefetch", (layer, experts))`` (None)."""
+        if request is None:
+            return None
+        kind, args = request
+        if kind == "compute":
+            return self.compute(*args)
+        if kind == "prefetch":
+            self.prefetch(*args)
+            return None
+        raise ValueError(f"unknown request kind {kind!r}")
+
     def compute(self, layer: int, one_row: bool, x: torch.Tensor, items: list, prefetch, decoding: bool,
                 torch_threads: int, decode: list[int]):
         """``items``: ascending ``(expert, rows, w)``; ``rows`` index ``x`` (None for one row), ``w``

@@ -12,7 +12,8 @@ layer kind) compressed entries of the whole past.
   picks), see ``layers.compressor``;
 - the output's rope dims rotated back by the query's position (the values carried their keys'
   rotation), then the grouped low-rank output projection: the heads in ``groups`` groups, each
-  projected by its own rows of ``wo_a``, then ``wo_b`` over all groups.
+  projected by its own rows of ``wo_a``, then ``wo_b`` over all groups (``wo_a`` a tensor, or a
+  ``BlockFP8`` as the published FP8 checkpoints store it, multiplied by its row ranges).
 
 Attention proper runs in the C kernel (``attend``, batch-invariant). A sliding-only layer
 attends all its queries in one call; a compressed layer one call per query, over that query's
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import linear
+from ..quant.fp8 import BlockFP8
 from .attention import MAX_DRAFT, WindowKVCache, attend
 from .compressor import Compressor, CompressorState, Indexer, rollback_for, rope_trailing, visible
 from .norm import RMSNorm
@@ -127,8 +129,13 @@ class CompressedAttention:
         g = self.groups
         per = self.wo_a.shape[0] // g
         grouped = o.reshape(t, g, -1)
-        low = torch.cat([linear(grouped[:, i].contiguous(), self.wo_a[i * per:(i + 1) * per]) for i in range(g)],
-                        dim=-1)  # [T, G * R]
+        wo_a = self.wo_a
+        if isinstance(wo_a, BlockFP8):  # stored FP8 (as published): by row ranges, never dequantized whole
+            low = torch.cat([wo_a.linear(grouped[:, i].contiguous(), r0=i * per, r1=(i + 1) * per) for i in range(g)],
+                            dim=-1)
+        else:
+            low = torch.cat([linear(grouped[:, i].contiguous(), wo_a[i * per:(i + 1) * per]) for i in range(g)],
+                            dim=-1)  # [T, G * R]
         return linear(low, self.wo_b)
 
     def _attend(self, x, q_res, q, kv, start: int, state: CompressedState, cos, sin) -> torch.Tensor:

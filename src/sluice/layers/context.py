@@ -55,6 +55,9 @@ class ForwardContext:
     segments: list[Segment]
     record: Recording | None = None
     lookahead: object = None
+    # per segment, the tokens its sequence runs in the step's next forward (its next prefill chunk;
+    # empty: none), known before this forward runs (row tables read ahead: models/streams.py)
+    next_tokens: list[list[int]] | None = None
     certain: dict[int, torch.Tensor] = field(default_factory=dict)
     _positions: torch.Tensor | None = field(default=None, repr=False)
 

@@ -9,11 +9,12 @@ gathers the selected latents instead, so a decode step costs O(topk) in attentio
 indexer's O(L) scoring over D-float keys) whatever the context length.
 
 A layer with its own indexer keeps ``IndexedLatentCache``: the latent cache plus the indexer's
-keys (R + Dr + D floats per position); GLM-5's ``"shared"`` layers have no indexer and reuse the
-selection of the previous ``"full"`` layer for the same rows (``SharedLatentCache``: a latent
-cache linked to that layer's state of the same sequence, ``link``). Both truncate for free, as
-a KV cache: rewinding, prefix reuse and rejected drafts need nothing, and each sequence of a
-batch has its own.
+keys (R + Dr + D floats per position; a pooled indexer's 2 D, and D per complete pool); GLM-5's
+``"shared"`` layers have no indexer and reuse the selection of the previous ``"full"`` layer for
+the same rows (``SharedLatentCache``: a latent cache linked to that layer's state of the same
+sequence, ``link``). Both truncate for free, as a KV cache: rewinding, prefix reuse and rejected
+drafts need nothing (a pooled indexer's cached pools are dropped by the next write past the cut:
+``PooledKeys``), and each sequence of a batch has its own.
 
 With batch-invariant kernels every step of a query (its absorbed latent query, its scores and
 selection, its attention over the gathered latents, its output) is computed on its own, so its
@@ -33,17 +34,14 @@ from .mla import LATENT_BLOCK_BYTES, MLA, LatentCache
 
 
 class IndexedLatentCache(LatentCache):
-    """The latent cache of a layer with its own indexer, the indexer's keys, and the selection its
-    last forward made (``selected``: (start, rows, per-row selections), read by shared layers)."""
+    """The latent cache of a layer with its own indexer, the indexer's keys (``indexer.new_keys``:
+    ``IndexKeys``, or ``PooledKeys`` with the complete pools' keys), and the selection its last
+    forward made (``selected``: (start, rows, per-row selections), read by shared layers)."""
 
-    def __init__(self, max_ctx: int, rank: int, rope_dim: int, index_dim: int):
+    def __init__(self, max_ctx: int, rank: int, rope_dim: int, indexer: LightningIndexer):
         super().__init__(max_ctx, rank, rope_dim)
-        self.index = IndexKeys(max_ctx, index_dim)
+        self.index: IndexKeys = indexer.new_keys(max_ctx)
         self.selected: tuple[int, int, list] | None = None
-
-    @staticmethod
-    def nbytes(max_ctx: int, rank: int, rope_dim: int, index_dim: int) -> int:
-        return LatentCache.nbytes(max_ctx, rank, rope_dim) + IndexKeys.nbytes(max_ctx, index_dim)
 
 
 class SharedLatentCache(LatentCache):
@@ -85,7 +83,7 @@ class SparseMLA(MLA):
     def new_cache(self, max_ctx: int) -> LatentCache:
         if self.indexer is None:
             return SharedLatentCache(max_ctx, self.rank, self.dr, self.source)
-        return IndexedLatentCache(max_ctx, self.rank, self.dr, self.indexer.key_dim)
+        return IndexedLatentCache(max_ctx, self.rank, self.dr, self.indexer)
 
     def cache_bytes(self, max_ctx: int) -> int:
         extra = self.indexer.keys_bytes(max_ctx) if self.indexer is not None else 0
@@ -113,7 +111,7 @@ class SparseMLA(MLA):
             n, end = r1 - r0, start + r1 - r0
             if ix is not None:
                 cache.index.write(start, keys[r0:r1])
-                sel = ix.select(iq[r0:r1], iw[r0:r1], cache.index.keys[:end], start) if ix.needs(start, n) \
+                sel = ix.select_cached(iq[r0:r1], iw[r0:r1], cache.index, start) if ix.needs(start, n) \
                     else [None] * n
                 cache.selected = (start, n, sel)
             else:

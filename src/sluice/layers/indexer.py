@@ -80,6 +80,32 @@ class IndexKeys:
         self.keys[start : start + k.shape[0]] = k
 
 
+class PooledKeys(IndexKeys):
+    """``IndexKeys`` of a ``PooledIndexer`` (``keys`` [max_ctx, 2 D]: key then pooling logits) and
+    ``pools`` [max_ctx // P, D]: the key of every complete pool, computed once when a query first
+    needs it (``PooledIndexer.pooled``) instead of from all positions at every step.
+
+    ``done``: the pools of ``pools`` that hold the key of the positions now in ``keys``. A write
+    at position ``start`` drops every pool from the one holding ``start`` on, so the cache stays
+    truncatable for free: after a rewind (a rejected draft, prefix reuse, a restored snapshot) the
+    next write, at the new length, drops the pools past the cut, and the pool it cut becomes
+    incomplete and is computed again once complete. Every key write goes through ``write``."""
+
+    def __init__(self, max_ctx: int, dim: int, pool: int):
+        super().__init__(max_ctx, 2 * dim)
+        self.pool = pool
+        self.pools = torch.empty(max_ctx // pool, dim)
+        self.done = 0
+
+    @staticmethod
+    def nbytes(max_ctx: int, dim: int, pool: int) -> int:  # type: ignore[override]
+        return IndexKeys.nbytes(max_ctx, 2 * dim) + 4 * (max_ctx // pool) * dim
+
+    def write(self, start: int, k: torch.Tensor) -> None:
+        self.done = min(self.done, start // self.pool)
+        super().write(start, k)
+
+
 class LightningIndexer:
     """DSA's indexer: its projections, key norm and RoPE, and the per-query selection.
 
@@ -127,6 +153,10 @@ class LightningIndexer:
         s = linear(keys, q).mul_(self.scale).relu_()  # [L, Hi]
         return linear(s, w[None])[:, 0]
 
+    def select_cached(self, q: torch.Tensor, w: torch.Tensor, index: IndexKeys, start: int) -> list:
+        """``select`` over the keys a layer's ``IndexKeys`` holds (positions 0 .. start + T - 1)."""
+        return self.select(q, w, index.keys[: start + q.shape[0]], start)
+
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, start: int) -> list:
         """Per query (q [T, Hi, D], w [T, Hi], at positions start..; keys [start + T, D] of every
         visible position): None where it sees ``topk`` positions or fewer (it keeps them all), else
@@ -158,7 +188,8 @@ class PooledIndexer(LightningIndexer):
     positions, keeps the best ``topk / P`` (all of them when it sees that many or fewer), attends
     over their positions and always over the incomplete pool it is in (positions P floor((p+1)/P)
     .. p, the "tail"). As transformers 5.24 computes it (``Glm5NextTextIndexer``, sequences
-    without padding: pools start at position 0).
+    without padding: pools start at position 0). A layer's ``PooledKeys`` caches the complete pools'
+    keys, so a decode step computes at most the pool it completes, not all of them (O(P), not O(L)).
 
     Selection ties: the same rule as ``LightningIndexer`` (``torch.topk`` over the pools the query
     sees; the tests' models are checked to have no exact tie at the boundary).
@@ -183,8 +214,30 @@ class PooledIndexer(LightningIndexer):
         k = layer_norm(linear(x, self.wk), self.k_norm_weight, self.k_norm_bias, self.eps)
         return torch.cat([k, linear(x, self.gate)], dim=-1)
 
+    def new_keys(self, max_ctx: int) -> PooledKeys:
+        return PooledKeys(max_ctx, self.head_dim, self.pool)
+
+    def keys_bytes(self, max_ctx: int) -> int:
+        return PooledKeys.nbytes(max_ctx, self.head_dim, self.pool)
+
     def needs(self, start: int, t: int) -> bool:
         return (start + t) // self.pool > self.pools_kept
+
+    def select_cached(self, q: torch.Tensor, w: torch.Tensor, index: IndexKeys, start: int) -> list:
+        if not isinstance(index, PooledKeys) or index.pool != self.pool or index.pools.shape[1] != self.head_dim:
+            raise TypeError(f"a pooled indexer (pools of {self.pool} x {self.head_dim}) needs its own PooledKeys "
+                            f"(new_keys), got {type(index).__name__}")
+        return self.select(q, w, index, start)
+
+    def pooled(self, index: PooledKeys, end: int) -> torch.Tensor:
+        """[end // P, D] the keys of the complete pools of the first ``end`` positions of ``index``:
+        those not yet cached computed from their own positions (``pool_keys``: a pool's key does not
+        depend on the pools computed with it, so the cache holds the bits of a recomputation)."""
+        p, m = self.pool, end // self.pool
+        if index.done < m:
+            index.pools[index.done : m] = self.pool_keys(index.keys[index.done * p : m * p])
+            index.done = m
+        return index.pools[:m]
 
     def pool_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """[M, D] the keys of the complete pools of keys [L, 2 D] (M = L // P), each from its own
@@ -199,16 +252,21 @@ class PooledIndexer(LightningIndexer):
         prob = e / sum_ascending(e, 1).unsqueeze(1)
         return sum_ascending(prob * k, 1)
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, start: int) -> list:
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor | PooledKeys, start: int) -> list:
         """As ``LightningIndexer.select`` over pools: per query None where it sees ``topk / P`` pools or
-        fewer (every position it sees is kept), else its kept pools' positions and its tail, ascending."""
+        fewer (every position it sees is kept), else its kept pools' positions and its tail, ascending.
+        ``keys``: the layer's ``PooledKeys`` (complete pools' keys cached), or a tensor [start + T, 2 D]
+        of every visible position's (all pools computed from it: the same bits, at O(L) a call)."""
         t, hi, d = q.shape
         p, kept = self.pool, self.pools_kept
         out: list = [None] * t
         first = next((i for i in range(t) if (start + i + 1) // p > kept), t)
         if first == t:
             return out
-        pooled = self.pool_keys(keys[: start + t])  # [M, D]
+        if isinstance(keys, PooledKeys):
+            pooled = self.pooled(keys, start + t)  # [M, D]
+        else:
+            pooled = self.pool_keys(keys[: start + t])
         offsets = torch.arange(p)
         block = max(1, SCORE_BLOCK_BYTES // (4 * hi * max(1, pooled.shape[0])))
         for b0 in range(first, t, block):

@@ -23,8 +23,17 @@
 Tensor names are the published checkpoint's (``embed.weight``, ``layers.N.attn.wq_a.weight``,
 ``layers.N.ffn.experts.E.w1.weight``, ``hc_head_fn``, ...); a checkpoint that transformers' own
 ``save_pretrained`` wrote (``model.`` prefixes, ``model.embed_tokens.weight``,
-``model.hc_head.hc_fn``, ``attn.norm.weight``) is read through ``tensor_aliases``. Checkpoints
-in FP8/FP4 (``quantization_config``, ``expert_dtype``) are refused for now.
+``model.hc_head.hc_fn``, ``attn.norm.weight``) is read through ``tensor_aliases``.
+
+**As published** (``quantization_config``: ``quant_method: "fp8"``, ``fmt: "e4m3"``,
+``scale_fmt: "ue8m0"``, ``weight_block_size: [128, 128]``; ``expert_dtype: "fp4"``, top level or
+inside it, as transformers moves it): every linear but the compressors' ``wkv`` / ``wgate`` and the
+indexer's ``weights_proj`` (bf16, transformers' ``_keep_in_fp32_modules``), the head, the
+embedding, the routers and the hyper-connections is e4m3 ``<module>.weight`` with power-of-two
+block scales ``<module>.scale`` (float8_e8m0fnu), kept in FP8 (``quant.fp8.BlockFP8``; ``wo_a``'s
+row blocks too); the routed experts are FP4 (``quant/fp4.py``: e2m1 two per byte, one ue8m0 scale
+per 32 inputs), read, cached and multiplied as stored; ``expert_dtype: "fp8"`` experts are block
+FP8 like the spine. Other quantization configs are refused by name (``_weights``).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from ..experts.spec import ExpertSpec, TensorRef
+from ..experts.spec import ExpertSpec
 from ..layers.attention import WindowKVCache
 from ..layers.compressed_attention import CompressedAttention
 from ..layers.compressor import Compressor, CompressorState, Indexer
@@ -45,6 +54,7 @@ from .config import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITI
 from .declare import Lin, Part
 from .hyper import HyperCausalLM, HyperLayer, HyperModel, hyper_connection, hyper_head
 from .parts import grouped_router, moe, rms_norm
+from .weight_format import PLAIN, WeightFormat
 
 MODEL_TYPE = "deepseek_v4"
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -55,6 +65,13 @@ DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention
 SCORINGS = ("sqrtsoftplus", "sigmoid")  # transformers applies ACT2FN[scoring_func] elementwise
 EXPERT_TEMPLATE = "layers.{layer}.ffn.experts.{e}.{name}.weight"
 EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
+EXPERT_MODULE = "layers.{layer}.ffn.experts.{e}.{name}"
+EXPERT_DTYPES = ("fp4", "fp8")
+SCALE_FMTS = ("ue8m0", "float")
+SCALE_TENSOR = ".scale"  # the published checkpoint's FP8 / FP4 scales: ``<module>.scale``
+# linears the published FP8 checkpoints store in bf16 (transformers' ``_keep_in_fp32_modules``)
+KEEP_PLAIN = ("attn.compressor.wkv", "attn.compressor.wgate", "attn.indexer.compressor.wkv",
+              "attn.indexer.compressor.wgate", "attn.indexer.weights_proj")
 
 
 @dataclass
@@ -90,6 +107,7 @@ class Config:
     tie_word_embeddings: bool
     rope: dict  # "main" / "compress" -> RoPE parameters
     mtp_layers: int  # mtp.* (not used)
+    weights: WeightFormat = PLAIN  # how the checkpoint stores its linears and routed experts
 
     @property
     def moe_layers(self) -> list[int]:
@@ -208,10 +226,7 @@ def parse_config(raw: dict) -> Config:
         why = ("transformers' DeepSeek-V4 computes as if it were " f"{allowed[0]!r}" if key != "mlp_bias" else
                "the shared expert has no biases in DeepSeek-V4 checkpoints")
         c.refuse(key, allowed, why)
-    if raw.get("quantization_config") is not None or raw.get("expert_dtype") is not None:
-        raise UnsupportedModelError("config.json: quantization_config / expert_dtype is not supported for deepseek_v4 "
-                                    "yet (its FP8 spine with ue8m0 scales and FP4 experts): convert the checkpoint "
-                                    "to bf16 first")
+    weights = _weights(raw)
     n = c.layers()
     hidden = c.pos_int("hidden_size")
     heads = c.pos_int("num_attention_heads", hi=MAX_HEADS)
@@ -275,7 +290,47 @@ def parse_config(raw: dict) -> Config:
         tie_word_embeddings=c.bool("tie_word_embeddings", False),
         rope=_rope(c, head_dim, partial),
         mtp_layers=c.int("num_nextn_predict_layers", 1, lo=0, hi=MAX_LAYERS),
+        weights=weights,
     )
+
+
+def _weights(raw: dict, where: str = "config.json") -> WeightFormat:
+    """The published stored forms (see the module docstring), every other one refused by name."""
+    qc, top = raw.get("quantization_config"), raw.get("expert_dtype")
+    if qc is None:
+        if top is not None:
+            raise UnsupportedModelError(f"{where}: expert_dtype={top!r} without a quantization_config is not "
+                                        "supported for deepseek_v4 (transformers would read the experts as "
+                                        "unquantized; the published FP4 checkpoints declare both)")
+        return PLAIN
+    if not isinstance(qc, dict):
+        raise UnsupportedModelError(f"{where}: quantization_config must be an object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise UnsupportedModelError(f"{where}: quantization_config.quant_method={method!r} is not supported for "
+                                    "deepseek_v4 (only the published 'fp8': e4m3 with ue8m0 block scales, FP4 or "
+                                    "FP8 experts)")
+    inner = qc.get("expert_dtype")
+    if inner is not None and top is not None and inner != top:
+        raise UnsupportedModelError(f"{where}: expert_dtype={top!r} differs from quantization_config.expert_dtype="
+                                    f"{inner!r} (transformers reads the latter; which one is meant would be a guess)")
+    dtype = inner if inner is not None else top if top is not None else "fp8"
+    if dtype not in EXPERT_DTYPES:
+        key = "quantization_config.expert_dtype" if inner is not None else "expert_dtype"
+        raise UnsupportedModelError(f"{where}: {key}={dtype!r} is not supported for deepseek_v4 (supported: "
+                                    f"{', '.join(EXPERT_DTYPES)})")
+    scale_fmt = qc.get("scale_fmt", "float")
+    if scale_fmt not in SCALE_FMTS:
+        raise UnsupportedModelError(f"{where}: quantization_config.scale_fmt={scale_fmt!r} is not supported for "
+                                    f"deepseek_v4 (supported: {', '.join(SCALE_FMTS)})")
+    if dtype == "fp4" and scale_fmt != "ue8m0":
+        raise UnsupportedModelError(f"{where}: quantization_config.scale_fmt={scale_fmt!r} with FP4 experts is not "
+                                    "supported (the published FP4 experts carry ue8m0 scales: scale_fmt 'ue8m0')")
+    if qc.get("modules_to_not_convert"):
+        raise UnsupportedModelError(f"{where}: quantization_config.modules_to_not_convert is not supported for "
+                                    "deepseek_v4 (transformers matches it against its own module names, not the "
+                                    "published ones; the published checkpoints have none)")
+    return WeightFormat(qc, where, scale_tensor=SCALE_TENSOR, keep_plain=KEEP_PLAIN, expert_fp4=dtype == "fp4")
 
 
 # -- the layers ---------------------------------------------------------------------------------
@@ -299,8 +354,11 @@ def attention(cfg: Config, i: int, rotary: Rotary) -> Part:
     kind, m = KIND[cfg.layer_types[i]], cfg.rate(i)
     p = "attn."
     # wo_a is read by row blocks (one per output group), so it is a plain tensor, not a ``Lin``
+    # ... unless stored in FP8 (``BlockFP8``, multiplied by row ranges)
+    fp8_wo_a = cfg.weights.fp8
+    wo_a = {p + "wo_a": Lin((g * r, nh * d // g))} if fp8_wo_a else {p + "wo_a.weight": (g * r, nh * d // g)}
     tensors: dict = {p + "wq_a": Lin((qr, h)), p + "q_norm.weight": (qr,), p + "wq_b": Lin((nh * d, qr)),
-                     p + "wkv": Lin((d, h)), p + "kv_norm.weight": (d,), p + "wo_a.weight": (g * r, nh * d // g),
+                     p + "wkv": Lin((d, h)), p + "kv_norm.weight": (d,), **wo_a,
                      p + "wo_b": Lin((h, g * r)), p + "attn_sink": (nh,)}
     comp = index = None
     if kind != "sliding":
@@ -320,7 +378,8 @@ def attention(cfg: Config, i: int, rotary: Rotary) -> Part:
                               topk=cfg.index_topk)
         return CompressedAttention(
             wq_a=t.lin(p + "wq_a"), q_norm=t(p + "q_norm.weight"), wq_b=t.lin(p + "wq_b"), wkv=t.lin(p + "wkv"),
-            kv_norm=t(p + "kv_norm.weight"), wo_a=t(p + "wo_a.weight"), wo_b=t.lin(p + "wo_b"),
+            kv_norm=t(p + "kv_norm.weight"), wo_a=t.lin(p + "wo_a") if fp8_wo_a else t(p + "wo_a.weight"),
+            wo_b=t.lin(p + "wo_b"),
             sinks=t(p + "attn_sink"), n_heads=nh, head_dim=d, window=cfg.sliding_window, groups=g, eps=eps, kind=kind,
             compressor=comp(t.sub(p + "compressor.")) if comp is not None else None, indexer=indexer,
             rotary=rotary)
@@ -377,19 +436,15 @@ def declare(cfg: Config) -> HyperModel:
     return HyperModel(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings,
                       lambda: LayerRotary([main, compress], of_layer), streams=n,
                       head_part=hyper_head(n, h, eps=cfg.hc_eps, norm_eps=eps), embed_name="embed.weight",
-                      norm_prefix="norm.", head_name="head.weight", hc_head_prefix="hc_head_", tables=tables)
+                      norm_prefix="norm.", head_name="head.weight", hc_head_prefix="hc_head_", tables=tables,
+                      weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
     spec = ExpertSpec(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size, act=cfg.hidden_act,
                       variant="clamped_silu", limit=cfg.swiglu_limit)
-    shapes = spec.matrix_shapes()
-
-    def expert_tensors(layer: int, e: int) -> dict[str, TensorRef]:
-        return {role: TensorRef(EXPERT_TEMPLATE.format(layer=layer, e=e, name=n), shapes[role])
-                for role, n in EXPERT_NAMES.items()}
-
     model = declare(cfg)
+    experts = model.routed_experts(spec, EXPERT_MODULE, EXPERT_NAMES)
     kinds = {t: cfg.layer_types.count(t) for t in LAYER_TYPES}
     n_hash = cfg.mlp_layer_types.count("hash_moe")
     notes = [
@@ -406,9 +461,8 @@ def describe(cfg: Config) -> ModelDescription:
         notes.append(f"{cfg.mtp_layers} multi-token-prediction layer(s) (mtp.*) are not used: generation predicts "
                      "one token per step")
     return model.describe(model_type=MODEL_TYPE, n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
-                          expert=spec, expert_tensors=expert_tensors,
-                          max_position_embeddings=cfg.max_position_embeddings, attn_heads=cfg.num_attention_heads,
-                          notes=notes)
+                          **experts, max_position_embeddings=cfg.max_position_embeddings,
+                          attn_heads=cfg.num_attention_heads, notes=notes)
 
 
 def build(cfg: Config, w, experts) -> HyperCausalLM:

@@ -22,12 +22,23 @@ config (a flat config is read as transformers reads it: the top-level keys are t
 model's), its tensors are under ``model.language_model.`` with the original names
 (``hc_attn_fn``, ``self_attn.f_a_proj``, ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``, experts one
 by one), ``lm_head.weight`` at the top; the vision tower (``model.visual.*``) and the MTP layer are
-never read. Checkpoints with a ``quantization_config`` are refused for now.
+never read.
+
+FP8 (block and compressed-tensors) and INT4-expert checkpoints are read as every family reads
+them (``models/weight_format.py``), the wrapper's top-level ``quantization_config`` applying to
+the text model, its module names matched as the checkpoint writes them (the declaration's names
+are the checkpoint's): every linear transformers' FP8 integration converts is declared one
+(``Lin``): attention, KDA's projections (``f_a_proj`` / ``f_b_proj``, ``g_a_proj`` / ``g_b_proj``,
+``b_proj`` too), the dense and shared MLPs, and the DSA indexer's ``wq_b``, ``wk`` and
+``weights_proj`` (GLM-5.3-Flash keeps no module in fp32, unlike GLM-5, whose ``weights_proj``
+transformers keeps unquantized); the hyper-connections' ``fn`` / ``base`` / ``scale``, the router,
+the correction bias, the indexer's pool gate and position bias, the convolutions, ``A_log`` /
+``dt_bias``, norms, the embedding and the head are parameters, not linears, and stay as stored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..experts.spec import ExpertSpec
@@ -37,7 +48,7 @@ from .base import ModelDescription
 from .config import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_POSITIONS, RawConfig, number
 from .hyper import HyperCausalLM, HyperLayer, HyperModel, hyper_connection, mean_head
 from .parts import dsa_mla, gated_mlp, grouped_router, kimi_delta, moe, rms_norm
-from .weight_format import text_quantization
+from .weight_format import PLAIN, WeightFormat, text_quantization
 
 MODEL_TYPE = "glm5_next"
 ALIASES = ("glm5_next_text",)  # a text_config on its own (the checkpoint is still the wrapper's)
@@ -90,6 +101,7 @@ class Config:
     hc_eps: float
     hc_sinkhorn_iters: int
     notes: list[str]
+    weights: WeightFormat = field(default=PLAIN)  # how the checkpoint stores its linears and routed experts
 
     @property
     def moe_layers(self) -> list[int]:
@@ -187,9 +199,8 @@ def parse_config(raw: dict) -> Config:
         raise ConfigError(f"config.json: must be a JSON object, got {type(raw).__name__}")
     text, where, notes = _text_config(raw)
     quantization = text_quantization(raw, text) if text is not raw else raw.get("quantization_config")
-    if quantization is not None:
-        raise UnsupportedModelError(f"config.json: quantization_config is not supported for {MODEL_TYPE} yet (its "
-                                    "quantized checkpoints are not read): convert the checkpoint to bf16 first")
+    # the declaration's names are the checkpoint's (``PREFIX``); PLAIN: one object for plain configs (equal)
+    weights = WeightFormat(quantization) if quantization else PLAIN
     c = RawConfig(text, where)
     n = c.layers()
     hidden = c.pos_int("hidden_size", 4096)
@@ -285,6 +296,7 @@ def parse_config(raw: dict) -> Config:
         hc_eps=c.float("hc_eps", 1e-6, positive=True),
         hc_sinkhorn_iters=c.pos_int("hc_sinkhorn_iters", 20, hi=1 << 10),
         notes=notes,
+        weights=weights,
     )
 
 
@@ -299,7 +311,7 @@ def _attention(cfg: Config, i: int):
                    source=i - 1 if cfg.shares(i) else None, kpool=cfg.index_kpool, q_lora_rank=cfg.q_lora_rank,
                    kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=0,
                    v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias, scale=cfg.qk_nope_head_dim ** -0.5,
-                   interleave=False, norm_eps=eps)
+                   interleave=False, norm_eps=eps, weights_proj_linear=True)
 
 
 def _mlp(cfg: Config, i: int):
@@ -325,7 +337,7 @@ def declare(cfg: Config) -> HyperModel:
               for i in range(cfg.num_hidden_layers)]
     return HyperModel(cfg.vocab_size, h, layers, rms_norm(h, eps), cfg.tie_word_embeddings, streams=n,
                       head_part=mean_head(n), embed_name=PREFIX + "embed_tokens.weight", norm_prefix=PREFIX + "norm.",
-                      head_name="lm_head.weight", hc_head_prefix=PREFIX + "hc_head.")
+                      head_name="lm_head.weight", hc_head_prefix=PREFIX + "hc_head.", weights=cfg.weights)
 
 
 def describe(cfg: Config) -> ModelDescription:
@@ -345,7 +357,8 @@ def describe(cfg: Config) -> ModelDescription:
         f"DeepSeek sparse attention over pools: a query attends over the index_topk / index_kpool = "
         f"{cfg.index_topk // cfg.index_kpool} pools of {cfg.index_kpool} positions its indexer selects "
         f"({cfg.index_n_heads} heads x {cfg.index_head_dim}) and its own incomplete pool; indexer keys: "
-        f"{2 * cfg.index_head_dim} floats per position per indexer layer"
+        f"{2 * cfg.index_head_dim} floats per position and the key of each complete pool ({cfg.index_head_dim} "
+        "floats, computed once) per indexer layer"
         + (f"; {shared} layer(s) reuse the previous layer's selection" if shared else ""),
         f"residual: {cfg.hc_mult} hyper-connection streams (Sinkhorn-Knopp, {cfg.hc_sinkhorn_iters} iterations), "
         "collapsed by their mean",

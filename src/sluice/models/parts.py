@@ -164,39 +164,48 @@ def mla(hidden: int, n_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int
 
 
 def dsa_mla(hidden: int, n_heads: int, *, topk: int, index_heads: int, index_head_dim: int, index_interleave: bool,
-            source: int | None = None, kpool: int | None = None, **mla_args) -> Part:
+            source: int | None = None, kpool: int | None = None, weights_proj_linear: bool = False,
+            **mla_args) -> Part:
     """MLA with DeepSeek sparse attention (``layers.dsa.SparseMLA``): ``mla``'s tensors, then the
     lightning indexer's at ``self_attn.indexer.`` (``wq_b``, ``wk``, the LayerNorm ``k_norm`` with
-    its bias, ``weights_proj``, which transformers keeps unquantized: a plain tensor) and its keys,
-    ``index_head_dim`` floats per position more. ``source``: no indexer, the selection of that
+    its bias, ``weights_proj``, which transformers keeps unquantized: a plain tensor; with
+    ``weights_proj_linear`` a linear like the others, for a model that keeps no module in fp32) and
+    its keys, ``index_head_dim`` floats per position more. ``source``: no indexer, the selection of that
     earlier layer reused (GLM-5's ``"shared"`` layers; the latent cache only). ``kpool``: the indexer
     scores pools of that many positions (``layers.indexer.PooledIndexer``, GLM-5.3-Flash: with
-    ``index_kpool_compress_ape`` [P, D] and ``index_kpool_compress_gate`` [D, H], and 2 D floats per
-    position)."""
+    ``index_kpool_compress_ape`` [P, D] and ``index_kpool_compress_gate`` [D, H], 2 D floats per
+    position and D per complete pool)."""
     base = mla(hidden, n_heads, cls=SparseMLA, extra=lambda t: extra(t), **mla_args)
     p, d, q_rank = "self_attn.indexer.", index_head_dim, mla_args["q_lora_rank"]
+    weights = ({p + "weights_proj": Lin((index_heads, hidden))} if weights_proj_linear
+               else {p + "weights_proj.weight": (index_heads, hidden)})
     tensors = {} if source is not None else {
         p + "wq_b": Lin((index_heads * d, q_rank)), p + "wk": Lin((d, hidden)), p + "k_norm.weight": (d,),
-        p + "k_norm.bias": (d,), p + "weights_proj.weight": (index_heads, hidden)}
+        p + "k_norm.bias": (d,), **weights}
     if kpool is not None and source is None:
         tensors.update({p + "index_kpool_compress_ape": (kpool, d), p + "index_kpool_compress_gate": (d, hidden)})
+
+    def proj(t):
+        return t.lin(p + "weights_proj") if weights_proj_linear else t(p + "weights_proj.weight")
 
     def extra(t):
         if source is not None:
             return dict(source=source)
         if kpool is not None:
             return dict(indexer=PooledIndexer(
-                wq_b=t.lin(p + "wq_b"), wk=t.lin(p + "wk"), weights_proj=t(p + "weights_proj.weight"),
+                wq_b=t.lin(p + "wq_b"), wk=t.lin(p + "wk"), weights_proj=proj(t),
                 k_norm_weight=t(p + "k_norm.weight"), k_norm_bias=t(p + "k_norm.bias"), n_heads=index_heads,
                 head_dim=d, topk=topk, compress_gate=t(p + "index_kpool_compress_gate"),
                 ape=t(p + "index_kpool_compress_ape"), pool=kpool))
         return dict(indexer=LightningIndexer(
-            wq_b=t.lin(p + "wq_b"), wk=t.lin(p + "wk"), weights_proj=t(p + "weights_proj.weight"),
+            wq_b=t.lin(p + "wq_b"), wk=t.lin(p + "wk"), weights_proj=proj(t),
             k_norm_weight=t(p + "k_norm.weight"), k_norm_bias=t(p + "k_norm.bias"), n_heads=index_heads,
             head_dim=d, topk=topk, interleave=index_interleave))
 
     keys = 0 if source is not None else IndexKeys.nbytes(1, d if kpool is None else 2 * d)
-    return Part({**base.tensors, **tensors}, base.make, kv_per_token=base.kv_per_token + keys)
+    # a pooled indexer also keeps each complete pool's key (``PooledKeys.pools``): D floats per P positions
+    pools = {kpool: 4 * d} if kpool is not None and source is None else {}
+    return Part({**base.tensors, **tensors}, base.make, kv_per_token=base.kv_per_token + keys, entries=pools)
 
 
 def _recurrent(one: int) -> dict[str, int]:

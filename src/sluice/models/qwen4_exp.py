@@ -26,6 +26,16 @@ checkpoint's copies of them (``layer_multipliers``, ``ngram_heads_vocab_sizes``,
 multimodal wrapper (text under ``model.language_model.``, ``lm_head.weight`` at the top): the
 vision tower (``model.visual.*``) is never read, requests with images are refused.
 Multi-token-prediction weights (``mtp.*``) are not used (transformers ignores them too).
+
+FP8 (block and compressed-tensors) and INT4-expert checkpoints are read as every family reads
+them (``models/weight_format.py``), the wrapper's top-level ``quantization_config`` applying to
+the text model: every linear transformers' FP8 integration converts is declared one (``Lin``:
+the projections, the shared expert and its gate, the QSA indexer's ``index_qk_proj``, PLE's
+``key_proj`` / ``value_proj``, the gated residuals' ``input_mix_weight_down`` / ``_up`` /
+``block_inject_weight``, the final ``hyper_connection_mixer``'s too); the router, norms,
+convolutions, the embedding, the head and the PLE n-gram tables (``nn.Embedding``s, read by row)
+stay as stored. ``modules_to_convert`` (transformers' FP8 embeddings) is refused by name: the
+tables are read in their plain form only.
 """
 
 from __future__ import annotations
@@ -122,9 +132,12 @@ def parse_config(raw: dict) -> Config:
         raise ConfigError(f"config.json: must be a JSON object, got {type(raw).__name__}")
     text, where, prefix, notes = _text_config(raw)
     quantization = text_quantization(raw, text) if text is not raw else raw.get("quantization_config")
-    if quantization is not None:
-        raise UnsupportedModelError(f"config.json: quantization_config is not supported for {MODEL_TYPE} yet (its FP8 "
-                                    "checkpoints are not read)")
+    if isinstance(quantization, dict) and quantization.get("modules_to_convert"):
+        raise UnsupportedModelError(
+            f"config.json: quantization_config.modules_to_convert={quantization['modules_to_convert']!r} is not "
+            f"supported for {MODEL_TYPE}: its embeddings, the PLE n-gram tables ({TABLE}) among them, are read (by "
+            "row) in their plain f32 / bf16 / f16 form only; FP8 embedding tables are not read")
+    weights = WeightFormat(quantization, checkpoint_name=lambda m: _renamed(m, prefix))
     c = RawConfig(text, where)
     for key, allowed in _IGNORED.items():
         c.refuse(key, allowed, f"transformers' Qwen4-Exp computes as if it were {allowed[0]!r}")
@@ -147,7 +160,7 @@ def parse_config(raw: dict) -> Config:
     cfg = Config(**{k: getattr(base, k) for k in qwen3_next.Config.__dataclass_fields__})
     cfg.norm_topk_prob = c.bool("norm_topk_prob", True)
     cfg.model_type, cfg.split_projections, cfg.text_prefix = MODEL_TYPE, True, prefix
-    cfg.weights = WeightFormat(None, checkpoint_name=lambda m: _renamed(m, prefix))
+    cfg.weights = weights
     gate = (c.str("output_gate_type") if text.get("output_gate_type") is not None else None) or cfg.hidden_act
     if gate not in ("silu", "sigmoid"):
         raise UnsupportedModelError(f"{where}: output_gate_type={gate!r} is not supported (silu, sigmoid)")

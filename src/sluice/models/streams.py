@@ -151,6 +151,9 @@ class StreamCausalLM(CausalLM):
         # issue the step's row reads at its start (True), or read each layer's rows when it runs
         # (False: benchmarks/rows_decode.py compares the two)
         self.early_rows = True
+        # with early_rows, also issue the step's next prefill chunk's rows while this one runs
+        # (False: benchmarks/rows_decode.py --prefill compares the two)
+        self.ahead_rows = True
 
     def attach_rows(self, rows) -> None:
         self.rows = rows
@@ -192,10 +195,29 @@ class StreamCausalLM(CausalLM):
             out[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out
 
-    def issue_rows(self, ids: dict[int, torch.Tensor]) -> None:
-        """Start the step's row reads (the one place an early-ids read mechanism plugs into)."""
+    def next_row_ids(self, ctx: ForwardContext) -> dict[int, torch.Tensor]:
+        """Per PLE layer, the rows of the step's next forward (``ctx.next_tokens``: per segment the
+        tokens its sequence runs next, the next prefill chunk): each after its sequence's n-gram
+        context as it will be once this forward has run (the context, then this segment's tokens)."""
+        out = {}
+        tokens = ctx.token_ids.tolist()
+        keep = [(s, nxt) for s, nxt in zip(ctx.segments, ctx.next_tokens) if nxt]
+        if not keep:
+            return out
+        for i, layer in enumerate(self.layers):
+            if layer.ple is None:
+                continue
+            back, ple = layer.ple.hasher.ngram - 1, layer.ple
+            parts = [ple.hasher.row_ids((ple.context(s.state.layers[i].ple) + tokens[s.first:s.end])[-back:], nxt)
+                     for s, nxt in keep]
+            out[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out
+
+    def issue_rows(self, ids: dict[int, torch.Tensor], ahead: bool = False) -> None:
+        """Start the step's row reads (the one place an early-ids read mechanism plugs into);
+        ``ahead``: the step's next forward's, behind every demand read."""
         for i, rows in ids.items():
-            self.rows.issue(self.layers[i].ple.table, rows)
+            self.rows.issue(self.layers[i].ple.table, rows, ahead=ahead)
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         h = expand(embed(self.embed, ctx.token_ids), self.streams)  # [T, n * H]
@@ -205,7 +227,10 @@ class StreamCausalLM(CausalLM):
             if self.rows is None:
                 raise RuntimeError("the PLE row tables are not attached (StreamCausalLM.attach_rows)")
             if self.early_rows:
+                self.rows.begin()
                 self.issue_rows(ids)
+                if ctx.next_tokens and self.ahead_rows:  # the next prefill chunk's, while this one computes
+                    self.issue_rows(self.next_row_ids(ctx), ahead=True)
         spine, lookahead = self.spine, ctx.lookahead
         if spine is not None:
             spine.start()

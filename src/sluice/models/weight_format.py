@@ -15,6 +15,11 @@
   (``quant/int4.py``, read as the ``int4`` expert format); every other linear must be in
   ``ignore``, as the released checkpoints have it (an INT4 spine linear is refused by name).
 
+A family may name the scales' tensor itself (``scale_tensor``: DeepSeek-V4's ``<module>.scale``,
+ue8m0 bytes), keep linears plain whatever the config says (``keep_plain``: its
+``_keep_in_fp32_modules``) and declare FP4 routed experts (``expert_fp4``: ``quant/fp4.py``, e2m1
+two per byte with one ue8m0 scale per 32 inputs, the ``fp4`` expert format, kept in FP4).
+
 Every other ``quant_method`` is refused by name. A family builds one ``WeightFormat`` in
 ``parse_config`` and passes it to ``declare.Model`` (``weights=``), which applies it to every
 linear the declaration lists (``Lin``) and to the routed experts (``Model.routed_experts``):
@@ -34,7 +39,9 @@ import torch
 from ..errors import CheckpointError, UnsupportedModelError
 from ..experts.spec import ExpertSpec, TensorRef
 from ..quant import compressed_tensors as ct
+from ..quant.fp4 import FORMAT as FP4_FORMAT
 from ..quant.fp8 import SCALE_SUFFIX, BlockFP8, not_converted, parse_quantization_config, scale_shape
+from ..quant.mxfp4 import GROUP as FP4_GROUP
 from ..quant.int4 import GROUP, PER_WORD
 
 PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,7 +66,13 @@ class WeightFormat:
     (a multimodal wrapper's ``language_model.`` prefix)."""
 
     def __init__(self, quantization_config: dict | None = None, where: str = "config.json",
-                 checkpoint_name: Callable[[str], str] | None = None):
+                 checkpoint_name: Callable[[str], str] | None = None, *, scale_tensor: str | None = None,
+                 keep_plain: tuple[str, ...] = (), expert_fp4: bool = False):
+        """``scale_tensor``: the FP8 scales' tensor after the module name when the checkpoint does
+        not use ``.weight_scale_inv`` / ``.weight_scale`` (DeepSeek-V4: ``.scale``); ``keep_plain``:
+        module names (suffixes at a ``.`` boundary) stored unquantized whatever the config says,
+        as the family's ``_keep_in_fp32_modules`` has transformers keep them; ``expert_fp4``: the
+        routed experts are FP4 (``quant/fp4.py``, DeepSeek-V4's ``expert_dtype: "fp4"``)."""
         qc = quantization_config
         self.where = where
         self.kind: str | None = None
@@ -67,6 +80,9 @@ class WeightFormat:
         self.scheme: ct.Scheme | None = None
         self.config = qc or None
         self._name = checkpoint_name or (lambda m: m)
+        self._scale_tensor = scale_tensor
+        self.keep_plain = tuple(keep_plain)
+        self.expert_fp4 = expert_fp4
         if not qc:
             return
         if not isinstance(qc, dict):
@@ -100,8 +116,16 @@ class WeightFormat:
         """The FP8 scales' tensor after ``<module>.weight``: ``_scale_inv`` or compressed-tensors' ``_scale``."""
         return SCALE_SUFFIX if self.kind == BLOCK_FP8 else ct.SCALE[len("weight"):]
 
+    def scale_name(self, module: str) -> str:
+        """The tensor holding the FP8 (or FP4) scales of linear ``module``."""
+        if self._scale_tensor is not None:
+            return module + self._scale_tensor
+        return module + ".weight" + self.scale_suffix
+
     def quantized(self, name: str) -> bool:
         """Whether linear ``name`` (its checkpoint name, without ``.weight``) is stored quantized."""
+        if any(name == k or name.endswith("." + k) for k in self.keep_plain):
+            return False
         if self.kind == BLOCK_FP8:
             return not not_converted(self.config, name)
         if self.scheme is not None:
@@ -123,14 +147,14 @@ class WeightFormat:
             raise UnsupportedModelError(
                 f"{self.where}: quantization_config covers {name!r}: compressed-tensors INT4 is read for routed "
                 "experts only (the released checkpoints list every other linear in 'ignore')")
-        out[module + ".weight" + self.scale_suffix] = scale_shape(tuple(shape), self._block(shape[1]))
+        out[self.scale_name(module)] = scale_shape(tuple(shape), self._block(shape[1]))
         return out
 
     def linear(self, w, module: str):
         """The built linear of ``module``: a ``BlockFP8`` over the stored tensors, or the plain weight."""
         weight = w(module + ".weight")
         if self.fp8 and self.quantized(self._name(module)):
-            scale = w(module + ".weight" + self.scale_suffix)
+            scale = w(self.scale_name(module))
             return BlockFP8(weight, scale, self._block(weight.shape[1]), module + ".weight")
         if isinstance(weight, torch.Tensor) and weight.dtype not in PLAIN_DTYPES:
             raise CheckpointError(
@@ -176,16 +200,30 @@ class WeightFormat:
                     refs[f"{role}.scale"] = TensorRef(m + ".weight_scale", (rows, k // GROUP))
                 return refs
             return dict(expert=spec, expert_tensors=packed, expert_format="int4")
+        if self.expert_fp4:
+            bad = {role: k for role, (_, k) in shapes.items() if k % FP4_GROUP}
+            if bad:
+                raise UnsupportedModelError(
+                    f"{self.where}: hidden_size={spec.hidden} and the experts' intermediate size {spec.intermediate} "
+                    f"must be multiples of {FP4_GROUP} for FP4 experts (one ue8m0 scale per {FP4_GROUP} inputs)")
+
+            def fp4(layer: int, e: int) -> dict[str, TensorRef]:
+                refs = {}
+                for role, n in names.items():
+                    m, (rows, k) = template.format(layer=layer, e=e, name=n), shapes[role]
+                    refs[f"{role}.weight"] = TensorRef(m + ".weight", (rows, k // 2))
+                    refs[f"{role}.scale"] = TensorRef(self.scale_name(m), (rows, k // FP4_GROUP))
+                return refs
+            return dict(expert=spec, expert_tensors=fp4, expert_format=FP4_FORMAT)
         # FP8: one block for the three matrices (per channel: a row as wide as the widest input)
         block = self._block(max(k for _, k in shapes.values()))
-        suffix = self.scale_suffix
 
         def fp8(layer: int, e: int) -> dict[str, TensorRef]:
             refs = {}
             for role, n in names.items():
-                m = template.format(layer=layer, e=e, name=n) + ".weight"
-                refs[role] = TensorRef(m, shapes[role])
-                refs[role + SCALE_SUFFIX] = TensorRef(m + suffix, scale_shape(shapes[role], block))
+                m = template.format(layer=layer, e=e, name=n)
+                refs[role] = TensorRef(m + ".weight", shapes[role])
+                refs[role + SCALE_SUFFIX] = TensorRef(self.scale_name(m), scale_shape(shapes[role], block))
             return refs
         return dict(expert=replace(spec, block=block), expert_tensors=fp8, expert_format=None)
 
@@ -193,7 +231,12 @@ class WeightFormat:
         """What ``sluice inspect`` says about the stored form."""
         if self.kind == BLOCK_FP8:
             b = self.block
-            return [f"FP8 e4m3 weights with {b[0]}x{b[1]} block scales, kept in FP8 (activations stay fp32)"]
+            scales = "ue8m0 (power-of-two) " if (self.config or {}).get("scale_fmt") == "ue8m0" else ""
+            out = [f"FP8 e4m3 weights with {b[0]}x{b[1]} {scales}block scales, kept in FP8 (activations stay fp32)"]
+            if self.expert_fp4:
+                out.append(f"routed experts: FP4 e2m1 with one ue8m0 scale per {FP4_GROUP} inputs, kept in FP4 and "
+                           "multiplied exactly as stored (activations stay fp32)")
+            return out
         if self.kind == CT_FP8:
             scales = "per-channel scales" if self.block is None else f"{self.block[0]}x{self.block[1]} block scales"
             acts = "; its dynamic activation quantization is not applied" if self.scheme.dynamic_activations else ""

@@ -13,7 +13,9 @@ A ``RowStore`` serves ``gather(table, ids) -> [..., dim]`` fp32 rows for any int
   model issues every table's reads at the start of the step, at demand priority on the reader
   pool (before the layers that use them run, overlapping their compute); ``gather`` then waits
   only for what is still in flight. This is the one entry point an "ids known early" read
-  mechanism plugs into.
+  mechanism plugs into. ``issue(..., ahead=True)``: the rows of the step's next forward (the next
+  prefill chunk), at prefetch priority behind every demand read; raised to demand when their
+  own forward issues them or a gather waits for them.
 
 A Hugging Face directory has no checksums, so rows read from it are not CRC-checked (as experts
 read from one are not). A container's tables are paged (``table.paged_table``): each row is read
@@ -38,7 +40,7 @@ import torch
 from ..checkpoint import DTYPES
 from ..errors import ExpertReadError
 from ..storage import ByteSource
-from ..storage.priority import DEMAND, PriorityPool, Ticket
+from ..storage.priority import DEMAND, PREFETCH, PriorityPool, Ticket
 from .table import RowTable, page_ok
 
 
@@ -50,6 +52,7 @@ class RowReadError(ExpertReadError):
 class RowStats:
     looked_up: int = 0  # distinct rows per gather, summed
     read: int = 0  # rows read from storage (the rest came from the cache or a resident table)
+    ahead: int = 0  # reads issued for the step's next forward (``issue(..., ahead=True)``)
     bytes_read: int = 0
 
     @property
@@ -70,7 +73,11 @@ class RowStore:
         self._lock = threading.Lock()
         self._whole: dict[str, torch.Tensor] = {}
         self._cache: dict[str, OrderedDict] = {name: OrderedDict() for name in tables}
-        self._pending: dict[tuple[str, int], Future] = {}
+        self._pending: dict[tuple[str, int], tuple[Future, Ticket]] = {}
+        # reads issued ahead by the last forward (for this one), and by the one before (for the last:
+        # still pending now, nobody will gather them)
+        self._ahead_keys: dict[tuple[str, int], None] = {}  # in issue order (so the cache's LRU order is)
+        self._stale: dict[tuple[str, int], None] = {}
         total = sum(t.nbytes for t in tables.values()) or 1
         self.capacity = {name: max(1, int(cache_bytes * t.nbytes / total) // t.row_bytes) for name, t in
                          tables.items()}
@@ -142,15 +149,50 @@ class RowStore:
             self.stats.read += 1
         return out
 
-    def issue(self, name: str, ids: torch.Tensor) -> None:
-        """Start reading the rows of ``ids`` that are neither cached nor in flight (demand priority)."""
+    def begin(self) -> None:
+        """A forward begins: reads issued ahead for a forward that has passed without gathering them
+        (its step ran fewer tokens than foreseen, or was cut short) go into the row cache if they
+        are done (LRU: the cache stays bounded), else are cancelled: nothing issued ahead is held
+        outside the cache for good."""
+        for key in self._stale:
+            held = self._pending.pop(key, None)
+            if held is None:
+                continue
+            fut, ticket = held
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                name, row = key
+                cache = self._cache[name]
+                cache[row] = fut.result()
+                while len(cache) > self.capacity[name]:
+                    cache.popitem(last=False)
+            else:
+                ticket.cancel()
+                fut.cancel()
+        self._stale, self._ahead_keys = self._ahead_keys, {}
+
+    def issue(self, name: str, ids: torch.Tensor, ahead: bool = False) -> None:
+        """Start reading the rows of ``ids`` that are neither cached nor in flight: at demand
+        priority (this forward's: a read issued ahead for them is raised to demand), or
+        ``ahead`` (the step's next forward's) at prefetch priority."""
         if self.resident or self.pool is None:
             return
         cache = self._cache[name]
+        # one ticket for the call's reads (raising it wakes the reader pools once, not per row)
+        ticket, raised = Ticket(PREFETCH if ahead else DEMAND), set()
         for row in torch.unique(ids).tolist():
             key = (name, row)
-            if row not in cache and key not in self._pending:
-                self._pending[key] = self.pool.submit(self._read_row, name, row, ticket=Ticket(DEMAND))
+            if row in cache:
+                continue
+            held = self._pending.get(key)
+            if held is not None:
+                if not ahead and held[1].priority > DEMAND and id(held[1]) not in raised:
+                    raised.add(id(held[1]))
+                    held[1].raise_to(DEMAND)
+                continue
+            self._pending[key] = (self.pool.submit(self._read_row, name, row, ticket=ticket), ticket)
+            if ahead:
+                self.stats.ahead += 1
+                self._ahead_keys[key] = None
 
     def gather(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids`` (any shape) as fp32 [*ids.shape, dim]."""
@@ -167,8 +209,10 @@ class RowStore:
             if r is not None:
                 cache.move_to_end(row)
             else:
-                fut = self._pending.pop((name, row), None)
-                r = fut.result() if fut is not None else self._read_row(name, row)
+                held = self._pending.pop((name, row), None)
+                if held is not None and held[1].priority > DEMAND:
+                    held[1].raise_to(DEMAND)
+                r = held[0].result() if held is not None else self._read_row(name, row)
                 cache[row] = r
                 while len(cache) > cap:
                     cache.popitem(last=False)
@@ -187,7 +231,8 @@ class RowStore:
                 f"{format_size(self.cache_bytes)}")
 
     def close(self) -> None:
-        for fut in self._pending.values():
+        for fut, ticket in self._pending.values():
+            ticket.cancel()
             fut.cancel()
         self._pending.clear()
         self._whole.clear()

@@ -32,8 +32,10 @@ ENGINE_METRICS: tuple[tuple[str, str, tuple[tuple[dict, str], ...]], ...] = (
      (({"kind": "demand"}, "demand_reads"), ({"kind": "prefetch"}, "prefetch_reads"))),
     ("sluice_engine_forwards_total", "Model forwards the engine ran since load.", (({}, "forwards"),)),
     ("sluice_engine_table_rows_total", "Rows of token-keyed tables (PLE n-gram tables) since load: looked up, and "
-     "read from storage (the rest from the row cache or resident tables).",
-     (({"kind": "looked_up"}, "row_lookups"), ({"kind": "read"}, "rows_read"))),
+     "read from storage (the rest from the row cache or resident tables), and reads issued ahead (while the "
+     "previous prefill chunk ran).",
+     (({"kind": "looked_up"}, "row_lookups"), ({"kind": "read"}, "rows_read"),
+      ({"kind": "read_ahead"}, "rows_read_ahead"))),
     ("sluice_engine_table_bytes_read_total", "Of the bytes read, bytes of table rows, since load.",
      (({}, "row_bytes_read"),)),
     ("sluice_engine_tokens_forwarded_total", "Positions those forwards computed.", (({}, "tokens_forwarded"),)),

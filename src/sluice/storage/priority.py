@@ -19,6 +19,7 @@ demand read arriving while guesses are in flight shares the disk with fewer of t
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 import weakref
@@ -85,6 +86,10 @@ class PriorityPool:
         self.low_cap = low_cap  # most threads running tasks above DEMAND priority at once (None: all)
         self._running_low = 0
         self._tasks: dict[int, tuple] = {}  # seq -> (ticket, future, fn, args)
+        # (priority, seq) of the queued tasks: a heap, rebuilt after a poke (a ticket raised or
+        # cancelled: the only ways a queued task's priority changes); entries of taken tasks skipped
+        self._heap: list[tuple[int, int]] = []
+        self._stale = False
         self._cv = threading.Condition()
         self._seq = itertools.count()
         self._closed = False
@@ -97,6 +102,7 @@ class PriorityPool:
     def poke(self) -> None:
         """Look at the queue again (a queued task's priority was raised)."""
         with self._cv:
+            self._stale = True
             self._cv.notify_all()
 
     def submit(self, fn, *args, ticket: Ticket | None = None) -> Future:
@@ -104,7 +110,9 @@ class PriorityPool:
         with self._cv:
             if self._closed:
                 raise RuntimeError("reader pool is closed")
-            self._tasks[next(self._seq)] = (ticket, fut, fn, args)
+            seq = next(self._seq)
+            self._tasks[seq] = (ticket, fut, fn, args)
+            heapq.heappush(self._heap, (ticket.priority if ticket is not None else DEMAND, seq))
             self._cv.notify()
         return fut
 
@@ -120,17 +128,25 @@ class PriorityPool:
                         return None
                     self._cv.wait()
                     continue
-                for dead in [q for q, t in self._tasks.items() if t[0] is not None and t[0].cancelled]:
-                    self._tasks.pop(dead)[1].cancel()  # dropped at once, cap or not
-                if not self._tasks:
-                    continue
-                seq = min(self._tasks, key=lambda s: (self._priority(self._tasks[s]), s))
+                if self._stale:  # priorities changed: drop the cancelled (at once, cap or not), re-sort
+                    self._stale = False
+                    for dead in [q for q, t in self._tasks.items() if t[0] is not None and t[0].cancelled]:
+                        self._tasks.pop(dead)[1].cancel()
+                    self._heap = [(self._priority(t), q) for q, t in self._tasks.items()]
+                    heapq.heapify(self._heap)
+                    if not self._tasks:
+                        continue
+                heap = self._heap
+                while heap[0][1] not in self._tasks:  # taken already
+                    heapq.heappop(heap)
+                seq = heap[0][1]
                 low = self._priority(self._tasks[seq]) > DEMAND
                 if low and self.low_cap is not None and self._running_low >= self.low_cap:
                     self._cv.wait()  # until a guess finishes, a task comes, or a ticket is raised
                     continue
                 if low:
                     self._running_low += 1
+                heapq.heappop(heap)
                 return self._tasks.pop(seq), low
 
     def _work(self) -> None:
