@@ -40,29 +40,13 @@ import sluice  # noqa: F401  (before torch: it sets OpenMP's wait policy)
 import torch
 
 from sluice.models import get_family
-from sluice.synthetic import write_model
+from sluice.synthetic import QWEN4_EXP_CONFIG, with_tables, write_model
 from sluice.units import format_size
 
-LAYERS = ["linear_attention", "linear_attention", "linear_attention", "indexed_attention"] * 2
-PLE = [1, 2, 3, 5, 6, 7]  # the linear-attention layers (one-indexed)
-
-
 def config(table_bytes: float) -> dict:
-    """The model, with ``ngram_vocab_size_base`` chosen so the tables hold about ``table_bytes``
-    (16 heads of 16 bf16 values per PLE layer: 32 bytes a row)."""
-    heads, row = 16, 32
-    base = max(1000, int(table_bytes / len(PLE) / heads / row))
-    return dict(
-        model_type="qwen4_exp_text", vocab_size=32000, hidden_size=256, num_hidden_layers=len(LAYERS),
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, layer_types=LAYERS, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=64,
-        num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=256, hc_count=4,
-        hc_lowrank=32, ple_layer_ids=PLE, ple_embed_dim=256, ngram_size=3, heads_per_ngram=8,
-        ngram_vocab_size_base=base, make_ngram_vocab_size_divisible_by=128, indexer_n_heads=4,
-        indexer_kv_heads=1, indexer_head_dim=64, indexer_budget=64, indexer_compress_ratio=4,
-        max_position_embeddings=4096, rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1, pad_token_id=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        tie_word_embeddings=False, hidden_act="silu")
+    """The model (``synthetic.QWEN4_EXP_CONFIG``: 8 layers, PLE on the six linear-attention ones),
+    its tables sized to about ``table_bytes``."""
+    return with_tables(QWEN4_EXP_CONFIG, table_bytes)
 
 
 def run(path: Path, memory: str, tokens: int, early: bool) -> dict:

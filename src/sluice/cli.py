@@ -394,9 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "budget well below its size (scale runs: the text is meaningless there).")
     d.add_argument("--synthetic", type=_size, default=None, metavar="SIZE",
                    help="run a synthetic random-weight model of about SIZE (e.g. 2GB) instead of the trained one")
-    d.add_argument("--family", choices=["qwen3_moe", "mixtral", "deepseek_v4"], default="qwen3_moe",
+    d.add_argument("--family", choices=["qwen3_moe", "mixtral", "deepseek_v4", "qwen4_exp"], default="qwen3_moe",
                    help="with --synthetic: the model's shape (default qwen3_moe; deepseek_v4: hash-routed first "
-                        "layers, whose experts are read from the token ids before they run)")
+                        "layers, whose experts are read from the token ids before they run; qwen4_exp: "
+                        "Qwen3.8-Flash-Next's n-gram tables, ~0.5 GB of them, read by row from the token ids)")
     d.add_argument("--cache-dir", default=None, help="where synthetic demo models are kept (default ~/.cache/sluice)")
     d.add_argument("--prompt", "-p", default=None, metavar="TEXT",
                    help="prompt text (default 'def fibonacci(n):\\n'; with --synthetic a fixed English sentence)")

@@ -30,7 +30,8 @@ SMALL_DEMO = {
 
 
 # ``--family``: the synthetic model's shape (``synthetic.BASE_CONFIGS``), by name
-FAMILY_NAMES = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "deepseek_v4": "DeepSeek-V4"}
+FAMILY_NAMES = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "deepseek_v4": "DeepSeek-V4",
+                "qwen4_exp": "Qwen3.8-Flash-Next"}
 
 
 def demo_config(size: int, family: str = "qwen3_moe") -> dict:

@@ -123,9 +123,38 @@ DEEPSEEK_V4_CONFIG = {
     "pad_token_id": 0,
 }
 
-BASE_CONFIGS = {"qwen3_moe": DEMO_CONFIG, "mixtral": MIXTRAL_CONFIG, "deepseek_v4": DEEPSEEK_V4_CONFIG}
+_QWEN4_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "indexed_attention"] * 2
+QWEN4_EXP_CONFIG = {
+    # a Qwen3.8-Flash-Next shape scaled down (Gated DeltaNet + QSA, 4 gated residual streams, every
+    # layer MoE) with PLE n-gram tables on its six linear-attention layers: 16 heads of 16 bf16
+    # values (32 bytes a row), ``ngram_vocab_size_base`` rows per head: ~0.5 GB of tables (the
+    # experts scale to the size asked; ``with_tables`` resizes the tables)
+    "model_type": "qwen4_exp_text", "architectures": ["Qwen4ExpForCausalLM"], "vocab_size": 32000,
+    "hidden_size": 256, "num_hidden_layers": len(_QWEN4_LAYERS), "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "layer_types": _QWEN4_LAYERS, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_experts": 64,
+    "num_experts_per_tok": 4, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
+    "hc_count": 4, "hc_lowrank": 32, "ple_layer_ids": [1, 2, 3, 5, 6, 7], "ple_embed_dim": 256, "ngram_size": 3,
+    "heads_per_ngram": 8, "ngram_vocab_size_base": 162_000, "make_ngram_vocab_size_divisible_by": 128,
+    "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 64, "indexer_budget": 64,
+    "indexer_compress_ratio": 4, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "eos_token_id": 2,
+    "bos_token_id": 1, "pad_token_id": 0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    "tie_word_embeddings": False, "hidden_act": "silu",
+}
+
+
+def with_tables(config: dict, table_bytes: float) -> dict:
+    """``QWEN4_EXP_CONFIG``-shaped ``config`` with ``ngram_vocab_size_base`` chosen so its PLE tables
+    hold about ``table_bytes`` (16 heads of 32-byte rows per PLE layer)."""
+    heads, row = (config["ngram_size"] - 1) * config["heads_per_ngram"], 2 * config["ple_embed_dim"] // 16
+    return {**config, "ngram_vocab_size_base": max(1000, int(table_bytes / len(config["ple_layer_ids"]) / heads / row))}
+
+
+BASE_CONFIGS = {"qwen3_moe": DEMO_CONFIG, "mixtral": MIXTRAL_CONFIG, "deepseek_v4": DEEPSEEK_V4_CONFIG,
+                "qwen4_exp": QWEN4_EXP_CONFIG}
 # the config key of each base's routed-expert count (``scaled_config``)
-_EXPERT_KEYS = {"mixtral": "num_local_experts", "deepseek_v4": "n_routed_experts"}
+_EXPERT_KEYS = {"mixtral": "num_local_experts", "deepseek_v4": "n_routed_experts"}  # else num_experts
 
 
 def model_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:

@@ -92,3 +92,14 @@ def test_demo_synthetic_deepseek_v4_certain_reads_on_and_off(tmp_path):
     assert (tmp_path / "synthetic-deepseek_v4-0.1GB-v1" / "config.json").is_file()
     assert runs[0]["stats"]["certain_reads"] > 0 and runs[1]["stats"]["certain_reads"] == 0
     assert runs[0]["token_ids"] == runs[1]["token_ids"]
+
+
+def test_demo_synthetic_qwen4_exp_reads_its_tables_by_row(tmp_path):
+    """``--family qwen4_exp`` writes a Qwen3.8-Flash-Next shape whose n-gram tables are looked up
+    by row (the row store's counters in the stats)."""
+    out = sluice_cmd("demo", "--synthetic", "0.7GB", "--family", "qwen4_exp", "--cache-dir", tmp_path,
+                     "--max-new-tokens", "4", "--no-progress", "--json")
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout.strip().splitlines()[-1])["stats"]
+    assert (tmp_path / "synthetic-qwen4_exp-0.7GB-v1" / "config.json").is_file()
+    assert stats["row_lookups"] > 0
