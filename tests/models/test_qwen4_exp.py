@@ -241,10 +241,10 @@ def test_rows_issued_ahead_for_a_forward_that_never_comes_are_dropped():
     from concurrent.futures import Future
 
     from sluice.rows.store import RowStore
-    from sluice.storage.priority import PREFETCH, Ticket
+    from sluice.storage.priority import AHEAD, Ticket
 
     store = RowStore({}, lambda f: None, resident=False)
-    fut, ticket = Future(), Ticket(PREFETCH)
+    fut, ticket = Future(), Ticket(AHEAD)
     store._pending[("t", 3)] = (fut, ticket)  # as issue(..., ahead=True) leaves it
     store._ahead_keys[("t", 3)] = None
     store.begin()  # the forward it was issued for begins: still wanted
@@ -256,7 +256,7 @@ def test_rows_issued_ahead_for_a_forward_that_never_comes_are_dropped():
     for row in (4, 5):
         done = Future()
         done.set_result(torch.full((2,), float(row)))
-        store._pending[("t", row)] = (done, Ticket(PREFETCH))
+        store._pending[("t", row)] = (done, Ticket(AHEAD))
         store._ahead_keys[("t", row)] = None
     store.begin()
     store.begin()

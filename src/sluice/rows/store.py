@@ -14,7 +14,7 @@ A ``RowStore`` serves ``gather(table, ids) -> [..., dim]`` fp32 rows for any int
   pool (before the layers that use them run, overlapping their compute); ``gather`` then waits
   only for what is still in flight. This is the one entry point an "ids known early" read
   mechanism plugs into. ``issue(..., ahead=True)``: the rows of the step's next forward (the next
-  prefill chunk), at prefetch priority behind every demand read; raised to demand when their
+  prefill chunk), at ``AHEAD`` priority behind every expert read; raised to demand when their
   own forward issues them or a gather waits for them.
 
 A Hugging Face directory has no checksums, so rows read from it are not CRC-checked (as experts
@@ -40,7 +40,7 @@ import torch
 from ..checkpoint import DTYPES
 from ..errors import ExpertReadError
 from ..storage import ByteSource
-from ..storage.priority import DEMAND, PREFETCH, PriorityPool, Ticket
+from ..storage.priority import AHEAD, DEMAND, PriorityPool, Ticket
 from .table import RowTable, page_ok
 
 
@@ -173,12 +173,12 @@ class RowStore:
     def issue(self, name: str, ids: torch.Tensor, ahead: bool = False) -> None:
         """Start reading the rows of ``ids`` that are neither cached nor in flight: at demand
         priority (this forward's: a read issued ahead for them is raised to demand), or
-        ``ahead`` (the step's next forward's) at prefetch priority."""
+        ``ahead`` (the step's next forward's) at ``AHEAD`` priority, after every read of this one."""
         if self.resident or self.pool is None:
             return
         cache = self._cache[name]
         # one ticket for the call's reads (raising it wakes the reader pools once, not per row)
-        ticket, raised = Ticket(PREFETCH if ahead else DEMAND), set()
+        ticket, raised = Ticket(AHEAD if ahead else DEMAND), set()
         for row in torch.unique(ids).tolist():
             key = (name, row)
             if row in cache:
