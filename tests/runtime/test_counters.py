@@ -11,7 +11,7 @@ import pytest
 
 import sluice
 from conftest import prompt_ids
-from sluice.experts.provider import ExpertCounters
+from sluice.experts.counters import ExpertCounters
 from sluice.rows import RowStats
 from sluice.scheduler import SchedulerStats
 from sluice.spine import SpineStats

@@ -36,7 +36,7 @@ import torch
 
 from ..experts.fold import Fold, Groups
 from ..experts.interface import ExpertInterface
-from ..experts.provider import ExpertCounters
+from ..experts.counters import ExpertCounters
 from .connect import require_ray
 from .errors import ClusterError, InvalidArgumentError, WorkerLostError, WorkerMismatchError
 from .model import differences
