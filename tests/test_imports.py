@@ -44,7 +44,7 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
                 ("generation", "scheduler", "runner", "speculative", "spine", "stats", "text", "tokenizer",
                  "chat_template", "trace")),
     "api": ("sluice.load, Engine, ModelInfo, their options and the checks of their arguments",
-            ("", "engine", "options", "validate", "lossy", "prompt_fit")),
+            ("", "engine", "model_info", "options", "validate", "lossy", "prompt_fit")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "model_report", "bench")),
     "faces": ("what users run: the command line, terminal chat, demo, HTTP server",
               ("cli", "cli_args", "cli_prompt", "chat", "demo", "server")),

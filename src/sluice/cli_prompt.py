@@ -84,7 +84,8 @@ def precheck(model, prompt: str | None = None, *, source=None, what: str = "", r
     tokenizer (a local model; a URL's is checked after loading, by the engine). ``source``: a
     prompt file or stdin instead of ``prompt``, read here in pieces (``read_prompt``). Returns the
     prompt (None for a URL's model: read after loading)."""
-    from .engine import DEFAULT_MAX_CONTEXT, ModelInfo
+    from .engine import ModelInfo
+    from .options import DEFAULT_MAX_CONTEXT
     from .storage.location import is_url
 
     if is_url(str(model)):
