@@ -47,7 +47,7 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
             ("", "engine", "model_info", "options", "validate", "lossy", "prompt_fit")),
     "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "model_report", "bench")),
     "faces": ("what users run: the command line, terminal chat, demo, HTTP server",
-              ("cli", "cli_args", "cli_prompt", "chat", "demo", "server")),
+              ("cli", "cli_args", "cli_flags", "cli_prompt", "chat", "demo", "server")),
 }
 
 # layer -> the other layers its modules may import (modules of the same layer may import each other)

@@ -8,149 +8,15 @@ import os
 import sys
 
 from . import __version__
-from .cli_args import float_arg, int_arg, positive_size_arg, seed_arg, temperature_arg, top_p_arg
+from .cli_args import int_arg, positive_size_arg
+from .cli_flags import (add_disk_cache_args, add_engine_args, add_model_arg, add_sampling_args, add_unversioned_arg,
+                        engine_options)
 from .errors import InvalidArgumentError, SluiceError
 from .units import format_size, parse_size
 
 
 _size = positive_size_arg
 _count = int_arg(0)
-
-
-def _add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
-    """The memory and I/O flags; ``serving``: the command runs many sequences at once (serve), so
-    --parallel defaults to what the budget allows; the others run one and default to 1."""
-    g = p.add_argument_group("memory and I/O")
-    g.add_argument("--memory", type=_size, default=None, metavar="SIZE",
-                   help="peak memory budget, e.g. 8GiB (binary) or 8GB (decimal). Covers the Python/torch "
-                        "baseline, spine, KV cache, buffers and expert cache. Default: 85%% of available memory "
-                        "(cgroup limits respected). Below the model's floor Sluice refuses to start and says why.")
-    g.add_argument("--cache-experts", type=int_arg(1), default=None, metavar="N",
-                   help="expert cache size in experts (overrides the size derived from --memory)")
-    g.add_argument("--cache-policy", choices=["lfru", "lru", "ulfru"], default="lfru",
-                   help="expert cache eviction: lfru (decayed hotness, default), lru, or ulfru (lfru that "
-                        "learns which layers' slots pay; docs/cache-policy.md)")
-    g.add_argument("--max-context", type=int_arg(1), default=None, metavar="N",
-                   help="longest sequence (prompt + output); the KV cache is reserved for it "
-                        "(default: min(model limit, 4096))")
-    g.add_argument("--parallel", type=int_arg(1, 1 << 16), default=None if serving else 1, metavar="N",
-                   help="sequences generated at once (requests in one batch; more wait in the queue), each with "
-                        "KV/state for --max-context reserved in --memory (default: min(4, what the budget allows "
-                        "without streaming more of the spine))" if serving else
-                        "sequences that may run at once, each with KV/state for --max-context reserved in --memory "
-                        "(default 1: this command runs one; more would only take expert cache)")
-    g.add_argument("--threads", type=int_arg(1, 1024), default=None, metavar="N",
-                   help="compute threads (default: all cores)")
-    g.add_argument("--reader-threads", type=int_arg(1, 1024), default=4, metavar="N",
-                   help="parallel expert reads (default 4)")
-    g.add_argument("--no-prefetch", action="store_true",
-                   help="disable router lookahead (reading the next layer's predicted experts early)")
-    g.add_argument("--no-certain-reads", action="store_true",
-                   help="do not read the experts the token ids decide (hash-routed layers, DeepSeek-V4) before "
-                        "their layers run; they are then read when their layer asks (results are the same)")
-    g.add_argument("--verify-reads", dest="verify_reads", action="store_true", default=True,
-                   help="check the CRC32 of every expert record and streamed spine layer read from a container "
-                        "(the default)")
-    g.add_argument("--no-verify-reads", dest="verify_reads", action="store_false",
-                   help="skip those CRC32 checks (saves a little CPU; corruption then goes undetected)")
-    g.add_argument("--no-huge-pages", action="store_true",
-                   help="do not ask for transparent huge pages for the expert cache and read buffers")
-    g.add_argument("--buffered-io", action="store_true",
-                   help="never use O_DIRECT (buffered reads that drop their pages from the page cache)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    g.add_argument("--ca-bundle", default=None, metavar="PEM",
-                   help="a model at an https:// URL: a PEM file of extra CA certificates to trust "
-                        "(TLS verification is always on)")
-    _add_unversioned_arg(g)
-    _add_disk_cache_args(g)
-    g.add_argument("--trace-routing", default=None, metavar="FILE",
-                   help="write every decode token's expert routing (its sequence and engine step), router weights, "
-                        "router probabilities and lookahead predictions to FILE (JSONL, the format sluice "
-                        "trace-replay reads)")
-    ray = p.add_argument_group("experts on a Ray cluster (docs/scale-out.md; the ray extra)")
-    ray.add_argument("--ray", default=None, metavar="auto|ADDRESS",
-                     help="compute the experts on Ray actors: auto (RAY_ADDRESS, else a cluster this user started "
-                          "here, else a new local one, said so) or a cluster's HOST:PORT. "
-                          "--memory is then this process's budget (spine, KV, buffers; no expert cache). "
-                          "Run Ray on a private network only")
-    ray.add_argument("--expert-workers", type=int_arg(1, 4096), default=None, metavar="N",
-                     help="expert workers (Ray actors) to start (default: one per node)")
-    ray.add_argument("--worker-memory", type=_size, default=None, metavar="SIZE",
-                     help="each expert worker's memory budget, its expert cache included (default: a safe share "
-                          "of its machine's available memory)")
-    ray.add_argument("--ray-timeout", type=float_arg(0.0, lo_open=True), default=60.0, metavar="S",
-                     help="seconds to wait for the cluster to answer and for the expert workers to be placed and "
-                          "started, with a line on stderr every 5 s, before failing with the cause (default 60)")
-    ray.add_argument("--replicate-hot", type=int_arg(0), default=0, metavar="N",
-                     help="per MoE layer, the N most-routed experts may also run on a second worker (load "
-                          "balance and failover; exact either way)")
-    ray.add_argument("--ray-plain-calls", action="store_true",
-                     help="send each MoE layer's requests as plain Ray actor calls, one per worker, instead of "
-                          "through one compiled graph of all workers (the default; docs/scale-out.md has both "
-                          "measured; exact either way)")
-    lossy = p.add_argument_group("lossy speed switches (outputs differ from the model's; off by default)")
-    lossy.add_argument("--moe-top-k", type=int_arg(1), default=None, metavar="N",
-                       help="LOSSY: route each token to only N experts (fewer than the model was trained with)")
-    lossy.add_argument("--prefer-cached", type=float_arg(0.0), default=0.0, metavar="BIAS",
-                       help="LOSSY: add BIAS to the router scores of experts already in memory when choosing "
-                            "experts (mixing weights stay the model's own), trading fidelity for fewer reads")
-
-
-def _add_unversioned_arg(g) -> None:
-    g.add_argument("--allow-unversioned-remote", action="store_true",
-                   help="a model at a URL whose server sends neither ETag nor Last-Modified: read it anyway. "
-                        "Such a store cannot guarantee consistency: a file replaced while or between runs goes "
-                        "unnoticed (refused by default)")
-
-
-def _add_disk_cache_args(g) -> None:
-    g.add_argument("--disk-cache", type=_size, default=None, metavar="SIZE",
-                   help="a model at a URL: keep what is fetched (expert records, spine, headers) in a local disk "
-                        "tier of at most SIZE, shared by processes, read back with O_DIRECT and checked by CRC "
-                        "(default: no disk tier)")
-    g.add_argument("--disk-cache-dir", default=None, metavar="DIR",
-                   help="the disk tier's directory (default $XDG_CACHE_HOME/sluice/disk-tier, i.e. "
-                        "~/.cache/sluice/disk-tier); a new or empty directory, or one a tier made")
-
-
-def _engine_options(args) -> dict:
-    return dict(cache_experts=args.cache_experts, cache_policy=args.cache_policy, max_context=args.max_context,
-                threads=args.threads, reader_threads=args.reader_threads, prefetch=not args.no_prefetch,
-                certain_reads=not args.no_certain_reads,
-                verify_reads=args.verify_reads, moe_top_k=args.moe_top_k, prefer_cached=args.prefer_cached,
-                trace_routing=args.trace_routing, huge_pages=not args.no_huge_pages,
-                direct_io=False if args.buffered_io else None, progress=not args.no_progress,
-                ca_bundle=args.ca_bundle, parallel=args.parallel, disk_cache=args.disk_cache,
-                allow_unversioned_remote=args.allow_unversioned_remote,
-                disk_cache_dir=args.disk_cache_dir, ray=args.ray, expert_workers=args.expert_workers,
-                worker_memory=args.worker_memory, replicate_hot=args.replicate_hot,
-                ray_timeout=args.ray_timeout, ray_compiled=not args.ray_plain_calls)
-
-
-def _add_model_arg(p: argparse.ArgumentParser) -> None:
-    """The positional MODEL and --revision: a directory, a container, 'demo' or a cached repo id."""
-    from .resolve import MODEL_HELP, REVISION_HELP
-
-    p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--revision", default=None, metavar="REV", help=REVISION_HELP)
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int_arg(1), default=128, metavar="N",
-                   help="tokens to generate (default 128)")
-    g.add_argument("--temperature", type=temperature_arg, default=0.0, metavar="T",
-                   help="0 = greedy, exact (default 0)")
-    g.add_argument("--top-p", type=top_p_arg, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument("--top-k", type=int_arg(0), default=0, metavar="K",
-                   help="sample among the k most likely tokens (default 0: off)")
-    g.add_argument("--seed", type=seed_arg, default=None, metavar="N", help="random seed for sampling")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop when this text is generated (repeatable); it is not included in the output")
-    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    g.add_argument("--no-speculate", action="store_true",
-                   help="turn off lossless n-gram speculative decoding (on by default for greedy decoding; "
-                        "it never changes the tokens, sampling never speculates)")
 
 
 def stats_line(stats: dict, finish_reason: str | None = None, max_new_tokens: int | None = None) -> str:
@@ -234,7 +100,7 @@ def cmd_run(args) -> int:
 def _run_loaded(args, load, prompt, source, what) -> int:
     from .cli_prompt import read_source
 
-    with load(args.model, memory=args.memory, revision=args.revision, **_engine_options(args)) as engine:
+    with load(args.model, memory=args.memory, revision=args.revision, **engine_options(args)) as engine:
         if source is not None:
             prompt = read_source(source, what, engine.tokenizer, engine.max_context)
         echo = prompt if args.echo else None
@@ -306,7 +172,7 @@ def cmd_check(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
-    opts = _engine_options(args)
+    opts = engine_options(args)
     opts.pop("moe_top_k", None)
     opts.pop("prefer_cached", None)
     if args.what == "io":
@@ -331,7 +197,7 @@ def cmd_bench(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(args, _engine_options(args), generate_and_print)
+    return run_demo(args, engine_options(args), generate_and_print)
 
 
 def _sampling_kwargs(args) -> dict:
@@ -342,13 +208,13 @@ def _sampling_kwargs(args) -> dict:
 def cmd_serve(args) -> int:
     from .server import serve_command
 
-    return serve_command(args, _engine_options(args))
+    return serve_command(args, engine_options(args))
 
 
 def cmd_chat(args) -> int:
     from .chat import chat_command
 
-    return chat_command(args, _engine_options(args), _sampling_kwargs(args))
+    return chat_command(args, engine_options(args), _sampling_kwargs(args))
 
 def cmd_trace_replay(args) -> int:
     from .replay import run_cli
@@ -371,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate text, streaming it as it is produced, then print a stats line "
                                    "(prefill and steady-state decode tok/s, expert cache hit rate, bytes read, "
                                    "peak RSS) on stderr. --json prints one JSON object instead.")
-    _add_model_arg(r)
+    add_model_arg(r)
     r.add_argument("--prompt", "-p", default=None, metavar="TEXT", help="prompt text (or --prompt-file, or stdin)")
     r.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from this file")
     r.add_argument("--chat", action="store_true",
@@ -381,8 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the prompt before the generated text (with --chat: the rendered template)")
     r.add_argument("--json", action="store_true",
                    help='print {"model", "token_ids", "text", "finish_reason", "stats"} as one JSON object')
-    _add_sampling_args(r)
-    _add_engine_args(r)
+    add_sampling_args(r)
+    add_engine_args(r)
     r.set_defaults(func=cmd_run)
 
     d = sub.add_parser("demo", help="run the shipped trained MoE with a small expert cache (or a large synthetic one)",
@@ -402,9 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", "-p", default=None, metavar="TEXT",
                    help="prompt text (default 'def fibonacci(n):\\n'; with --synthetic a fixed English sentence)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text and a stats line")
-    _add_sampling_args(d)
+    add_sampling_args(d)
     d.set_defaults(max_new_tokens=96)
-    _add_engine_args(d)
+    add_engine_args(d)
     d.set_defaults(func=cmd_demo)
 
     c = sub.add_parser("convert", help="pack a Hugging Face directory into a Sluice container",
@@ -432,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes resident, the rest goes to the expert cache; results are flagged lossy. Quality: "
                         "docs/quantization.md")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_unversioned_arg(c)
+    add_unversioned_arg(c)
     c.set_defaults(func=cmd_convert)
 
     k = sub.add_parser("check", help="verify every CRC of a container",
@@ -456,11 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt", "-p", default="def fibonacci(n):\n", metavar="TEXT", help="prompt (lossy, spec)")
     b.add_argument("--tokens", type=int_arg(1), default=64, metavar="N", help="tokens to generate per arm (default 64)")
     b.add_argument("--json", action="store_true", help="print the report as JSON")
-    _add_engine_args(b)
+    add_engine_args(b)
     b.set_defaults(func=cmd_bench)
 
     i = sub.add_parser("inspect", help="describe a model: family, sizes, memory floor, cache per budget")
-    _add_model_arg(i)
+    add_model_arg(i)
     i.add_argument("--memory", type=_size, default=None, metavar="SIZE", help="also show the plan for this budget")
     i.add_argument("--max-context", type=int_arg(1), default=None, metavar="N",
                    help="context the KV cache is sized for")
@@ -470,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.add_argument("--ca-bundle", default=None, metavar="PEM",
                    help="a model at an https:// URL: a PEM file of extra CA certificates to trust")
-    _add_unversioned_arg(i)
-    _add_disk_cache_args(i)
+    add_unversioned_arg(i)
+    add_disk_cache_args(i)
     i.set_defaults(func=cmd_inspect)
 
     dc = sub.add_parser("cache", help="list or clear what Sluice keeps of remote models: the disk tier "
@@ -497,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "more requests wait in a bounded queue (429 beyond it); a growing conversation "
                                    "reuses the KV cache of its previous turn. Needs the server extra: "
                                    "pip install 'sluice[server]'.")
-    _add_model_arg(s)
+    add_model_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int_arg(0, 65535), default=8000, help="port (default 8000)")
     s.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), metavar="KEY",
@@ -512,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body (default 4MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default info)")
-    _add_engine_args(s, serving=True)
+    add_engine_args(s, serving=True)
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("chat", help="chat with a model in the terminal",
@@ -521,12 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "turn's KV cache is reused). When the conversation outgrows the context, the "
                                    "oldest turns are dropped (with a notice). The model needs a chat template "
                                    "(the demo model has one: sluice chat demo). Commands: /reset, /exit, /help.")
-    _add_model_arg(c)
+    add_model_arg(c)
     c.add_argument("--system", default=None, metavar="TEXT", help="system message")
     c.add_argument("--no-stats", action="store_true", help="no stats line after each reply")
-    _add_sampling_args(c)
+    add_sampling_args(c)
     c.set_defaults(max_new_tokens=512)
-    _add_engine_args(c)
+    add_engine_args(c)
     c.set_defaults(func=cmd_chat)
 
     t = sub.add_parser("trace-replay", help="replay a routing trace through the cache policies and Belady's optimum",
