@@ -45,7 +45,8 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
                  "chat_template", "trace")),
     "api": ("sluice.load, Engine, ModelInfo, their options and the checks of their arguments",
             ("", "engine", "model_info", "options", "validate", "lossy", "prompt_fit")),
-    "tools": ("programs over the API", ("convert", "check", "replay", "synthetic", "model_report", "bench")),
+    "tools": ("programs over the API",
+              ("convert", "convert_install", "check", "replay", "synthetic", "model_report", "bench")),
     "faces": ("what users run: the command line, terminal chat, demo, HTTP server",
               ("cli", "cli_args", "cli_flags", "cli_prompt", "chat", "demo", "server")),
 }

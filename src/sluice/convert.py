@@ -4,24 +4,18 @@ Peak memory stays at one tensor or one expert whatever the model size. The conta
 written under ``<dst>.partial``, fsynced, and renamed when complete, so an interrupted
 conversion never leaves a directory that loads.
 
-Convert never deletes anything that is not a Sluice container: an output that is the
-source, lies inside it or contains it is refused, an existing path that is not a container
-is refused, and an existing container is replaced only with ``force=True``. Replacing swaps
-the new directory in with ``renameat2(RENAME_EXCHANGE)`` where the kernel and file system
-offer it (no moment without a container at ``dst``); elsewhere the old container is renamed
-aside, the new one renamed in and the old one deleted (a window of two renames in which
-``dst`` does not exist). A failed write (e.g. ENOSPC) removes the partial output.
+Convert never deletes anything that is not a Sluice container, and replaces an existing
+container only with ``force=True`` (``convert_install.py``: the destination checks and the
+swap). A failed write (e.g. ENOSPC) removes the partial output.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import math
 import os
 import shutil
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
@@ -55,10 +49,10 @@ from .quant.fp8 import FORMAT as FP8_FORMAT
 from .quant import FORMATS, QuantMatrix, assemble
 from .quant.fp8 import SCALE_SUFFIX, BlockFP8
 from .storage.crc import crc32
-from .container_files import foreign_names, remove_container
-from .outputs import dir_relation
-from .storage.jsonfile import read_json_path
 from .storage import AlignedBuffer, align_up
+from .convert_install import PARTIAL_MARK, Naming, check_destination, fsync_path, install, remove_ours, sync_close
+from .convert_install import writer as open_writer
+
 
 MATRIX_ROLES = ("gate", "up", "down")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -152,165 +146,6 @@ def _group_order(g: str) -> tuple[int, int]:
     return (2, 0)
 
 
-PARTIAL_MARK = ".sluice-partial"  # inside DST.partial / DST.old: a directory convert made and may delete
-
-
-def _looks_like_container(path: Path) -> bool:
-    """A directory whose manifest.json says it is a Sluice container (the only thing convert replaces)."""
-    try:
-        m = read_json_path(path / "manifest.json")  # size-capped, depth-checked
-    except (OSError, ValueError):
-        return False
-    return isinstance(m, dict) and m.get("format") == FORMAT_NAME
-
-
-def _related(a: Path, b: Path) -> str | None:
-    """How path ``a`` relates to ``b``: "is", "inside" or "contains" (resolved), or None."""
-    if a == b:
-        return "is"
-    if b in a.parents:
-        return "inside"
-    if a in b.parents:
-        return "contains"
-    return None
-
-
-def check_destination(src: Path | str, dst: Path, force: bool) -> None:
-    """Refuse an output convert may not write: the source (or inside/around it), a path that is
-    not a Sluice container, or an existing container without ``force``. ``src``: a local
-    directory, or a URL (a ``str``, which no local output can be related to)."""
-    d = dst.resolve()
-    outputs = ((d, str(dst)), (d.with_name(d.name + ".partial"), f"{dst}.partial"),
-               (d.with_name(d.name + ".old"), f"{dst}.old"))
-    s = src.resolve() if isinstance(src, Path) else None
-    for path, what in outputs if s is not None else ():
-        rel = _related(path, s) or dir_relation(path, s)  # by name, then by identity (a bind mount)
-        if rel == "is":
-            raise ConvertError(f"{what}: the output is the source model directory {src}; choose another output")
-        if rel == "inside":
-            raise ConvertError(f"{what}: the output lies inside the source model directory {src}; "
-                               "choose an output outside it")
-        if rel == "contains":
-            raise ConvertError(f"{what}: the output contains the source model directory {src}; "
-                               "choose an output that does not")
-    if dst.is_symlink():
-        raise ConvertError(f"{dst}: exists and is a symbolic link; give the real path of the output")
-    if dst.exists():
-        if not dst.is_dir():
-            raise ConvertError(f"{dst}: exists and is not a directory; convert writes a container directory "
-                               "and never replaces other files (remove it or choose another output)")
-        if not _looks_like_container(dst):
-            raise ConvertError(f"{dst}: exists and is not a Sluice container; convert replaces only containers "
-                               "(remove it or choose another output)")
-        if not force:
-            raise ConvertError(f"{dst}: a Sluice container already exists there; pass --force (force=True) to "
-                               "replace it")
-        foreign = foreign_names(dst, PARTIAL_MARK)
-        if foreign:  # --force replaces a container's own files only: never a user's file kept inside it
-            shown_names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-            raise ConvertError(f"{dst}: the container directory also holds files that are not the container's "
-                               f"({shown_names}); convert --force replaces only a container's own files: move "
-                               "them out of it (or choose another output)")
-    for leftover in (dst.with_name(dst.name + ".partial"), dst.with_name(dst.name + ".old")):
-        if (leftover.exists() or leftover.is_symlink()) and not (leftover.is_dir() and not leftover.is_symlink()
-                                                                  and (leftover / PARTIAL_MARK).exists()):
-            raise ConvertError(f"{leftover}: exists and was not left by sluice convert; convert needs this path "
-                               "for its work (remove or rename it)")
-
-
-def _writer(path: Path):
-    """Open an output file (a seam for tests that simulate a full disk)."""
-    return open(path, "wb")
-
-
-class _Naming:
-    """Attach ``path`` to an OSError raised without a file name (a failed write or fsync)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if isinstance(e, OSError) and not e.filename:
-            e.filename = str(self.path)
-        return False
-
-
-def _sync_close(f) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two existing paths with renameat2(RENAME_EXCHANGE); False where the C
-    library, kernel or file system does not offer it."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def _remove_ours(path: Path) -> None:
-    """Delete a directory convert made (it carries the mark); anything else stays."""
-    if path.is_dir() and not path.is_symlink() and (path / PARTIAL_MARK).exists():
-        shutil.rmtree(path)
-
-
-def _remove_old(path: Path) -> None:
-    """Delete a replaced container: its own files only (``container_files``); a file that appeared in
-    it since the check stays, and so does the directory, with a warning naming it."""
-    left = remove_container(path, PARTIAL_MARK)
-    if left:
-        print(f"sluice: warning: {path}: kept the replaced container's directory, which holds files that are "
-              f"not the container's ({', '.join(left[:5])}); move them and remove the directory", file=sys.stderr)
-
-
-def _install(tmp: Path, dst: Path) -> None:
-    """Move the finished ``tmp`` to ``dst``, replacing a container there (checked before)."""
-    parent = dst.parent
-    if not dst.exists():
-        os.rename(tmp, dst)
-    elif exchange(tmp, dst):  # dst is the new container now; the old one is at tmp
-        (tmp / PARTIAL_MARK).touch()
-        _remove_old(tmp)
-    else:  # no atomic exchange: a short window between the two renames without dst
-        old = dst.with_name(dst.name + ".old")
-        _remove_ours(old)
-        (dst / PARTIAL_MARK).touch()
-        os.rename(dst, old)
-        try:
-            os.rename(tmp, dst)
-        except BaseException:
-            os.rename(old, dst)  # put the old container back
-            (dst / PARTIAL_MARK).unlink(missing_ok=True)
-            raise
-        _remove_old(old)
-    (dst / PARTIAL_MARK).unlink(missing_ok=True)
-    _fsync_path(dst)
-    _fsync_path(parent)
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | None = None,
@@ -364,14 +199,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | No
         raise ConvertError(f"not enough free disk at {dst.parent}: the container needs {total / 1e9:.2f} GB, "
                            f"{free / 1e9:.2f} GB free")
     tmp = dst.with_name(dst.name + ".partial")
-    _remove_ours(tmp)
+    remove_ours(tmp)
     tmp.mkdir()
     (tmp / PARTIAL_MARK).touch()
     writing = tmp
     try:
         writing = _write(src, tmp, info, fmt, parts, payload, rec, progress, dst.name, spine)
         writing = dst
-        _install(tmp, dst)
+        install(tmp, dst)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and not isinstance(e, SluiceError):
@@ -460,8 +295,8 @@ def _write_rows(tmp: Path, info, bar) -> dict:
     """rows.bin: every row table packed into CRC-checked pages (``rows.table.pack_page``), each table
     4096-aligned; returns the manifest's ``rows`` entry."""
     tables = {}
-    f = _writer(tmp / "rows.bin")
-    with _Naming(tmp / "rows.bin"), closing(f):
+    f = open_writer(tmp / "rows.bin")
+    with Naming(tmp / "rows.bin"), closing(f):
         off = 0
         for name, t in info.row_tables.items():
             page = page_bytes_for(t.row_bytes)
@@ -492,7 +327,7 @@ def _write_rows(tmp: Path, info, bar) -> dict:
             tables[name] = {"dtype": t.dtype, "shape": [t.rows, t.dim], "offset": start, "page_bytes": page,
                             "pages": pages}
             off = start + pages * page
-        _sync_close(f)
+        sync_close(f)
     return {"file": "rows.bin", "tables": tables}
 
 
@@ -513,8 +348,8 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
         groups.setdefault(spine_group(name), []).append(name)
     tensors, group_table = {}, {}
     chunk = AlignedBuffer(SPINE_CHUNK)
-    f = _writer(tmp / "spine.bin")
-    with _Naming(tmp / "spine.bin"), closing(f):
+    f = open_writer(tmp / "spine.bin")
+    with Naming(tmp / "spine.bin"), closing(f):
         off = 0
         for g in sorted(groups, key=_group_order):
             start = align_up(off, FORMAT_ALIGN)
@@ -537,7 +372,7 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
                 off += info_t.nbytes
             group_table[g] = [start, off - start, crc]
         f.write(b"\0" * (align_up(off, FORMAT_ALIGN) - off))
-        _sync_close(f)
+        sync_close(f)
 
     rows_entry = _write_rows(tmp, info, bar) if info.row_tables else None
 
@@ -556,8 +391,8 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
     with ThreadPoolExecutor(1, thread_name_prefix="sluice-convert-read") as reader:
         pending = reader.submit(read, 0) if items else None
         for layer in desc.moe_layers:
-            f = _writer(tmp / bank_name(layer))
-            with _Naming(tmp / bank_name(layer)), closing(f), \
+            f = open_writer(tmp / bank_name(layer))
+            with Naming(tmp / bank_name(layer)), closing(f), \
                     ThreadPoolExecutor(1, thread_name_prefix="sluice-convert-write") as writer:
                 writes = [None, None]
                 for e in range(desc.n_experts):
@@ -578,7 +413,7 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
                 for w in writes:
                     if w is not None:
                         w.result()
-                _sync_close(f)
+                sync_close(f)
             bank_table[str(layer)] = {
                 "file": bank_name(layer), "count": desc.n_experts, "record_bytes": rec,
                 "parts": [{"name": p.name, "offset": p.offset, "dtype": p.dtype, "shape": list(p.shape)}
@@ -594,7 +429,7 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
                 shutil.copy2(local, tmp / name)
             else:
                 (tmp / name).write_bytes(info.store.read_bytes(name))
-            _fsync_path(tmp / name)
+            fsync_path(tmp / name)
             copied.append(name)
     manifest = {
         "format": FORMAT_NAME,
@@ -612,9 +447,9 @@ def _write(src: Path | str, tmp: Path, info, fmt: str, parts, payload: int, rec:
     }
     if rows_entry is not None:
         manifest["rows"] = rows_entry
-    f = _writer(tmp / "manifest.json")
-    with _Naming(tmp / "manifest.json"), closing(f):
+    f = open_writer(tmp / "manifest.json")
+    with Naming(tmp / "manifest.json"), closing(f):
         f.write(json.dumps(seal_manifest(manifest), indent=1).encode("utf-8"))
-        _sync_close(f)
-    _fsync_path(tmp)
+        sync_close(f)
+    fsync_path(tmp)
     return tmp

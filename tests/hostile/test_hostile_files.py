@@ -188,7 +188,7 @@ def test_convert_onto_container_with_force(capsys, packed, hf, box):
 
 def test_convert_force_without_rename_exchange(monkeypatch, packed, hf, box):
     """Where renameat2(RENAME_EXCHANGE) is missing: rename aside, rename in, delete; nothing left over."""
-    import sluice.convert as conv
+    import sluice.convert_install as conv
 
     monkeypatch.setattr(conv, "exchange", lambda a, b: False)
     convert(hf, box, progress=False, force=True)
@@ -228,7 +228,7 @@ def test_convert_enospc_mid_write(capsys, monkeypatch, packed, hf, tmp_path, bud
     import sluice.convert as conv
 
     sizes = [budget]
-    monkeypatch.setattr(conv, "_writer", lambda path: FullDisk(path, sizes))
+    monkeypatch.setattr(conv, "open_writer", lambda path: FullDisk(path, sizes))
     out = tmp_path / "full.sluice"
     rc, _, err = cli(capsys, "convert", hf, out, "--no-progress")
     assert rc == 1 and "no space left on the device while writing the container" in err
@@ -243,7 +243,7 @@ def test_convert_enospc_replacing_keeps_old_container(monkeypatch, packed, hf, b
     import sluice.convert as conv
 
     before = tree(box)
-    monkeypatch.setattr(conv, "_writer", lambda path: FullDisk(path, [200_000]))
+    monkeypatch.setattr(conv, "open_writer", lambda path: FullDisk(path, [200_000]))
     with pytest.raises(ConvertError, match="no space left"):
         convert(hf, box, progress=False, force=True)
     assert tree(box) == before and not box.with_name("box.sluice.partial").exists()
