@@ -20,7 +20,7 @@ lookups and misses, certain reads and bytes, demand and prefetch reads, bytes re
 average before and after each run; the generated tokens of every arm equal.
 
     PYTHONPATH=src python benchmarks/certain_reads.py [--dir /path/for/models] [--memory 1.5GiB]
-        [--tokens 32] [--prompt-tokens 4] [--rounds 3] [--arms on,off|on,staggered,off]
+        [--tokens 32] [--prompt-tokens 4] [--prefill-chunk N] [--rounds 3] [--arms on,off|on,staggered,off]
         [--json benchmarks/results/certain-reads.json]
 """
 
@@ -72,14 +72,19 @@ KEYS = (
     "bytes_read",
     "read_wait_s",
     "hash_read_wait_s",
+    "ttft_s",
+    "certain_ahead",
 )
 
 
-def child(path: Path, memory: str, tokens: int, arm: str, n_hash: int, n_router: int, prompt_len: int) -> dict:
+def child(path: Path, memory: str, tokens: int, arm: str, n_hash: int, n_router: int, prompt_len: int,
+          chunk: int | None = None) -> dict:
     """One cold run in this (fresh) process: the generation's stats, and the decode read wait of
     each MoE layer (ms per token)."""
     prompt = torch.randint(3, 4000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    with sluice.load(path, memory=memory, progress=False, max_context=512, certain_reads=arm != "off") as eng:
+    chunked = {"prefill_chunk": chunk} if chunk else {}
+    with sluice.load(path, memory=memory, progress=False, max_context=max(512, prompt_len + tokens + 8),
+                     certain_reads=arm != "off", **chunked) as eng:
         if arm == "staggered":  # the later hash layers' reads behind the demand reads
             eng.experts.certain.staggered = True
         provider, per_layer = eng.experts, {}
@@ -93,11 +98,20 @@ def child(path: Path, memory: str, tokens: int, arm: str, n_hash: int, n_router:
                 per_layer[layer] = per_layer.get(layer, 0.0) + provider.counters.read_wait_s - w0
 
         provider.run_experts = timed
+        issue, ahead = provider.certain.issue, [0]
+
+        def counted(certain, rows, is_ahead):  # the experts handed over for a later forward
+            if is_ahead:
+                ahead[0] += sum(len(set(ids.reshape(-1).tolist())) for ids in certain.values())
+            return issue(certain, rows, is_ahead)
+
+        provider.certain.issue = counted
         r = eng.generate(prompt, max_new_tokens=tokens, ignore_eos=True, speculate=False)
         s, plan = r.stats, eng.plan
     forwards = max(1, s["decode_forwards"])
     router_wait = s["read_wait_s"] - s["hash_read_wait_s"]
     out = {k: s[k] for k in KEYS if k in s}
+    out["certain_ahead"] = ahead[0]
     out.update(
         arm=arm,
         tokens=r.token_ids,
@@ -112,7 +126,8 @@ def child(path: Path, memory: str, tokens: int, arm: str, n_hash: int, n_router:
     return out
 
 
-def run(path: Path, memory: str, tokens: int, arm: str, n_hash: int, n_router: int, prompt_len: int) -> dict:
+def run(path: Path, memory: str, tokens: int, arm: str, n_hash: int, n_router: int, prompt_len: int,
+        chunk: int | None = None) -> dict:
     """One cold run in a fresh process (the same baseline, so the same cache, for both arms)."""
     dropped, why = drop_caches()
     before = loadavg()
@@ -120,7 +135,7 @@ def run(path: Path, memory: str, tokens: int, arm: str, n_hash: int, n_router: i
         sys.executable,
         __file__,
         "--child",
-        json.dumps([str(path), memory, tokens, arm, n_hash, n_router, prompt_len]),
+        json.dumps([str(path), memory, tokens, arm, n_hash, n_router, prompt_len, chunk]),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -136,6 +151,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=4, help="a short prompt: decode meets cold experts")
     ap.add_argument("--models", default="tiny,stream")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prefill the prompt in chunks of this many tokens (one a step: the next chunk's hash "
+                         "experts are handed over ahead); the runs then report ttft_s")
     ap.add_argument(
         "--arms",
         default="on,off",
@@ -145,8 +163,8 @@ def main() -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run: its arguments as JSON
     a = ap.parse_args()
     if a.child:
-        path, memory, tokens, arm, n_hash, n_router, prompt_len = json.loads(a.child)
-        print(json.dumps(child(Path(path), memory, tokens, arm, n_hash, n_router, prompt_len)))
+        path, memory, tokens, arm, n_hash, n_router, prompt_len, chunk = json.loads(a.child)
+        print(json.dumps(child(Path(path), memory, tokens, arm, n_hash, n_router, prompt_len, chunk)))
         return 0
     root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="certain-bench-"))
     out = {
@@ -154,6 +172,7 @@ def main() -> int:
         "tokens": a.tokens,
         "rounds": a.rounds,
         "prompt_tokens": a.prompt_tokens,
+        "prefill_chunk": a.prefill_chunk,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "models": {},
     }
@@ -170,12 +189,13 @@ def main() -> int:
         runs = {arm: [] for arm in arms}
         for i in range(a.rounds):
             for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:  # the order rotating per round
-                rec = run(path, memory, a.tokens, arm, n_hash, n_router, a.prompt_tokens)
+                rec = run(path, memory, a.tokens, arm, n_hash, n_router, a.prompt_tokens, a.prefill_chunk)
                 runs[rec["arm"]].append(rec)
                 print(
                     f"  {name} {rec['arm']:3s} {rec['decode_tok_s']:.2f} tok/s  hash wait "
                     f"{rec['hash_wait_ms_per_token_layer']:.2f} ms/token/layer  router wait "
-                    f"{rec['router_wait_ms_per_token_layer']:.2f}  load {rec['load_before']}",
+                    f"{rec['router_wait_ms_per_token_layer']:.2f}  prefill {rec['ttft_s']:.2f} s (experts handed "
+                    f"over ahead {rec['certain_ahead']})  load {rec['load_before']}",
                     flush=True,
                 )
         first = runs[arms[0]][0]["tokens"]
@@ -217,7 +237,7 @@ def main() -> int:
                 f"  {arm:3s} {med['decode_tok_s']:.2f} tok/s  wait per token and layer: hash "
                 f"{med['hash_wait_ms_per_token_layer']:.2f} ms, router {med['router_wait_ms_per_token_layer']:.2f} "
                 f"ms (ratio {'-' if ratio is None else f'{ratio:.2f}'})  hash misses {med['hash_misses']:.0f}/"
-                f"{med['hash_lookups']:.0f}  certain reads {med['certain_reads']:.0f}"
+                f"{med['hash_lookups']:.0f}  certain reads {med['certain_reads']:.0f}  prefill {med['ttft_s']:.2f} s"
             )
             print(f"      wait ms/token by layer {med['wait_ms_per_token_by_layer']}")
     out["load_end"] = loadavg()
