@@ -18,8 +18,8 @@ Medians over --reps rounds; the 1-minute load average is recorded before and aft
 Part 2 (profile, with ``--model``). The model is loaded with every expert in memory, generated
 once (every expert read), and then the backend's kernel functions are wrapped with timers
 (``kernels.backend.cpu`` is what every call site calls through): per decoded token, the
-seconds in each kernel class (a run of 1 + N new tokens minus a run of 1 new token, from the
-same prompt), the calls and the bytes they read, next to the token's wall time; what is left
+seconds in each kernel class between the first streamed token and the last of 1 + N (the
+prefill and the first token left out), the calls and the bytes they read, next to the token's wall time; what is left
 is Python, routing and torch glue. Each class's roofline time is its bytes / the plain-read
 bandwidth, so ``gap_ms`` says where a token's time above the roofline goes.
 
@@ -49,8 +49,17 @@ from sluice.kernels.backend import cpu  # noqa: E402
 from sluice.synthetic import MIXTRAL_CONFIG  # noqa: E402
 
 # the 2 GB bf16 Mixtral shape of warm_vs_llamacpp.py (MIXTRAL_CONFIG with 5 experts per layer)
-DEFAULT_SHAPE = {k: MIXTRAL_CONFIG[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                  "num_key_value_heads", "head_dim", "vocab_size")}
+DEFAULT_SHAPE = {
+    k: MIXTRAL_CONFIG[k]
+    for k in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+    )
+}
 ESIZE = {torch.bfloat16: 2, torch.float32: 4}
 
 
@@ -82,30 +91,54 @@ class Pool:
 def decode_cases(shape: dict, pool: Pool, contexts: list[int]) -> dict[str, tuple[list, Callable, int]]:
     """label -> (operands, call(operand), bytes read per call) for one decode token's kernels."""
     h, i = shape["hidden_size"], shape["intermediate_size"]
-    hq, hkv, d, vocab = (shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"],
-                         shape["vocab_size"])
+    hq, hkv, d, vocab = (
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+        shape["head_dim"],
+        shape["vocab_size"],
+    )
     xh, xi = torch.randn(1, h), torch.randn(1, i)
     cases: dict[str, tuple[list, Callable, int]] = {}
     for dt, name in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
         e = ESIZE[dt]
         experts = pool.tensors(dt, (i, h), groups=3)  # gate [I, H], up [I, H], down viewed [H, I]
         cases[f"expert swiglu {name} (sk_swiglu)"] = (
-            experts, lambda w: kernels.swiglu(xh, w[0], w[1], w[2].view(h, i), 0.5), 3 * i * h * e)
+            experts,
+            lambda w: kernels.swiglu(xh, w[0], w[1], w[2].view(h, i), 0.5),
+            3 * i * h * e,
+        )
         cases[f"expert up GEMV {name} {i}x{h}"] = (
-            pool.tensors(dt, (i, h)), lambda w: kernels.dense(xh, w[0]), i * h * e)
+            pool.tensors(dt, (i, h)),
+            lambda w: kernels.dense(xh, w[0]),
+            i * h * e,
+        )
         cases[f"expert down GEMV {name} {h}x{i}"] = (
-            pool.tensors(dt, (h, i)), lambda w: kernels.dense(xi, w[0]), i * h * e)
+            pool.tensors(dt, (h, i)),
+            lambda w: kernels.dense(xi, w[0]),
+            i * h * e,
+        )
     cases[f"attn q/o proj bf16 {hq * d}x{h}"] = (
-        pool.tensors(torch.bfloat16, (hq * d, h)), lambda w: kernels.dense(xh, w[0]), hq * d * h * 2)
+        pool.tensors(torch.bfloat16, (hq * d, h)),
+        lambda w: kernels.dense(xh, w[0]),
+        hq * d * h * 2,
+    )
     cases[f"attn k/v proj bf16 {hkv * d}x{h}"] = (
-        pool.tensors(torch.bfloat16, (hkv * d, h)), lambda w: kernels.dense(xh, w[0]), hkv * d * h * 2)
+        pool.tensors(torch.bfloat16, (hkv * d, h)),
+        lambda w: kernels.dense(xh, w[0]),
+        hkv * d * h * 2,
+    )
     cases[f"head bf16 {vocab}x{h}"] = (
-        pool.tensors(torch.bfloat16, (vocab, h)), lambda w: kernels.dense(xh, w[0]), vocab * h * 2)
+        pool.tensors(torch.bfloat16, (vocab, h)),
+        lambda w: kernels.dense(xh, w[0]),
+        vocab * h * 2,
+    )
     q = torch.randn(1, hq, d)
     for length in contexts:
         cases[f"attention L={length} (sk_attend)"] = (
             pool.tensors(torch.float32, (hkv, length, d), groups=2),
-            lambda kv, n=length: kernels.attend(q, kv[0], kv[1], n - 1, d ** -0.5), 2 * hkv * length * d * 4)
+            lambda kv, n=length: kernels.attend(q, kv[0], kv[1], n - 1, d**-0.5),
+            2 * hkv * length * d * 4,
+        )
     # cache-resident: one row of activations and the norm's weight (as in decode); bytes = its operands
     wn, res = torch.rand(h) + 0.5, torch.randn(1, h)
     cases[f"rmsnorm + residual {h} (sk_rmsnorm)"] = ([None], lambda _: kernels.rmsnorm(xh, wn, 1e-5, res), 5 * h * 4)
@@ -149,15 +182,26 @@ def measure_kernels(shape: dict, threads: list[int], reps: int, pool_mib: int, c
                 secs[label].append(_pass(ops, call, 2000 if ops == [None] else 16))
         bw_med = statistics.median(bw)
         bandwidth[th] = {"plain_read_GBps": bw_med, "each": bw, "load1": load0 + loadavg()[:1]}
-        print(f"threads={th}: plain read {bw_med:5.1f} GB/s (each {', '.join(f'{v:.1f}' for v in bw)}); "
-              f"load {bandwidth[th]['load1']}", flush=True)
+        print(
+            f"threads={th}: plain read {bw_med:5.1f} GB/s (each {', '.join(f'{v:.1f}' for v in bw)}); "
+            f"load {bandwidth[th]['load1']}",
+            flush=True,
+        )
         for label, (ops, _, nbytes) in cases.items():
             s = statistics.median(secs[label])
             resident = ops == [None]
-            row = {"threads": th, "kernel": label, "bytes_per_call": nbytes, "operands": len(ops),
-                   "us": s * 1e6, "us_each": [v * 1e6 for v in secs[label]], "GBps": nbytes / s / 1e9,
-                   "plain_read_GBps": bw_med, "x_plain_read": None if resident else nbytes / s / 1e9 / bw_med,
-                   "cache_resident": resident}
+            row = {
+                "threads": th,
+                "kernel": label,
+                "bytes_per_call": nbytes,
+                "operands": len(ops),
+                "us": s * 1e6,
+                "us_each": [v * 1e6 for v in secs[label]],
+                "GBps": nbytes / s / 1e9,
+                "plain_read_GBps": bw_med,
+                "x_plain_read": None if resident else nbytes / s / 1e9 / bw_med,
+                "cache_resident": resident,
+            }
             rows.append(row)
             frac = "  (cache-resident)" if resident else f"  {row['x_plain_read']:5.2f} of plain read"
             print(f"  {label:40s} {s * 1e6:9.1f} us  {row['GBps']:6.2f} GB/s{frac}", flush=True)
@@ -167,8 +211,20 @@ def measure_kernels(shape: dict, threads: list[int], reps: int, pool_mib: int, c
 
 # -- part 2: a warm decode token, per kernel class --------------------------------------------------
 
-_WRAPPED = ("swiglu", "swiglu_many", "swiglu_rows", "dense", "dense_t", "dense_chain", "qmatmul", "attend",
-            "rmsnorm", "rope", "fp8_dense", "delta_rule")
+_WRAPPED = (
+    "swiglu",
+    "swiglu_many",
+    "swiglu_rows",
+    "dense",
+    "dense_t",
+    "dense_chain",
+    "qmatmul",
+    "attend",
+    "rmsnorm",
+    "rope",
+    "fp8_dense",
+    "delta_rule",
+)
 
 
 class KernelTimers:
@@ -210,6 +266,7 @@ class KernelTimers:
     def __enter__(self):
         perf = time.perf_counter
         for op, fn in self.saved.items():
+
             def timed(*args, _op=op, _fn=fn, **kw):
                 t = perf()
                 out = _fn(*args, **kw)
@@ -219,6 +276,7 @@ class KernelTimers:
                 self.calls[cls] = self.calls.get(cls, 0) + 1
                 self.bytes[cls] = self.bytes.get(cls, 0) + nb
                 return out
+
             setattr(cpu, op, timed)
         return self
 
@@ -236,8 +294,9 @@ def _wtype_check() -> None:
         raise RuntimeError("decode_kernels: sluice.kernels._WTYPE changed; update KernelTimers._classify")
 
 
-def profile_decode(model: Path, threads: list[int], contexts: list[int], new: int, reps: int,
-                   bw_of: Callable[[int], float]) -> list[dict]:
+def profile_decode(
+    model: Path, threads: list[int], contexts: list[int], new: int, reps: int, bw_of: Callable[[int], float]
+) -> list[dict]:
     _wtype_check()
     cfg = json.loads((model / "config.json").read_text())
     vocab = cfg["vocab_size"]
@@ -245,12 +304,17 @@ def profile_decode(model: Path, threads: list[int], contexts: list[int], new: in
     size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     out = []
     for th in threads:
-        with sluice.load(model, memory=int(size * 1.5 + (2 << 30)), threads=th, progress=False,
-                         max_context=max(contexts) + new + 16) as eng:
+        with sluice.load(
+            model, memory=int(size * 1.5 + (2 << 30)), threads=th, progress=False, max_context=max(contexts) + new + 16
+        ) as eng:
             g = torch.Generator().manual_seed(2)
             for _ in range(2):  # every expert read
-                eng.generate(torch.randint(3, vocab, (32,), generator=g).tolist(), max_new_tokens=8,
-                             ignore_eos=True, speculate=False)
+                eng.generate(
+                    torch.randint(3, vocab, (32,), generator=g).tolist(),
+                    max_new_tokens=8,
+                    ignore_eos=True,
+                    speculate=False,
+                )
             for ctx in contexts:
                 per: dict[str, list[float]] = {}
                 walls, plain_tok_s, load = [], [], [loadavg()[0]]
@@ -259,16 +323,19 @@ def profile_decode(model: Path, threads: list[int], contexts: list[int], new: in
                     ids = torch.randint(3, vocab, (ctx,), generator=g).tolist()
                     res = eng.generate(ids, max_new_tokens=new + 1, ignore_eos=True, speculate=False)  # untimed
                     plain_tok_s.append(res.stats["decode_tok_s"])
-                    with KernelTimers(vocab, experts) as kt:
-                        t0 = time.perf_counter()
-                        eng.generate(ids, max_new_tokens=1, ignore_eos=True, speculate=False)
-                        t1 = time.perf_counter()
-                        s1, c1, b1 = kt.snapshot()
-                        eng.generate(ids, max_new_tokens=new + 1, ignore_eos=True, speculate=False)
-                        t2 = time.perf_counter()
-                        s2, c2, b2 = kt.snapshot()
-                    walls.append(((t2 - t1) - (t1 - t0)) / new)
+                    with KernelTimers(vocab, experts) as kt:  # from the first token to the last
+                        n = 0
+                        for _st in eng.stream(ids, max_new_tokens=new + 1, ignore_eos=True, speculate=False):
+                            if n == 0:
+                                t1, (s1, c1, b1) = time.perf_counter(), kt.snapshot()
+                            n += 1
+                        t2, (s2, c2, b2) = time.perf_counter(), kt.snapshot()
+                    if n != new + 1:
+                        raise RuntimeError(f"decode_kernels: {n} tokens streamed, {new + 1} asked")
+                    walls.append((t2 - t1) / new)
                     for cls in s2:
+                        if c2[cls] == c1.get(cls, 0):
+                            continue  # prefill only (e.g. swiglu_rows)
                         per.setdefault(cls, []).append((s2[cls] - s1.get(cls, 0.0)) / new)
                         calls_tok[cls] = (c2[cls] - c1.get(cls, 0)) / new
                         bytes_tok[cls] = (b2[cls] - b1.get(cls, 0)) / new
@@ -279,29 +346,54 @@ def profile_decode(model: Path, threads: list[int], contexts: list[int], new: in
                 for cls, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
                     s = statistics.median(v)
                     roof = bytes_tok[cls] / (bw * 1e9)
-                    classes.append({"class": cls, "ms_per_token": s * 1e3, "share": s / wall,
-                                    "calls_per_token": calls_tok[cls], "MB_per_token": bytes_tok[cls] / 1e6,
-                                    "GBps": bytes_tok[cls] / s / 1e9 if s > 0 else None,
-                                    "x_plain_read": bytes_tok[cls] / s / 1e9 / bw if s > 0 and roof > 0 else None,
-                                    "roofline_ms": roof * 1e3, "gap_ms": (s - roof) * 1e3})
+                    classes.append(
+                        {
+                            "class": cls,
+                            "ms_per_token": s * 1e3,
+                            "share": s / wall,
+                            "calls_per_token": calls_tok[cls],
+                            "MB_per_token": bytes_tok[cls] / 1e6,
+                            "GBps": bytes_tok[cls] / s / 1e9 if s > 0 else None,
+                            "x_plain_read": bytes_tok[cls] / s / 1e9 / bw if s > 0 and roof > 0 else None,
+                            "roofline_ms": roof * 1e3,
+                            "gap_ms": (s - roof) * 1e3,
+                        }
+                    )
                 in_kernels = sum(c["ms_per_token"] for c in classes) / 1e3
                 total_bytes = sum(bytes_tok.values())
-                row = {"threads": th, "context": ctx, "new": new, "reps": reps, "ms_per_token": wall * 1e3,
-                       "ms_each": [w * 1e3 for w in walls], "timed_tok_s": 1 / wall,
-                       "untimed_decode_tok_s": statistics.median(plain_tok_s), "plain_read_GBps": bw,
-                       "MB_per_token": total_bytes / 1e6, "roofline_ms": total_bytes / (bw * 1e9) * 1e3,
-                       "outside_kernels_ms": (wall - in_kernels) * 1e3, "outside_share": 1 - in_kernels / wall,
-                       "classes": classes, "load1": load}
+                row = {
+                    "threads": th,
+                    "context": ctx,
+                    "new": new,
+                    "reps": reps,
+                    "ms_per_token": wall * 1e3,
+                    "ms_each": [w * 1e3 for w in walls],
+                    "timed_tok_s": 1 / wall,
+                    "untimed_decode_tok_s": statistics.median(plain_tok_s),
+                    "plain_read_GBps": bw,
+                    "MB_per_token": total_bytes / 1e6,
+                    "roofline_ms": total_bytes / (bw * 1e9) * 1e3,
+                    "outside_kernels_ms": (wall - in_kernels) * 1e3,
+                    "outside_share": 1 - in_kernels / wall,
+                    "classes": classes,
+                    "load1": load,
+                }
                 out.append(row)
-                print(f"profile threads={th} context={ctx}: {wall * 1e3:.1f} ms/token (untimed "
-                      f"{row['untimed_decode_tok_s']:.2f} tok/s), roofline {row['roofline_ms']:.1f} ms "
-                      f"({total_bytes / 1e6:.0f} MB at {bw:.1f} GB/s); outside kernels "
-                      f"{row['outside_kernels_ms']:.1f} ms ({row['outside_share']:.0%}); load {load}", flush=True)
+                print(
+                    f"profile threads={th} context={ctx}: {wall * 1e3:.1f} ms/token (untimed "
+                    f"{row['untimed_decode_tok_s']:.2f} tok/s), roofline {row['roofline_ms']:.1f} ms "
+                    f"({total_bytes / 1e6:.0f} MB at {bw:.1f} GB/s); outside kernels "
+                    f"{row['outside_kernels_ms']:.1f} ms ({row['outside_share']:.0%}); load {load}",
+                    flush=True,
+                )
                 for c in classes:
                     frac = f"{c['x_plain_read']:5.2f}" if c["x_plain_read"] is not None else "   - "
-                    print(f"  {c['class']:30s} {c['ms_per_token']:7.2f} ms {c['share']:6.1%}  "
-                          f"{c['calls_per_token']:5.0f} calls  {c['MB_per_token']:7.1f} MB  x plain {frac}  "
-                          f"gap {c['gap_ms']:6.2f} ms", flush=True)
+                    print(
+                        f"  {c['class']:30s} {c['ms_per_token']:7.2f} ms {c['share']:6.1%}  "
+                        f"{c['calls_per_token']:5.0f} calls  {c['MB_per_token']:7.1f} MB  x plain {frac}  "
+                        f"gap {c['gap_ms']:6.2f} ms",
+                        flush=True,
+                    )
     return out
 
 
@@ -310,10 +402,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=9, help="interleaved rounds (medians); at least 7 for the docs")
     ap.add_argument("--pool", type=int, default=1024, help="MiB of distinct operands cycled through")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096],
-                    help="cached positions for the attention kernel")
-    ap.add_argument("--model", type=Path, help="also profile warm decode tokens of this checkpoint "
-                    "(its config.json gives the shapes)")
+    ap.add_argument(
+        "--contexts", type=int, nargs="+", default=[512, 4096], help="cached positions for the attention kernel"
+    )
+    ap.add_argument(
+        "--model",
+        type=Path,
+        help="also profile warm decode tokens of this checkpoint (its config.json gives the shapes)",
+    )
     ap.add_argument("--profile-contexts", type=int, nargs="+", default=[32, 512], help="prompt lengths profiled")
     ap.add_argument("--profile-new", type=int, default=16, help="decoded tokens per profiled run")
     ap.add_argument("--profile-reps", type=int, default=3)
@@ -337,9 +433,21 @@ def main(argv=None) -> int:
 
         profile = profile_decode(a.model, a.threads, a.profile_contexts, a.profile_new, a.profile_reps, bw_of)
     if a.json:
-        a.json.write_text(json.dumps({"shape": shape, "kernels_info": kernels.info(), "cpus": os.cpu_count(),
-                                      "reps": a.reps, **res, "profile": profile,
-                                      "model": str(a.model) if a.model else None}, indent=1) + "\n")
+        a.json.write_text(
+            json.dumps(
+                {
+                    "shape": shape,
+                    "kernels_info": kernels.info(),
+                    "cpus": os.cpu_count(),
+                    "reps": a.reps,
+                    **res,
+                    "profile": profile,
+                    "model": str(a.model) if a.model else None,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 
