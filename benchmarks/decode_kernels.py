@@ -305,7 +305,7 @@ def profile_decode(
     out = []
     for th in threads:
         with sluice.load(
-            model, memory=int(size * 1.5 + (2 << 30)), threads=th, progress=False, max_context=max(contexts) + new + 16
+            model, memory=int(size * 3 + (2 << 30)), threads=th, progress=False, max_context=max(contexts) + new + 16
         ) as eng:
             g = torch.Generator().manual_seed(2)
             for _ in range(2):  # every expert read
