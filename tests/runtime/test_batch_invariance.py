@@ -115,6 +115,34 @@ def test_attention(window, sinks):
     assert (ref - want).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("window,sinks", [(None, False), (37, True)])
+@pytest.mark.parametrize("group", [2, 4, 8, 17])
+def test_attention_grouped_heads_as_one_head_at_a_time(group, window, sinks):
+    """The kernel runs a key/value head's query heads together (each key block read once); each
+    head's output equals the same head with its keys and values repeated per head (one head at a
+    time), at 1 and 2 threads, over keys past a block of 64 with a tail of 3 and a D tail of 5."""
+    if not kernels.available():
+        pytest.skip("C kernels not built on this machine")
+    g = gen(11)
+    t, hkv, d, dv, start = 7, 2, 29, 21, 143
+    hq = hkv * group
+    q = torch.randn(t, hq, d, generator=g)
+    k = torch.randn(hkv, start + t, d, generator=g)
+    v = torch.randn(hkv, start + t, dv, generator=g)
+    s = torch.randn(hq, generator=g) if sinks else None
+    k1, v1 = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    before = kernels.info()["threads"]
+    try:
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            one = kernels.attend(q, k1, v1, start, 0.3, window, s)
+            assert torch.equal(kernels.attend(q, k, v, start, 0.3, window, s), one), threads
+            for i in range(t):  # decode, one query at its position
+                assert torch.equal(kernels.attend(q[i : i + 1], k, v, start + i, 0.3, window, s), one[i : i + 1])
+    finally:
+        kernels.set_threads(before)
+
+
 def test_swiglu_expert_rows():
     g = gen(10)
     gate, up, down = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((48, 40), (48, 40), (40, 48)))

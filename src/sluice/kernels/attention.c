@@ -167,6 +167,86 @@ static void attend_task(void *ctx, int i0, int i1) {
     }
 }
 
+/*
+ * The AVX2 path for grouped queries (R = Hq / Hkv > 1): one task per (query token, key/value
+ * head) runs that group's R heads together, so each block of keys and values is read from
+ * memory once and reused from L1 by every head of the group (one task per head read the
+ * group's cache R times: 0.33-0.46 of a plain read at 2 threads). Each head's arithmetic is
+ * attend_task's: every score is dot4_avx2's or dot_avx2's chain for that key, the max and the
+ * ascending exp sum per head, and the weighted sum is weighted_sum_avx2 over consecutive key
+ * blocks (o kept in memory between blocks: the same fma per lane, in the same order).
+ */
+#define GROUP_MAX 16
+#define VBLOCK 64 /* keys per block of the weighted sum: 64 x Dv floats of values stay in L1 */
+
+AVX2 static void attend_group_task(void *ctx, int i0, int i1) {
+    const attend_args *a = (const attend_args *)ctx;
+    const int Hkv = a->Hq / a->R, R = a->R;
+    const int max_keys = a->q_start + a->T;
+    const size_t stride = (size_t)(max_keys > 0 ? max_keys : 1);
+    float *s = (float *)sk_scratch(4, sizeof(float) * stride * (size_t)R);
+    for (int i = i0; i < i1; i++) {
+        const int t = i / Hkv, g = i % Hkv, h0 = g * R;
+        const int pos = a->q_start + t;
+        int lo = 0;
+        if (a->window > 0 && pos - a->window + 1 > 0) lo = pos - a->window + 1;
+        const float *kh = a->k + g * a->ks_h, *vh = a->v + g * a->vs_h;
+        const long ks = a->ks_l;
+        float m[GROUP_MAX];
+        const float *q[GROUP_MAX];
+        for (int r = 0; r < R; r++) {
+            m[r] = -INFINITY;
+            q[r] = a->q + t * a->qs_t + (h0 + r) * a->qs_h;
+        }
+        int j0 = lo;
+        for (; j0 + 4 <= pos + 1; j0 += 4) {
+            const float *kj = kh + (long)j0 * ks;
+            for (int r = 0; r < R; r++) {
+                float d[4], *sr = s + (size_t)r * stride;
+                dot4_avx2(q[r], kj, kj + ks, kj + 2 * ks, kj + 3 * ks, a->D, d);
+                for (int u = 0; u < 4; u++) {
+                    sr[j0 + u] = d[u] * a->scale;
+                    if (sr[j0 + u] > m[r]) m[r] = sr[j0 + u];
+                }
+            }
+        }
+        for (int j = j0; j <= pos; j++) {
+            const float *kj = kh + (long)j * ks;
+            for (int r = 0; r < R; r++) {
+                float *sr = s + (size_t)r * stride;
+                sr[j] = dot_avx2(q[r], kj, a->D) * a->scale;
+                if (sr[j] > m[r]) m[r] = sr[j];
+            }
+        }
+        float sum[GROUP_MAX];
+        for (int r = 0; r < R; r++) {
+            const int h = h0 + r;
+            float *sr = s + (size_t)r * stride;
+            const float sink = a->sinks ? a->sinks[h] : -INFINITY;
+            if (a->sinks && sink > m[r]) m[r] = sink;
+            float acc = 0.0f;
+            for (int j = lo; j <= pos; j++) {
+                sr[j] = expf(sr[j] - m[r]);
+                acc += sr[j];
+            }
+            if (a->sinks) acc += expf(sink - m[r]);
+            sum[r] = acc;
+            memset(a->out + t * a->os_t + h * a->os_h, 0, sizeof(float) * (size_t)a->Dv);
+        }
+        for (int jb = lo; jb <= pos; jb += VBLOCK) {
+            const int je = jb + VBLOCK <= pos + 1 ? jb + VBLOCK : pos + 1;
+            for (int r = 0; r < R; r++)
+                weighted_sum_avx2(s + (size_t)r * stride, vh, a->vs_l, jb, je, a->out + t * a->os_t + (h0 + r) * a->os_h,
+                                  a->Dv);
+        }
+        for (int r = 0; r < R; r++) {
+            float *o = a->out + t * a->os_t + (h0 + r) * a->os_h;
+            const float inv = 1.0f / sum[r];
+            for (int e = 0; e < a->Dv; e++) o[e] *= inv;
+        }
+    }
+}
+
 EXPORT void sk_attend(const float *q, const float *k, const float *v, const float *sinks, float *out, int T, int Hq,
                       int Hkv, int D, int Dv, int q_start, int window, float scale, const long *strides,
                       int nthreads) {
@@ -175,7 +255,8 @@ EXPORT void sk_attend(const float *q, const float *k, const float *v, const floa
                      scale};
     long work = (long)T * Hq * (q_start + T) * (D + Dv);
     if (work < 65536) nthreads = 1;
-    sk_parallel(attend_task, &a, T * Hq, 1, nthreads);
+    if (sk_avx2() && a.R > 1 && a.R <= GROUP_MAX) sk_parallel(attend_group_task, &a, T * Hkv, 1, nthreads);
+    else sk_parallel(attend_task, &a, T * Hq, 1, nthreads);
 }
 
 /* ------------------------------------------------ gated delta rule, recurrent ---- */
