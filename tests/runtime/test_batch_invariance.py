@@ -117,14 +117,15 @@ def test_attention(window, sinks):
 
 @pytest.mark.parametrize("window,sinks", [(None, False), (37, True)])
 @pytest.mark.parametrize("group", [2, 4, 8, 17])
-def test_attention_grouped_heads_as_one_head_at_a_time(group, window, sinks):
+@pytest.mark.parametrize("d", [29, 64])
+def test_attention_grouped_heads_as_one_head_at_a_time(group, window, sinks, d):
     """The kernel runs a key/value head's query heads together (each key block read once); each
     head's output equals the same head with its keys and values repeated per head (one head at a
-    time), at 1 and 2 threads, over keys past a block of 64 with a tail of 3 and a D tail of 5."""
+    time), at 1 and 2 threads, over keys past a block of 64 with a tail of 3, with a D tail of 5 and without one."""
     if not kernels.available():
         pytest.skip("C kernels not built on this machine")
     g = gen(11)
-    t, hkv, d, dv, start = 7, 2, 29, 21, 143
+    t, hkv, dv, start = 7, 2, 21, 143
     hq = hkv * group
     q = torch.randn(t, hq, d, generator=g)
     k = torch.randn(hkv, start + t, d, generator=g)
