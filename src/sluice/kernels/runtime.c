@@ -107,8 +107,11 @@ void *sk_scratch(int which, size_t bytes) {
  * costs a futex wake, ~35 us on the project's VMs, on every call with a gap longer than the spin.
  * 4000 pauses (52 us here; a pause takes 3-40 ns by CPU) slept through most gaps: 1 ms of spin
  * measured 1.06x warm decode on the 2 GB bf16 Mixtral shape at 2 threads (5 of 5 alternating
- * turns; docs/benchmarks.md), the same CPU time per token. Timed with the clock, not a count. */
+ * turns; docs/benchmarks.md), the same CPU time per token. Timed with the clock, not a count;
+ * after the first 50 us the spin yields at every clock read, so on a busy machine another
+ * process that wants this core gets it (sched_yield returns at once when nobody does). */
 #define WORKER_SPIN_NS 1000000L
+#define WORKER_YIELD_NS 50000L /* past this, each clock read also yields: a process that wants the core gets it */
 #define SPIN_CHECK 64 /* pauses between clock reads */
 
 static long now_ns(void) {
@@ -164,7 +167,10 @@ static void *worker_main(void *arg) {
             if (++spins % SPIN_CHECK) continue;
             const long t = now_ns();
             if (!until) until = t + WORKER_SPIN_NS;
-            if (t < until) continue;
+            if (t < until) {
+                if (until - t < WORKER_SPIN_NS - WORKER_YIELD_NS) sched_yield();
+                continue;
+            }
             pthread_mutex_lock(&pool.mu);
             atomic_fetch_add(&pool.sleepers, 1);
             while ((g = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
