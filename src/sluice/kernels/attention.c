@@ -4,8 +4,10 @@
  * For query t (position q_start + t) and head h (key/value head h / R), over the keys it may
  * see (causal, optionally a sliding window):
  *   s_j = scale * dot(q, k_j)              one fixed summation order over D
- *   m = max(s_j, sink); p_j = exp(s_j - m)  ascending j
+ *   m = max(s_j, sink); p_j = exp(s_j - m)  ascending j (0 below 2^-126: softmax_weight)
  *   o = (sum_j p_j v_j) / (sum_j p_j + exp(sink - m))   ascending j, fma per Dv lane
+ * Grouped queries (Hq > Hkv) run a key/value head's query heads together, each with the
+ * arithmetic above (attend_group_task).
  * Nothing depends on how many queries share the call, how they are split across threads, or
  * where the key block starts, so a token's output is the same whether it is decoded alone,
  * prefilled in a chunk of 7 or of 512 (torch's batched matmul and softmax change their
