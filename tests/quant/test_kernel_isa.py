@@ -51,6 +51,29 @@ def test_dense_every_level(dtype, n, k):
     check_levels(lambda v: linear(v, w, b), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n,k", [(3001, 1000), (1203, 3584), (130, 2048)])
+def test_dense_decode_prefetch_every_level_and_thread_count(dtype, n, k):
+    """Decode (1-3 tokens) prefetches each row stream ahead and splits rows into 512 KiB chunks per
+    thread; a batch of 13 does neither. Every row must come out the same at every level and thread
+    count, for rows that end mid-line (k = 1000) and matrices that end a buffer (nothing past it)."""
+    g = torch.Generator().manual_seed(n + k)
+    store = torch.randn(n + 5, k, generator=g).to(dtype)
+    w = store[5:]  # the last rows of its buffer
+    x = torch.randn(13, k, generator=g)
+    ref = at_level(1, lambda: kernels.dense(x, w))
+    before = kernels.info()["threads"]
+    try:
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            for level in LEVELS:
+                for t in (1, 2, 3):
+                    got = at_level(level, lambda: torch.cat([kernels.dense(x[i : i + t], w) for i in range(0, 12, t)]))
+                    assert torch.equal(got, ref[:12]), (kernels.ISA_LEVELS[level], threads, t)
+    finally:
+        kernels.set_threads(before)
+
+
 @pytest.mark.parametrize("mode", ["q8", "f32"])
 @pytest.mark.parametrize("fmt", ["q4", "mxfp4", "int8"])
 @pytest.mark.parametrize("n,k", [(45, 32 * 13), (33, 32 * 16), (7, 32 * 9), (64, 32 * 64), (5, 32)])

@@ -115,6 +115,61 @@ def test_attention(window, sinks):
     assert (ref - want).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("window,sinks", [(None, False), (37, True)])
+@pytest.mark.parametrize("group", [2, 4, 8, 17])
+@pytest.mark.parametrize("d", [29, 64])
+def test_attention_grouped_heads_as_one_head_at_a_time(group, window, sinks, d):
+    """The kernel runs a key/value head's query heads together (each key block read once); each
+    head's output equals the same head with its keys and values repeated per head (one head at a
+    time), at 1 and 2 threads, over keys past a block of 64 with a tail of 3, with a D tail of 5 and without one."""
+    if not kernels.available():
+        pytest.skip("C kernels not built on this machine")
+    g = gen(11)
+    t, hkv, dv, start = 7, 2, 21, 143
+    hq = hkv * group
+    q = torch.randn(t, hq, d, generator=g)
+    k = torch.randn(hkv, start + t, d, generator=g)
+    v = torch.randn(hkv, start + t, dv, generator=g)
+    s = torch.randn(hq, generator=g) if sinks else None
+    k1, v1 = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    before = kernels.info()["threads"]
+    try:
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            one = kernels.attend(q, k1, v1, start, 0.3, window, s)
+            assert torch.equal(kernels.attend(q, k, v, start, 0.3, window, s), one), threads
+            for i in range(t):  # decode, one query at its position
+                assert torch.equal(kernels.attend(q[i : i + 1], k, v, start + i, 0.3, window, s), one[i : i + 1])
+    finally:
+        kernels.set_threads(before)
+
+
+def test_attention_weights_below_the_smallest_normal_are_zero():
+    """A peaked softmax (scores 80-110 below the maximum: weights of 2^-126 and less, subnormal or
+    0 in fp32) gives those keys weight 0 on every path (subnormals cost a microcode assist per
+    fma); the outputs stay the plain formula's, and grouped heads stay one head's bits."""
+    if not kernels.available():
+        pytest.skip("C kernels not built on this machine")
+    g = gen(12)
+    t, hkv, group, d, n = 3, 2, 4, 64, 90
+    hq = hkv * group
+    q = torch.randn(t, hq, d, generator=g)
+    k = torch.randn(hkv, n, d, generator=g)
+    v = torch.randn(hkv, n, 24, generator=g)
+    # scores: key 0 is the maximum; the others fall 80-110 below it
+    k[:, 1:] = -q.mean((0, 1)) * torch.linspace(0.5, 0.7, n - 1)[None, :, None] * (110 / q.mean((0, 1)).norm() ** 2)
+    out = kernels.attend(q, k, v, n - t, 1.0)
+    k1, v1 = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    assert torch.equal(kernels.attend(q, k1, v1, n - t, 1.0), out)
+    scores = torch.einsum("thd,hld->htl", q.double(), k1.double())
+    mask = torch.arange(n)[None, :] <= torch.arange(n - t, n)[:, None]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, -1)
+    assert ((p > 0) & (p < 2.0**-126)).any()  # the case is there
+    want = torch.einsum("htl,hle->the", p, v1.double()).float()
+    assert torch.isfinite(out).all() and (out - want).abs().max() < 1e-5
+
+
 def test_swiglu_expert_rows():
     g = gen(10)
     gate, up, down = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((48, 40), (48, 40), (40, 48)))

@@ -104,19 +104,67 @@ AVX2 static inline __m256 load8(const void *w, size_t idx, int wtype) {
 }
 
 
+/*
+ * Software prefetch for the memory-bound tiles (one to three tokens: decode, a draft's
+ * verification). The tile reads its rows as NR streams side by side; bf16 rows of 2-7 KiB are
+ * short streams for the hardware prefetcher, which restarts on every tile and every page
+ * (measured: the bf16 GEMV at 0.69-0.79 of a plain read, the f32 one of the same shape at 1.0).
+ * Each stream is fetched PF_NEAR bytes ahead into L1 and PF_FAR bytes ahead into L2, continuing
+ * into the next tile's rows past a row's end and stopping at the end of the caller's rows (a
+ * thread's chunk), so no other thread's rows are read twice. Only addresses: never the bits.
+ * (docs/benchmarks.md, "Decode kernels against the memory roofline".)
+ */
+#define PF_NEAR 2048
+#define PF_FAR 16384
+#define PF_MAX_T 3
+
+/* memory-bound 2-byte rows: prefetch (f32 rows, a page each at K = 1024, measured 0.90-0.95x with it) */
+static inline int pf_wanted(const dense_args *a) { return a->T <= PF_MAX_T && a->wtype != WT_F32; }
+
+typedef struct { int q, c; } pf_pos; /* a stream's position ahead: q tiles further down, column c */
+
+static inline pf_pos pf_start(int k0, int ahead_elems, int K) {
+    pf_pos p = {(k0 + ahead_elems) / K, (k0 + ahead_elems) % K};
+    return p;
+}
+
+static inline void pf_step(pf_pos *p, int step, int K) {
+    p->c += step;
+    while (p->c >= K) { p->c -= K; p->q++; }
+}
+
+/* prefetch column p.c of the NR rows q tiles below row n (rows at or past nend skipped) */
+__attribute__((always_inline)) static inline void pf_rows(const char *w, size_t esize, int n, int NR, int K, int nend,
+                                                          pf_pos p, int hint_l1) {
+    const int row = n + NR * p.q;
+    for (int r = 0; r < NR && row + r < nend; r++) {
+        const char *addr = w + ((size_t)(row + r) * K + p.c) * esize;
+        if (hint_l1) _mm_prefetch(addr, _MM_HINT_T0);
+        else _mm_prefetch(addr, _MM_HINT_T1);
+    }
+}
+
 /* One row at a time, all T tokens per row (the row stays in L1 after the first token),
  * two accumulators per row over K in steps of 16. Streaming one row at a time measured
  * ~1.5-2x faster than interleaving four rows when the matrix comes from DRAM (see
  * docs/quantization.md); the per-row summation order is the same as before. */
-AVX2 static void dense_rows_avx2(const dense_args *a, int n0, int n1) {
+__attribute__((always_inline)) AVX2 static inline void dense_rows_avx2_pf(const dense_args *a, int n0, int n1,
+                                                                          const int pf) {
     const int K = a->K, T = a->T, wt = a->wtype;
     const int K16 = K & ~15;
+    const size_t esize = wt == WT_F32 ? 4 : 2, end = (size_t)n1 * K * esize;
+    const char *wb = (const char *)a->w;
     for (int n = n0; n < n1; n++) {
         const size_t r0 = (size_t)n * K;
         for (int t = 0; t < T; t++) {
             const float *x = a->x + (size_t)t * K;
             __m256 a0 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps();
             for (int k = 0; k < K16; k += 16) {
+                if (pf && t == 0 && ((r0 + k) & 31) == 0) { /* one stream: the rows in order, a line per prefetch */
+                    const size_t at = (r0 + k) * esize;
+                    if (at + PF_NEAR < end) _mm_prefetch(wb + at + PF_NEAR, _MM_HINT_T0);
+                    if (at + PF_FAR < end) _mm_prefetch(wb + at + PF_FAR, _MM_HINT_T1);
+                }
                 a0 = _mm256_fmadd_ps(load8(a->w, r0 + k, wt), _mm256_loadu_ps(x + k), a0);
                 b0 = _mm256_fmadd_ps(load8(a->w, r0 + k + 8, wt), _mm256_loadu_ps(x + k + 8), b0);
             }
@@ -131,6 +179,11 @@ AVX2 static void dense_rows_avx2(const dense_args *a, int n0, int n1) {
             a->y[(size_t)t * a->N + n] = s + (a->bias ? a->bias[n] : 0.0f);
         }
     }
+}
+
+AVX2 static void dense_rows_avx2(const dense_args *a, int n0, int n1) {
+    if (pf_wanted(a)) dense_rows_avx2_pf(a, n0, n1, 1);
+    else dense_rows_avx2_pf(a, n0, n1, 0);
 }
 
 /* The scalar tail of dense_rows_avx2 (k >= K16), shared by the tiled kernel so that both
@@ -154,15 +207,24 @@ AVX2 static inline float dense_tail(const float *x, const void *w, size_t r0, in
  * tail; the bias), so a row's result does not depend on how many rows come with it.
  */
 __attribute__((always_inline)) AVX2 static inline void dense_tile(const dense_args *a, int n, int nr, int t0,
-                                                                  const int NT) {
+                                                                  const int NT, int nend, const int pf) {
     const int K = a->K, wt = a->wtype;
     const int K16 = K & ~15;
+    const size_t esize = wt == WT_F32 ? 4 : 2;
+    const int line = 64 / (int)esize;
+    pf_pos near = pf_start(0, PF_NEAR / (int)esize, K), far = pf_start(0, PF_FAR / (int)esize, K);
     __m256 acc[2][3][2];
     for (int r = 0; r < 2; r++)
         for (int t = 0; t < 3; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
     const size_t w0 = (size_t)n * K, w1 = (size_t)(n + (nr > 1 ? 1 : 0)) * K;
     const float *x0 = a->x + (size_t)t0 * K;
     for (int k = 0; k < K16; k += 16) {
+        if (pf && (k & (line - 1)) == 0) {
+            pf_rows((const char *)a->w, esize, n, 2, K, nend, near, 1);
+            pf_rows((const char *)a->w, esize, n, 2, K, nend, far, 0);
+            pf_step(&near, line, K);
+            pf_step(&far, line, K);
+        }
         for (int h = 0; h < 2; h++) {
             const __m256 wa = load8(a->w, w0 + k + 8 * h, wt), wb = load8(a->w, w1 + k + 8 * h, wt);
             for (int t = 0; t < NT; t++) {
@@ -184,14 +246,17 @@ __attribute__((always_inline)) AVX2 static inline void dense_tile(const dense_ar
 static inline float wval(const void *w, size_t idx, int wt);
 
 AVX2 static void dense_tiled_avx2_rows(const dense_args *a, int n0, int n1) {
-    const int T = a->T;
+    const int T = a->T, pf = pf_wanted(a);
     int t0 = 0;
-    for (; t0 + 3 <= T; t0 += 3)
-        for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, 3);
-    if (T - t0 == 2)
-        for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, 2);
-    else if (T - t0 == 1)
-        for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, 1);
+#define SK_TILE2(NT_)                                                                                  \
+    do {                                                                                               \
+        if (pf) for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, NT_, n1, 1); \
+        else for (int n = n0; n < n1; n += 2) dense_tile(a, n, n1 - n < 2 ? 1 : 2, t0, NT_, n1, 0);   \
+    } while (0)
+    for (; t0 + 3 <= T; t0 += 3) SK_TILE2(3);
+    if (T - t0 == 2) SK_TILE2(2);
+    else if (T - t0 == 1) SK_TILE2(1);
+#undef SK_TILE2
 }
 
 /* bf16/f16 weights and 6+ tokens on AVX2: each block of 16 rows is widened to fp32 once (exact)
@@ -249,9 +314,12 @@ AVX512 static inline __m512 load16z(const void *w, size_t idx, int wtype) {
 }
 
 __attribute__((always_inline)) AVX512 static inline void dense_tile512(const dense_args *a, int n, int nr, int t0,
-                                                                       const int NT, const int NR) {
+                                                                       const int NT, const int NR, int nend, const int pf) {
     const int K = a->K, wt = a->wtype;
     const int K16 = K & ~15;
+    const size_t esize = wt == WT_F32 ? 4 : 2;
+    const int line = 64 / (int)esize; /* elements per cache line: one prefetch per row and line */
+    pf_pos near = pf_start(0, PF_NEAR / (int)esize, K), far = pf_start(0, PF_FAR / (int)esize, K);
     __m512 acc[4][6];
     for (int r = 0; r < NR; r++)
         for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
@@ -259,6 +327,12 @@ __attribute__((always_inline)) AVX512 static inline void dense_tile512(const den
     for (int r = 0; r < NR; r++) wr[r] = (size_t)(n + (r < nr ? r : 0)) * K;
     const float *x0 = a->x + (size_t)t0 * K;
     for (int k = 0; k < K16; k += 16) {
+        if (pf && (k & (line - 1)) == 0) {
+            pf_rows((const char *)a->w, esize, n, NR, K, nend, near, 1);
+            pf_rows((const char *)a->w, esize, n, NR, K, nend, far, 0);
+            pf_step(&near, line, K);
+            pf_step(&far, line, K);
+        }
         __m512 wv[4];
         for (int r = 0; r < NR; r++) wv[r] = load16z(a->w, wr[r] + k, wt);
         for (int t = 0; t < NT; t++) {
@@ -278,9 +352,13 @@ __attribute__((always_inline)) AVX512 static inline void dense_tile512(const den
 }
 
 AVX512 static void dense_tiled_avx512_rows(const dense_args *a, int n0, int n1) {
-    const int T = a->T;
+    const int T = a->T, pf = pf_wanted(a);
     int t0 = 0;
-#define SK_TILE_ROWS(NT_) for (int n = n0; n < n1; n += 4) dense_tile512(a, n, n1 - n < 4 ? n1 - n : 4, t0, NT_, 4)
+#define SK_TILE_ROWS(NT_)                                                                                       \
+    do {                                                                                                        \
+        if (pf) for (int n = n0; n < n1; n += 4) dense_tile512(a, n, n1 - n < 4 ? n1 - n : 4, t0, NT_, 4, n1, 1); \
+        else for (int n = n0; n < n1; n += 4) dense_tile512(a, n, n1 - n < 4 ? n1 - n : 4, t0, NT_, 4, n1, 0);   \
+    } while (0)
     for (; t0 + 6 <= T; t0 += 6) SK_TILE_ROWS(6);
     switch (T - t0) {
     case 5: SK_TILE_ROWS(5); break;
@@ -312,15 +390,19 @@ static void dense_task(void *ctx, int n0, int n1) {
 
 /* Rows per chunk of sk_dense's job over N rows of row_bytes each. */
 static int dense_chunk(int T, int N, size_t row_bytes, int nthreads) {
+    /* Decode (T <= PF_MAX_T, memory-bound): ~512 KiB of rows per chunk, so each thread reads long
+     * runs of memory and the prefetch, which stops at a chunk's end, restarts seldom (2 threads,
+     * bf16: 32 KiB chunks 0.74-0.83 of a plain read, 256 KiB 0.90-0.94, 512 KiB 0.95-1.0; 1 MiB
+     * leaves 7 chunks of an expert's matrix for 2 threads). Tiled prefill: ~256 KiB (L2), so the
+     * activations are re-read less often. Never more than one thread's share, so every thread
+     * gets work; never less than sk_chunk_rows. */
+    const size_t target = (T <= PF_MAX_T ? 512u : 256u) << 10;
+    size_t r = target / (row_bytes ? row_bytes : 1);
+    size_t per_thread = ((size_t)N + nthreads - 1) / (nthreads > 0 ? nthreads : 1);
+    if (r > per_thread) r = per_thread;
     int chunk = sk_chunk_rows(row_bytes, N);
-    if (T > 1) { /* tiled: ~256 KiB of rows per chunk (L2), so the activations are re-read less often */
-        size_t r = (256u << 10) / (row_bytes ? row_bytes : 1);
-        size_t per_thread = ((size_t)N + nthreads - 1) / (nthreads > 0 ? nthreads : 1);
-        if (r > per_thread) r = per_thread;
-        if (r < (size_t)chunk) r = chunk;
-        chunk = r > (size_t)N ? N : (int)r;
-    }
-    return chunk;
+    if (r < (size_t)chunk) r = chunk;
+    return r > (size_t)N ? N : (int)r;
 }
 
 /* y[T, N] = x[T, K] @ W[N, K]^T (+ bias), W in f32 / bf16 / f16. */

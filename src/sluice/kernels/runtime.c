@@ -12,6 +12,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <immintrin.h>
+#include <time.h>
 
 #include "sk.h"
 
@@ -101,7 +102,23 @@ void *sk_scratch(int which, size_t bytes) {
  */
 
 #define MAX_THREADS 64
-#define WORKER_SPINS 4000 /* pause instructions before sleeping (as before; 200..20000 measured no different) */
+/* How long a worker spins after a job before it sleeps. A decode token's kernels come with gaps
+ * of Python between them (routing, the KV write, the wrappers); a worker asleep at the next call
+ * costs a futex wake, ~35 us on the project's VMs, on every call with a gap longer than the spin.
+ * 4000 pauses (52 us here; a pause takes 3-40 ns by CPU) slept through most gaps: 1 ms of spin
+ * measured 1.06x warm decode on the 2 GB bf16 Mixtral shape at 2 threads (5 of 5 alternating
+ * turns; docs/benchmarks.md), the same CPU time per token. Timed with the clock, not a count;
+ * after the first 50 us the spin yields at every clock read, so on a busy machine another
+ * process that wants this core gets it (sched_yield returns at once when nobody does). */
+#define WORKER_SPIN_NS 1000000L
+#define WORKER_YIELD_NS 50000L /* past this, each clock read also yields: a process that wants the core gets it */
+#define SPIN_CHECK 64 /* pauses between clock reads */
+
+static long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long)ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
 
 static struct {
     pthread_mutex_t mu;
@@ -144,9 +161,14 @@ static void *worker_main(void *arg) {
     for (;;) {
         long g;
         int spins = 0;
+        long until = 0;
         while ((g = atomic_load(&pool.generation)) == seen) {
-            if (++spins < WORKER_SPINS) {
-                __builtin_ia32_pause();
+            __builtin_ia32_pause();
+            if (++spins % SPIN_CHECK) continue;
+            const long t = now_ns();
+            if (!until) until = t + WORKER_SPIN_NS;
+            if (t < until) {
+                if (until - t < WORKER_SPIN_NS - WORKER_YIELD_NS) sched_yield();
                 continue;
             }
             pthread_mutex_lock(&pool.mu);
