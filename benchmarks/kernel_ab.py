@@ -9,12 +9,13 @@ itself: an A/A run shows the noise) and called directly, without the Python wrap
 shapes are the 2 GB bf16 Mixtral shape of ``warm_vs_llamacpp.py`` (hidden 1024, intermediate
 3584, 16 query / 4 key-value heads of 64, vocab 32000): the expert GEMVs (``up``, ``down``,
 bf16; ``up32`` in f32), the attention projections (``qo``, ``kv``), the head, the fused SwiGLU
-expert, attention over L cached positions (``attnL``) and the plain read (``sum``, a 1 GiB fp32
-sum). Weights cycle through a 1 GiB buffer (from DRAM, as in a warm decode). Before timing,
-every case runs once in each build on the same operands and the outputs are compared bit for
-bit (``same=``): a kernel change that moves a bit shows here. Each round times every build for
-``--calls`` seconds per case, in alternating order (AB, BA, ...); GB/s are medians, ``ratio`` the
-median of the per-round ratios to the first build. ``--isa 1`` caps both at AVX2.
+expert, attention over L cached positions (``attnL``) and the plain read (``sum``, an fp32 sum
+of the whole buffer). Weights cycle through a ``--pool`` MiB buffer (1 GiB: from DRAM, as in a
+warm decode). Before timing, every case runs once in each build on the same operands and the
+outputs are compared bit for bit (``same=``; the exit status is 1 if any differ): a kernel
+change that moves a bit shows here. Each round times every build for ``--calls`` seconds per
+case, in alternating order (AB, BA, ...); GB/s are medians, ``ratio`` the median of the
+per-round ratios to the first build. ``--isa 1`` caps both at AVX2.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def load(path: str, tmp: Path, n: int, threads: int, isa: int) -> ctypes.CDLL:
     return lib
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("libs", nargs="+", help="kernel libraries (_kernels*.so) to compare; the first is the base")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -61,8 +62,9 @@ def main() -> int:
     ap.add_argument("--isa", type=int, default=-1, help="cap the level (1 = AVX2, 2 = AVX-512F); default the CPU's")
     ap.add_argument("--cases", default="up,down,head,qo,kv,swiglu,up32,attn512,attn4096,sum")
     ap.add_argument("--calls", type=float, default=0.15, help="seconds per case, build and round")
+    ap.add_argument("--pool", type=int, default=1024, help="MiB of operands cycled through (1 GiB: beyond the LLC)")
     ap.add_argument("--json", type=Path)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if len(a.libs) < 2:
         ap.error("give at least two libraries (the same one twice is an A/A run)")
     tmp = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
@@ -74,14 +76,16 @@ def main() -> int:
 
 
 def run(a, libs) -> int:
-    nbytes = 1 << 30
+    nbytes = a.pool << 20
     gen = torch.Generator().manual_seed(0)
     f32 = torch.empty(nbytes // 4).normal_(0, 0.05, generator=gen)
     bf = f32[: nbytes // 2].to(torch.bfloat16)
     xh, xi = torch.randn(1, H, generator=gen), torch.randn(1, INTER, generator=gen)
 
     def operands(buf, n):
-        return [buf[c * n : (c + 1) * n] for c in range(max(2, buf.numel() // n))]
+        if buf.numel() < 2 * n:
+            raise SystemExit(f"--pool {a.pool} MiB holds fewer than two operands of {n} values: give a larger pool")
+        return [buf[c * n : (c + 1) * n] for c in range(buf.numel() // n)]
 
     def dense(n, k, wt):
         x, buf, es = (xh if k == H else xi), (f32 if wt == WT_F32 else bf), (4 if wt == WT_F32 else 2)

@@ -121,3 +121,22 @@ def test_heavy_peer(work, engine):
     r = data["runs"][0]
     _check_run(r, 4)
     assert r["match"] is True, (r["result"]["token_ids"], data["reference"]["result"]["token_ids"])
+
+
+def test_kernel_ab_same_library_twice(tmp_path):
+    """benchmarks/kernel_ab.py on the built kernels against themselves (an A/A run): every case
+    runs in both copies, the outputs are compared bit for bit, and the JSON says so."""
+    import kernel_ab
+
+    from sluice import kernels
+
+    lib = kernels._find_library() if kernels.available() else None
+    if not lib:
+        pytest.skip("C kernels not built on this machine")
+    out = tmp_path / "ab.json"
+    cases = "up,down,kv,swiglu,up32,attn40,sum"
+    assert kernel_ab.main([lib, lib, "--threads", "1", "2", "--rounds", "2", "--calls", "0.01", "--pool", "128",
+                           "--cases", cases, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * len(cases.split(","))
+    assert all(r["same_bits"] and len(r["gb_s"]) == 2 and all(g > 0 for g in r["gb_s"]) for r in rows)
