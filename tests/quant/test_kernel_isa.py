@@ -74,6 +74,21 @@ def test_dense_decode_prefetch_every_level_and_thread_count(dtype, n, k):
         kernels.set_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("k", [0, 1, 7, 15, 16, 17])
+def test_dense_short_rows_every_level(dtype, k):
+    """Rows shorter than one vector step (the decode prefetch plans its distances in rows of K:
+    K = 0 must not divide by zero), at 1-3 tokens and at a batch, every level."""
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(9, k, generator=g).to(dtype)
+    for t in (1, 2, 3, 7):
+        x = torch.randn(t, k, generator=g)
+        want = x.double() @ w.double().T
+        for level in LEVELS:
+            got = at_level(level, lambda: kernels.dense(x, w))
+            assert got.shape == (t, 9) and torch.allclose(got.double(), want, atol=1e-5), (kernels.ISA_LEVELS[level], t)
+
+
 @pytest.mark.parametrize("mode", ["q8", "f32"])
 @pytest.mark.parametrize("fmt", ["q4", "mxfp4", "int8"])
 @pytest.mark.parametrize("n,k", [(45, 32 * 13), (33, 32 * 16), (7, 32 * 9), (64, 32 * 64), (5, 32)])

@@ -119,7 +119,7 @@ AVX2 static inline __m256 load8(const void *w, size_t idx, int wtype) {
 #define PF_MAX_T 3
 
 /* memory-bound 2-byte rows: prefetch (f32 rows, a page each at K = 1024, measured 0.90-0.95x with it) */
-static inline int pf_wanted(const dense_args *a) { return a->T <= PF_MAX_T && a->wtype != WT_F32; }
+static inline int pf_wanted(const dense_args *a) { return a->T <= PF_MAX_T && a->wtype != WT_F32 && a->K >= 16; }
 
 typedef struct { int q, c; } pf_pos; /* a stream's position ahead: q tiles further down, column c */
 
@@ -212,7 +212,11 @@ __attribute__((always_inline)) AVX2 static inline void dense_tile(const dense_ar
     const int K16 = K & ~15;
     const size_t esize = wt == WT_F32 ? 4 : 2;
     const int line = 64 / (int)esize;
-    pf_pos near = pf_start(0, PF_NEAR / (int)esize, K), far = pf_start(0, PF_FAR / (int)esize, K);
+    pf_pos near = {0, 0}, far = {0, 0};
+    if (pf) { /* K >= 16 (pf_wanted) */
+        near = pf_start(0, PF_NEAR / (int)esize, K);
+        far = pf_start(0, PF_FAR / (int)esize, K);
+    }
     __m256 acc[2][3][2];
     for (int r = 0; r < 2; r++)
         for (int t = 0; t < 3; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
@@ -319,7 +323,11 @@ __attribute__((always_inline)) AVX512 static inline void dense_tile512(const den
     const int K16 = K & ~15;
     const size_t esize = wt == WT_F32 ? 4 : 2;
     const int line = 64 / (int)esize; /* elements per cache line: one prefetch per row and line */
-    pf_pos near = pf_start(0, PF_NEAR / (int)esize, K), far = pf_start(0, PF_FAR / (int)esize, K);
+    pf_pos near = {0, 0}, far = {0, 0};
+    if (pf) { /* K >= 16 (pf_wanted) */
+        near = pf_start(0, PF_NEAR / (int)esize, K);
+        far = pf_start(0, PF_FAR / (int)esize, K);
+    }
     __m512 acc[4][6];
     for (int r = 0; r < NR; r++)
         for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
