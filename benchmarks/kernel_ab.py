@@ -31,10 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import sluice  # noqa: F401  (before torch: it sets OpenMP's wait policy)
 import torch
+from sluice.synthetic import MIXTRAL_CONFIG as SHAPE  # the shape of decode_kernels.py and warm_vs_llamacpp.py
 
-H, INTER, V, QD, KVD = 1024, 3584, 32000, 1024, 256
-HQ, HKV, D = 16, 4, 64
+H, INTER, V = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+HQ, HKV, D = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], SHAPE["head_dim"]
+QD, KVD = HQ * D, HKV * D
 WT_F32, WT_BF16 = 0, 1
 
 

@@ -198,9 +198,7 @@ static void attend_task(void *ctx, int i0, int i1) {
  */
 #define GROUP_MAX 16
 #define VBLOCK 64 /* keys per block of the weighted sum: 64 x Dv floats of values stay in L1 */
-#ifndef KAHEAD
-#define KAHEAD 16
-#endif
+#define KAHEAD 16 /* keys prefetched ahead of the score loop */
 
 AVX2 static void attend_group_task(void *ctx, int i0, int i1) {
     const attend_args *a = (const attend_args *)ctx;
@@ -222,7 +220,7 @@ AVX2 static void attend_group_task(void *ctx, int i0, int i1) {
             q[r] = a->q + t * a->qs_t + (h0 + r) * a->qs_h;
         }
         int j0 = lo;
-        const int klines = (int)(((size_t)a->D * 4 + 63) / 64);
+        const int klines = (int)(((size_t)a->D * 4 + 63) / 64), vlines = (int)(((size_t)a->Dv * 4 + 63) / 64);
         for (; j0 + 4 <= pos + 1; j0 += 4) {
             const float *kj = kh + (long)j0 * ks;
             for (int u = 0; u < 4; u++)
@@ -265,11 +263,8 @@ AVX2 static void attend_group_task(void *ctx, int i0, int i1) {
                 }
                 sum[r] = acc;
             }
-            {
-                const int vlines = (int)(((size_t)a->Dv * 4 + 63) / 64);
-                for (int j = je; j < je + VBLOCK && j <= pos; j++)
-                    for (int l = 0; l < vlines; l++) _mm_prefetch((const char *)(vh + (long)j * a->vs_l) + 64 * l, _MM_HINT_T1);
-            }
+            for (int j = je; j < je + VBLOCK && j <= pos; j++) /* the next block's values, into L2 */
+                for (int l = 0; l < vlines; l++) _mm_prefetch((const char *)(vh + (long)j * a->vs_l) + 64 * l, _MM_HINT_T1);
             for (int r = 0; r < R; r++)
                 weighted_sum_avx2(s + (size_t)r * stride, vh, a->vs_l, jb, je, a->out + t * a->os_t + (h0 + r) * a->os_h,
                                   a->Dv);

@@ -111,7 +111,7 @@ void *sk_scratch(int which, size_t bytes) {
  * after the first 50 us the spin yields at every clock read, so on a busy machine another
  * process that wants this core gets it (sched_yield returns at once when nobody does). */
 #define WORKER_SPIN_NS 1000000L
-#define WORKER_YIELD_NS 50000L /* past this, each clock read also yields: a process that wants the core gets it */
+#define WORKER_YIELD_NS 50000L
 #define SPIN_CHECK 64 /* pauses between clock reads */
 
 static long now_ns(void) {
