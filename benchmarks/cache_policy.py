@@ -5,18 +5,24 @@ on a few Python prompts (tuning traces) and on four more prompts held out from t
 engine's lookahead predictions included).
 
     python benchmarks/cache_policy.py [--tokens 300] [--olmoe PATH] [--keep DIR] [--json OUT] [--oracle]
+                                      [--horizon]
 
 For each trace and each cache size (1, 1.5, 2, 3 and 4 times one token's working set), the
-hit rate of LRU, of the previous default ``lfru:router=0``, of the default ``lfru`` (which
-guesses the next pass's experts from the router's ranking; the OLMoE trace records no router
-probabilities, so there the two are the same), each also hearing the lookahead's predictions
+hit rate of LRU, of ``lfru:router=0,cross=0`` (the default before issue 18), of
+``lfru:cross=0`` (the default before issue 30), of the default ``lfru`` (which guesses the next
+pass's experts from the router's ranking, and lets a cold fresh key of another layer go before
+a stale key its layer keeps using; the OLMoE trace records no router probabilities, so there the
+router guesses change nothing), of ``ulfru``, each also hearing the lookahead's predictions
 (``--predictions hint``; demo traces only) and of Belady, each with its fraction of Belady and
 its hits. Every replay is ``sluice trace-replay``'s, which drives the
 engine's own ``ExpertCache`` and ``ExpertProvider`` (docs/cache-policy.md). ``--oracle`` adds
 bounds: ``lfru:router=0`` told the true experts of the next layer, or of every layer still to
 come in the token, before each layer runs (what a perfect lookahead could tell it), and also
 each layer's true experts of the next one or two tokens once it has run (a perfect next-token
-predictor).
+predictor). ``--horizon`` adds the bounds of ``HorizonBelady`` (``sluice.replay``): the default
+told the future exactly for the rest of the token and the next 1, 2 or 4 tokens, and Belady's
+rule applied inside that horizon; and told the next token's experts with a recall of 0.25, 0.5
+or 0.75 (a chance per future use). Each table ends with the mean over its traces.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from pathlib import Path
 import sluice
 from sluice.demo import SHIPPED_MODEL
 from sluice.experts.policy_spec import make_policy
-from sluice.replay import CacheSim, replay
+from sluice.replay import CacheSim, HorizonBelady, replay
 from sluice.trace import Trace, read_trace
 
 PROMPTS = {
@@ -50,7 +56,9 @@ HELD_OUT = {
     "held-data": 'data = {\n    "name": "example",\n    "values": [',
 }
 MULTIPLES = (1.0, 1.5, 2.0, 3.0, 4.0)
-OLD = "lfru:router=0"  # the default before the router's next-ranked experts were guessed (issue 18)
+OLD = "lfru:router=0,cross=0"  # the default before the router's next-ranked experts were guessed (issue 18)
+PREV = "lfru:cross=0"  # the default before a cold fresh key of another layer could go first (issue 30)
+HORIZONS = ((0, 1.0), (1, 1.0), (2, 1.0), (4, 1.0), (1, 0.25), (1, 0.5), (1, 0.75))
 ROOT = Path(__file__).resolve().parents[1]
 OLMOE = [ROOT / "tests" / "data" / "olmoe-1b-7b_299tok.jsonl",
          ROOT.parent / "shared" / "traces" / "olmoe-1b-7b_299tok.jsonl"]
@@ -85,19 +93,30 @@ def oracle(trace: Trace, spec: str, capacity: int, horizon: int, tokens: int = 0
     return sim.provider.counters.hits, sim.provider.counters.lookups
 
 
-def rows(name: str, trace: Trace, with_oracle: bool) -> list[dict]:
+def horizon_label(horizon: int, recall: float) -> str:
+    what = "the rest of the token" if horizon == 0 else f"the next {horizon} token{'s' if horizon > 1 else ''}"
+    return f"lfru + Belady within {what}" + ("" if recall >= 1.0 else f", recall {recall:g}")
+
+
+def rows(name: str, trace: Trace, with_oracle: bool, with_horizon: bool = False) -> list[dict]:
     caps = [round(m * trace.top_k) for m in MULTIPLES]
     belady = [replay(trace, "belady", c, "global") for c in caps]
-    runs = [("lru", "off"), (OLD, "off"), ("lfru", "off"), ("ulfru", "off")]
+    runs = [("lru", "off"), (OLD, "off"), (PREV, "off"), ("lfru", "off"), ("ulfru", "off")]
     if trace.pred is not None:
         runs += [(OLD, "hint"), ("lfru", "hint"), ("ulfru", "hint")]
+    if with_horizon:
+        runs += [("lfru", f"horizon:{h}:{r}") for h, r in HORIZONS]
     if with_oracle:
         runs += [(OLD, "oracle:1:0"), (OLD, f"oracle:{trace.layers}:0"), (OLD, f"oracle:{trace.layers}:1"),
                  (OLD, f"oracle:{trace.layers}:2")]
     out = []
     for spec, mode in runs + [("belady", "off")]:
         for c, b in zip(caps, belady):
-            if mode.startswith("oracle"):
+            if mode.startswith("horizon"):
+                h, r = int(mode.split(":")[1]), float(mode.split(":")[2])
+                res = replay(trace, lambda: HorizonBelady(trace, h, make_policy(spec), recall=r), c, "global")
+                hits, lookups, label = res.hits, res.lookups, horizon_label(h, r)
+            elif mode.startswith("oracle"):
                 horizon, tokens = (int(v) for v in mode.split(":")[1:])
                 hits, lookups = oracle(trace, spec, c, horizon, tokens)
                 label = (f"{spec} + perfect lookahead, {'next layer' if horizon == 1 else 'rest of the token'}"
@@ -126,6 +145,14 @@ def table(results: list[dict], traces: dict[str, Trace]) -> str:
             cells = [f"{r['hit_rate']:.3f} {r['hits']}" if policy == "belady"
                      else f"{r['hit_rate']:.3f} ({r['of_belady']:.3f}) {r['hits']}" for r in rs]
             lines.append(f"| {label if i == 0 else ''} | {policy} | " + " | ".join(cells) + " |")
+    mean: dict[str, list[list[float]]] = {}
+    for r in results:
+        if r["trace"] in traces and r["policy"] != "belady":
+            cols = mean.setdefault(r["policy"], [[] for _ in MULTIPLES])
+            cols[MULTIPLES.index(r["multiple"])].append(r["of_belady"])
+    for i, (policy, cols) in enumerate(mean.items()):
+        cells = [f"{sum(c) / len(c):.3f}" if len(c) == len(traces) else "" for c in cols]
+        lines.append(f"| {'**mean** (of Belady)' if i == 0 else ''} | {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -137,6 +164,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
     ap.add_argument("--oracle", action="store_true",
                     help="add lfru told the true experts of the next layer / of the rest of the token")
+    ap.add_argument("--horizon", action="store_true",
+                    help="add the bounds of Belady's rule within a horizon of the next 0-4 tokens (HorizonBelady)")
     args = ap.parse_args()
     olmoe = args.olmoe or next((p for p in OLMOE if p.exists()), None)
     traces: dict[str, Trace] = {}
@@ -149,7 +178,7 @@ def main() -> int:
         where.mkdir(parents=True, exist_ok=True)
         for name, prompt in {**PROMPTS, **HELD_OUT}.items():
             traces[name] = record(prompt, args.tokens, where / f"{name}.jsonl")
-    results = [r for name, trace in traces.items() for r in rows(name, trace, args.oracle)]
+    results = [r for name, trace in traces.items() for r in rows(name, trace, args.oracle, args.horizon)]
     tuning = [n for n in traces if n not in HELD_OUT]
     for title, names in (("tuning traces", tuning), ("held-out traces", list(HELD_OUT))):
         print(f"\n{title}\n")

@@ -1,4 +1,5 @@
-"""``ulfru`` (experts/layer_share.py): lfru plus per-layer ghost utility and the cold-fresh rule."""
+"""``ulfru`` (experts/layer_share.py): lfru plus per-layer ghost utility; and lfru's cold-fresh rule
+(``cross``, the default since issue 30), which ulfru weighs by the layers' ghost utility."""
 
 from __future__ import annotations
 
@@ -113,9 +114,14 @@ def test_a_cold_fresh_key_of_another_layer_goes_before_a_stale_key_that_comes_ba
         return p
 
     ok = {(0, 0), (1, 0)}
-    assert setup(LFRU()).victim(lambda k: k in ok) == (0, 0)
+    assert setup(LFRU(cross=0)).victim(lambda k: k in ok) == (0, 0)  # the default before issue 30
+    assert setup(LFRU()).victim(lambda k: k in ok) == (1, 0)
     assert setup(LayerUtilityLFRU()).victim(lambda k: k in ok) == (1, 0)
     assert setup(LayerUtilityLFRU(cross=0)).victim(lambda k: k in ok) == (0, 0)
+    # below the threshold only: with cross = 0.01 the fresh key's reuse (1 use in 13 passes) is not low enough
+    assert setup(LFRU(cross=0.01)).victim(lambda k: k in ok) == (0, 0)
+    # a fresh key of the *same* layer is never taken for a stale one
+    assert setup(LFRU()).victim(lambda k: k == (0, 0)) == (0, 0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -137,15 +143,22 @@ def test_capacity_never_exceeded_and_deterministic(seed):
 
 def test_without_its_rules_it_is_lfru(olmoe):
     for cap in (8, 16):
-        plain = replay(olmoe, "lfru", cap, "global")
-        off = replay(olmoe, "ulfru:weight=0,cross=0", cap, "global")
-        assert (off.hits, off.evictions) == (plain.hits, plain.evictions)
+        for lfru, ulfru in (("lfru", "ulfru:weight=0"), ("lfru:cross=0", "ulfru:weight=0,cross=0")):
+            plain = replay(olmoe, lfru, cap, "global")
+            off = replay(olmoe, ulfru, cap, "global")
+            assert (off.hits, off.evictions) == (plain.hits, plain.evictions)
 
 
-def test_never_below_lru_on_olmoe_and_ahead_of_lfru_at_1x(olmoe):
-    """Global cache, 1x to 4x the working set (docs/cache-policy.md has the tables)."""
+def test_never_below_lru_on_olmoe_and_cross_ahead_at_1x(olmoe):
+    """Global cache, 1x to 4x the working set (docs/cache-policy.md has the tables): the default
+    and ulfru never below LRU; the cold-fresh rule lifts the 1x point above the reuse rate, where
+    every policy without it sits (16600 hits: LRU, lfru:cross=0)."""
     for cap in (8, 12, 16, 24, 32):
         lru = replay(olmoe, "lru", cap, "global")
-        u = replay(olmoe, "ulfru", cap, "global")
-        assert u.hits >= lru.hits, (cap, u.hits, lru.hits)
-    assert replay(olmoe, "ulfru", 8, "global").hits > replay(olmoe, "lfru", 8, "global").hits
+        for spec in ("lfru", "ulfru"):
+            u = replay(olmoe, spec, cap, "global")
+            assert u.hits >= lru.hits, (spec, cap, u.hits, lru.hits)
+    before = replay(olmoe, "lfru:cross=0", 8, "global").hits
+    assert before == replay(olmoe, "lru", 8, "global").hits == 16600
+    assert replay(olmoe, "lfru", 8, "global").hits == 16951
+    assert replay(olmoe, "ulfru", 8, "global").hits > before

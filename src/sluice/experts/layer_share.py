@@ -40,7 +40,7 @@ class LayerUtilityLFRU(LFRU):
     name = "ulfru"
 
     def __init__(self, weight: float = 4.0, ghost: float = 1.0, window: float = 16, share_life: float = 64.0,
-                 cross: float = 0.25, **lfru):
+                 **lfru):
         super().__init__(**lfru)
         if not weight >= 0:
             raise ValueError(f"ulfru: weight must be >= 0, got {weight}")
@@ -50,9 +50,6 @@ class LayerUtilityLFRU(LFRU):
             raise ValueError(f"ulfru: window must be a whole number >= 1, got {window}")
         if not share_life > 0:
             raise ValueError(f"ulfru: share_life must be positive, got {share_life}")
-        if not cross >= 0:
-            raise ValueError(f"ulfru: cross must be >= 0, got {cross}")
-        self.cross = float(cross)
         self.weight, self.ghost, self.window = float(weight), float(ghost), int(window)
         self.share_rate = math.log(2.0) / float(share_life)
         self._ghosts: dict[Hashable, OrderedDict[Hashable, None]] = {}  # layer -> recently evicted keys
@@ -145,20 +142,8 @@ class LayerUtilityLFRU(LFRU):
 
         return min(found, key=cost)[2]
 
-    def victim(self, evictable):
-        v = super().victim(evictable)
-        if self.cross <= 0 or v is None or v in self._fresh:
-            return v
-        prot, guess = self._protected, self._guessed
-        lv = self._layer(v)
-        f = LFRU._lowest(self, self._fresh_heap, True,
-                         lambda k: self._layer(k) != lv and k not in prot and k not in guess and evictable(k))
-        if f is None:
-            return v
-        lean = (1.0 + self.weight * self.earning(lv)) / (1.0 + self.weight * self.earning(self._layer(f)))
-        if self.reuse(f) < self.cross * lean * self.reuse(v):
-            return f
-        return v
+    def _lean(self, stale_layer, fresh_layer):
+        return (1.0 + self.weight * self.earning(stale_layer)) / (1.0 + self.weight * self.earning(fresh_layer))
 
     def ghosts(self, layer) -> list[Hashable]:
         """``layer``'s ghost keys, oldest first."""

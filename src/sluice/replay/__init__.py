@@ -24,7 +24,19 @@ policy fed with next-use positions precomputed over the access sequence: it evic
 resident key whose next use is furthest in the future (O(log n) per operation, lazy heap).
 """
 
-from .policies import ARC, LFU, NEVER, STUDY_POLICIES, Belady, ProbationLFRU, TwoQ, access_order, next_uses
+from .policies import (
+    ARC,
+    LFU,
+    NEVER,
+    STUDY_POLICIES,
+    Belady,
+    HorizonBelady,
+    ProbationLFRU,
+    TwoQ,
+    access_order,
+    access_steps,
+    next_uses,
+)
 from .report import DEFAULT_POLICIES, Report, build_report, describe, parse_capacities, parse_slice, render, run_cli
 from .sim import (
     DEFAULT_MULTIPLES,
@@ -41,6 +53,7 @@ from .sim import (
 from .synthetic import MAX_SYNTHETIC_LOOKUPS, SyntheticSpec, synthetic_trace
 
 __all__ = ["ARC", "DEFAULT_MULTIPLES", "DEFAULT_POLICIES", "LFU", "MAX_SYNTHETIC_LOOKUPS", "NEVER", "PREDICTIONS",
-           "SCOPES", "SEMANTICS", "STUDY_POLICIES", "Belady", "CacheSim", "ProbationLFRU", "ReplayResult", "Report",
-           "SyntheticSpec", "TwoQ", "access_order", "build_report", "capacities_for", "describe", "next_uses",
-           "parse_capacities", "parse_slice", "pins_fit", "render", "replay", "run_cli", "sweep", "synthetic_trace"]
+           "SCOPES", "SEMANTICS", "STUDY_POLICIES", "Belady", "HorizonBelady", "CacheSim", "ProbationLFRU",
+           "ReplayResult", "Report", "SyntheticSpec", "TwoQ", "access_order", "access_steps", "build_report",
+           "capacities_for", "describe", "next_uses", "parse_capacities", "parse_slice", "pins_fit", "render",
+           "replay", "run_cli", "sweep", "synthetic_trace"]

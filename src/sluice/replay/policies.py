@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 
@@ -99,6 +100,88 @@ class Belady(Policy):
         for item in skipped:
             heapq.heappush(self._heap, item)
         return found
+
+
+def access_steps(trace: Trace) -> list[int]:
+    """For each position of ``access_order``, the engine step (a decode token, or one step's group
+    of rows) it belongs to."""
+    if trace.step is None:
+        return [t for t, step in enumerate(trace.steps) for ids in step for _ in ids]
+    out = []
+    for g, group in enumerate(trace.groups()):
+        for layer in range(trace.layers):
+            out.extend([g] * len({e for t in group for e in trace.steps[t][layer]}))
+    return out
+
+
+class HorizonBelady(Policy):
+    """A bound, not a policy an engine can run: Belady's rule inside a horizon of ``horizon``
+    engine steps past the current one, ``inner``'s order (an online policy) outside it.
+
+    Keys whose next use lies beyond the horizon go first, in ``inner``'s order; only when every
+    evictable key is used within the horizon does the one used furthest ahead go. Horizon 0
+    knows the rest of the current token exactly, 1 also the next token, and so on; a horizon
+    past the trace's end is Belady. ``recall`` < 1 makes the knowledge partial: each future use
+    is seen with that chance (a coin per use, drawn once from ``seed``); an unseen use counts
+    as lying beyond the horizon. docs/cache-policy.md uses it to measure how much knowledge of
+    the future Belady's lead is made of.
+    """
+
+    name = "horizon-belady"
+
+    def __init__(self, trace: Trace, horizon: int, inner: Policy, recall: float = 1.0, seed: int = 0):
+        if horizon < 0:
+            raise ValueError(f"horizon must be >= 0, got {horizon}")
+        if not 0.0 <= recall <= 1.0:
+            raise ValueError(f"recall must be within [0, 1], got {recall}")
+        self._uses = next_uses(trace)
+        self._step = access_steps(trace)
+        rng = random.Random(seed)
+        self._seen = None if recall >= 1.0 else [rng.random() < recall for _ in self._step]
+        self.horizon, self.inner = int(horizon), inner
+        self.name = f"{inner.name} + next {horizon} steps" + ("" if recall >= 1.0 else f" (recall {recall:g})")
+        self._next: dict[Hashable, float] = {}
+        self._now = 0  # the engine step of the latest use
+
+    def tick(self):
+        self.inner.tick()
+
+    def begin_layer(self, layer):
+        self.inner.begin_layer(layer)
+
+    def _use(self, key):
+        q = self._uses[key]
+        self._now = self._step[q.popleft()]
+        self._next[key] = q[0] if q else NEVER
+
+    def insert(self, key, speculative=False):
+        if not speculative:
+            self._use(key)
+        self.inner.insert(key, speculative)
+
+    def access(self, key):
+        self._use(key)
+        self.inner.access(key)
+
+    def remove(self, key):
+        self._next.pop(key, None)
+        self.inner.remove(key)
+
+    def _beyond(self, key) -> bool:
+        n = self._next[key]
+        if n == NEVER or self._step[n] > self._now + self.horizon:
+            return True
+        return self._seen is not None and not self._seen[n]
+
+    def victim(self, evictable):
+        v = self.inner.victim(lambda k: evictable(k) and self._beyond(k))
+        if v is not None:
+            return v
+        best, furthest = None, -1.0
+        for key, n in self._next.items():
+            if n > furthest and evictable(key):
+                best, furthest = key, n
+        return best
 
 
 # -- study-only policies ---------------------------------------------------------------------
