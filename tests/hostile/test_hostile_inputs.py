@@ -348,6 +348,8 @@ LOAD_CASES = {
     "threads_zero": (dict(threads=0), InvalidArgumentError, "threads must be an integer from 1 to"),
     "reader_threads_string": (dict(reader_threads="4"), InvalidArgumentError, "reader_threads must be an integer"),
     "cache_policy_unknown": (dict(cache_policy="mru"), InvalidArgumentError, "cache_policy: unknown cache policy"),
+    "cache_policy_cross_negative": (dict(cache_policy="lfru:cross=-1"), InvalidArgumentError, "cross must be >= 0"),
+    "cache_policy_cross_nan": (dict(cache_policy="lfru:cross=nan"), InvalidArgumentError, "cross must be >= 0"),
     "prefetch_string": (dict(prefetch="no"), InvalidArgumentError, "prefetch must be True or False, got 'no'"),
     "certain_reads_number": (dict(certain_reads=1), InvalidArgumentError, "certain_reads must be True or False, got 1"),
     "prefer_cached_negative": (dict(prefer_cached=-1), InvalidArgumentError, "prefer_cached must be a finite"),
