@@ -1,13 +1,14 @@
 """Cold decode against the I/O roofline with lookahead prefetch settings side by side.
 
     PYTHONPATH=src python benchmarks/prefetch.py MODEL --memory 2.76GiB [--cache-experts N] [--tokens 32]
-        [--reps 3] [--arm NAME:depth=2,min_prob=0.0 ...] [--json OUT]
+        [--prompt TEXT] [--reps 3] [--arm NAME:depth=2,min_prob=0.0 ...] [--json OUT]
 
 Arm settings: ``prefetch`` (false: no lookahead reads), ``depth`` (layers ahead always),
 ``max_depth`` (up to this many while the readers would idle), ``gate`` (0: lfru's fixed rule;
 > 0: guesses carry their probability, ``PrefetchOptions.gate``, and lfru's ``gate`` factor),
 ``latency`` (also look further while a read outlasts the layers before its layer),
-``min_prob``, ``reader_cap``, ``piece_cap``, ``spec_hot``, ``verify`` (CRC on read).
+``min_prob``, ``reader_cap``, ``piece_cap``, ``spec_hot``, ``verify`` (CRC on read), ``cross`` (lfru's
+cold-fresh rule, issue 30; ``cross=0`` is the policy before it).
 
 One engine, one process; the arms (default: no prefetch; ``old``: one layer ahead, fixed rule;
 ``new``: the gate, two ahead while readers idle) run interleaved ``--reps`` times, each a
@@ -45,7 +46,7 @@ READER_CAP = 0
 # "old": one layer ahead, lfru's fixed hotness rule (main before the gate); "new": the gate and cross-layer lookahead
 DEFAULT_ARMS = ["off:prefetch=false", "old:max_depth=1,gate=0", "new:max_depth=2,gate=1"]
 SETTINGS = ("prefetch", "depth", "max_depth", "min_prob", "reader_cap", "piece_cap", "spec_hot", "gate", "latency",
-            "verify")
+            "verify", "cross")
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
@@ -82,6 +83,11 @@ def run_arm(engine, ids: list[int], tokens: int, params: dict, read_seconds: flo
     pf.gate = bool(params.get("gate", default.gate))
     if hasattr(policy, "gate") and params.get("gate"):
         policy.gate = float(params["gate"])
+    # lfru's cold-fresh rule (issue 30; 0: the policy before it)
+    if "cross" in params:
+        if not hasattr(policy, "cross"):
+            raise SystemExit(f"cross: the cache policy {engine.options.cache_policy!r} has no cold-fresh rule")
+        policy.cross = float(params["cross"])
     c0 = vars(engine.experts.counters).copy()
     r = engine.generate(ids, max_new_tokens=tokens, ignore_eos=True, speculate=False, temperature=1.0, seed=0,
                         reuse_prefix=True)
@@ -105,6 +111,7 @@ def run_arm(engine, ids: list[int], tokens: int, params: dict, read_seconds: flo
         "needed_per_token": needed,
         "wasted_per_token": s["bytes_read"] / n - needed,
         "hit_rate": s["hit_rate"],
+        "reads_per_token": (s["demand_reads"] + s["prefetch_reads"]) / n, "demand_per_token": s["demand_reads"] / n,
         "prefetch_reads": s["prefetch_reads"], "prefetch_used": s["prefetch_used"],
         "prefetch_cancelled": d["prefetch_cancelled"], "prefetch_aborted": d["prefetch_aborted"],
         "recall_1": d["predicted_hits"] / d["predicted"] if d["predicted"] else None,
@@ -123,6 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--prompt", help="a text prompt (the model's tokenizer) instead of --prompt-tokens spread ids")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--read-seconds", type=float, default=2.0)
     ap.add_argument("--arm", action="append", help="NAME:prefetch=..,depth=..,min_prob=.. (repeatable)")
@@ -133,7 +141,10 @@ def main(argv=None) -> int:
                          cache_experts=args.cache_experts, parallel=1)
     global READER_CAP
     READER_CAP = engine.experts.pool.low_cap or 0
-    ids = [(i * 7919) % (engine.desc.vocab - 3) + 3 for i in range(args.prompt_tokens)]
+    if args.prompt:
+        ids = engine.encode(args.prompt)
+    else:
+        ids = [(i * 7919) % (engine.desc.vocab - 3) + 3 for i in range(args.prompt_tokens)]
     first = engine.generate(ids, max_new_tokens=1, ignore_eos=True, speculate=False).token_ids
     ids = ids + first
     results: dict[str, list[dict]] = {name: [] for name, _ in arms}
@@ -157,9 +168,10 @@ def main(argv=None) -> int:
           f"{engine.plan.cache_slots} cache slots of {engine.experts_source.slot_bytes / mb:.1f} MB\n")
     base = results[arms[0][0]]
     print(f"| arm | x roofline (median; reps) | tok/s vs {arms[0][0]} (median of per-rep ratios) | decode tok/s "
-          "| read / needed MB per token | wasted MB per token | hit rate | recall 1 / 2 ahead "
+          "| read / needed MB per token | wasted MB per token | hit rate | expert reads (demand) per token "
+          "| recall 1 / 2 ahead "
           "| prefetches (used, cancelled, stopped) | read wait / compute / rest s per token |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, _ in arms:
         rs = results[name]
         med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
@@ -168,7 +180,8 @@ def main(argv=None) -> int:
         print(f"| {name} | **{med('ratio'):.2f}** ({', '.join(format(r['ratio'], '.2f') for r in rs)}) "
               f"| {paired:.2f} | {med('decode_tok_s'):.2f} "
               f"| {med('bytes_per_token') / mb:.0f} / {med('needed_per_token') / mb:.0f} "
-              f"| {med('wasted_per_token') / mb:.0f} | {med('hit_rate'):.2f} | {rec('recall_1')} / {rec('recall_2')} "
+              f"| {med('wasted_per_token') / mb:.0f} | {med('hit_rate'):.3f} "
+              f"| {med('reads_per_token'):.2f} ({med('demand_per_token'):.2f}) | {rec('recall_1')} / {rec('recall_2')} "
               f"| {med('prefetch_reads'):.0f} ({med('prefetch_used'):.0f}, {med('prefetch_cancelled'):.0f}, "
               f"{med('prefetch_aborted'):.0f}) | {med('read_wait_per_token'):.3f} / {med('compute_per_token'):.3f} / "
               f"{med('rest_per_token'):.3f} |")
