@@ -140,3 +140,22 @@ def test_kernel_ab_same_library_twice(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2 * len(cases.split(","))
     assert all(r["same_bits"] and len(r["gb_s"]) == 2 and all(g > 0 for g in r["gb_s"]) for r in rows)
+
+
+def test_prefetch_bench_policy_arms(tmp_path, capsys):
+    """benchmarks/prefetch.py on the shipped demo model with the previous and today's eviction
+    (lfru's cold-fresh rule off and on) as interleaved arms: the script fails if the arms'
+    tokens differ, and its JSON carries every rep's counters; an unknown arm setting is
+    refused by name."""
+    import prefetch
+
+    out = tmp_path / "pf.json"
+    assert prefetch.main(["demo", "--cache-experts", "30", "--tokens", "12", "--reps", "2", "--read-seconds", "0.05",
+                          "--prompt", "import os", "--arm", "prev:cross=0", "--arm", "default",
+                          "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"prev", "default"} and all(len(r) == 2 for r in results.values())
+    assert all(r["reads_per_token"] >= r["demand_per_token"] > 0 and 0 < r["hit_rate"] < 1
+               for rs in results.values() for r in rs)
+    with pytest.raises(SystemExit, match="unknown setting"):
+        prefetch.parse_arm("x:crosss=0")
