@@ -19,7 +19,8 @@ size is measured through the engine's own read path (``sluice.bench.raw_read_ban
 and each decode is put beside the mean of the two: the I/O roofline is that bandwidth over
 the expert bytes the decode *needed* (demand reads + prefetches that were used). Reported
 per arm: median ratio to the roofline (and every rep's), tok/s, bytes read and needed per
-token, wasted prefetch bytes per token, lookahead recall one and two layers ahead, time split.
+token, wasted prefetch bytes per token, hit rate, expert reads (and demand reads) per token,
+lookahead recall one and two layers ahead, time split.
 On a shared machine compare the arms of one run, not numbers across runs.
 """
 

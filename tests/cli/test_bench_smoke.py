@@ -142,7 +142,7 @@ def test_kernel_ab_same_library_twice(tmp_path):
     assert all(r["same_bits"] and len(r["gb_s"]) == 2 and all(g > 0 for g in r["gb_s"]) for r in rows)
 
 
-def test_prefetch_bench_policy_arms(tmp_path, capsys):
+def test_prefetch_bench_policy_arms(tmp_path):
     """benchmarks/prefetch.py on the shipped demo model with the previous and today's eviction
     (lfru's cold-fresh rule off and on) as interleaved arms: the script fails if the arms'
     tokens differ, and its JSON carries every rep's counters; an unknown arm setting is
